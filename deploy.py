@@ -1,0 +1,129 @@
+"""deploy.py: build an int8 library from a torchvision model, and run it.
+
+    python deploy.py build --model vgg16 --target llvm -o build/vgg16.so
+    python deploy.py run --lib build/vgg16.so --image cat.jpg
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _percentile(text: str) -> float:
+    v = float(text)
+    if not 50.0 < v <= 100.0:
+        raise argparse.ArgumentTypeError(f"percentile must be in (50, 100], got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tvm_qconv.config import CALIBRATIONS, PRESETS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="quantize, compile and export a model",
+                       description="Import a torchvision classifier, calibrate it on real images, quantize it to "
+                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.")
+    b.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
+    b.add_argument("--weights", default=None,
+                   help="a state-dict/checkpoint file, or a torchvision weight name (DEFAULT, IMAGENET1K_V1); "
+                        "default: random init")
+    b.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init (default 1000)")
+    b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
+    b.add_argument("--arch", default="sm_90", help="CUDA arch for --target cuda (default sm_90)")
+    b.add_argument("--batch", type=_positive, default=1, help="static batch size of the library (default 1)")
+    b.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
+    b.add_argument("--scheme", choices=sorted(PRESETS), default="int8", help="named quantization preset (default int8)")
+    b.add_argument("--calibration", choices=CALIBRATIONS, default=None, help="activation observer (overrides --scheme)")
+    b.add_argument("--percentile", type=_percentile, default=None, help="percentile for --calibration percentile")
+    b.add_argument("--skip", action="append", default=[], metavar="LAYER",
+                   help="keep this layer in float (torch module path, e.g. classifier.6); repeatable")
+    b.add_argument("--calib-dir", default=None, help="folder of JPEG/PNG calibration images "
+                                                     "(default: scikit-image's sample photos)")
+    b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
+    b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
+    b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
+    r = sub.add_parser("run", help="run a built library on an image",
+                       description="Load a built library with the TVM runtime only, classify images, print the "
+                                   "top-5 classes and the latency.")
+    r.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
+    r.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
+    r.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
+    r.add_argument("--repeat", type=_positive, default=5, help="timing repeats (median is printed)")
+    return p
+
+
+def cmd_build(args) -> int:
+    import dataclasses
+
+    from tvm_qconv.build import compile_model
+    from tvm_qconv.config import PRESETS
+    from tvm_qconv.report import format_report
+    cfg = PRESETS[args.scheme]
+    over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
+                                   num_calib_images=args.num_calib).items() if v is not None}
+    if args.skip:
+        over["skip"] = tuple(cfg.skip) + tuple(args.skip)
+    cfg = dataclasses.replace(cfg, **over)
+    print(f"[build] {args.model} -> {args.output}: target={args.target}"
+          f"{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch} size={args.image_size} "
+          f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
+    res = compile_model(args.model, args.output, target=args.target, arch=args.arch, batch=args.batch,
+                        image_size=args.image_size, weights=args.weights, num_classes=args.num_classes,
+                        config=cfg, calib_dir=args.calib_dir, tuning_log=args.tuning_log)
+    print(format_report(res.meta))
+    return 0
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from tvm_qconv.data import load_image
+    from tvm_qconv.runtime import CompiledModel
+    model = CompiledModel(args.lib, args.device)
+    n, _, h, _ = model.input_shape
+    x = np.stack([load_image(p, h) for p in args.image])
+    if len(x) < n:  # a batch-N library takes N images: repeat the given ones to fill it
+        x = np.concatenate([x] * (-(-n // len(x))))[:n]
+    elif len(x) > n:
+        from tvm_qconv.errors import InputError
+        raise InputError(f"{len(x)} images given, the library takes a batch of {n}: rebuild with --batch {len(x)}")
+    t = time.time()
+    logits = model(x)
+    first_ms = (time.time() - t) * 1e3
+    labels = model.meta.get("categories")
+    for i, path in enumerate(args.image):
+        z = logits[i] - logits[i].max()
+        prob = np.exp(z) / np.exp(z).sum()
+        print(f"{path}:")
+        for k in np.argsort(-prob)[:5]:
+            name = labels[k] if labels and k < len(labels) else f"class {k}"
+            print(f"  {prob[k]:6.3f}  {k:4d}  {name}")
+    lat = model.benchmark(x, number=1 if n > 8 else 10, repeat=args.repeat)
+    print(f"latency: {lat['median_ms']:.3f} ms median (min {lat['min_ms']:.3f}) for batch {n} on "
+          f"{model.dev}; first call {first_ms:.1f} ms")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tvm_qconv.errors import InputError
+    try:
+        return cmd_build(args) if args.cmd == "build" else cmd_run(args)
+    except InputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""int8 residual add in NCHW4c with rescaling: ``out = requant(a * s_a + b * s_b) / s_out`` (+ReLU),
+computed as ``(a * mult_a + b * mult_b) >> shift`` with one shared shift, integer-only like the
+conv epilogue (``requantize.py``)."""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from .requantize import MULT_BITS, quantize_multiplier, requantize_ref, requantize_tir
+
+
+def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int]:
+    """(mult_a, mult_b, shift): both multipliers on the shift of the larger one."""
+    m_a, m_b = s_a / s_out, s_b / s_out
+    _, shift = quantize_multiplier(np.array([max(m_a, m_b)]))
+    shift = int(min(shift[0], 62 - 8))  # |a| <= 128 = 2**7: keep a*mult inside int64
+    mult_a, mult_b = (int(round(m * 2.0 ** shift)) for m in (m_a, m_b))
+    if max(mult_a, mult_b) >= 2 ** (MULT_BITS + 1):
+        raise ValueError(f"add rescale factors {m_a:.3g}, {m_b:.3g} too large: scales are inconsistent")
+    return mult_a, mult_b, shift
+
+
+def add_nchw4c_int8(shape, mult_a: int, mult_b: int, shift: int, relu: bool) -> tirx.PrimFunc:
+    a = te.placeholder(shape, "int8", name="A")
+    b = te.placeholder(shape, "int8", name="B")
+    one = tirx.const(1, "int32")
+
+    def body(*i):
+        v = a(*i).astype("int64") * tirx.const(mult_a, "int64") + b(*i).astype("int64") * tirx.const(mult_b, "int64")
+        return requantize_tir(v, one, tirx.const(shift, "int32"), 0 if relu else -128)
+
+    out = te.compute(shape, body, name="add_requant")
+    return te.create_prim_func([a, b, out]).with_attr({"tvm_qconv.kernel": "add_nchw4c_int8"})
+
+
+def add_nchw4c_int8_ref(a, b, mult_a, mult_b, shift, relu) -> np.ndarray:
+    v = a.astype(np.int64) * mult_a + b.astype(np.int64) * mult_b
+    return requantize_ref(v, np.int64(1), np.int64(shift), 0 if relu else -128)

@@ -1,0 +1,237 @@
+"""Default (untuned) CUDA schedule of the fused int8 conv kernel, on ``__dp4a``.
+
+Each ``dp4a`` multiplies the 4 input channels ``rci`` of one int8x4 input word with the same 4
+of one output channel's filter word: the compute definition's innermost reduction axis, 4 wide,
+so the schedule tensorizes it with ``dp4a_s8s8s32`` (A, B int8x4 in shared memory, C an int32 in
+registers).
+
+Tiling, outermost first (``_plan`` picks the sizes from the workload)::
+
+    blockIdx.z  n * (oc_outer / OCB)    blockIdx.y  oh / YB    blockIdx.x  ow / XT
+    threadIdx.x (OCT, YT, XT)           one thread per (oc-group, row-group, column), columns
+                                        fastest: a warp reads consecutive input words from
+                                        shared memory (no bank conflict) and stores
+                                        consecutive int8x4 output words (coalesced)
+      rc / RC                           shared tiles: padded input [RC, rows, cols, 4] and
+                                        weights [OCB, RC, kh, kw, 4, 4], cooperative
+                                        vectorized loads (int8x4 input words, int8x16 weights)
+        rc % RC, ry, rx
+          OCR, YR, oci (unrolled)       OCR*4 x YR int32 accumulators in registers
+            rci -> __dp4a
+      requant                           epilogue straight from the registers (reverse_compute_at)
+
+    OCB = OCT*OCR oc_outer blocks (of 4 channels), YB = YT*YR rows, XT columns.
+
+Every tile size divides its extent (``_divisor_at_most``): a non-dividing split puts a
+predicate on the conv block, and a predicated block no longer matches the dp4a description.
+Sizes shrink (threads per block first) until there are enough blocks to fill the GPU at batch 1
+on small feature maps, and the reduction tile RC until the shared tiles fit the budget.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import tvm
+from tvm import tirx
+
+DP4A_INTRIN = "dp4a_s8s8s32"
+
+# Heuristic caps of the default tile (see _plan).
+MAX_OC_REG = 4        # oc_outer blocks per thread (x4 channels): 16 output channels in registers
+MAX_Y_REG = 2         # output rows per thread
+MAX_OC_THREADS = 4    # threads along oc_outer
+MAX_XT = 16           # threads (= output columns) along ow per block
+MAX_YT = 8            # threads along oh per block
+MAX_THREADS = 256
+MIN_THREADS = 64      # do not shrink a block below this while looking for more blocks
+NUM_SM = 132          # H100 / H200; only sizes the two targets below
+MIN_BLOCKS = NUM_SM   # at least one block per SM when the layer allows it
+MIN_TOTAL_THREADS = NUM_SM * 128  # give up register tiling before leaving SMs nearly idle
+SMEM_TARGET = 24 * 1024  # shared tiles per block we aim for (leaves room for 2+ blocks per SM)
+
+
+def _ensure_dp4a_registered() -> None:
+    """Register ``dp4a_s8s8s32`` without importing all of ``tvm.s_tir.tensor_intrin``.
+
+    ``import tvm.s_tir.tensor_intrin.<anything>`` first runs the package ``__init__``, which
+    builds every CUDA tensor-core intrinsic (~40-120 s on a small CPU box).  The dp4a
+    intrinsics live in ``dot_product_common.py``, which needs only ``tvm.s_tir``; load that file
+    alone under its real module name, so a later import of the whole package reuses it instead
+    of registering the same intrinsic twice (which would raise).
+    """
+    if tvm.s_tir.TensorIntrin.get(DP4A_INTRIN, allow_missing=True) is not None:
+        return
+    name = "tvm.s_tir.tensor_intrin.dot_product_common"
+    if name in sys.modules:  # imported, yet nothing registered: should not happen
+        raise RuntimeError(f"{name} is imported but {DP4A_INTRIN} is not registered")
+    path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", "dot_product_common.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+def _divisor_at_most(n: int, cap: int) -> int:
+    """Largest d <= cap dividing n (>= 1)."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _next_smaller_divisor(n: int, d: int) -> int:
+    return _divisor_at_most(n, d - 1) if d > 1 else 1
+
+
+@dataclass
+class _Plan:
+    ocr: int  # oc_outer blocks per thread (registers)
+    oct: int  # threads along oc_outer
+    yr: int   # output rows per thread (registers)
+    yt: int   # threads along oh
+    xt: int   # threads along ow (one column each)
+    rc: int   # ic_outer blocks per shared tile
+
+    @property
+    def threads(self) -> int:
+        return self.oct * self.yt * self.xt
+
+
+def _smem_bytes(p: _Plan, kh, kw, sh, sw, dh, dw) -> int:
+    rows = (p.yt * p.yr - 1) * sh + (kh - 1) * dh + 1
+    cols = (p.xt - 1) * sw + (kw - 1) * dw + 1
+    return p.rc * 4 * (rows * cols + p.oct * p.ocr * 4 * kh * kw)
+
+
+def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads) -> _Plan:
+    """Pick divisor tile sizes for one workload.
+
+    1. Registers: OCR x YR outputs (x4 channels) per thread, shrunk while the whole grid would
+       have fewer than MIN_TOTAL_THREADS threads (batch-1 layers on small feature maps).
+    2. Block: up to MAX_XT x MAX_YT x MAX_OC_THREADS threads (<= MAX_THREADS), shrunk (oc threads
+       first, then rows) while there are fewer than MIN_BLOCKS blocks and >= MIN_THREADS threads.
+    3. Shared tiles: shrink the block until RC=1 fits ``smem_max``, then the largest RC dividing
+       ic_outer whose tiles fit SMEM_TARGET.
+    """
+    (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
+    ocr, yr = _divisor_at_most(occ, MAX_OC_REG), _divisor_at_most(oh, MAX_Y_REG)
+    while batch * occ * oh * ow < MIN_TOTAL_THREADS * ocr * yr and ocr * yr > 1:
+        if ocr > 2 or (yr == 1 and ocr > 1):
+            ocr = _next_smaller_divisor(occ, ocr)
+        else:
+            yr = 1
+    max_threads = min(MAX_THREADS, max_threads)
+    xt = _divisor_at_most(ow, MAX_XT)
+    yt = _divisor_at_most(oh // yr, min(MAX_YT, max_threads // xt))
+    oct_ = _divisor_at_most(occ // ocr, min(MAX_OC_THREADS, max_threads // (xt * yt)))
+    p = _Plan(ocr, oct_, yr, yt, xt, 1)
+
+    def blocks(q):
+        return batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // q.xt)
+
+    while blocks(p) < MIN_BLOCKS:
+        smaller_oct = _next_smaller_divisor(occ // p.ocr, p.oct)
+        smaller_yt = _next_smaller_divisor(oh // p.yr, p.yt)
+        if p.oct > 1 and p.threads // p.oct * smaller_oct >= MIN_THREADS:
+            p.oct = smaller_oct
+        elif p.yt > 1 and p.threads // p.yt * smaller_yt >= MIN_THREADS:
+            p.yt = smaller_yt
+        else:
+            break
+    while _smem_bytes(p, kh, kw, sh, sw, dh, dw) > smem_max and p.threads > 1:
+        if p.yt > 1:
+            p.yt = _next_smaller_divisor(oh // p.yr, p.yt)
+        elif p.oct > 1:
+            p.oct = _next_smaller_divisor(occ // p.ocr, p.oct)
+        else:
+            p.xt = _next_smaller_divisor(ow, p.xt)
+    budget = min(SMEM_TARGET, smem_max)
+    p.rc = max([d for d in range(1, icc + 1) if icc % d == 0
+                and _smem_bytes(_Plan(p.ocr, p.oct, p.yr, p.yt, p.xt, d), kh, kw, sh, sw, dh, dw) <= budget],
+               default=1)
+    return p
+
+
+def _cooperative_fetch(sch, block, at_loop, nthreads: int, vec: int) -> None:
+    """Spread a cache block's copy (placed under ``at_loop``) over the block's threads, ``vec``
+    int8 per vector load (the last 1 or 2 copy loops, 4 each)."""
+    loops = sch.get_loops(block)
+    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(at_loop))][0]
+    own = loops[at + 1:]
+    nvec = 1 if vec == 4 else 2
+    inner = own[-1] if nvec == 1 else sch.fuse(*own[-2:])
+    fused = sch.fuse(*own[:-nvec]) if len(own) > nvec + 1 else own[0]
+    outer, tx = sch.split(fused, [None, nthreads])
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(inner)
+
+
+def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc:
+    """Schedule :func:`conv2d_nchw4c_int8`'s PrimFunc for CUDA with a ``__dp4a`` inner product.
+
+    Args:
+        func: the unscheduled PrimFunc (blocks ``pad``, ``conv``, ``requant``).
+        target: the CUDA target; ``max_shared_memory_per_block`` caps the shared tiles
+            (48 KB when absent) and ``max_threads_per_block`` the threads.
+    Returns:
+        The scheduled PrimFunc with attr ``tir.is_scheduled`` (dlight leaves it alone).
+
+    Example::
+
+        target = tvm.target.Target({"kind": "cuda", "arch": "sm_90", ...}, host="llvm")
+        f = schedule_dp4a(conv2d_nchw4c_int8(Conv2dWorkload(1, 64, 56, 56, 64)), target)
+        ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
+    """
+    _ensure_dp4a_registered()
+    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    smem_max = int(target.attrs.get("max_shared_memory_per_block", 49152))
+    max_threads = int(target.attrs.get("max_threads_per_block", 1024))
+
+    sch = tvm.s_tir.Schedule(func)
+    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
+    n, oc, y, x, oci, rc, ry, rx, rci = sch.get_loops(conv)
+    batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
+    wl_stride, wl_dilation = _stride_dilation(func)
+    p = _plan(batch, occ, oh, ow, icc, (kh, kw), wl_stride, wl_dilation, smem_max, max_threads)
+
+    # Each thread's registers cover a contiguous box (oc_r, y_r innermost): reverse_compute_at
+    # takes the bounding box of what a thread computes, so a strided per-thread tile would
+    # make the epilogue read other threads' accumulators.
+    oc_b, oc_t, oc_r = sch.split(oc, [None, p.oct, p.ocr])
+    y_b, y_t, y_r = sch.split(y, [None, p.yt, p.yr])
+    x_b, x_t = sch.split(x, [None, p.xt])
+    rc_o, rc_i = sch.split(rc, [None, p.rc])
+    sch.reorder(n, oc_b, y_b, x_b, oc_t, y_t, x_t, rc_o, rc_i, ry, rx, oc_r, y_r, oci, rci)
+    sch.bind(sch.fuse(n, oc_b), "blockIdx.z")
+    sch.bind(y_b, "blockIdx.y")
+    sch.bind(x_b, "blockIdx.x")
+    tx = sch.fuse(oc_t, y_t, x_t)
+    sch.bind(tx, "threadIdx.x")
+
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, tx)
+
+    sch.set_scope(pad, 0, "shared")
+    sch.compute_at(pad, rc_o)
+    _cooperative_fetch(sch, pad, rc_o, p.threads, 4)
+    w_sh = sch.cache_read(conv, "W", "shared")
+    sch.compute_at(w_sh, rc_o)
+    _cooperative_fetch(sch, w_sh, rc_o, p.threads, 16)
+
+    sch.decompose_reduction(conv, rc_o)
+    sch.tensorize(rci, DP4A_INTRIN)
+    for loop in (oc_r, y_r, oci):
+        sch.unroll(loop)
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def _stride_dilation(func: tirx.PrimFunc):
+    """(stride, dilation) of the conv from the ``tvm_qconv.workload`` attr (sizes the pad tile)."""
+    import ast
+
+    wl = ast.literal_eval(str(func.attrs["tvm_qconv.workload"]))
+    return tuple(wl["stride"]), tuple(wl["dilation"])

@@ -1,0 +1,49 @@
+"""int8 max-pool in NCHW4c: max commutes with the (monotonic) quantizer, so pooling int8 values
+at an unchanged scale is exact; padding reads as -128, the int8 minimum."""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+
+def max_pool2d_nchw4c_int8(shape, pool, stride, padding, dilation=(1, 1), ceil_mode=False) -> tirx.PrimFunc:
+    n, cc, h, w, _ = shape
+    (kh, kw), (sh, sw), (dh, dw) = pool, stride, dilation
+    pt, pl, pb, pr = padding
+    oh, ow = pool_out_size(h, w, pool, stride, padding, dilation, ceil_mode)
+    x = te.placeholder(shape, "int8", name="X")
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+
+    def val(b, c, y, xx, ci):
+        iy, ix = y * sh + ry * dh - pt, xx * sw + rx * dw - pl
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        return tirx.if_then_else(ok, x[b, c, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0), ci],
+                                 tirx.const(-128, "int8"))
+
+    out = te.compute((n, cc, oh, ow, 4), lambda b, c, y, xx, ci: te.max(val(b, c, y, xx, ci), axis=[ry, rx]),
+                     name="max_pool")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "max_pool2d_nchw4c_int8"})
+
+
+def pool_out_size(h, w, pool, stride, padding, dilation=(1, 1), ceil_mode=False):
+    def one(size, k, s, p0, p1, d):
+        span = size + p0 + p1 - ((k - 1) * d + 1)
+        return (-(-span // s) if ceil_mode else span // s) + 1
+    return (one(h, pool[0], stride[0], padding[0], padding[2], dilation[0]),
+            one(w, pool[1], stride[1], padding[1], padding[3], dilation[1]))
+
+
+def max_pool2d_nchw4c_int8_ref(x: np.ndarray, pool, stride, padding, dilation=(1, 1), ceil_mode=False) -> np.ndarray:
+    n, cc, h, w, _ = x.shape
+    oh, ow = pool_out_size(h, w, pool, stride, padding, dilation, ceil_mode)
+    pt, pl = padding[0], padding[1]
+    big = np.full((n, cc, h + pt + padding[2] + pool[0] * dilation[0] + stride[0],
+                   w + pl + padding[3] + pool[1] * dilation[1] + stride[1], 4), -128, np.int8)
+    big[:, :, pt:pt + h, pl:pl + w] = x
+    out = np.full((n, cc, oh, ow, 4), -128, np.int8)
+    for y in range(pool[0]):
+        for xx in range(pool[1]):
+            win = big[:, :, y * dilation[0]: y * dilation[0] + (oh - 1) * stride[0] + 1: stride[0],
+                      xx * dilation[1]: xx * dilation[1] + (ow - 1) * stride[1] + 1: stride[1]]
+            out = np.maximum(out, win)
+    return out

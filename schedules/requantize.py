@@ -1,0 +1,58 @@
+"""Fixed-point requantization shared by every int8 kernel's epilogue.
+
+An int32 accumulator ``acc`` at scale ``s_in`` becomes int8 at scale ``s_out`` by the real
+multiplier ``M = s_in / s_out``.  ``M`` is stored as ``mult * 2**-shift`` with ``mult`` a 31-bit
+integer (gemmlowp / TFLite style) so that the epilogue is integer-only: the CPU build, the CUDA
+build and the NumPy reference below agree bit for bit (a float epilogue would not, because nvcc
+contracts ``acc * M + 0.5`` into an FMA and LLVM does not).
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import tirx
+
+MULT_BITS = 31  # mult lies in [2**30, 2**31): 31 significant bits of M
+
+
+def quantize_multiplier(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Split positive real multipliers into (mult int32, shift int32) with M ~= mult * 2**-shift.
+
+    Args:
+        m: positive float array (any shape).
+    Returns:
+        (mult, shift), int32 arrays of m's shape; shift is clipped to [1, 62] so the int64
+        product ``acc * mult`` (|acc| < 2**31, mult < 2**31) never overflows.
+    """
+    m = np.asarray(m, dtype=np.float64)
+    if not np.all(np.isfinite(m)) or np.any(m <= 0):
+        raise ValueError(f"requantize multipliers must be finite and > 0, got min {m.min()} max {m.max()}")
+    frac, exp = np.frexp(m)  # m = frac * 2**exp, frac in [0.5, 1)
+    mult = np.round(frac * (1 << MULT_BITS)).astype(np.int64)
+    exp = np.where(mult == (1 << MULT_BITS), exp + 1, exp)  # frac rounded up to 1.0
+    mult = np.where(mult == (1 << MULT_BITS), 1 << (MULT_BITS - 1), mult)
+    shift = MULT_BITS - exp
+    if np.any(shift < 1):
+        raise ValueError(f"requantize multiplier too large ({m.max():.3g} >= 2**30): scales are inconsistent")
+    too_small = shift > 62  # M < 2**-32: every output rounds to 0 anyway
+    mult = np.where(too_small, 0, mult)
+    shift = np.where(too_small, 62, shift)
+    return mult.astype(np.int32), shift.astype(np.int32)
+
+
+def requantize_tir(acc, mult, shift, lo: int, hi: int = 127):
+    """TIR expression: clip(round_half_up(acc * mult * 2**-shift), lo, hi) as int8.
+
+    ``acc`` is an int32 or int64 expression; ``mult`` and ``shift`` int32 expressions.
+    """
+    v = acc.astype("int64") * mult.astype("int64")
+    s = shift.astype("int64")
+    v = tirx.shift_right(v + tirx.shift_left(tirx.const(1, "int64"), s - 1), s)
+    return tirx.max(tirx.min(v, tirx.const(hi, "int64")), tirx.const(lo, "int64")).astype("int8")
+
+
+def requantize_ref(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int, hi: int = 127) -> np.ndarray:
+    """NumPy twin of :func:`requantize_tir` (broadcasting mult/shift against acc)."""
+    v = acc.astype(np.int64) * mult.astype(np.int64)
+    s = shift.astype(np.int64)
+    v = (v + (np.int64(1) << (s - 1))) >> s
+    return np.clip(v, lo, hi).astype(np.int8)

@@ -1,0 +1,147 @@
+"""compile_model: torchvision model in, calibrated int8 NCHW4c library out.
+
+    torch model --torch.export--> Relax (float) --fold BN / constants--> analysis
+      --calibrate (float, real images)--> QuantizeInt8 --> LiftConstantsToParams
+      --> ScheduleInt8Kernels(target) --> tvm.compile --> model.so + model.params.npz + model.json
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+
+from .calibrate import calibrate
+from .config import QuantConfig
+from .data import load_calibration_images
+from .errors import InputError
+from .frontend import export_to_relax, load_model, simplify
+from .graph import analyze
+from .transform import LiftConstantsToParams, QuantizeInt8, ScheduleInt8Kernels
+
+ARTIFACT_VERSION = 1
+
+
+def make_target(target: str, arch: str | None = None) -> tvm.target.Target:
+    """``llvm`` or ``cuda`` (+ arch such as ``sm_90``) as a TVM target with the attributes
+    MetaSchedule's CUDA rules need."""
+    if target == "llvm":
+        return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+    if target == "cuda":
+        arch = arch or "sm_90"
+        if not (arch.startswith("sm_") and arch[3:].rstrip("a").isdigit()):
+            raise InputError(f"--arch {arch!r} is not a CUDA arch such as sm_90 or sm_80")
+        return tvm.target.Target({"kind": "cuda", "arch": arch, "max_threads_per_block": 1024,
+                                  "max_shared_memory_per_block": 49152, "thread_warp_size": 32}, host="llvm")
+    raise InputError(f"unknown target {target!r}: choose llvm or cuda")
+
+
+@dataclass
+class BuildResult:
+    lib_path: str
+    report: dict
+    meta: dict = field(default_factory=dict)
+
+
+def quantize_module(model, input_shape, config: QuantConfig, calib_images=None, amax: dict | None = None,
+                    progress: bool = True):
+    """The int8 Relax module of ``model`` (weights still inline) and its report.
+
+    Ranges come from ``amax`` when given (a QAT checkpoint's learned ranges), else from
+    calibrating on ``calib_images`` at batch 1.
+    """
+    mod, names = export_to_relax(model, input_shape)
+    mod = simplify(mod)
+    if amax is None:
+        cal_mod, cal_names = export_to_relax(model, (1, *input_shape[1:]))
+        graph = analyze(simplify(cal_mod)["main"], cal_names)
+        amax = calibrate(graph, calib_images, config, progress=progress)
+    qpass = QuantizeInt8(amax, config, names)
+    qmod = qpass(mod)
+    return qmod, qpass.report, amax, names
+
+
+def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch: str | None = None,
+                  batch: int = 1, image_size: int = 224, weights: str | None = None, num_classes: int | None = None,
+                  config: QuantConfig = QuantConfig(), calib_dir: str | None = None, model=None,
+                  amax: dict | None = None, tuning_log: str | None = None, progress: bool = True) -> BuildResult:
+    """Build a deployable int8 library.
+
+    Args:
+        model_name: torchvision name (``vgg16``); ``model`` overrides the torch module itself.
+        out_path: the ``.so`` to write; ``<stem>.params.npz`` and ``<stem>.json`` go beside it.
+        target / arch: ``llvm`` or ``cuda`` with e.g. ``sm_90``.
+        batch, image_size: the static input shape (batch, 3, image_size, image_size).
+        weights: None, a checkpoint path or a torchvision weight name (see ``load_model``).
+        calib_dir: folder of JPEG/PNG calibration images (default: scikit-image's photos).
+        amax: learned ranges (QAT) instead of calibration.
+        tuning_log: a MetaSchedule database folder to take tuned conv schedules from.
+    Example:
+        >>> compile_model("vgg16", "vgg16.so", target="cuda", arch="sm_90", batch=1)
+    """
+    if batch < 1 or image_size < 8:
+        raise InputError(f"batch must be >= 1 and image size >= 8, got batch {batch}, size {image_size}")
+    tgt = make_target(target, arch)
+    t0 = time.time()
+    model = model if model is not None else load_model(model_name, weights, num_classes)
+    shape = (batch, 3, image_size, image_size)
+    images = None if amax is not None else load_calibration_images(calib_dir, image_size, limit=config.num_calib_images)
+    qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress)
+    lift = LiftConstantsToParams()
+    qmod = lift(qmod)
+    tuned = {}
+    if tuning_log:
+        from .tuning import apply_tuning_database
+        qmod, tuned = apply_tuning_database(qmod, tuning_log, tgt)
+    sched = ScheduleInt8Kernels(tgt)
+    qmod = sched(qmod)
+    t1 = time.time()
+    with tgt:
+        ex = tvm.compile(qmod, target=tgt)
+    t2 = time.time()
+    report = dict(report, schedules=sched.applied, tuned=tuned)
+    meta = dict(version=ARTIFACT_VERSION, model=model_name, input_shape=list(shape), target=str(tgt.kind.name),
+                arch=arch if target == "cuda" else None, config=config.to_dict(), amax=amax,
+                param_names=[n for n, _ in lift.params], num_outputs=1, report=report,
+                build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
+                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(model_name))
+    save_artifact(ex, lift.params, meta, out_path)
+    return BuildResult(out_path, report, meta)
+
+
+def _categories(model_name: str) -> list | None:
+    """ImageNet class names from torchvision's weight metadata (shipped in the package, no download)."""
+    try:
+        import torchvision
+        return list(torchvision.models.get_model_weights(model_name).DEFAULT.meta["categories"])
+    except Exception:  # models without torchvision weights: print class indices
+        return None
+
+
+def artifact_paths(lib_path: str) -> tuple[str, str]:
+    stem = lib_path[:-3] if lib_path.endswith(".so") else lib_path
+    return stem + ".params.npz", stem + ".json"
+
+
+def save_artifact(ex, params, meta, lib_path: str) -> None:
+    """Write the three files atomically (temp file + rename): an interrupted build never leaves a
+    half-written library or params file behind, and an earlier build at the same path survives."""
+    params_path, meta_path = artifact_paths(lib_path)
+    folder = os.path.dirname(os.path.abspath(lib_path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=folder, prefix=".tvm_qconv-")
+    try:
+        ex.export_library(os.path.join(tmp, "lib.so"))
+        np.savez(os.path.join(tmp, "params.npz"), **{n: a for n, a in params})
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+        for src, dst in (("params.npz", params_path), ("meta.json", meta_path), ("lib.so", lib_path)):
+            os.replace(os.path.join(tmp, src), dst)
+    finally:
+        for name in os.listdir(tmp):
+            os.remove(os.path.join(tmp, name))
+        os.rmdir(tmp)

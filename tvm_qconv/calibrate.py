@@ -1,0 +1,97 @@
+"""Calibration: run the float model over real images and record the range of every tensor that
+will be int8 (the analysis's *points*).
+
+The float graph runs on the Relax VM (llvm) with its conv2d and matmul calls offloaded to torch
+(``call_pure_packed`` into functions registered below): unscheduled llvm convs take ~20 s per
+224x224 VGG16 image, torch's take well under one, and every other op still runs as Relax
+compiled it, so what is measured is the graph that gets quantized.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tvm
+import tvm_ffi
+from tqdm import tqdm
+from tvm import relax
+
+from .config import QuantConfig
+from .errors import InputError
+from .graph import Graph
+from .observers import make_observer
+from .relax_utils import bindings_of, substitute
+
+
+@tvm_ffi.register_global_func("tvm_qconv.torch_conv2d", override=True)
+def _torch_conv2d(x, w, attrs):
+    sh, sw, pt, pl, pb, pr, dh, dw, groups = (int(v) for v in attrs)
+    xt = F.pad(torch.from_dlpack(x), (pl, pr, pt, pb))
+    y = F.conv2d(xt, torch.from_dlpack(w), stride=(sh, sw), dilation=(dh, dw), groups=groups)
+    return tvm.runtime.from_dlpack(y.contiguous())
+
+
+@tvm_ffi.register_global_func("tvm_qconv.torch_matmul", override=True)
+def _torch_matmul(a, b):
+    return tvm.runtime.from_dlpack(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)).contiguous())
+
+
+def _offload(call: relax.Call, ty):
+    op = getattr(call.op, "name", None) if isinstance(call, relax.Call) else None
+    if op == "relax.nn.conv2d" and call.attrs.data_layout == "NCHW" and call.attrs.kernel_layout == "OIHW":
+        a = call.attrs
+        attrs = relax.ShapeExpr([*map(int, a.strides), *map(int, a.padding), *map(int, a.dilation), int(a.groups)])
+        return relax.call_pure_packed("tvm_qconv.torch_conv2d", call.args[0], call.args[1], attrs, ty_args=ty)
+    if op == "relax.matmul":
+        return relax.call_pure_packed("tvm_qconv.torch_matmul", call.args[0], call.args[1], ty_args=ty)
+    return call
+
+
+def instrument(graph: Graph) -> tuple[tvm.IRModule, list[str]]:
+    """A module whose ``main`` returns the calibration points (and nothing else)."""
+    func = graph.func
+    bb = relax.BlockBuilder()
+    points = list(graph.points.items())
+    with bb.function("main", list(func.params)):
+        with bb.dataflow():
+            vmap = {}
+            for b in bindings_of(func):
+                vmap[b.var] = bb.emit(_offload(substitute(b.value, vmap), b.var.ty), name_hint=b.var.name)
+            out = bb.emit_output(relax.Tuple([vmap.get(v, v) for v, _ in points]))
+        bb.emit_func_output(out)
+    return bb.get(), [name for _, name in points]
+
+
+def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, batch_size: int = 8,
+              progress: bool = True) -> dict[str, float]:
+    """Ranges (amax of |x|, the int8 scale is amax / 127) of every calibration point.
+
+    Args:
+        graph: the analysis of the float model (``graph.analyze``).
+        images: float32 [N, C, H, W], already preprocessed; its H, W must be the model's.
+        config: picks the observer (max / percentile / entropy).
+    Returns:
+        ``{point name: amax}``.
+    """
+    in_shape = tuple(int(d) for d in graph.func.params[0].ty.shape.values)
+    if images.ndim != 4 or images.shape[1:] != in_shape[1:]:
+        raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
+                         "give images of the model's input size")
+    images = images[: config.num_calib_images]
+    mod, names = instrument(graph)
+    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target("llvm")), tvm.cpu())
+    observers = {n: make_observer(config.calibration, config.percentile) for n in names}
+    batch = in_shape[0]
+    steps = range(0, len(images), batch)
+    for i in tqdm(steps, desc=f"calibrate ({config.calibration})", disable=not progress, unit="batch"):
+        x = images[i: i + batch]
+        if len(x) < batch:  # the module has a static batch: pad the last batch with repeats
+            x = np.concatenate([x, images[: batch - len(x)]])[:batch]
+        outs = vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), tvm.cpu()))
+        for name, t in zip(names, outs):
+            try:
+                observers[name].update(t.numpy())
+            except ValueError as err:
+                raise InputError(f"calibration at {name}: {err}; check the images' normalization and the "
+                                 "weights (a NaN weight or an image with NaN pixels)") from err
+    return {n: float(o.amax()) for n, o in observers.items()}

@@ -1,0 +1,70 @@
+"""The quantization scheme: a frozen, validated, versioned dataclass stored in every artifact."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+CONFIG_VERSION = 1
+CALIBRATIONS = ("max", "percentile", "entropy")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a float model becomes int8.
+
+    Attributes:
+        calibration: activation range observer: ``max``, ``percentile`` or ``entropy`` (KL).
+        percentile: the percentile of |x| used when ``calibration == "percentile"``.
+        weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
+        activation: activation granularity; only ``per_tensor`` (symmetric).
+        layout: activation layout between int8 layers; only ``NCHW4c`` (weights OIHW4o4i).
+        skip: layer names (torch module paths, e.g. ``classifier.6``) kept in float, as
+            relay.quantize's ``skip_dense_layer`` did.
+        quantize_dense: run linear layers in int8 (else every linear layer stays float).
+        num_calib_images: at most this many calibration images are used.
+    """
+
+    calibration: str = "percentile"
+    percentile: float = 99.99
+    weight: str = "per_channel"
+    activation: str = "per_tensor"
+    layout: str = "NCHW4c"
+    skip: tuple[str, ...] = field(default_factory=tuple)
+    quantize_dense: bool = True
+    num_calib_images: int = 32
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "skip", tuple(self.skip))
+        checks = [
+            (self.calibration in CALIBRATIONS, f"calibration must be one of {CALIBRATIONS}, got {self.calibration!r}"),
+            (50.0 < self.percentile <= 100.0, f"percentile must be in (50, 100], got {self.percentile}"),
+            (self.weight == "per_channel", f"weight granularity must be 'per_channel', got {self.weight!r}"),
+            (self.activation == "per_tensor", f"activation granularity must be 'per_tensor', got {self.activation!r}"),
+            (self.layout == "NCHW4c", f"layout must be 'NCHW4c', got {self.layout!r}"),
+            (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),
+            (self.version == CONFIG_VERSION, f"config version {self.version} is not {CONFIG_VERSION}: rebuild"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"QuantConfig: {msg}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["skip"] = list(self.skip)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"QuantConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+# Named presets: the keys are deploy.py's --scheme choices.
+PRESETS = {
+    "int8": QuantConfig(),
+    "int8-max": QuantConfig(calibration="max"),
+    "int8-entropy": QuantConfig(calibration="entropy"),
+    "int8-float-head": QuantConfig(quantize_dense=False),
+}

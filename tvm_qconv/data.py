@@ -1,0 +1,245 @@
+"""Calibration and evaluation images, preprocessed like torchvision's ImageNet eval recipe.
+
+* ``load_calibration_images``: a folder of JPEG/PNG files, or (no folder) the real
+  photographs bundled inside scikit-image, which need no download.
+* ``digits_dataset``: scikit-learn's bundled 8x8 handwritten digits, upsampled to RGB
+  NCHW tensors, for training and evaluating small CNNs offline.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InputError
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+# skimage.data photographs whose files ship inside the scikit-image wheel (checked with
+# scikit-image 0.26 and no pooch/network: eagle, lily, brain, kidney, skin and cells3d
+# are fetched lazily and fail offline). ``cat`` is left out: it is ``chelsea`` again.
+# Synthetic or binary images (logo, colorwheel, horse, text, page) are left out too:
+# calibration ranges should come from natural-image statistics.
+SKIMAGE_PHOTOS = (
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "stereo_motorcycle",
+    "camera",
+    "coins",
+    "clock",
+    "moon",
+    "brick",
+    "grass",
+    "gravel",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "retina",
+)
+_PROGRESS_MIN_FILES = 8  # a progress bar for a handful of files is just noise
+
+
+def preprocess(img: np.ndarray, size: int) -> np.ndarray:
+    """Turn an image into a normalized CHW tensor (torchvision's ImageNet eval recipe).
+
+    Resize so the short side is ``round(size * 256 / 224)`` (256 for 224), center-crop
+    ``size x size``, scale to [0, 1] and normalize by ``IMAGENET_MEAN`` / ``IMAGENET_STD``.
+
+    Args:
+        img: HxW (grayscale), HxWx1, HxWx2 (grayscale + alpha), HxWx3 or HxWx4 (alpha is
+            dropped); uint8/uint16/bool, or float already in [0, 1].
+        size: output height and width.
+
+    Returns:
+        float32 array of shape ``(3, size, size)``.
+
+    Raises:
+        InputError: the array is not an image of a supported shape, or ``size < 1``.
+    """
+    from skimage.transform import resize
+    from skimage.util import img_as_float32
+
+    if size < 1:
+        raise InputError(f"image size must be >= 1, got {size}")
+    img = np.asarray(img)
+    if img.ndim == 3 and img.shape[2] in (1, 2):
+        img = img[:, :, 0]  # grayscale (+ alpha)
+    if img.ndim == 2:
+        img = np.stack([img] * 3, axis=-1)
+    elif img.ndim == 3 and img.shape[2] == 4:
+        img = img[:, :, :3]  # RGBA: drop alpha
+    if img.ndim != 3 or img.shape[2] != 3 or min(img.shape[:2]) < 1:
+        raise InputError(
+            f"expected an HxW, HxWx3 or HxWx4 image, got an array of shape {img.shape}; "
+            "give an RGB or grayscale JPEG/PNG"
+        )
+    img = img_as_float32(img)  # uint8 / 255, uint16 / 65535; float kept as is
+
+    h, w = img.shape[:2]
+    short = round(size * 256 / 224)
+    # Same arithmetic as torchvision.transforms.Resize(int): the long side is truncated.
+    if h <= w:
+        new_h, new_w = short, int(short * w / h)
+    else:
+        new_h, new_w = int(short * h / w), short
+    img = resize(img, (new_h, new_w, 3), order=1, anti_aliasing=True)
+    # Same offsets as torchvision.transforms.CenterCrop.
+    top = int(round((new_h - size) / 2.0))
+    left = int(round((new_w - size) / 2.0))
+    img = img[top : top + size, left : left + size]
+
+    mean = np.asarray(IMAGENET_MEAN, dtype=np.float32)
+    std = np.asarray(IMAGENET_STD, dtype=np.float32)
+    img = (img.astype(np.float32) - mean) / std
+    return np.ascontiguousarray(img.transpose(2, 0, 1), dtype=np.float32)
+
+
+def load_image(path: str | Path, size: int) -> np.ndarray:
+    """Read a JPEG/PNG file and preprocess it.
+
+    Args:
+        path: image file.
+        size: output height and width.
+
+    Returns:
+        float32 array of shape ``(3, size, size)``.
+
+    Raises:
+        InputError: the file cannot be read as an image.
+    """
+    import skimage.io
+
+    try:
+        img = skimage.io.imread(str(path))
+    except Exception as err:  # imageio raises many types; all mean "not a usable image"
+        # First line only: imageio appends plugin install hints that do not apply here.
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(f"cannot read image {path}: {reason}; give a JPEG or PNG file") from err
+    return preprocess(img, size)
+
+
+@functools.lru_cache(maxsize=4)
+def _skimage_photos_cached(size: int) -> np.ndarray:
+    import skimage.data
+
+    photos = []
+    for name in SKIMAGE_PHOTOS:
+        try:
+            img = getattr(skimage.data, name)()
+            if isinstance(img, tuple):  # stereo_motorcycle: (left, right, disparity)
+                img = img[0]
+            photos.append(preprocess(img, size))
+        except Exception as err:  # noqa: BLE001 - a missing sample photo is not fatal
+            log.debug("skipping skimage.data.%s: %s", name, err)
+    if not photos:
+        raise InputError(
+            "none of scikit-image's sample photos could be loaded; "
+            "pass a folder of JPEG/PNG calibration images (--calib-dir)"
+        )
+    out = np.stack(photos)
+    out.flags.writeable = False  # cached: callers get copies
+    return out
+
+
+def skimage_photos(size: int) -> np.ndarray:
+    """The real photographs bundled with scikit-image (``SKIMAGE_PHOTOS``), preprocessed.
+
+    Photos that fail to load are skipped silently.
+
+    Args:
+        size: output height and width.
+
+    Returns:
+        float32 array of shape ``(N, 3, size, size)``, N <= len(SKIMAGE_PHOTOS).
+
+    Raises:
+        InputError: none of them could be loaded.
+    """
+    return _skimage_photos_cached(int(size)).copy()
+
+
+def load_calibration_images(
+    folder: str | Path | None, size: int, limit: int | None = None
+) -> np.ndarray:
+    """Load calibration images.
+
+    Args:
+        folder: folder of ``*.jpg`` / ``*.jpeg`` / ``*.png`` files (any case), read in
+            name order; ``None`` uses scikit-image's bundled photos.
+        size: output height and width.
+        limit: use at most this many images (``None``: all).
+
+    Returns:
+        float32 array of shape ``(N, 3, size, size)``.
+
+    Raises:
+        InputError: the folder is missing or has no images, a file is unreadable, or
+            ``limit < 1``.
+    """
+    if limit is not None and limit < 1:
+        raise InputError(f"the calibration image limit must be >= 1, got {limit}")
+    if folder is None:
+        return skimage_photos(size)[:limit]
+
+    path = Path(folder)
+    if not path.exists():
+        raise InputError(f"calibration folder {folder} does not exist")
+    if not path.is_dir():
+        raise InputError(f"calibration folder {folder} is a file, not a folder")
+    files = sorted(
+        (f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES),
+        key=lambda f: f.name,
+    )[:limit]
+    if not files:
+        raise InputError(
+            f"no JPEG/PNG images in calibration folder {folder}: add some, "
+            "or omit --calib-dir to use scikit-image's sample photos"
+        )
+
+    from tqdm import tqdm
+
+    progress = tqdm(
+        files, desc="calibration images", unit="img", disable=len(files) <= _PROGRESS_MIN_FILES
+    )
+    return np.stack([load_image(f, size) for f in progress])
+
+
+def digits_dataset(
+    size: int = 32, seed: int = 0
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """scikit-learn's handwritten digits (1797 real 8x8 scans, bundled) as RGB tensors.
+
+    Pixels (0..16) are scaled to [0, 1], upsampled to ``size x size`` by nearest
+    neighbour (so a multiple of 8 is an exact block copy), replicated to 3 channels and
+    normalized to ``(x - 0.5) / 0.5``.
+
+    Args:
+        size: output height and width.
+        seed: ``random_state`` of the split.
+
+    Returns:
+        ``((x_train, y_train), (x_test, y_test))``: float32 NCHW images and int64 labels,
+        a stratified 80/20 split (1437 / 360 samples).
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if size < 1:
+        raise InputError(f"image size must be >= 1, got {size}")
+    digits = load_digits()
+    images = digits.images.astype(np.float32) / 16.0  # (N, 8, 8) in [0, 1]
+    src = np.arange(size) * images.shape[1] // size  # nearest source pixel per output pixel
+    images = images[:, src][:, :, src]
+    x = np.repeat(((images - 0.5) / 0.5)[:, None], 3, axis=1).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.2, random_state=seed, stratify=y
+    )
+    return (x_train, y_train), (x_test, y_test)

@@ -1,0 +1,114 @@
+"""torch model in, float Relax module out (torch.export -> relax.frontend.torch)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torchvision
+from tvm import relax
+from tvm.relax.frontend.torch import from_exported_program
+
+from .errors import InputError
+
+_CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
+_LINEAR_TARGETS = {"aten.linear.default"}
+
+
+def list_models() -> list[str]:
+    """torchvision classification model names (``vgg16``, ``resnet50``, ...)."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def load_model(name: str, weights: str | None = None, num_classes: int | None = None) -> torch.nn.Module:
+    """A torchvision classifier in eval mode.
+
+    Args:
+        name: torchvision model name, e.g. ``vgg16``.
+        weights: None (random init), a path to a state-dict / checkpoint file, or a torchvision
+            weight name such as ``DEFAULT`` or ``IMAGENET1K_V1``.
+        num_classes: classifier width for random init (default: torchvision's, 1000).
+    """
+    if name not in list_models():
+        close = [m for m in list_models() if m.startswith(name[:3])][:8]
+        raise InputError(f"unknown model {name!r}: choose a torchvision classifier such as {close or list_models()[:8]}")
+    kwargs = {} if num_classes is None else {"num_classes": num_classes}
+    if weights is None or os.path.exists(weights) or os.sep in weights or weights.endswith((".pt", ".pth")):
+        model = torchvision.models.get_model(name, weights=None, **kwargs)
+        if weights is not None:
+            load_state_dict_file(model, weights)
+        return model.eval()
+    try:
+        enum = torchvision.models.get_model_weights(name)
+        w = enum[weights] if weights != "DEFAULT" else enum.DEFAULT
+    except (KeyError, ValueError) as err:
+        names = [w.name for w in torchvision.models.get_model_weights(name)]
+        raise InputError(f"{name} has no torchvision weights {weights!r} (it has {names + ['DEFAULT']}), "
+                         f"and no file of that name exists: give a weight name or a checkpoint path") from err
+    try:
+        return torchvision.models.get_model(name, weights=w).eval()
+    except Exception as err:  # network errors come in many types
+        raise InputError(f"cannot fetch torchvision weights {w} ({type(err).__name__}: {err}); "
+                         "download them elsewhere and pass the .pth file to --weights") from err
+
+
+def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
+    """Load a state dict (or a checkpoint dict with ``state_dict`` / ``model``) into ``model``.
+
+    Returns the whole checkpoint dict (a QAT checkpoint carries learned scales beside the weights).
+    """
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise InputError(f"cannot read weights file {path}: {type(err).__name__}: {err}; "
+                         "give a file saved with torch.save(model.state_dict(), path)") from err
+    if not isinstance(ckpt, dict):
+        raise InputError(f"weights file {path} holds a {type(ckpt).__name__}, not a state dict")
+    state = ckpt.get("state_dict", ckpt.get("model", ckpt))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        first = str(err).splitlines()[0:3]
+        raise InputError(f"weights file {path} does not fit this model: {' '.join(first)}") from err
+    return ckpt
+
+
+def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, int]):
+    """torch.export the model at a static input shape and import it into Relax.
+
+    Returns:
+        (mod, names): the Relax IRModule with weights bound as constants, and
+        ``{"conv2d": [...], "dense": [...]}``, the torch module paths of the conv and linear
+        layers in graph order (the importer emits them in the same order).
+    """
+    model = model.eval()
+    example = torch.zeros(input_shape)
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(model, (example,))
+    except Exception as err:
+        raise InputError(f"torch.export failed for input shape {input_shape}: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0]}") from err
+    try:
+        mod = from_exported_program(ep)
+    except Exception as err:
+        raise InputError(f"the Relax importer does not support this model: {type(err).__name__}: "
+                         f"{str(err).splitlines()[0]}") from err
+    names = {"conv2d": [], "dense": []}
+    for node in ep.graph_module.graph.nodes:
+        target = str(node.target)
+        kind = "conv2d" if target in _CONV_TARGETS else "dense" if target in _LINEAR_TARGETS else None
+        if kind is None:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else f"{kind}_{len(names[kind])}"
+        names[kind].append(path.removeprefix("L['self'].").replace("getattr(L['self'], '", "").replace("')", ""))
+    return mod, names
+
+
+def simplify(mod):
+    """Fold batch norm into convs, fold constants (bias reshapes, weight transposes), drop dead code."""
+    seq = [relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
+           relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(["main"])]
+    for p in seq:
+        mod = p(mod)
+    return mod

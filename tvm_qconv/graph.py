@@ -1,0 +1,218 @@
+"""Analysis of a float Relax ``main``: which bindings form the layers that become int8 kernels.
+
+Calibration and the quantize pass both read this one analysis, so the tensors that get
+calibrated are exactly the tensors that get quantized.  A *layer* is one of
+
+- ``conv2d``: ``conv2d(x, W)`` [+ ``add(., bias)``] [+ ``relu``], W and bias constants, groups 1;
+- ``dense``: ``matmul(x, W)`` [+ ``add(bias, .)``] [+ ``relu``], x 2-D, W a constant [K, O];
+- ``add``: ``add(a, b)`` of two activations of one shape (residual) [+ ``relu``];
+- ``max_pool2d``: NCHW max pooling.
+
+Every other binding stays float.  The *points* are the activation tensors whose range is
+calibrated: each layer's inputs and its output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+
+@dataclass
+class Layer:
+    kind: str                      # conv2d | dense | add | max_pool2d
+    name: str                      # torch module path where known (features.0), else kind_k
+    inputs: list                   # activation inputs: relax.Var of the float graph
+    output: relax.Var              # last var of the pattern (after bias / relu)
+    vars: list                     # every var bound by the pattern, first to last
+    call: relax.Call               # the anchor call (conv2d / matmul / add / max_pool2d)
+    relu: bool = False
+    weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float
+    bias: np.ndarray | None = None     # [O] float
+    reason_float: str | None = None    # set when the pattern cannot run in int8
+
+    @property
+    def quantizable(self) -> bool:
+        return self.reason_float is None
+
+
+@dataclass
+class Graph:
+    func: relax.Function
+    bindings: list                          # relax.VarBinding in order
+    layers: list = field(default_factory=list)
+    layer_of_var: dict = field(default_factory=dict)   # first var of a pattern -> Layer
+    consumed: set = field(default_factory=set)         # vars bound inside some pattern
+    points: dict = field(default_factory=dict)         # relax.Var -> point name
+
+    def layer(self, name: str) -> Layer:
+        for ly in self.layers:
+            if ly.name == name:
+                return ly
+        raise KeyError(f"no layer named {name!r}; layers: {[ly.name for ly in self.layers]}")
+
+
+def _op(expr) -> str | None:
+    """Name of a Relax operator call (``relax.nn.conv2d``), else None."""
+    return getattr(expr.op, "name", None) if isinstance(expr, relax.Call) else None
+
+
+def _const(expr) -> np.ndarray | None:
+    return expr.value.numpy() if isinstance(expr, tvm.ir.expr.GenericConst) else None
+
+
+def _shape(expr) -> tuple | None:
+    return static_shape(expr.ty)
+
+
+def static_shape(ty) -> tuple | None:
+    """Static shape of a Relax tensor type, or None (not a tensor / symbolic dims)."""
+    if isinstance(ty, relax.TensorType) and ty.shape is not None:
+        try:
+            return tuple(int(d) for d in ty.shape.values)
+        except (TypeError, AttributeError):
+            return None
+    return None
+
+
+def analyze(func: relax.Function, names: dict | None = None) -> Graph:
+    """Find the layers of ``func`` (its single dataflow block, after FoldConstant/Canonicalize).
+
+    Args:
+        func: the float ``main``.
+        names: optional ``{"conv2d": [torch names in order], "dense": [...]}`` from the frontend.
+    """
+    blocks = func.body.blocks
+    if len(blocks) != 1 or not isinstance(blocks[0], relax.DataflowBlock):
+        raise ValueError("expected main to hold one dataflow block (run ConvertToDataflow first)")
+    bindings = list(blocks[0].bindings)
+    g = Graph(func=func, bindings=bindings)
+    value = {b.var: b.value for b in bindings}
+    uses: dict = {}
+
+    def count(expr):
+        if isinstance(expr, relax.Var):
+            uses[expr] = uses.get(expr, 0) + 1
+        elif isinstance(expr, relax.Call):
+            for a in expr.args:
+                count(a)
+        elif isinstance(expr, relax.Tuple):
+            for f in expr.fields:
+                count(f)
+        elif isinstance(expr, relax.TupleGetItem):
+            count(expr.tuple_value)
+
+    for b in bindings:
+        count(b.value)
+    count(func.body.body)
+    user: dict = {}
+    for b in bindings:
+        v = b.value
+        args = v.args if isinstance(v, relax.Call) else v.fields if isinstance(v, relax.Tuple) else []
+        for a in args:
+            if isinstance(a, relax.Var):
+                user.setdefault(a, []).append(b.var)
+
+    def sole_user(var, op):
+        if uses.get(var, 0) != 1 or len(user.get(var, [])) != 1:
+            return None
+        nxt = user[var][0]
+        return nxt if _op(value[nxt]) == op else None
+
+    counters: dict = {}
+    torch_names = {k: list(v) for k, v in (names or {}).items()}
+
+    def name_for(kind):
+        k = counters.get(kind, 0)
+        counters[kind] = k + 1
+        lst = torch_names.get(kind, [])
+        return lst[k] if k < len(lst) else f"{kind}_{k}"
+
+    for b in bindings:
+        var, call = b.var, b.value
+        if var in g.consumed:
+            continue
+        op = _op(call)
+        layer = None
+        if op == "relax.nn.conv2d":
+            layer = _conv_layer(var, call, value, sole_user, name_for("conv2d"))
+        elif op == "relax.matmul" and _const(call.args[1]) is not None and len(_shape(call.args[0]) or ()) == 2:
+            layer = _dense_layer(var, call, value, sole_user, name_for("dense"))
+        elif op == "relax.add" and all(isinstance(a, relax.Var) for a in call.args) \
+                and _shape(call.args[0]) == _shape(call.args[1]) and len(_shape(call.args[0]) or ()) == 4:
+            layer = Layer("add", name_for("add"), list(call.args), var, [var], call)
+        elif op == "relax.nn.max_pool2d":
+            layer = Layer("max_pool2d", name_for("max_pool2d"), [call.args[0]], var, [var], call)
+            if call.attrs.layout != "NCHW" or call.attrs.out_layout != "NCHW":
+                layer.reason_float = f"max_pool2d layout {call.attrs.layout}"
+        if layer is None:
+            continue
+        if layer.kind in ("add",):
+            nxt = sole_user(var, "relax.nn.relu")
+            if nxt is not None:
+                layer.relu, layer.output = True, nxt
+                layer.vars.append(nxt)
+        g.layers.append(layer)
+        g.layer_of_var[layer.vars[0]] = layer
+        g.consumed.update(layer.vars)
+
+    for ly in g.layers:
+        if ly.kind == "max_pool2d":
+            continue
+        for i, x in enumerate(ly.inputs):
+            g.points.setdefault(x, f"{ly.name}.in{i}")
+        if ly.kind != "dense":
+            g.points[ly.output] = f"{ly.name}.out"
+    return g
+
+
+def _absorb_bias_relu(layer, var, value, sole_user, bias_shape_ok):
+    nxt = sole_user(var, "relax.add")
+    if nxt is not None:
+        a, b = value[nxt].args
+        other = b if a.same_as(var) else a
+        bias = _const(other)
+        if bias is not None and bias_shape_ok(bias.shape):
+            layer.bias = bias.reshape(-1).astype(np.float32)
+            layer.vars.append(nxt)
+            layer.output = var = nxt
+    nxt = sole_user(var, "relax.nn.relu")
+    if nxt is not None:
+        layer.relu = True
+        layer.vars.append(nxt)
+        layer.output = nxt
+    return layer
+
+
+def _conv_layer(var, call, value, sole_user, name):
+    attrs = call.attrs
+    w = _const(call.args[1])
+    layer = Layer("conv2d", name, [call.args[0]], var, [var], call)
+    oc = None if w is None else w.shape[0]
+    if w is None:
+        layer.reason_float = "weight is not a constant"
+    elif attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW" or attrs.out_layout not in ("NCHW", ""):
+        layer.reason_float = f"layout {attrs.data_layout}/{attrs.kernel_layout}"
+    elif int(attrs.groups) != 1:
+        layer.reason_float = f"groups={int(attrs.groups)} (grouped / depthwise conv has no int8 kernel yet)"
+    elif str(call.ty.dtype) != "float32":
+        layer.reason_float = f"dtype {call.struct_info.dtype}"
+    else:
+        layer.weight = w.astype(np.float32)
+    _absorb_bias_relu(layer, var, value, sole_user,
+                      lambda s: oc is not None and int(np.prod(s)) == oc and s[-1 if len(s) == 1 else 1] == oc)
+    return layer
+
+
+def _dense_layer(var, call, value, sole_user, name):
+    wt = _const(call.args[1])  # [K, O]
+    layer = Layer("dense", name, [call.args[0]], var, [var], call)
+    if str(call.ty.dtype) != "float32" or wt.ndim != 2:
+        layer.reason_float = "not a float32 2-D matmul"
+    else:
+        layer.weight = np.ascontiguousarray(wt.T).astype(np.float32)
+    o = wt.shape[-1]
+    _absorb_bias_relu(layer, var, value, sole_user, lambda s: int(np.prod(s)) == o and s[-1] == o)
+    return layer

@@ -1,0 +1,52 @@
+"""Load and run a built library with the TVM runtime only (no torch, no compiler passes)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .errors import InputError
+
+
+class CompiledModel:
+    """A built int8 model: ``CompiledModel("vgg16.so", "cuda")(x) -> logits``."""
+
+    def __init__(self, lib_path: str, device: str | None = None):
+        stem = lib_path[:-3] if lib_path.endswith(".so") else lib_path
+        params_path, meta_path = stem + ".params.npz", stem + ".json"
+        for p in (lib_path, params_path, meta_path):
+            if not os.path.exists(p):
+                raise InputError(f"{p} not found: build it with `python deploy.py build ... -o {lib_path}`")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        kind = device or self.meta["target"]
+        self.dev = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+        if kind == "cuda" and not self.dev.exist:
+            raise InputError(f"{lib_path} was built for CUDA but this machine has no CUDA GPU")
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), self.dev)
+        with np.load(params_path) as npz:
+            self.params = [tvm.runtime.tensor(npz[n], self.dev) for n in self.meta["param_names"]]
+        self.input_shape = tuple(self.meta["input_shape"])
+
+    def check_input(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim != 4 or tuple(x.shape) != self.input_shape:
+            raise InputError(f"input has shape {tuple(x.shape)}, this library was built for {self.input_shape}: "
+                             f"resize to {self.input_shape[2]}x{self.input_shape[3]} with {self.input_shape[1]} "
+                             f"channels, or rebuild with --batch/--image-size")
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = self.vm["main"](tvm.runtime.tensor(self.check_input(x), self.dev), *self.params)
+        out = out[0] if not hasattr(out, "numpy") else out
+        return out.numpy()
+
+    def benchmark(self, x: np.ndarray, number: int = 10, repeat: int = 5) -> dict:
+        """Latency in ms (median and min over ``repeat`` runs of ``number`` calls), device-synchronized."""
+        xt = tvm.runtime.tensor(self.check_input(x), self.dev)
+        self.vm["main"](xt, *self.params)  # warm-up: module load, first-call allocations
+        res = self.vm.time_evaluator("main", self.dev, number=number, repeat=repeat)(xt, *self.params)
+        ms = np.array(res.results) * 1e3
+        return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "number": number, "repeat": repeat}
