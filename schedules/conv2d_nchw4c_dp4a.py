@@ -222,9 +222,10 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
     sch.compute_at(w_sh, rc_o)
     _cooperative_fetch(sch, w_sh, rc_o, p.threads, 16)
 
-    sch.decompose_reduction(conv, rc_o)
+    init = sch.decompose_reduction(conv, rc_o)
     sch.tensorize(rci, DP4A_INTRIN)
-    for loop in (oc_r, y_r, oci):
+    # Unroll every loop over the accumulators so they stay in registers (constant indices).
+    for loop in [oc_r, y_r, oci] + list(sch.get_loops(init)[-3:]) + list(sch.get_loops(requant)[-5:]):
         sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 

@@ -68,7 +68,8 @@ def quantize_module(model, input_shape, config: QuantConfig, calib_images=None, 
 def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch: str | None = None,
                   batch: int = 1, image_size: int = 224, weights: str | None = None, num_classes: int | None = None,
                   config: QuantConfig = QuantConfig(), calib_dir: str | None = None, model=None,
-                  amax: dict | None = None, tuning_log: str | None = None, progress: bool = True) -> BuildResult:
+                  calib_images=None, amax: dict | None = None, tuning_log: str | None = None,
+                  progress: bool = True) -> BuildResult:
     """Build a deployable int8 library.
 
     Args:
@@ -78,6 +79,7 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
         batch, image_size: the static input shape (batch, 3, image_size, image_size).
         weights: None, a checkpoint path or a torchvision weight name (see ``load_model``).
         calib_dir: folder of JPEG/PNG calibration images (default: scikit-image's photos).
+        calib_images: preprocessed float32 [N, 3, H, W] images instead of ``calib_dir``.
         amax: learned ranges (QAT) instead of calibration.
         tuning_log: a MetaSchedule database folder to take tuned conv schedules from.
     Example:
@@ -89,7 +91,9 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
     t0 = time.time()
     model = model if model is not None else load_model(model_name, weights, num_classes)
     shape = (batch, 3, image_size, image_size)
-    images = None if amax is not None else load_calibration_images(calib_dir, image_size, limit=config.num_calib_images)
+    images = calib_images
+    if amax is None and images is None:
+        images = load_calibration_images(calib_dir, image_size, limit=config.num_calib_images)
     qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress)
     lift = LiftConstantsToParams()
     qmod = lift(qmod)

@@ -247,7 +247,11 @@ class EntropyObserver(_HistogramObserver):
         if stop <= self.num_quant_bins:
             return self._max  # fits in num_quant_bins bins: int8 loses nothing to clip for
         kl = _kl_divergences(hist, self.num_quant_bins, stop)
-        best = self.num_quant_bins + int(np.argmin(kl))
+        # Ties go to the largest threshold (least clipping).  On discrete data (image pixels with
+        # few levels, digits' 17 grey levels) every threshold whose groups hold at most one
+        # non-empty bin has KL ~ 0, and argmin's first (smallest) pick would clip the tail away.
+        ties = np.flatnonzero(kl <= kl.min() * (1 + 1e-6) + 1e-12)
+        best = self.num_quant_bins + int(ties[-1])
         return min(best * self.bin_width, self._max)
 
 

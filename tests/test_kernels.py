@@ -1,0 +1,136 @@
+"""Every int8 kernel, unscheduled on llvm, against its NumPy reference: bit-exact for int8 outputs."""
+import numpy as np
+import pytest
+import tvm
+
+from schedules.add_int8 import add_multipliers, add_nchw4c_int8, add_nchw4c_int8_ref
+from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload, ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,
+                                          pack_channels, pack_nchw4c, pack_oihw4o4i, unpack_nchw4c)
+from schedules.dense_int8 import dense_int8, dense_int8_ref
+from schedules.layout_int8 import dequantize_unpack, quantize_pack, quantize_ref, quantize_rows
+from schedules.pool_int8 import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref
+from schedules.requantize import quantize_multiplier, requantize_ref
+
+RNG = np.random.default_rng(0)
+CPU = tvm.cpu()
+
+# Shapes that do not divide 4 or any tile: odd channels, odd spatial, stride, dilation, 1x1, no ReLU.
+CONV_WORKLOADS = [
+    Conv2dWorkload(1, 3, 8, 8, 8),
+    Conv2dWorkload(2, 6, 9, 7, 10, (3, 3), (2, 1), (1, 1, 1, 1), (1, 2), True),
+    Conv2dWorkload(1, 5, 11, 11, 7, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), False),
+    Conv2dWorkload(1, 3, 13, 13, 4, (7, 7), (2, 2), (3, 3, 3, 3), (1, 1), True),
+    Conv2dWorkload(1, 8, 6, 5, 12, (3, 3), (1, 1), (0, 1, 2, 1), (1, 1), False),
+]
+CONV_IDS = ["3to8", "odd_stride_dilation", "1x1_norelu", "7x7_s2_stem", "asym_pad_norelu"]
+
+
+def run(func, *arrays, out_shape, out_dtype):
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.tensor(np.zeros(out_shape, out_dtype), CPU)
+    lib["main"](*[tvm.runtime.tensor(a, CPU) for a in arrays], out)
+    return out.numpy()
+
+
+def conv_args(wl):
+    a = pack_nchw4c(RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8))
+    w = pack_oihw4o4i(RNG.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel)).astype(np.int8))
+    bias = pack_channels(RNG.integers(-20000, 20000, wl.out_channels).astype(np.int32))
+    mult, shift = quantize_multiplier(RNG.uniform(1e-4, 1e-2, wl.out_channels))
+    return a, w, bias, pack_channels(mult), pack_channels(shift, fill=1)
+
+
+@pytest.mark.parametrize("wl", CONV_WORKLOADS, ids=CONV_IDS)
+def test_conv_kernel_is_bit_exact_against_numpy_int32_reference(wl):
+    args = conv_args(wl)
+    out = run(conv2d_nchw4c_int8(wl), *args, out_shape=(wl.batch, ceil4(wl.out_channels) // 4, wl.out_height,
+                                                         wl.out_width, 4), out_dtype="int8")
+    ref = conv2d_nchw4c_int8_ref(*args, wl)
+    np.testing.assert_array_equal(out, ref)
+    assert 0.05 < (ref != 0).mean(), "degenerate test: almost every output is zero"
+    # padded output channels are exactly zero, so the next layer may read them
+    assert not unpack_nchw4c(out, ceil4(wl.out_channels))[:, wl.out_channels:].any()
+
+
+def test_conv_reference_matches_float64_convolution():
+    import torch
+    wl = CONV_WORKLOADS[1]
+    a, w, _, _, _ = conv_args(wl)
+    x = torch.from_numpy(unpack_nchw4c(a, wl.in_channels).astype(np.float64))
+    wt = np.zeros((ceil4(wl.out_channels), wl.in_channels, 3, 3))
+    wt = w.transpose(0, 4, 1, 5, 2, 3).reshape(ceil4(wl.out_channels), -1, 3, 3)[:, :wl.in_channels]
+    acc = torch.nn.functional.conv2d(x, torch.from_numpy(wt.astype(np.float64)), stride=wl.stride, padding=1,
+                                     dilation=wl.dilation).numpy()
+    one, zero = np.full((ceil4(wl.out_channels) // 4, 4), 1 << 30, np.int32), np.zeros((ceil4(wl.out_channels) // 4, 4), np.int32)
+    # mult 2**30, shift 30 is the identity multiplier: the requantized output is clip(acc)
+    got = conv2d_nchw4c_int8_ref(a, w, zero, one, np.full_like(one, 30), wl)
+    np.testing.assert_array_equal(unpack_nchw4c(got, wl.out_channels), np.clip(acc, 0, 127)[:, :wl.out_channels])
+
+
+MULTIPLIERS = [1e-7, 3.3e-4, 0.0123, 0.5, 0.99999, 1.0, 7.5, 1000.0]
+
+
+@pytest.mark.parametrize("m", MULTIPLIERS, ids=[f"{m:g}" for m in MULTIPLIERS])
+def test_fixed_point_multiplier_has_31_bit_precision(m):
+    mult, shift = quantize_multiplier(np.array([m]))
+    assert 2**30 <= mult[0] < 2**31
+    assert abs(mult[0] * 2.0 ** -shift[0] - m) <= m * 2.0**-30  # relative error of a 31-bit mantissa
+
+
+def test_requantize_rounds_half_up_and_clips():
+    mult, shift = np.int64(1 << 30), np.int64(31)  # M = 0.5
+    acc = np.array([-3, -1, 1, 3, 255, 400])
+    np.testing.assert_array_equal(requantize_ref(acc, mult, shift, -128), [-1, 0, 1, 2, 127, 127])
+    np.testing.assert_array_equal(requantize_ref(acc, mult, shift, 0), [0, 0, 1, 2, 127, 127])
+
+
+def test_quantize_pack_and_dequantize_unpack_round_trip():
+    x = RNG.normal(0, 1, (2, 5, 4, 3)).astype(np.float32)
+    s = 0.02
+    q = run(quantize_pack(x.shape, s), x, out_shape=(2, 2, 4, 3, 4), out_dtype="int8")
+    np.testing.assert_array_equal(q, pack_nchw4c(quantize_ref(x, s)))
+    back = run(dequantize_unpack(q.shape, 5, s), q, out_shape=x.shape, out_dtype="float32")
+    inside = np.abs(x) < 127 * s
+    assert np.abs(back - x)[inside].max() <= s / 2 + 1e-6  # round-to-nearest: half a step
+
+
+def test_quantize_rows_pads_k_with_zeros():
+    x = RNG.normal(0, 1, (3, 10)).astype(np.float32)
+    q = run(quantize_rows(x.shape, 0.05), x, out_shape=(3, 12), out_dtype="int8")
+    np.testing.assert_array_equal(q[:, :10], quantize_ref(x, 0.05))
+    assert not q[:, 10:].any()
+
+
+POOLS = [((2, 2), (2, 2), (0, 0, 0, 0), False), ((3, 3), (2, 2), (1, 1, 1, 1), False),
+         ((3, 3), (2, 2), (0, 0, 0, 0), True)]
+
+
+@pytest.mark.parametrize("pool,stride,pad,ceil", POOLS, ids=["vgg_2x2", "resnet_3x3_s2_p1", "ceil_mode"])
+def test_max_pool_int8_matches_reference(pool, stride, pad, ceil):
+    x = RNG.integers(-128, 128, (2, 3, 9, 7, 4)).astype(np.int8)
+    ref = max_pool2d_nchw4c_int8_ref(x, pool, stride, pad, (1, 1), ceil)
+    out = run(max_pool2d_nchw4c_int8(x.shape, pool, stride, pad, (1, 1), ceil), x, out_shape=ref.shape,
+              out_dtype="int8")
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "norelu"])
+def test_residual_add_rescales_to_output_scale(relu):
+    a = RNG.integers(-128, 128, (1, 2, 5, 5, 4)).astype(np.int8)
+    b = RNG.integers(-128, 128, (1, 2, 5, 5, 4)).astype(np.int8)
+    s_a, s_b, s_o = 0.03, 0.011, 0.05
+    ma, mb, sh = add_multipliers(s_a, s_b, s_o)
+    out = run(add_nchw4c_int8(a.shape, ma, mb, sh, relu), a, b, out_shape=a.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, add_nchw4c_int8_ref(a, b, ma, mb, sh, relu))
+    exact = np.clip((a * s_a + b * s_b) / s_o, 0 if relu else -128, 127)
+    assert np.abs(out - exact).max() <= 0.5 + 1e-6  # one rounding, in output steps
+
+
+def test_dense_int8_matches_reference():
+    x = RNG.integers(-128, 128, (3, 20)).astype(np.int8)
+    w = RNG.integers(-127, 128, (7, 20)).astype(np.int8)
+    scale = RNG.uniform(1e-5, 1e-4, 7).astype(np.float32)
+    bias = RNG.normal(0, 1, 7).astype(np.float32)
+    out = run(dense_int8(3, 20, 7, True), x, w, scale, bias, out_shape=(3, 7), out_dtype="float32")
+    # float epilogue: one float32 multiply-add per output, so agreement to float32 rounding
+    np.testing.assert_allclose(out, dense_int8_ref(x, w, scale, bias, True), rtol=1e-6, atol=1e-6)
