@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     try:
         return cmd_build(args) if args.cmd == "build" else cmd_run(args)
     except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
         return 2
 
 

@@ -105,7 +105,7 @@ def load_image(path: str | Path, size: int) -> np.ndarray:
     """Read a JPEG/PNG file and preprocess it.
 
     Args:
-        path: image file.
+        path: image file, or ``skimage:NAME`` for one of ``SKIMAGE_PHOTOS``.
         size: output height and width.
 
     Returns:
@@ -116,6 +116,8 @@ def load_image(path: str | Path, size: int) -> np.ndarray:
     """
     import skimage.io
 
+    if str(path).startswith("skimage:"):  # e.g. skimage:coffee, a photo shipped with scikit-image
+        return preprocess(_skimage_photo(str(path)[len("skimage:"):]), size)
     try:
         img = skimage.io.imread(str(path))
     except Exception as err:  # imageio raises many types; all mean "not a usable image"
@@ -125,17 +127,21 @@ def load_image(path: str | Path, size: int) -> np.ndarray:
     return preprocess(img, size)
 
 
-@functools.lru_cache(maxsize=4)
-def _skimage_photos_cached(size: int) -> np.ndarray:
+def _skimage_photo(name: str) -> np.ndarray:
     import skimage.data
 
+    if name not in SKIMAGE_PHOTOS:
+        raise InputError(f"skimage:{name} is not one of scikit-image's photos; choose from {', '.join(SKIMAGE_PHOTOS)}")
+    img = getattr(skimage.data, name)()
+    return img[0] if isinstance(img, tuple) else img  # stereo_motorcycle: (left, right, disparity)
+
+
+@functools.lru_cache(maxsize=4)
+def _skimage_photos_cached(size: int) -> np.ndarray:
     photos = []
     for name in SKIMAGE_PHOTOS:
         try:
-            img = getattr(skimage.data, name)()
-            if isinstance(img, tuple):  # stereo_motorcycle: (left, right, disparity)
-                img = img[0]
-            photos.append(preprocess(img, size))
+            photos.append(preprocess(_skimage_photo(name), size))
         except Exception as err:  # noqa: BLE001 - a missing sample photo is not fatal
             log.debug("skipping skimage.data.%s: %s", name, err)
     if not photos:

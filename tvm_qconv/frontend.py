@@ -59,7 +59,8 @@ def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise InputError(f"cannot read weights file {path}: {type(err).__name__}: {err}; "
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"cannot read weights file {path}: {type(err).__name__}: {reason}; "
                          "give a file saved with torch.save(model.state_dict(), path)") from err
     if not isinstance(ckpt, dict):
         raise InputError(f"weights file {path} holds a {type(ckpt).__name__}, not a state dict")

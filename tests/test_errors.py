@@ -1,0 +1,92 @@
+"""Bad input gets a one-line error that says what to do; nothing half-written is left behind."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import deploy
+from models import SmallVGG
+from tvm_qconv.build import compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.errors import InputError
+from tvm_qconv.runtime import CompiledModel
+
+
+def cli_error(capsys, *argv) -> str:
+    assert deploy.main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err  # one line
+    return err
+
+
+def test_unknown_model_names_the_choices(capsys, tmp_path):
+    err = cli_error(capsys, "build", "--model", "vgg17", "-o", str(tmp_path / "m.so"))
+    assert "unknown model 'vgg17'" in err and "vgg16" in err
+
+
+def test_unreadable_weights_file(capsys, tmp_path):
+    bad = tmp_path / "w.pt"
+    bad.write_bytes(b"not a checkpoint")
+    err = cli_error(capsys, "build", "--model", "vgg11", "--weights", str(bad), "-o", str(tmp_path / "m.so"))
+    assert "cannot read weights file" in err
+
+
+def test_weights_of_another_model(capsys, tmp_path):
+    path = tmp_path / "small.pt"
+    torch.save(SmallVGG().state_dict(), path)
+    err = cli_error(capsys, "build", "--model", "vgg11", "--weights", str(path), "-o", str(tmp_path / "m.so"))
+    assert "does not fit this model" in err
+
+
+def test_empty_calibration_folder(capsys, tmp_path):
+    (tmp_path / "calib").mkdir()
+    err = cli_error(capsys, "build", "--model", "vgg11", "--image-size", "32", "--calib-dir",
+                    str(tmp_path / "calib"), "-o", str(tmp_path / "m.so"))
+    assert "no JPEG/PNG images" in err
+
+
+def test_calibration_images_with_nan_name_the_layer(tmp_path):
+    x = np.zeros((2, 3, 32, 32), np.float32)
+    x[1, 0, 3, 3] = np.nan
+    with pytest.raises(InputError, match=r"calibration at features\.0\.in0: .*NaN"):
+        compile_model("small_vgg", str(tmp_path / "m.so"), image_size=32, model=SmallVGG(), calib_images=x,
+                      config=QuantConfig(num_calib_images=2), progress=False)
+    assert not os.listdir(tmp_path)  # nothing was written
+
+
+@pytest.fixture(scope="module")
+def small_lib(tmp_path_factory):
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("lib") / "small.so"
+    x = np.random.default_rng(0).normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
+    compile_model("small_vgg", str(out), image_size=32, model=SmallVGG(), calib_images=x,
+                  config=QuantConfig(num_calib_images=4), progress=False)
+    return str(out)
+
+
+BAD_SHAPES = [(1, 3, 64, 64), (1, 1, 32, 32), (2, 3, 32, 32), (3, 32, 32)]
+
+
+@pytest.mark.parametrize("shape", BAD_SHAPES, ids=["size", "channels", "batch", "rank"])
+def test_wrong_input_shape_at_run_time(small_lib, shape):
+    with pytest.raises(InputError, match=r"this library was built for \(1, 3, 32, 32\)"):
+        CompiledModel(small_lib)(np.zeros(shape, np.float32))
+
+
+def test_run_cli_prints_top5_and_latency(small_lib, capsys):
+    assert deploy.main(["run", "--lib", small_lib, "--image", "skimage:coffee", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("class ") == 5 and "latency:" in out
+
+
+def test_missing_library(capsys, tmp_path):
+    err = cli_error(capsys, "run", "--lib", str(tmp_path / "none.so"), "--image", "skimage:coffee")
+    assert "not found" in err and "deploy.py build" in err
+
+
+def test_rebuild_keeps_a_loadable_library_at_every_moment(small_lib, tmp_path):
+    # save_artifact writes into a temp folder and renames: the old files stay whole until replaced
+    meta_before = CompiledModel(small_lib).meta["built"]
+    assert meta_before and os.path.exists(small_lib.replace(".so", ".params.npz"))
+    assert not [f for f in os.listdir(os.path.dirname(small_lib)) if f.startswith(".tvm_qconv-")]
