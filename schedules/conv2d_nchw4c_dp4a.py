@@ -42,13 +42,11 @@ DP4A_INTRIN = "dp4a_s8s8s32"
 # Heuristic caps of the default tile (see _plan).
 MAX_OC_REG = 4        # oc_outer blocks per thread (x4 channels): 16 output channels in registers
 MAX_Y_REG = 2         # output rows per thread
-MAX_OC_THREADS = 4    # threads along oc_outer
-MAX_XT = 16           # threads (= output columns) along ow per block
-MAX_YT = 8            # threads along oh per block
+MAX_OC_THREADS = 8    # threads along oc_outer
+MAX_XT = 32           # threads (= output columns) along ow: 32 x int8x4 = one 128-byte line
+MAX_YT = 16           # threads along oh
 MAX_THREADS = 256
-MIN_THREADS = 64      # do not shrink a block below this while looking for more blocks
 NUM_SM = 132          # H100 / H200; only sizes the two targets below
-MIN_BLOCKS = NUM_SM   # at least one block per SM when the layer allows it
 MIN_TOTAL_THREADS = NUM_SM * 128  # give up register tiling before leaving SMs nearly idle
 SMEM_TARGET = 24 * 1024  # shared tiles per block we aim for (leaves room for 2+ blocks per SM)
 
@@ -107,15 +105,20 @@ def _smem_bytes(p: _Plan, kh, kw, sh, sw, dh, dw) -> int:
     return p.rc * 4 * (rows * cols + p.oct * p.ocr * 4 * kh * kw)
 
 
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
 def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads) -> _Plan:
     """Pick divisor tile sizes for one workload.
 
     1. Registers: OCR x YR outputs (x4 channels) per thread, shrunk while the whole grid would
        have fewer than MIN_TOTAL_THREADS threads (batch-1 layers on small feature maps).
-    2. Block: up to MAX_XT x MAX_YT x MAX_OC_THREADS threads (<= MAX_THREADS), shrunk (oc threads
-       first, then rows) while there are fewer than MIN_BLOCKS blocks and >= MIN_THREADS threads.
-    3. Shared tiles: shrink the block until RC=1 fits ``smem_max``, then the largest RC dividing
-       ic_outer whose tiles fit SMEM_TARGET.
+    2. Block (OCT, YT, XT), among divisor triples of <= MAX_THREADS threads whose shared tiles
+       fit ``smem_max`` with RC=1, the best by: the product of SM balance (blocks / (NUM_SM x
+       waves)), warp efficiency (no partial warps) and block size up to 128 threads (latency
+       hiding), then more threads, then wider rows (coalescing, less halo), then taller tiles.
+    3. RC: the largest divisor of ic_outer whose shared tiles fit SMEM_TARGET.
     """
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     ocr, yr = _divisor_at_most(occ, MAX_OC_REG), _divisor_at_most(oh, MAX_Y_REG)
@@ -125,30 +128,22 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
         else:
             yr = 1
     max_threads = min(MAX_THREADS, max_threads)
-    xt = _divisor_at_most(ow, MAX_XT)
-    yt = _divisor_at_most(oh // yr, min(MAX_YT, max_threads // xt))
-    oct_ = _divisor_at_most(occ // ocr, min(MAX_OC_THREADS, max_threads // (xt * yt)))
-    p = _Plan(ocr, oct_, yr, yt, xt, 1)
 
-    def blocks(q):
-        return batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // q.xt)
+    def key(q: _Plan):
+        blocks = batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // q.xt)
+        balance = blocks / (NUM_SM * -(-blocks // NUM_SM))
+        warp_eff = q.threads / (32 * -(-q.threads // 32))
+        return (round(balance * warp_eff * min(q.threads, 128) / 128, 2), q.threads, q.xt, q.yt)
 
-    while blocks(p) < MIN_BLOCKS:
-        smaller_oct = _next_smaller_divisor(occ // p.ocr, p.oct)
-        smaller_yt = _next_smaller_divisor(oh // p.yr, p.yt)
-        if p.oct > 1 and p.threads // p.oct * smaller_oct >= MIN_THREADS:
-            p.oct = smaller_oct
-        elif p.yt > 1 and p.threads // p.yt * smaller_yt >= MIN_THREADS:
-            p.yt = smaller_yt
-        else:
-            break
-    while _smem_bytes(p, kh, kw, sh, sw, dh, dw) > smem_max and p.threads > 1:
-        if p.yt > 1:
-            p.yt = _next_smaller_divisor(oh // p.yr, p.yt)
-        elif p.oct > 1:
-            p.oct = _next_smaller_divisor(occ // p.ocr, p.oct)
-        else:
-            p.xt = _next_smaller_divisor(ow, p.xt)
+    cands = [_Plan(ocr, o, yr, y, x, 1)
+             for o in _divisors(occ // ocr, MAX_OC_THREADS)
+             for y in _divisors(oh // yr, MAX_YT)
+             for x in _divisors(ow, MAX_XT)
+             if o * y * x <= max_threads]
+    fits = [q for q in cands if _smem_bytes(q, kh, kw, sh, sw, dh, dw) <= smem_max]
+    if not fits:
+        raise ValueError(f"no dp4a tile fits {smem_max} B of shared memory (kernel {kernel}, dilation {dilation})")
+    p = max(fits, key=key)
     budget = min(SMEM_TARGET, smem_max)
     p.rc = max([d for d in range(1, icc + 1) if icc % d == 0
                 and _smem_bytes(_Plan(p.ocr, p.oct, p.yr, p.yt, p.xt, d), kh, kw, sh, sw, dh, dw) <= budget],
@@ -156,12 +151,17 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
     return p
 
 
+def _loops_under(sch, block, loop) -> list:
+    """The loops of ``block`` nested inside ``loop`` (those compute_at / decompose made)."""
+    loops = sch.get_loops(block)
+    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(loop))][0]
+    return list(loops[at + 1:])
+
+
 def _cooperative_fetch(sch, block, at_loop, nthreads: int, vec: int) -> None:
     """Spread a cache block's copy (placed under ``at_loop``) over the block's threads, ``vec``
     int8 per vector load (the last 1 or 2 copy loops, 4 each)."""
-    loops = sch.get_loops(block)
-    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(at_loop))][0]
-    own = loops[at + 1:]
+    own = _loops_under(sch, block, at_loop)
     nvec = 1 if vec == 4 else 2
     inner = own[-1] if nvec == 1 else sch.fuse(*own[-2:])
     fused = sch.fuse(*own[:-nvec]) if len(own) > nvec + 1 else own[0]
@@ -225,8 +225,9 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
     init = sch.decompose_reduction(conv, rc_o)
     sch.tensorize(rci, DP4A_INTRIN)
     # Unroll every loop over the accumulators so they stay in registers (constant indices).
-    for loop in [oc_r, y_r, oci] + list(sch.get_loops(init)[-3:]) + list(sch.get_loops(requant)[-5:]):
+    for loop in [oc_r, y_r, oci] + _loops_under(sch, init, tx) + _loops_under(sch, requant, tx)[:-1]:
         sch.unroll(loop)
+    sch.vectorize(_loops_under(sch, requant, tx)[-1])
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 

@@ -48,7 +48,7 @@ class BuildResult:
 
 
 def quantize_module(model, input_shape, config: QuantConfig, calib_images=None, amax: dict | None = None,
-                    progress: bool = True):
+                    progress: bool = True, expose_activations: bool = False):
     """The int8 Relax module of ``model`` (weights still inline) and its report.
 
     Ranges come from ``amax`` when given (a QAT checkpoint's learned ranges), else from
@@ -60,7 +60,7 @@ def quantize_module(model, input_shape, config: QuantConfig, calib_images=None, 
         cal_mod, cal_names = export_to_relax(model, (1, *input_shape[1:]))
         graph = analyze(simplify(cal_mod)["main"], cal_names)
         amax = calibrate(graph, calib_images, config, progress=progress)
-    qpass = QuantizeInt8(amax, config, names)
+    qpass = QuantizeInt8(amax, config, names, expose_activations)
     qmod = qpass(mod)
     return qmod, qpass.report, amax, names
 
@@ -69,7 +69,7 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
                   batch: int = 1, image_size: int = 224, weights: str | None = None, num_classes: int | None = None,
                   config: QuantConfig = QuantConfig(), calib_dir: str | None = None, model=None,
                   calib_images=None, amax: dict | None = None, tuning_log: str | None = None,
-                  progress: bool = True) -> BuildResult:
+                  progress: bool = True, expose_activations: bool = False) -> BuildResult:
     """Build a deployable int8 library.
 
     Args:
@@ -82,6 +82,7 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
         calib_images: preprocessed float32 [N, 3, H, W] images instead of ``calib_dir``.
         amax: learned ranges (QAT) instead of calibration.
         tuning_log: a MetaSchedule database folder to take tuned conv schedules from.
+        expose_activations: the library also returns every int8 activation (for debugging).
     Example:
         >>> compile_model("vgg16", "vgg16.so", target="cuda", arch="sm_90", batch=1)
     """
@@ -94,7 +95,7 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
     images = calib_images
     if amax is None and images is None:
         images = load_calibration_images(calib_dir, image_size, limit=config.num_calib_images)
-    qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress)
+    qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress, expose_activations)
     lift = LiftConstantsToParams()
     qmod = lift(qmod)
     tuned = {}

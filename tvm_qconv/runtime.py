@@ -38,10 +38,23 @@ class CompiledModel:
                              f"channels, or rebuild with --batch/--image-size")
         return np.ascontiguousarray(x, dtype=np.float32)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def outputs(self, x: np.ndarray) -> list:
+        """Every output of main as NumPy arrays (the logits first; then, for a library built with
+        ``expose_activations``, the int8 activations of ``meta["report"]["exposed"]``)."""
         out = self.vm["main"](tvm.runtime.tensor(self.check_input(x), self.dev), *self.params)
-        out = out[0] if not hasattr(out, "numpy") else out
-        return out.numpy()
+        flat = []
+
+        def walk(o):
+            if hasattr(o, "numpy"):
+                flat.append(o.numpy())
+            else:
+                for item in o:
+                    walk(item)
+        walk(out)
+        return flat
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.outputs(x)[0]
 
     def benchmark(self, x: np.ndarray, number: int = 10, repeat: int = 5) -> dict:
         """Latency in ms (median and min over ``repeat`` runs of ``number`` calls), device-synchronized."""

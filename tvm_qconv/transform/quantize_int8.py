@@ -47,11 +47,15 @@ class QuantizeInt8:
         amax: ``{point name: amax}`` from calibration (or learned QAT ranges).
         config: the scheme (skip list, dense on/off).
         names: torch layer names from the frontend (``{"conv2d": [...], "dense": [...]}``).
+        expose_activations: make main return ``(outputs, *int8 activations)``, in layer order,
+            to compare builds layer by layer (the report's ``exposed`` lists their layers).
     After the pass, ``self.report`` holds one row per layer and the float ops that remain.
     """
 
-    def __init__(self, amax: dict, config: QuantConfig, names: dict | None = None):
+    def __init__(self, amax: dict, config: QuantConfig, names: dict | None = None,
+                 expose_activations: bool = False):
         self.amax, self.config, self.names = dict(amax), config, names
+        self.expose_activations = expose_activations  # main also returns every int8 activation (debug)
         self.report: dict = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -144,14 +148,20 @@ class _Rewriter:
                             self.emit_float(value[v])
                     elif b.var not in self.g.consumed:
                         self.emit_float(b)
-                out = self.bb.emit_output(self._output(func.body.body))
+                result = self._output(func.body.body)
+                if self.p.expose_activations:
+                    exposed = [(ly.name, self.qenv[ly.output].var) for ly in self.g.layers if ly.output in self.qenv]
+                    self.exposed = [n for n, _ in exposed]
+                    result = relax.Tuple([result] + [v for _, v in exposed])
+                out = self.bb.emit_output(result)
             self.bb.emit_func_output(out)
         new_mod = self.bb.get()
         for gv, f in mod.functions.items():
             if gv.name_hint != "main" and gv.name_hint not in [g.name_hint for g in new_mod.get_global_vars()]:
                 new_mod[gv] = f
         self.p.report = {"layers": self.rows, "float_ops": dict(self.float_ops),
-                         "layout_transforms": [f"{k} at {at}" for k, at in self.transforms]}
+                         "layout_transforms": [f"{k} at {at}" for k, at in self.transforms],
+                         "exposed": getattr(self, "exposed", [])}
         return relax.transform.DeadCodeElimination(["main"])(new_mod)
 
     def _output(self, body):
