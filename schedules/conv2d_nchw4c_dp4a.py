@@ -22,10 +22,11 @@ Tiling, outermost first (``_plan`` picks the sizes from the workload)::
 
     OCB = OCT*OCR oc_outer blocks (of 4 channels), YB = YT*YR rows, XT columns.
 
-Every tile size divides its extent (``_divisor_at_most``): a non-dividing split puts a
-predicate on the conv block, and a predicated block no longer matches the dp4a description.
-Sizes shrink (threads per block first) until there are enough blocks to fill the GPU at batch 1
-on small feature maps, and the reduction tile RC until the shared tiles fit the budget.
+Every tile size divides its extent (``_divisors``): a non-dividing split puts a predicate on
+the conv block, and a predicated block no longer matches the dp4a description.  ``_plan`` gives
+up register tiles on small batch-1 layers to keep SMs busy, picks the block shape for SM
+balance and whole warps, and the reduction tile RC for the shared-memory budget.  Tile sizes
+are heuristics for H100/H200-class GPUs, not tuned: MetaSchedule is for that.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import sys
 from dataclasses import dataclass
 
 import tvm
+import tvm.sym
 from tvm import tirx
 
 DP4A_INTRIN = "dp4a_s8s8s32"
@@ -162,10 +164,14 @@ def _cooperative_fetch(sch, block, at_loop, nthreads: int, vec: int) -> None:
     """Spread a cache block's copy (placed under ``at_loop``) over the block's threads, ``vec``
     int8 per vector load (the last 1 or 2 copy loops, 4 each)."""
     own = _loops_under(sch, block, at_loop)
-    nvec = 1 if vec == 4 else 2
-    inner = own[-1] if nvec == 1 else sch.fuse(*own[-2:])
-    fused = sch.fuse(*own[:-nvec]) if len(own) > nvec + 1 else own[0]
-    outer, tx = sch.split(fused, [None, nthreads])
+    nvec = {4: 1, 16: 2}[vec]  # copy loops (4 wide each) in one vector
+    outer = own[:-nvec]  # compute_at leaves out unit loops, so this can be empty
+    inner = sch.fuse(*own[-nvec:]) if nvec > 1 else own[-1]
+    if not outer:
+        outer = sch.split(inner, [1, None])[:1]
+        inner = _loops_under(sch, block, outer[0])[0]
+    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
+    _, tx = sch.split(fused, [None, nthreads])
     sch.bind(tx, "threadIdx.x")
     sch.vectorize(inner)
 
@@ -195,7 +201,7 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
     conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
     n, oc, y, x, oci, rc, ry, rx, rci = sch.get_loops(conv)
     batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
-    wl_stride, wl_dilation = _stride_dilation(func)
+    wl_stride, wl_dilation = _stride_dilation(sch, conv)
     p = _plan(batch, occ, oh, ow, icc, (kh, kw), wl_stride, wl_dilation, smem_max, max_threads)
 
     # Each thread's registers cover a contiguous box (oc_r, y_r innermost): reverse_compute_at
@@ -231,9 +237,12 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
-def _stride_dilation(func: tirx.PrimFunc):
-    """(stride, dilation) of the conv from the ``tvm_qconv.workload`` attr (sizes the pad tile)."""
-    import ast
-
-    wl = ast.literal_eval(str(func.attrs["tvm_qconv.workload"]))
-    return tuple(wl["stride"]), tuple(wl["dilation"])
+def _stride_dilation(sch, conv):
+    """(stride, dilation) of the conv, read off its input index ``y * sh + ry * dh``."""
+    block = sch.get(conv)
+    iv = [v.var for v in block.iter_vars]  # n, oc, y, x, oci, rc, ry, rx, rci
+    region = [r for r in block.reads if r.source.name == "pad"][0].region
+    (sh, dh, _), (sw, dw, _) = (
+        [int(c) for c in tvm.sym.detect_linear_equation(region[axis].min, [iv[o], iv[r]])]
+        for axis, o, r in ((2, 2, 6), (3, 3, 7)))
+    return (sh, sw), (dh, dw)

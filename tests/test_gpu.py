@@ -1,0 +1,53 @@
+"""CUDA tests: run only where there is an NVIDIA GPU (marked ``gpu``; skipped elsewhere)."""
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from models import SmallVGG
+from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
+from schedules.conv2d_nchw4c_int8 import ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref
+from tests.test_kernels import CONV_IDS, CONV_WORKLOADS, conv_args
+from tvm_qconv.build import compile_model, make_target
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.runtime import CompiledModel
+
+pytestmark = pytest.mark.gpu
+
+# VGG16 layer shapes at 224 and batch 1 that the default dp4a schedule must handle, besides the odd ones
+VGG_SHAPES = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (256, 256, 56), (512, 512, 28), (512, 512, 14)]
+
+
+@pytest.mark.parametrize("wl", CONV_WORKLOADS, ids=CONV_IDS)
+def test_dp4a_conv_on_gpu_is_bit_exact(wl):
+    target = make_target("cuda", "sm_90")
+    with target:
+        lib = tvm.compile(tvm.IRModule({"main": schedule_dp4a(conv2d_nchw4c_int8(wl), target)}), target=target)
+    assert "__dp4a" in lib.mod.imports[0].inspect_source()
+    dev = tvm.cuda(0)
+    args = conv_args(wl)
+    shape = (wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4)
+    out = tvm.runtime.tensor(np.full(shape, 77, np.int8), dev)  # poisoned: every element must be written
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), conv2d_nchw4c_int8_ref(*args, wl))
+
+
+@pytest.mark.parametrize("cin,cout,size", VGG_SHAPES, ids=[f"{a}to{b}@{s}" for a, b, s in VGG_SHAPES])
+def test_dp4a_conv_on_gpu_vgg16_shapes(cin, cout, size):
+    from schedules.conv2d_nchw4c_int8 import Conv2dWorkload
+    test_dp4a_conv_on_gpu_is_bit_exact(Conv2dWorkload(1, cin, size, size, cout))
+
+
+def test_cuda_build_equals_cpu_build_on_a_whole_model(tmp_path):
+    torch.manual_seed(0)
+    model = SmallVGG().eval()
+    x = np.random.default_rng(0).normal(0, 1, (8, 3, 32, 32)).astype(np.float32)
+    outs = {}
+    for target in ("llvm", "cuda"):
+        lib = compile_model("small_vgg", str(tmp_path / f"{target}.so"), target=target, batch=8, image_size=32,
+                            model=model, calib_images=x, config=QuantConfig(num_calib_images=8),
+                            expose_activations=True, progress=False)
+        outs[target] = CompiledModel(lib.lib_path).outputs(x)
+    for a, b in zip(outs["llvm"][1:], outs["cuda"][1:]):
+        np.testing.assert_array_equal(a, b)  # integer-only epilogues: identical int8 activations
+    np.testing.assert_allclose(outs["llvm"][0], outs["cuda"][0], rtol=1e-5, atol=1e-5)  # float dense epilogue
