@@ -71,13 +71,17 @@ class Conv2dWorkload:
         return asdict(self)
 
 
-def conv2d_nchw4c_int8(wl: Conv2dWorkload) -> tirx.PrimFunc:
+def conv2d_nchw4c_int8(wl: Conv2dWorkload, requantize: bool = True) -> tirx.PrimFunc:
     """Compute definition (unscheduled PrimFunc) of the fused kernel for one workload.
 
     Params: A int8 (N, IC/4, H, W, 4); Wt int8 (OC/4, IC/4, KH, KW, 4, 4); Bias, Mult, Shift
     int32 (OC/4, 4); returns Out int8 (N, OC/4, OH, OW, 4).  Blocks: ``pad``, ``conv``
     (int32 reduction over ic_outer, kh, kw, ic_inner with ic_inner innermost, 4 wide: the dp4a
     axis) and ``requant`` (the epilogue; a schedule inlines it into the write-back).
+
+    ``requantize=False`` gives the *unfused* conv of the fused-vs-unfused benchmark: params A,
+    Wt only, Out is the int32 accumulator, and ``requant`` is a plain copy (same block names,
+    so the same schedules apply).
     """
     icc, occ = ceil4(wl.in_channels) // 4, ceil4(wl.out_channels) // 4
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
@@ -106,6 +110,9 @@ def conv2d_nchw4c_int8(wl: Conv2dWorkload) -> tirx.PrimFunc:
             * W[oc, rc, ry, rx, oci, rci].astype("int32"),
             axis=[rc, ry, rx, rci]),
         name="conv")
+    if not requantize:
+        out = te.compute(conv.shape, lambda *i: conv(*i), name="requant")
+        return te.create_prim_func([A, W, out]).with_attr({"tvm_qconv.kernel": KERNEL_NAME + "_int32out"})
     lo = 0 if wl.relu else -128
     out = te.compute(
         (wl.batch, occ, oh, ow, 4),

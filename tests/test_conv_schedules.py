@@ -130,9 +130,10 @@ def test_cpu_schedule_is_bit_exact_against_numpy_reference(wl):
     np.testing.assert_array_equal(_run_llvm(func, wl, args), conv2d_nchw4c_int8_ref(*args, wl))
 
 
-def test_cpu_schedule_parallelizes_and_vectorizes():
-    text = schedule_cpu(conv2d_nchw4c_int8(W(1, 64, 28, 28, 64))).script()
-    assert "T.parallel(" in text and "T.vectorized(16)" in text
+def test_cpu_schedule_parallelizes_rows_and_vectorizes_32_output_channels():
+    text = schedule_cpu(conv2d_nchw4c_int8(W(2, 64, 28, 28, 64))).script()
+    assert "T.parallel(112)" in text  # n * (16 oc blocks / 8) * 28 rows
+    assert "T.vectorized(32)" in text  # 8 oc blocks x 4 channels
 
 
 @pytest.mark.parametrize("wl", DP4A_WORKLOADS, ids=DP4A_IDS)
