@@ -50,21 +50,33 @@ class BuildResult:
     meta: dict = field(default_factory=dict)
 
 
+def _dump(debug_dump: str | None, step: str, mod) -> None:
+    """Write the IR after a numbered phase (``--debug-dump DIR``): a wrong fusion or layout is
+    found by reading files, not by guessing."""
+    if debug_dump:
+        os.makedirs(debug_dump, exist_ok=True)
+        with open(os.path.join(debug_dump, f"{step}.py"), "w") as f:
+            f.write(mod.script(show_meta=False))
+
+
 def quantize_module(model, input_shape, config: QuantConfig, calib_images=None, amax: dict | None = None,
-                    progress: bool = True, expose_activations: bool = False):
+                    progress: bool = True, expose_activations: bool = False, debug_dump: str | None = None):
     """The int8 Relax module of ``model`` (weights still inline) and its report.
 
     Ranges come from ``amax`` when given (a QAT checkpoint's learned ranges), else from
     calibrating on ``calib_images`` at batch 1.
     """
     mod, names = export_to_relax(model, input_shape)
+    _dump(debug_dump, "01_imported", mod)
     mod = simplify(mod)
+    _dump(debug_dump, "02_simplified", mod)
     if amax is None:
         cal_mod, cal_names = export_to_relax(model, (1, *input_shape[1:]))
         graph = analyze(simplify(cal_mod)["main"], cal_names)
         amax = calibrate(graph, calib_images, config, progress=progress)
     qpass = QuantizeInt8(amax, config, names, expose_activations)
     qmod = qpass(mod)
+    _dump(debug_dump, "03_quantized", qmod)
     return qmod, qpass.report, amax, names
 
 
@@ -72,7 +84,8 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
                   batch: int = 1, image_size: int = 224, weights: str | None = None, num_classes: int | None = None,
                   config: QuantConfig = QuantConfig(), calib_dir: str | None = None, model=None,
                   calib_images=None, amax: dict | None = None, tuning_log: str | None = None,
-                  progress: bool = True, expose_activations: bool = False) -> BuildResult:
+                  progress: bool = True, expose_activations: bool = False,
+                  debug_dump: str | None = None) -> BuildResult:
     """Build a deployable int8 library.
 
     Args:
@@ -86,6 +99,7 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
         amax: learned ranges (QAT) instead of calibration.
         tuning_log: a MetaSchedule database folder to take tuned conv schedules from.
         expose_activations: the library also returns every int8 activation (for debugging).
+        debug_dump: a folder to write the IR into after each phase (01_imported.py ...).
     Example:
         >>> compile_model("vgg16", "vgg16.so", target="cuda", arch="sm_90", batch=1)
     """
@@ -98,15 +112,18 @@ def compile_model(model_name: str, out_path: str, *, target: str = "llvm", arch:
     images = calib_images
     if amax is None and images is None:
         images = load_calibration_images(calib_dir, image_size, limit=config.num_calib_images)
-    qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress, expose_activations)
+    qmod, report, amax, names = quantize_module(model, shape, config, images, amax, progress, expose_activations,
+                                                debug_dump)
     lift = LiftConstantsToParams()
     qmod = lift(qmod)
+    _dump(debug_dump, "04_params_lifted", qmod)
     tuned = {}
     if tuning_log:
         from .tuning import apply_tuning_database
         qmod, tuned = apply_tuning_database(qmod, tuning_log, tgt)
     sched = ScheduleInt8Kernels(tgt)
     qmod = sched(qmod)
+    _dump(debug_dump, "05_scheduled", qmod)
     t1 = time.time()
     with tgt:
         ex = tvm.compile(qmod, target=tgt)
