@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tvm  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
+from benchmarks.timing import cuda_median_ms  # noqa: E402
 from schedules.conv2d_nchw4c_dp4a import schedule_dp4a  # noqa: E402
 from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload, ceil4, conv2d_nchw4c_int8,  # noqa: E402
                                           conv2d_nchw4c_int8_ref, pack_channels, pack_nchw4c, pack_oihw4o4i)
@@ -75,17 +76,7 @@ def torch_ms(b, cin, cout, hw, dtype):
     x = torch.randn(b, cin, hw, hw, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = True
     with torch.no_grad():
-        for _ in range(5):
-            torch.relu(conv(x))
-        times = []
-        for _ in range(30):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            torch.relu(conv(x))
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-    return float(np.median(times))
+        return cuda_median_ms(lambda: torch.relu(conv(x)), iters=30)
 
 
 def main(argv=None):

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import cuda_median_ms  # noqa: E402
 from tvm_qconv.build import compile_model, quantize_module  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
@@ -32,10 +33,8 @@ from tvm_qconv.runtime import CompiledModel  # noqa: E402
 
 
 def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
-    """Median ms per forward, timed with CUDA events after warm-up."""
+    """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph."""
     with torch.no_grad():
-        for _ in range(5):
-            model(x)
         fn = lambda: model(x)  # noqa: E731
         if graphs:
             g = torch.cuda.CUDAGraph()
@@ -48,15 +47,7 @@ def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
             with torch.cuda.graph(g):
                 model(x)
             fn = g.replay
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-    return float(np.median(times))
+        return cuda_median_ms(fn, iters)
 
 
 def main(argv=None):
