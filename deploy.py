@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
+    b.add_argument("--cuda-graph", action="store_true",
+                   help="(cuda) capture the kernel launches in a CUDA graph: less launch overhead at small batch")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -82,7 +84,8 @@ def cmd_build(args) -> int:
           f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
     res = compile_model(args.model, args.output, target=args.target, arch=args.arch, batch=args.batch,
                         image_size=args.image_size, weights=args.weights, num_classes=args.num_classes,
-                        config=cfg, calib_dir=args.calib_dir, tuning_log=args.tuning_log, debug_dump=args.debug_dump)
+                        config=cfg, calib_dir=args.calib_dir, tuning_log=args.tuning_log, debug_dump=args.debug_dump,
+                        cuda_graph=args.cuda_graph)
     print(format_report(res.meta))
     return 0
 
