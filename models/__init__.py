@@ -1,4 +1,5 @@
 """Model definitions of tvm_qconv (torchvision models come from torchvision itself)."""
+from .quantized_vgg import QuantizedVGG16, SmallQuantizedVGG
 from .vgg import SmallVGG
 
-__all__ = ["SmallVGG"]
+__all__ = ["SmallVGG", "QuantizedVGG16", "SmallQuantizedVGG"]

@@ -1,0 +1,99 @@
+"""MetaSchedule search space of the fused int8 conv on CUDA: every candidate runs on ``__dp4a``.
+
+The tuned twin of ``conv2d_nchw4c_dp4a.py``: instead of one heuristic tile, MetaSchedule samples
+tiles, cache placements and unrolling from the space below and measures them
+(``tvm_qconv/tuning.py``, ``tune.py``).
+
+Rules, in the order PostOrderApply runs them over the blocks (``requant``, ``conv``, ``pad``):
+
+1. ``MultiLevelTilingWithIntrin(dp4a_s8s8s32)`` on ``conv``: splits off the 4-wide ``rci``
+   reduction as the dp4a block, tiles the rest ``SSSRRSRS`` (spatial tiles bound to
+   blockIdx.x / vthread.x / threadIdx.x, then reduction and register tiles), reads both
+   operands through shared memory at the outer reduction tile (the intrinsic wants A and B in
+   "shared") and accumulates in registers (C in "local").  The plain ``MultiLevelTiling`` is
+   left out on purpose, so no candidate falls back to scalar int8 multiply-adds.  On sm_80+ the
+   rule adds two software-pipelined variants of the same sketch (3 sketches in all).
+2. ``AutoInline`` after tiling: ``pad`` is inlined into the shared-memory copy of the input
+   (the zero border is produced while loading the tile, no padded copy in global memory), and
+   ``requant`` is reverse-inlined into the register write-back, so the epilogue runs on the
+   accumulators and each output is written once, as int8.  Running it before tiling would
+   inline ``pad`` into ``conv``, and the conditional load no longer matches the dp4a operand.
+3. ``ParallelizeVectorizeUnroll`` (unroll depth sampled) and ``AutoBind`` (binds any block
+   left outside the thread loops).
+
+Postprocessors turn the annotations into code and reject what cannot run: cooperative fetches
+across the block's threads, VerifyGPUCode (threads in [32, 1024], vthreads <= 8, shared
+memory <= the target's 48 KB, which rejects ~94% of random tile samples: the evolutionary
+search keeps sampling), then the tensorize itself.
+
+Measured on VGG16's layer shapes (random samples, see the module's tests): every sample that
+passes the postprocessors contains ``__dp4a`` and builds.  ``vector_load_lens`` has no 3: a
+3-wide cooperative fetch of int8 crashed the CUDA build (``Check failed: (eval_vec_)``) in 2
+of 49 passing samples, and 4 bytes (one input word) is the widest the copy loops allow anyway.
+"""
+from __future__ import annotations
+
+from tvm.s_tir import meta_schedule as ms
+
+from .conv2d_nchw4c_dp4a import DP4A_INTRIN, _ensure_dp4a_registered
+
+STRUCTURE = "SSSRRSRS"
+TILE_BINDS = ["blockIdx.x", "vthread.x", "threadIdx.x"]
+MAX_INNERMOST_FACTOR = 64
+VECTOR_LOAD_LENS = [1, 2, 4]  # int8 lanes per cooperative-fetch load; not 3 (see above)
+UNROLL_MAX_STEPS = [0, 16, 64, 512, 1024]
+
+
+def schedule_rules() -> list:
+    """The schedule rules of the dp4a space, in application order (see the module docstring)."""
+    _ensure_dp4a_registered()  # the tiling rule looks the intrinsic up when constructed
+    rule = ms.schedule_rule
+    return [
+        rule.MultiLevelTilingWithIntrin(
+            DP4A_INTRIN, structure=STRUCTURE, tile_binds=TILE_BINDS,
+            max_innermost_factor=MAX_INNERMOST_FACTOR, vector_load_lens=VECTOR_LOAD_LENS,
+            # Level 4 = under the outer reduction tile: one shared tile per block and k-step.
+            reuse_read=rule.ReuseType(req="must", levels=[4], scope="shared"),
+            # Level 3 = under threadIdx: each thread's accumulators in registers.
+            reuse_write=rule.ReuseType(req="must", levels=[3], scope="local")),
+        # MetaSchedule's CUDA defaults; disallow_if_then_else=False lets the padding inline.
+        rule.AutoInline(into_producer=True, into_consumer=True, inline_const_tensor=True,
+                        disallow_if_then_else=False, require_injective=False, require_ordered=False),
+        rule.ParallelizeVectorizeUnroll(max_jobs_per_core=-1, max_vectorize_extent=-1,
+                                        unroll_max_steps=UNROLL_MAX_STEPS, unroll_explicit=True),
+        rule.AutoBind(),
+    ]
+
+
+def postprocs() -> list:
+    """The postprocessors, in order: the tensorize comes last, after the GPU checks."""
+    post = ms.postproc
+    return [
+        post.DisallowDynamicLoop(),
+        post.RewriteCooperativeFetch(),
+        post.RewriteUnboundBlock(),
+        post.RewriteParallelVectorizeUnroll(),
+        post.RewriteReductionBlock(),
+        post.VerifyGPUCode(),
+        # True vectorizes the accumulator init and fails (init_loops.size() == 1).
+        post.RewriteTensorize(vectorize_init_loop=False),
+    ]
+
+
+def space_generator() -> ms.space_generator.PostOrderApply:
+    """The MetaSchedule design space of :func:`conv2d_nchw4c_int8` for CUDA on ``__dp4a``.
+
+    Returns:
+        A PostOrderApply space generator with the dp4a rules, postprocessors and CUDA
+        mutators; give it to ``ms.TuneContext(space_generator=...)`` with a CUDA target that
+        has ``max_threads_per_block``, ``max_shared_memory_per_block`` and
+        ``thread_warp_size`` (``tvm_qconv.build.make_target``).
+
+    Example::
+
+        ctx = ms.TuneContext(mod=conv2d_nchw4c_int8(wl), target=make_target("cuda", "sm_90"),
+                             space_generator=space_generator(), task_name="conv")
+        sketches = ctx.generate_design_space()
+    """
+    return ms.space_generator.PostOrderApply(sch_rules=schedule_rules(), postprocs=postprocs(),
+                                             mutator_probs=ms.Mutator.create("cuda"))

@@ -1,0 +1,514 @@
+"""Differential tests of the int8 QAT conv (tvm_qconv.nn) against its float twin and an exact reference.
+
+Seed 000's list, with one helper (:func:`run_twins`, tinygrad style) that puts the same seeded
+weights, input and output gradient through three implementations and returns the output and
+every gradient of each:
+
+* ``ours``: ``QuantizedConv2d(ReLU)`` (int8 forward, STE backward);
+* ``ref``:  the float64 autograd of the *dequantized* graph, ``conv(x_q * s_x, w_q * s_w) + b``:
+  what ours must equal up to float32 rounding (tight tolerances);
+* ``twin``: ``TorchConv2d(ReLU)``, the float layer: ours must stay close (int8 tolerances).
+
+``torch.autograd.gradcheck`` does not apply: the quantized forward is piecewise constant in x and
+w (``round``), so finite differences see 0 or a jump, and the STE backward is by design not that
+derivative.  The float64 reference of the dequantized graph takes its place.
+
+Memory is measured by the benchmarks, not here; but what backward keeps is a fact tested below
+(``test_saves_the_input_as_int8``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tvm_qconv.nn import (
+    QuantizedConv2d,
+    QuantizedConv2dReLU,
+    QuantizedLinear,
+    TorchConv2d,
+    TorchConv2dReLU,
+    batch_amax,
+    quantize_per_tensor,
+    quantize_weight,
+    quantized_conv2d,
+)
+from tvm_qconv.nn.functional import INT8_CONV_KERNELS, int8_conv_cpu, pack_bits, padding4, unpack_bits
+from tvm_qconv.observers import quantize_weight_per_channel
+
+# The float twin's own F.conv2d warns about 'same' with an even kernel (it pads a copy); so do we.
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conv layer: nn.Conv2d's arguments, the input size and whether ReLU is fused."""
+
+    name: str
+    cin: int = 8
+    cout: int = 16
+    kernel: int | tuple[int, int] = 3
+    stride: int | tuple[int, int] = 1
+    padding: int | tuple[int, int] | str = 1
+    dilation: int | tuple[int, int] = 1
+    groups: int = 1
+    bias: bool = True
+    relu: bool = True
+    batch: int = 3
+    hw: tuple[int, int] = (10, 10)
+
+    def layers(self):
+        args = (self.cin, self.cout, self.kernel, self.stride, self.padding, self.dilation, self.groups, self.bias)
+        ours = (QuantizedConv2dReLU if self.relu else QuantizedConv2d)(*args)
+        twin = (TorchConv2dReLU if self.relu else TorchConv2d)(*args)
+        return ours, twin
+
+
+CASES = [
+    Case("3x3"),
+    Case("3x3_no_relu", relu=False),
+    Case("no_bias", bias=False),
+    Case("1x1", kernel=1, padding=0),
+    Case("5x5_stride2", kernel=5, stride=2, padding=2),
+    Case("dilation2", dilation=2, padding=2),
+    Case("groups2", groups=2),
+    Case("depthwise", cin=8, cout=8, groups=8),
+    Case("depthwise_x2", cin=8, cout=16, groups=8, relu=False),
+    Case("same_even_kernel", kernel=4, padding="same"),  # asymmetric: 1 top/left, 2 bottom/right
+    Case("odd_everything", cin=5, cout=7, kernel=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2),
+         hw=(11, 9)),
+    Case("valid_wide", cin=24, cout=12, padding="valid", batch=2, hw=(7, 7)),
+]
+CASE_IDS = [c.name for c in CASES]
+GRADS = ["dx", "dw", "db"]
+BASE = CASES[0]
+
+
+@dataclass
+class Result:
+    out: torch.Tensor
+    dx: torch.Tensor | None
+    dw: torch.Tensor | None
+    db: torch.Tensor | None
+
+
+def _input(case: Case, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((case.batch, case.cin) + case.hw, generator=g)
+
+
+def _run(layer, x, grad, x_grad=True):
+    x = x.detach().requires_grad_(x_grad)  # detach keeps the strides (clone may not)
+    out = layer(x)
+    g = grad if grad is not None else torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(g)
+    bias = getattr(layer, "bias", None)
+    return Result(out.detach(), x.grad, layer.weight.grad, None if bias is None else bias.grad), g
+
+
+def _reference(case: Case, layer, x: torch.Tensor, grad: torch.Tensor, amax: torch.Tensor) -> Result:
+    """float64 autograd of conv(x_q * s_x, w_q * s_w) + b (then ReLU): the exact STE gradients."""
+    x_q, s_x = quantize_per_tensor(x, amax)
+    w_q, s_w = quantize_weight(layer.weight)
+    xd = (x_q.double() * s_x.double()).requires_grad_()
+    wd = (w_q.double() * s_w.double().view(-1, 1, 1, 1)).requires_grad_()
+    bd = None if layer.bias is None else layer.bias.detach().double().requires_grad_()
+    # F.conv2d takes 'same'/'valid' itself: an independent check of our padding arithmetic.
+    out = F.conv2d(xd, wd, bd, layer.stride, layer.padding, layer.dilation, layer.groups)
+    if case.relu:
+        out = torch.relu(out)
+    out.backward(grad.double())
+    # STE at the input quantizer: zero where |x| > amax (clipped elements).
+    dx = xd.grad * (x.abs() <= amax)
+    return Result(out.detach(), dx, wd.grad, None if bd is None else bd.grad)
+
+
+def run_twins(case: Case, x: torch.Tensor | None = None, grad: torch.Tensor | None = None, seed: int = 0):
+    """The differential helper: ``(ours, twin, ref)`` Results for the same weights, input and grad."""
+    torch.manual_seed(seed)
+    ours, twin = case.layers()
+    twin.load_state_dict(ours.state_dict())
+    x = _input(case, seed) if x is None else x
+    res_ours, g = _run(ours, x, grad)
+    res_twin, _ = _run(twin, x, g)
+    return res_ours, res_twin, _reference(case, ours, x, g, batch_amax(x))
+
+
+def assert_matches_reference(ours: torch.Tensor, ref: torch.Tensor):
+    # Ours runs in float32 (dequantize: acc * s + b; gradients: float32 convs), the reference in
+    # float64 over the same int8 values: they differ by float32 rounding, ~sqrt(terms) * 2**-24
+    # of the largest value (measured: <= 5e-7).  1e-5 of that scale is 20x above it and far below
+    # any real mistake (one int8 level of one weight moves a value by ~1e-2 of the scale).
+    scale = max(1.0, float(ref.abs().max()))
+    torch.testing.assert_close(ours, ref.to(ours.dtype), rtol=1e-5, atol=1e-5 * scale)
+
+
+def relative_error(ours: torch.Tensor, twin: torch.Tensor) -> float:
+    return float((ours - twin).norm() / twin.norm().clamp_min(1e-12))
+
+
+# ----------------------------------------------------------------------------- 0, 1: base, shapes
+
+def test_base_quickstart_runs_forward_and_backward():
+    conv = QuantizedConv2dReLU(3, 16, kernel_size=3)
+    x = torch.randn(1, 3, 32, 32, requires_grad=True)
+    conv(x).sum().backward()
+    assert x.grad.shape == x.shape and conv.weight.grad.shape == conv.weight.shape
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_output_and_gradient_shapes_match_twin(case):
+    ours, twin, _ = run_twins(case)
+    for name in ("out", "dx", "dw", "db"):
+        a, b = getattr(ours, name), getattr(twin, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+
+
+# ----------------------------------------------------------------------------- 2: zeros
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_zero_input_gives_relu_of_bias_exactly(case):
+    x = torch.zeros((case.batch, case.cin) + case.hw)
+    ours, twin, ref = run_twins(case, x=x)
+    # amax = 0: quantizes to int8 zeros at the minimum scale; the output is the bias alone.
+    assert torch.equal(ours.out, twin.out)
+    assert torch.count_nonzero(ours.dw) == 0  # dw correlates with the (zero) dequantized input
+    assert_matches_reference(ours.dx, ref.dx)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_zero_output_grad_gives_zero_gradients_exactly(case):
+    shape = run_twins(case)[0].out.shape
+    ours, _, _ = run_twins(case, grad=torch.zeros(shape))
+    for name in GRADS:
+        g = getattr(ours, name)
+        assert g is None or torch.count_nonzero(g) == 0, name
+
+
+# ----------------------------------------------------------------------------- 3: output
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_output_within_int8_tolerance_of_twin(case):
+    ours, twin, _ = run_twins(case)
+    # Seed 000's bound.  Each output sums K = cin/groups*kh*kw products whose int8 errors are
+    # independent, |e| <= s_x/2 * |w| + s_w/2 * |x|.  With nn.Conv2d's init (|w| <= 1/sqrt(K)) and
+    # unit-normal inputs (s_x ~ 4.5/127) the error's std is ~0.006 whatever K is (the 1/sqrt(K)
+    # of the init cancels the sqrt(K) of the sum), so 0.05 is > 8 sigma.
+    torch.testing.assert_close(ours.out, twin.out, atol=0.05, rtol=0.01)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_output_matches_exact_dequantized_reference(case):
+    ours, _, ref = run_twins(case)
+    assert_matches_reference(ours.out, ref.out)
+
+
+# ----------------------------------------------------------------------------- 4, 5, 6: gradients
+
+@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradient_matches_exact_dequantized_reference(case, grad):
+    ours, _, ref = run_twins(case)
+    if getattr(ref, grad) is None:
+        assert getattr(ours, grad) is None
+        return
+    assert_matches_reference(getattr(ours, grad), getattr(ref, grad))
+
+
+# Relative L2 error to the float twin.  Without ReLU only int8 rounding separates them: dx sees
+# the weight error (~1/(127*sqrt(3)) of a weight, ~0.5 %), dw the input error (~s_x/sqrt(12) of a
+# unit input, ~1 %), db none (measured: <= 1 %).  The fused ReLU adds mask flips: where |z| is
+# below the output error (std ~0.006) the int8 and float outputs differ in sign, and those
+# elements' gradients pass in one and not in the other.  That is ~0.4 % of the elements, but each
+# carries a whole gradient, and a sum over N*H*W of them moves dw/db by ~10 % (measured: <= 12.4 %),
+# hence the loose 30 %.  These catch a wrong formula (~100 %), not the quantization's size.
+TWIN_GRAD_TOLERANCE = {False: 0.05, True: 0.30}
+
+
+@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradient_close_to_float_twin(case, grad):
+    ours, twin, _ = run_twins(case)
+    if getattr(twin, grad) is None:
+        assert getattr(ours, grad) is None
+        return
+    assert relative_error(getattr(ours, grad), getattr(twin, grad)) < TWIN_GRAD_TOLERANCE[case.relu]
+
+
+# ----------------------------------------------------------------------------- 7: undefined
+
+SCALES = [1e-6, 1.0, 1e4]
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=[f"x{s:g}" for s in SCALES])
+def test_no_nan_or_inf_in_outputs_and_gradients(scale):
+    ours, _, _ = run_twins(BASE, x=_input(BASE, 0) * scale)
+    for name in ("out",) + tuple(GRADS):
+        assert torch.isfinite(getattr(ours, name)).all(), name
+
+
+REQUIRES = [(True, False, False), (False, True, False), (False, False, True), (False, True, True), (True, True, False)]
+REQUIRES_IDS = ["x_only", "weight_only", "bias_only", "params_only", "x_and_weight"]
+
+
+@pytest.mark.parametrize("x_req,w_req,b_req", REQUIRES, ids=REQUIRES_IDS)
+def test_backward_only_for_inputs_that_require_grad(x_req, w_req, b_req):
+    full, _, _ = run_twins(BASE)
+    torch.manual_seed(0)
+    layer, _ = BASE.layers()
+    layer.weight.requires_grad_(w_req)
+    layer.bias.requires_grad_(b_req)
+    part, _ = _run(layer, _input(BASE, 0), None, x_grad=x_req)
+    for name, req in zip(GRADS, (x_req, w_req, b_req)):
+        got = getattr(part, name)
+        if req:
+            assert torch.equal(got, getattr(full, name)), name
+        else:
+            assert got is None, name
+
+
+def test_gradient_through_part_of_the_output_is_defined():
+    torch.manual_seed(0)
+    layer, _ = BASE.layers()
+    x = _input(BASE, 0).requires_grad_()
+    layer(x)[:, :2].sum().backward()  # channels 2.. get no gradient: weight rows 2.. are zero
+    assert torch.isfinite(x.grad).all()
+    assert torch.count_nonzero(layer.weight.grad[2:]) == 0 and torch.count_nonzero(layer.bias.grad[2:]) == 0
+
+
+# ----------------------------------------------------------------------------- 8: no bias
+
+def test_no_bias_layer_has_no_bias_gradient_and_matches_reference():
+    ours, twin, ref = run_twins(Case("nb", bias=False))
+    assert ours.db is None and twin.db is None
+    assert_matches_reference(ours.out, ref.out)
+    assert_matches_reference(ours.dw, ref.dw)
+
+
+# ----------------------------------------------------------------------------- 9: non-contiguous
+
+def _sliced(x):
+    big = torch.zeros(x.shape[:-1] + (2 * x.shape[-1],))
+    big[..., ::2] = x
+    return big[..., ::2]
+
+
+NONCONTIGUOUS = {
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),
+    "transposed": lambda x: x.transpose(2, 3).contiguous().transpose(2, 3),
+    "sliced": _sliced,
+}
+
+
+@pytest.mark.parametrize("layout", list(NONCONTIGUOUS), ids=list(NONCONTIGUOUS))
+def test_noncontiguous_input_and_grad_give_bit_identical_results(layout):
+    x = _input(BASE, 0)
+    strided = NONCONTIGUOUS[layout](x)
+    assert not strided.is_contiguous() and torch.equal(strided, x)
+    contiguous, _, _ = run_twins(BASE, x=x)
+    grad = torch.randn(contiguous.out.shape, generator=torch.Generator().manual_seed(1))
+    ours, _, _ = run_twins(BASE, x=strided, grad=NONCONTIGUOUS[layout](grad))
+    for name in ("out",) + tuple(GRADS):
+        assert torch.equal(getattr(ours, name), getattr(contiguous, name)), name
+
+
+def test_noncontiguous_weight_is_quantized_like_its_contiguous_copy():
+    x, w = _input(BASE, 0), torch.randn(16, 3, 3, 8).permute(0, 3, 1, 2)  # OIHW view of OHWI
+    assert not w.is_contiguous()
+    a = quantized_conv2d(x, w, None, batch_amax(x), padding=1)
+    b = quantized_conv2d(x, w.contiguous(), None, batch_amax(x), padding=1)
+    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- saved tensors
+
+def _saved(fn):
+    """Every tensor autograd keeps for backward while ``fn()`` runs."""
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return kept
+
+
+@pytest.mark.parametrize("case", [BASE, CASES[1]], ids=["relu", "no_relu"])
+def test_saves_the_input_as_int8(case):
+    torch.manual_seed(0)
+    ours, twin = case.layers()
+    twin.load_state_dict(ours.state_dict())
+    x = _input(case, 0).requires_grad_()
+    out = []
+    kept = _saved(lambda: out.append(ours(x)))
+    n_out = out[0].numel()
+    # Exactly: the int8 input, the float weight *parameter itself* (a reference, 0 extra bytes:
+    # backward re-quantizes it), the 0-d input scale, the ReLU mask as bits, and no clip mask
+    # (training quantizes with the batch's own max: nothing clips).
+    expected = {
+        (torch.int8, tuple(x.shape)),
+        (torch.float32, tuple(ours.weight.shape)),
+        (torch.float32, ()),
+        (torch.uint8, (math.ceil(n_out / 8),) if case.relu else (0,)),
+        (torch.uint8, (0,)),
+    }
+    assert {(t.dtype, tuple(t.shape)) for t in kept} == expected
+    floats = [t for t in kept if t.is_floating_point() and t.dim() > 0]
+    assert len(floats) == 1 and floats[0].data_ptr() == ours.weight.data_ptr()
+    extra = [t for t in kept if t.data_ptr() != ours.weight.data_ptr()]
+    ours_bytes = sum(t.numel() * t.element_size() for t in extra)
+    assert ours_bytes == x.numel() + 4 + (math.ceil(n_out / 8) if case.relu else 0)
+    # The twin keeps the float input (4 B/element) and, with ReLU, the float output (4 B).
+    twin_kept = [t for t in _saved(lambda: twin(x)) if t.data_ptr() != twin.weight.data_ptr()]
+    assert sum(t.numel() * t.element_size() for t in twin_kept) == 4 * x.numel() + (4 * n_out if case.relu else 0)
+
+
+def test_bit_mask_round_trips():
+    m = torch.rand(3, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.5  # 105 bits: not a multiple of 8
+    packed = pack_bits(m)
+    assert packed.dtype == torch.uint8 and packed.numel() == 14
+    assert torch.equal(unpack_bits(packed, m.shape), m)
+
+
+# ----------------------------------------------------------------------------- STE, learned scale
+
+def test_input_gradient_is_zero_where_the_learned_scale_clips():
+    torch.manual_seed(0)
+    layer, _ = BASE.layers()
+    x = _input(BASE, 0)
+    layer.input_amax.fill_(0.5 * float(batch_amax(x)))  # a learned scale that clips the tails
+    layer.eval()
+    ours, g = _run(layer, x, None)
+    clipped = x.abs() > layer.input_amax
+    assert clipped.any() and torch.count_nonzero(ours.dx[clipped]) == 0
+    ref = _reference(BASE, layer, x, g, layer.input_amax)
+    assert_matches_reference(ours.dx, ref.dx)
+    assert_matches_reference(ours.dw, ref.dw)
+
+
+def test_training_updates_running_amax_and_eval_uses_it():
+    torch.manual_seed(0)
+    layer, _ = BASE.layers()
+    x1, x2 = _input(BASE, 0), 3 * _input(BASE, 1)
+    layer(x1)
+    assert float(layer.input_amax) == float(batch_amax(x1))  # the first batch initializes
+    layer(x2)
+    m = layer.amax_momentum
+    expected = (1 - m) * batch_amax(x1) + m * batch_amax(x2)
+    torch.testing.assert_close(layer.input_amax, expected, rtol=1e-6, atol=0)
+    assert float(layer.output_amax) > 0
+    layer.eval()
+    before = layer.input_amax.clone()
+    with torch.no_grad():
+        y = layer(x2)
+    assert torch.equal(layer.input_amax, before)  # eval does not update
+    expected_y = quantized_conv2d(x2, layer.weight, layer.bias, before, padding=1, relu=True)
+    assert torch.equal(y, expected_y)
+
+
+# ----------------------------------------------------------------------------- int8 kernel, weights
+
+def _int8_conv_int64(x_q, w_q, stride, pad4, dilation, groups):
+    """Independent integer reference: int64 einsum per kernel tap and group."""
+    top, left, bottom, right = pad4
+    x = F.pad(x_q.long(), (left, right, top, bottom))
+    n, c, h, w = x.shape
+    o, cg, kh, kw = w_q.shape
+    oh = (h - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    og = o // groups
+    out = torch.zeros(n, o, oh, ow, dtype=torch.int64)
+    for gi in range(groups):
+        xs = x[:, gi * cg:(gi + 1) * cg]
+        ws = w_q[gi * og:(gi + 1) * og].long()
+        for r in range(kh):
+            for s in range(kw):
+                r0, s0 = r * dilation[0], s * dilation[1]
+                patch = xs[:, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], s0:s0 + stride[1] * (ow - 1) + 1:stride[1]]
+                out[:, gi * og:(gi + 1) * og] += torch.einsum("nchw,oc->nohw", patch, ws[:, :, r, s])
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cpu_int8_conv_is_exact(case):
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
+    ours, _ = case.layers()
+    w_q = torch.randint(-127, 128, ours.weight.shape, generator=g, dtype=torch.int8)
+    pad4 = padding4(case.padding, ours.kernel_size, ours.dilation)
+    acc = int8_conv_cpu(x_q, w_q, ours.stride, pad4, ours.dilation, case.groups)
+    assert acc.dtype == torch.int32
+    assert torch.equal(acc.long(), _int8_conv_int64(x_q, w_q, ours.stride, pad4, ours.dilation, case.groups))
+
+
+def test_cpu_int8_conv_is_exact_beyond_float32_range():
+    # 512 channels x 3x3 of saturated products: |acc| = 4608 * 16129 ~ 2**26.1, where float32
+    # (24-bit mantissa) can no longer hold every partial sum 16129 * k; float64 (53 bits) can.
+    x_q = torch.full((1, 512, 3, 3), 127, dtype=torch.int8)
+    w_q = torch.full((2, 512, 3, 3), 127, dtype=torch.int8)
+    w_q[1] = -127
+    acc = int8_conv_cpu(x_q, w_q, (1, 1), (0, 0, 0, 0), (1, 1), 1)
+    assert acc.flatten().tolist() == [4608 * 16129, -4608 * 16129]
+
+
+def test_cpu_is_the_registered_kernel():
+    assert INT8_CONV_KERNELS["cpu"] is int8_conv_cpu
+
+
+WEIGHT_SHAPES = [(16, 8, 3, 3), (7, 5, 3, 2), (10, 32)]
+
+
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES, ids=["conv3x3", "conv3x2", "dense"])
+def test_int8_weights_are_the_compile_steps_bit_for_bit(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    w[0] = 0  # an all-zero channel: minimum scale, quantizes to 0
+    q, s = quantize_weight(w)
+    q_np, s_np = quantize_weight_per_channel(w.numpy())
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert s.shape == (shape[0],) and s.dtype == torch.float32
+    assert torch.equal(q, torch.from_numpy(q_np)) and torch.equal(s, torch.from_numpy(s_np))
+
+
+def test_input_quantizer_rounds_to_nearest_and_clips_symmetric():
+    q, s = quantize_per_tensor(torch.tensor([0.5, -1.0, 3.0, -3.0, 0.004]), torch.tensor(1.0))
+    assert q.tolist() == [64, -127, 127, -127, 1] and s == torch.tensor(1.0) / 127
+
+
+def test_padding_modes_other_than_zeros_are_rejected():
+    with pytest.raises(ValueError, match="padding_mode='zeros'"):
+        QuantizedConv2dReLU(3, 8, 3, padding=1, padding_mode="reflect")
+
+
+def test_unregistered_device_names_the_registration_hook():
+    x_q = torch.zeros(1, 1, 3, 3, dtype=torch.int8, device="meta")
+    with pytest.raises(NotImplementedError, match="register_int8_conv_kernel"):
+        from tvm_qconv.nn.functional import _int8_conv_forward
+        _int8_conv_forward(x_q, x_q, (1, 1), (0, 0, 0, 0), (1, 1), 1)
+
+
+# ----------------------------------------------------------------------------- linear
+
+def test_quantized_linear_matches_twin_and_reference():
+    torch.manual_seed(0)
+    ours = QuantizedLinear(64, 10)
+    twin = torch.nn.Linear(64, 10)
+    twin.load_state_dict({k: v for k, v in ours.state_dict().items() if k in ("weight", "bias")})
+    x = torch.randn(5, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), twin(xb)
+    torch.testing.assert_close(ya, yb, atol=0.05, rtol=0.01)  # same bound as the conv
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    x_q, s_x = quantize_per_tensor(x, batch_amax(x))
+    w_q, s_w = quantize_weight(ours.weight)
+    # The dense STE gradients in closed form, float64 over the dequantized tensors.
+    assert_matches_reference(xa.grad, g.double() @ (w_q.double() * s_w.double()[:, None]))
+    assert_matches_reference(ours.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
+    assert_matches_reference(ours.bias.grad, g.double().sum(0))

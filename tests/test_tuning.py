@@ -1,0 +1,330 @@
+"""MetaSchedule tuning on CPU: the dp4a design space, task extraction, the database round trip.
+
+No GPU here, so nothing is measured.  Random schedules from the design space are checked the
+way the default dp4a schedule is (test_conv_schedules.py): they build to CUDA source that calls
+``__dp4a``, and their CPU twin (thread loops serial, dp4a as 4 multiply-adds) is bit-exact
+against NumPy.  The database tests store real traces with made-up run times.
+"""
+import json
+import os
+import re
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import tvm
+import tvm_ffi
+from tvm.s_tir import meta_schedule as ms
+from tvm.script import parser as tvmscript
+
+import tune
+from models import SmallVGG
+from schedules.conv2d_nchw4c_dp4a import _ensure_dp4a_registered
+from schedules.conv2d_nchw4c_dp4a_space import schedule_rules, space_generator
+from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload as W, ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,
+                                          pack_channels, pack_nchw4c, pack_oihw4o4i)
+from schedules.requantize import quantize_multiplier
+from tvm_qconv.build import make_target, quantize_module
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.errors import InputError
+from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
+from tvm_qconv.tuning import (RECORD_FILE, WORKLOAD_FILE, _int8_module, _repair_database, apply_tuning_database,
+                              extract_conv_tasks, prune_database, tune_model)
+
+CUDA = make_target("cuda", "sm_90")
+SIZE = 32
+# Two convs of one shape (16->16 at 32x32 and 32->32 at 16x16 twice): 5 convs, 4 tasks.
+CFG = (16, 16, 16, "M", 32, 32, 32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dp4a_only_tensor_intrin():
+    """Let TuneContext's ``import tvm.s_tir.tensor_intrin`` find a package with dp4a only.
+
+    The real package builds every intrinsic through TVMScript, whose parser walks
+    inspect.stack() for each of ~500 of them: 30-60 s here, more with torch loaded.  These
+    tests need only dp4a (what tune_model's builder workers need too: nothing), so while they
+    run the package is an empty module over the real folder, and dp4a is registered the way
+    the default schedule does it.
+    """
+    name = "tvm.s_tir.tensor_intrin"
+    _ensure_dp4a_registered()
+    if name in sys.modules:
+        yield
+        return
+    package = types.ModuleType(name)
+    package.__path__ = [os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin")]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, name, package)
+        yield
+
+
+def sample_schedules(func, count: int, tries: int = 100, seed: int = 1) -> list:
+    """Up to ``count`` random schedules of the dp4a space that pass every postprocessor."""
+    ctx = ms.TuneContext(mod=func, target=CUDA, task_name="t", rand_state=seed, space_generator=space_generator())
+    sketches = ctx.generate_design_space()
+    found = []
+    for i in range(tries):
+        sch = tvm.s_tir.Schedule(ctx.mod, seed=seed + i)
+        trace = tvm.s_tir.schedule.Trace(sketches[i % len(sketches)].trace.insts, {})  # no decisions: resample
+        trace.apply_to_schedule(sch, remove_postproc=True)
+        if all(p.apply(sch) for p in ctx.space_generator.postprocs):
+            found.append(sch)
+            if len(found) == count:
+                break
+    return found
+
+
+def cuda_source(mod) -> str:
+    with CUDA:
+        ex = tvm.compile(mod, target=CUDA)
+    mods = [ex.mod]
+    while mods:
+        m = mods.pop()
+        if m.kind == "cuda":
+            return m.inspect_source()
+        mods.extend(m.imports)
+    raise AssertionError("no cuda module in the build")
+
+
+_DP4A_CALL = re.compile(
+    r'T\.call_pure_extern\("int32", "__dp4a", (\w+)\[T\.Ramp\(0, 1, 4\)\], (\w+)\[T\.Ramp\(0, 1, 4\)\], 0\)')
+
+
+def cpu_twin(func):
+    """The scheduled CUDA PrimFunc made runnable on llvm: thread loops serial (annotations kept),
+    shared/local buffers global, each __dp4a its 4 multiply-adds.  The software-pipeline
+    annotations go: pipelining reorders copies for overlap, not the arithmetic, and its async
+    copies need a GPU."""
+    text = func.script()
+    text, n_bind = re.subn(r'T\.thread_binding\((\d+), thread="[\w.]+"(, annotations=\{[^}]*\})?\)',
+                           r"T.serial(\1\2)", text)
+    text = re.sub(r'"software_pipeline_\w+": \[[\d, ]*\](, )?', "", text)
+    text, n_dp4a = _DP4A_CALL.subn(lambda m: "(" + " + ".join(
+        f'T.Cast("int32", {m[1]}[{i}]) * T.Cast("int32", {m[2]}[{i}])' for i in range(4)) + ")", text)
+    text = text.replace('scope="shared"', 'scope="global"').replace('scope="local"', 'scope="global"')
+    assert n_bind > 0 and n_dp4a == 1, (n_bind, n_dp4a)
+    return tvmscript.parse(text)
+
+
+def run_twin(func, wl: W, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(twin output, NumPy reference) on random int8 data and realistic requant multipliers."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width), dtype=np.int8)
+    w = rng.integers(-128, 128, (wl.out_channels, wl.in_channels) + tuple(wl.kernel), dtype=np.int8)
+    bias = rng.integers(-2 ** 15, 2 ** 15, wl.out_channels).astype(np.int32)
+    mult, shift = quantize_multiplier(rng.uniform(1e-4, 1e-2, wl.out_channels))
+    args = (pack_nchw4c(a), pack_oihw4o4i(w), pack_channels(bias), pack_channels(mult), pack_channels(shift, fill=1))
+    ex = tvm.compile(tvm.IRModule({"main": cpu_twin(func)}), target=tvm.target.Target("llvm"))
+    out = tvm.runtime.tensor(np.zeros((wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4),
+                                      np.int8), tvm.cpu())
+    ex["main"](*[tvm.runtime.tensor(x, tvm.cpu()) for x in args], out)
+    return out.numpy(), conv2d_nchw4c_int8_ref(*args, wl)
+
+
+def test_space_tiles_only_with_dp4a():
+    assert [type(r).__name__ for r in schedule_rules()] == [
+        "MultiLevelTilingWithIntrin", "AutoInline", "ParallelizeVectorizeUnroll", "AutoBind"]
+    ctx = ms.TuneContext(mod=conv2d_nchw4c_int8(W(1, 64, 28, 28, 64)), target=CUDA, task_name="t",
+                         space_generator=space_generator())
+    sketches = ctx.generate_design_space()
+    assert len(sketches) == 3  # plain + two software-pipelined variants (sm_80+)
+    assert all('ann_val="dp4a_s8s8s32"' in str(s.trace) for s in sketches)
+
+
+# The first VGG16 conv (3 channels, padded to 4) and a 3x3 64->64 layer, at test sizes.
+@pytest.mark.parametrize("wl", [W(1, 3, 32, 32, 64), W(1, 64, 28, 28, 64)], ids=["stem_3to64", "3x3_64to64"])
+def test_sampled_schedules_tensorize_fuse_pad_and_requant_and_build(wl):
+    schedules = sample_schedules(conv2d_nchw4c_int8(wl), count=3)
+    assert len(schedules) == 3
+    for sch in schedules:
+        trace = str(sch.trace)
+        assert 'tensor_intrin="dp4a_s8s8s32"' in trace
+        # pad inlined into the shared-memory copy, requant into the register write-back
+        assert re.search(r"sch\.compute_inline\(block=(b\d+)\)", trace)[1] == \
+            re.search(r'(b\d+) = sch\.get_sblock\(name="pad"', trace)[1]
+        assert re.search(r"sch\.reverse_compute_inline\(block=(b\d+)\)", trace)[1] == \
+            re.search(r'(b\d+) = sch\.get_sblock\(name="requant"', trace)[1]
+        script = sch.mod.script()
+        assert 'T.sblock("pad")' not in script and 'T.sblock("requant")' not in script
+        write_back = script[script.index('T.sblock("conv_local")'):]
+        assert "requant[v0, v1, v2, v3, v4] = " in write_back and "conv_local[v0, v1, v2, v3, v4]" in write_back
+        body = cuda_source(sch.mod)
+        body = body[body.index("__global__"):]
+        assert "__dp4a(" in body and "__shared__" in body
+
+
+# Stride, dilation, a 7x7 stem with batch 2 and no ReLU, odd channel counts.
+@pytest.mark.parametrize("wl", [W(1, 16, 8, 8, 16), W(1, 20, 13, 11, 36, stride=(2, 2), dilation=(1, 2)),
+                                W(2, 3, 17, 17, 8, (7, 7), (2, 2), (3, 3, 3, 3), relu=False)],
+                         ids=["3x3_16to16_8", "3x3s2d1x2_20to36", "stem_7x7s2_b2_norelu"])
+def test_sampled_schedules_are_bit_exact_on_the_cpu_twin(wl):
+    schedules = sample_schedules(conv2d_nchw4c_int8(wl), count=2, tries=200)
+    assert schedules
+    for sch in schedules:
+        out, ref = run_twin(sch.mod["main"], wl)
+        np.testing.assert_array_equal(out, ref)
+
+
+@pytest.fixture(scope="module")
+def small_int8():
+    """(model, int8 module as compile_model builds it, tasks of the module tune_model builds)."""
+    torch.manual_seed(0)
+    model = SmallVGG(cfg=CFG)
+    images = np.random.default_rng(0).normal(size=(4, 3, SIZE, SIZE)).astype(np.float32)
+    qmod, _, _, _ = quantize_module(model, (1, 3, SIZE, SIZE), QuantConfig(calibration="max"), images,
+                                    progress=False)
+    return model, LiftConstantsToParams()(qmod), extract_conv_tasks(_int8_module(model, 1, SIZE))
+
+
+def test_extract_conv_tasks_dedupes_and_counts(small_int8):
+    _, _, tasks = small_int8
+    assert [(t.name, t.weight) for t in tasks] == [
+        ("3to16_3x3s1_32x32_b1", 1), ("16to16_3x3s1_32x32_b1", 2), ("16to32_3x3s1_16x16_b1", 1),
+        ("32to32_3x3s1_16x16_b1", 2)]
+    assert tasks[1].workload == W(1, 16, 32, 32, 16)
+    assert tasks[1].func.attrs["global_symbol"] == "main" and "op_pattern" not in tasks[1].func.attrs
+
+
+def test_tuning_and_building_present_the_same_workloads(small_int8):
+    """tune_model calibrates on 2 photos, compile_model on other images with another observer:
+    the database must still find every kernel."""
+    _, qmod, tasks = small_int8
+    built = extract_conv_tasks(qmod)
+    assert [t.name for t in built] == [t.name for t in tasks]
+    assert all(tvm_ffi.structural_equal(a.func, b.func) for a, b in zip(built, tasks))
+
+
+def commit(work_dir, task, secs_list) -> None:
+    """Commit one random valid schedule of ``task`` per entry of ``secs_list`` (run times in s),
+    as the task scheduler would: workload = the TuneContext's module."""
+    db = ms.database.JSONDatabase(work_dir=str(work_dir))
+    mod = ms.TuneContext(mod=task.func).mod
+    wk = db.commit_workload(mod)
+    schedules = sample_schedules(task.func, count=len(secs_list))
+    for sch, secs in zip(schedules, secs_list):
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, wk, [secs], CUDA,
+                                                         ms.arg_info.ArgInfo.from_prim_func(mod["main"])))
+
+
+@pytest.fixture(scope="module")
+def tuned_db(small_int8, tmp_path_factory):
+    """A database with two valid records for the twice-used 16->16 conv (best 5 us) and a failed
+    one for the first conv."""
+    _, _, tasks = small_int8
+    work_dir = tmp_path_factory.mktemp("tuned")
+    commit(work_dir, tasks[1], [8e-6, 5e-6])
+    commit(work_dir, tasks[0], [1e10])
+    return work_dir
+
+
+def test_apply_schedules_exactly_the_tuned_kernel_and_the_model_builds(small_int8, tuned_db):
+    _, qmod, tasks = small_int8
+    mod, tuned = apply_tuning_database(qmod, str(tuned_db), CUDA)
+    shapes = {gv.name_hint: W(**eval(str(f.attrs["tvm_qconv.workload"]))) for gv, f in qmod.functions.items()
+              if "tvm_qconv.workload" in (f.attrs or {})}
+    (name,) = [n for n, wl in shapes.items() if wl == tasks[1].workload]
+    assert tuned == {name: "16->16 3x3 s1 @32x32 b1"}  # the failed record of tasks[0] is not applied
+    func = mod[name]
+    assert func.attrs["tir.is_scheduled"] and "global_symbol" not in func.attrs
+    assert func.attrs["tvm_qconv.kernel"] == "conv2d_nchw4c_int8" and func.attrs["op_pattern"] == 8
+    assert not qmod[name].attrs.get("tir.is_scheduled", False)  # the input module is left alone
+    sched = ScheduleInt8Kernels(CUDA)
+    mod = sched(mod)
+    convs = {k: v[1] for k, v in sched.applied.items() if v[0] == "conv2d_nchw4c_int8"}
+    assert convs == {n: "tuned" if n == name else "default" for n in shapes}
+    with CUDA:
+        tvm.compile(mod, target=CUDA)
+
+
+def test_apply_warns_about_another_arch_and_no_match(small_int8, tuned_db, capsys):
+    _, qmod, _ = small_int8
+    _, tuned = apply_tuning_database(qmod, str(tuned_db), make_target("cuda", "sm_80"))
+    assert len(tuned) == 1 and "was tuned for sm_90, building for sm_80" in capsys.readouterr().err
+    torch.manual_seed(0)
+    other, _, _, _ = quantize_module(SmallVGG(cfg=(8, "M", 8)), (1, 3, SIZE, SIZE), QuantConfig(calibration="max"),
+                                     np.ones((1, 3, SIZE, SIZE), np.float32), progress=False)
+    _, tuned = apply_tuning_database(other, str(tuned_db), CUDA)
+    assert tuned == {} and "covers none of this model's 2 conv kernels" in capsys.readouterr().err
+
+
+def test_interrupted_write_is_repaired_with_a_backup(small_int8, tuned_db, tmp_path, capsys):
+    _, qmod, _ = small_int8
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
+    records = (tmp_path / RECORD_FILE).read_bytes()
+    (tmp_path / RECORD_FILE).write_bytes(records + records.split(b"\n")[1][:300])  # killed mid-line
+    _, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA)  # in memory: skips the line, writes nothing
+    assert len(tuned) == 1 and len(os.listdir(tmp_path)) == 2
+    with pytest.raises(Exception):
+        ms.database.JSONDatabase(work_dir=str(tmp_path))  # MetaSchedule itself cannot load it
+    assert _repair_database(str(tmp_path)) == 2
+    assert "dropped 1 unreadable line(s)" in capsys.readouterr().err
+    backup = [f for f in os.listdir(tmp_path) if f.startswith(RECORD_FILE + ".bak-")]
+    assert len(backup) == 1 and (tmp_path / RECORD_FILE).read_bytes() == records
+    assert len(ms.database.JSONDatabase(work_dir=str(tmp_path))) == 3
+
+
+def test_prune_keeps_the_best_valid_record_per_workload(tuned_db, tmp_path):
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
+    assert prune_database(str(tmp_path)) == (3, 1)
+    (line,) = (tmp_path / RECORD_FILE).read_text().splitlines()
+    assert json.loads(line)[1][1] == [5e-6]
+    assert not [f for f in os.listdir(tmp_path) if ".bak-" in f]  # nothing to repair, no backup
+
+
+def test_apply_without_usable_records_says_how_to_tune(small_int8, tuned_db, tmp_path):
+    _, qmod, _ = small_int8
+    with pytest.raises(InputError, match=r"tuning log folder .*/nope does not exist: create it with "
+                                         r"`python tune.py --model MODEL --batch N"):
+        apply_tuning_database(qmod, str(tmp_path / "nope"), CUDA)
+    with pytest.raises(InputError, match="has no MetaSchedule database"):
+        apply_tuning_database(qmod, str(tmp_path), CUDA)
+    (tmp_path / WORKLOAD_FILE).write_bytes((tuned_db / WORKLOAD_FILE).read_bytes())
+    (failed,) = [line for line in (tuned_db / RECORD_FILE).read_text().splitlines() if json.loads(line)[1][1] == [1e10]]
+    (tmp_path / RECORD_FILE).write_text(failed + "\n")
+    with pytest.raises(InputError, match="has no successfully measured schedule"):
+        apply_tuning_database(qmod, str(tmp_path), CUDA)
+
+
+def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, capsys):
+    model, _, tasks = small_int8
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
+    # 2 valid records = 2 trials done: nothing is tuned (no builder or runner is even created)
+    rows = tune_model("small_vgg", 1, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE, model=model,
+                      only=[tasks[1].name], peak_tops=100.0)
+    out = capsys.readouterr().out
+    assert "nothing to tune" in out and "16->16 3x3 s1 @32x32 b1" in out
+    assert rows == [dict(task=tasks[1].name, shape="16->16 3x3 s1 @32x32 b1", occurrences=2, trials=2,
+                         best_us=pytest.approx(5.0), tops=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12),
+                         pct_peak=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12))]  # of 100 TOPS
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["model"], cfg["batch"], cfg["arch"], cfg["image_size"], len(cfg["runs"])) == ("small_vgg", 1, "sm_90",
+                                                                                              SIZE, 1)
+    assert cfg["tvm_version"] == tvm.__version__
+    with pytest.raises(InputError, match="holds tuning logs for batch=1, not 2"):
+        tune_model("small_vgg", 2, work_dir=str(tmp_path), image_size=SIZE, model=model)
+    with pytest.raises(InputError, match="unknown task.*has 3to16_3x3s1_32x32_b1"):
+        tune_model("small_vgg", 1, work_dir=str(tmp_path), image_size=SIZE, model=model, only=["64to64"])
+
+
+def test_cli_errors_are_one_line_and_help_lists_every_flag(capsys, tmp_path):
+    assert tune.main(["--model", "vgg17", "--work-dir", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown model 'vgg17'") and "\n" not in err
+    assert not (tmp_path / "t").exists()
+    for bad in (["--batch", "0"], ["--arch", "90"], ["--peak-tops", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            tune.main(["--model", "vgg16", *bad])
+        assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        tune.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model", "--batch", "--target", "--arch", "--trials", "--work-dir", "--image-size", "--workers",
+                 "--trials-per-iter", "--seed", "--only", "--peak-tops", "--prune"):
+        assert flag in text

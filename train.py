@@ -1,0 +1,66 @@
+"""train.py: train a VGG on scikit-learn's digits, in float or int8 quantization-aware (QAT).
+
+    python train.py --model small_vgg --epochs 5 --qat --out ckpt.pt
+
+With --qat it trains the int8 model and, for comparison, the float model from the same initial
+weights (--no-baseline skips it), then prints the float, post-training-quantized and QAT test
+accuracies.  The checkpoint holds the float-compatible state dict, the learned ranges
+("features.0.in0", "features.0.out", ...), the config and the accuracies.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tvm_qconv.train import MODELS, TrainConfig
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default=d.model, help=f"model (default {d.model})")
+    p.add_argument("--epochs", type=_positive, default=d.epochs, help=f"training epochs (default {d.epochs})")
+    p.add_argument("--batch-size", type=_positive, default=d.batch_size, help=f"batch size (default {d.batch_size})")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help=f"Adam learning rate (default {d.lr})")
+    p.add_argument("--qat", action="store_true", help="quantization-aware training with the int8 layers")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="with --qat: do not train the float model for comparison")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"initialization, batch order, data split (default {d.seed})")
+    p.add_argument("--out", default=None, help="checkpoint file to write (default: none)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tvm_qconv.train import TrainConfig, run_training
+    config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                         qat=args.qat, seed=args.seed)
+    print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
+    run_training(config, out=args.out, baseline=args.baseline, report=print)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""tune.py: MetaSchedule-tune the int8 conv kernels of a model for a CUDA GPU.
+
+    python tune.py --model vgg16 --batch 1 --arch sm_90 --trials 64
+    python deploy.py build --model vgg16 --batch 1 --target cuda --arch sm_90 \\
+        --tuning-log tuning_logs/vgg16-b1-sm_90 -o build/vgg16_tuned.so
+
+Every distinct conv layer is one task, tuned until it has --trials valid measurements on this
+machine's GPU in a MetaSchedule database under tuning_logs/<model>-b<batch>-<arch>/ (logs/
+holds MetaSchedule's full per-task logs).  Run the same command again to continue an
+interrupted run: records already in the database count, finished tasks are skipped.  Tune with
+the batch size and image size you will build with: the database matches kernels by their exact
+shape.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def _arch(text: str) -> str:
+    if not (text.startswith("sm_") and text[3:].rstrip("a").isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a CUDA arch such as sm_90 or sm_80, got {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
+    p.add_argument("--batch", type=_positive, default=1, help="batch size to tune for (default 1)")
+    p.add_argument("--target", choices=["cuda"], default="cuda",
+                   help="only cuda: the kernels are tuned on the dp4a search space")
+    p.add_argument("--arch", type=_arch, default="sm_90", help="CUDA arch of the GPU (default sm_90)")
+    p.add_argument("--trials", type=_positive, default=64,
+                   help="valid measurements per task, counting those already in the database (default 64)")
+    p.add_argument("--work-dir", default=None,
+                   help="database folder (default tuning_logs/<model>-b<batch>-<arch>)")
+    p.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
+    p.add_argument("--workers", type=_positive, default=None, help="parallel builds (default: all CPU cores)")
+    p.add_argument("--trials-per-iter", type=_positive, default=64,
+                   help="candidates built and measured per round (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    p.add_argument("--only", nargs="+", default=None, metavar="TASK",
+                   help="tune only these tasks (names as printed in the table, e.g. 64to64_3x3s1_224x224_b1)")
+    p.add_argument("--peak-tops", type=_positive_float, default=None,
+                   help="the GPU's dp4a peak in TOPS, to print each task's %% of it")
+    p.add_argument("--prune", action="store_true",
+                   help="afterwards keep only the best record per task (small enough to commit)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from tvm_qconv.errors import InputError
+    from tvm_qconv.tuning import default_work_dir, prune_database, tune_model
+    work_dir = args.work_dir or default_work_dir(args.model, args.batch, args.arch)
+    print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
+          f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
+          f"seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
+    try:
+        tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
+                   work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
+                   max_workers=args.workers, seed=args.seed, only=args.only, peak_tops=args.peak_tops)
+        if args.prune:
+            before, after = prune_database(work_dir)
+            print(f"[tune] pruned {work_dir}: {before} -> {after} records")
+    except InputError as err:
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

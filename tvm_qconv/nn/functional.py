@@ -1,0 +1,416 @@
+"""Quantization-aware int8 conv / linear for PyTorch training: quantizers and the autograd Function.
+
+Forward (seed 000's scheme, symmetric, zero point 0 everywhere)::
+
+    s_x    = amax / 127                       per tensor; amax = max|x| of the batch in training,
+                                              the learned (EMA) amax in eval
+    s_w[o] = max|w[o]| / 127                  per output channel
+    x_q    = clamp(round(x / s_x), -127, 127)            int8
+    w_q    = clamp(round(w / s_w[o]), -127, 127)         int8
+    acc    = conv(x_q, w_q)                              int32, exact
+    y      = relu(acc * s_x * s_w[o] + bias[o])          float (relu optional)
+
+Backward (seed 000's derivation, straight-through estimator at the quantizers)::
+
+    g  = dL/dy * [y > 0]                      (ReLU mask, relu only)
+    dx = conv_transpose(g, w_q * s_w) * [|x| <= amax]     the *dequantized int8* weights;
+                                                           zero where the input quantizer clipped
+    dw = correlate(g, x_q * s_x)                           the *dequantized int8* input
+    db = sum(g over N, H, W)
+
+``ctx`` keeps only what backward needs, and no activation at float width: the int8 input (1 byte
+per input element), the scalar input scale, the ReLU mask packed 8 per byte (1/8 byte per output
+element) and, only if something clipped, the clip mask packed the same way (1/8 byte per input
+element).  The float twin (``nn.Conv2d`` + ReLU) keeps the float input and the float output:
+4 + 4 bytes per element.
+
+The int8 weight and its scales are *not* kept: backward re-quantizes the float weight, which
+autograd keeps by reference (the parameter, 0 extra bytes; its version counter guarantees it
+is unchanged), and the result is bit-identical to the forward's.  An int8 copy would cost
+1 byte per weight for nothing: in VGG16 at 224x224, batch 2, that is 132 MiB (the classifier has
+123 M weights); with it the quantized model kept 223 MiB for backward against the float twin's
+140 MiB, without it 91 MiB.  Re-quantizing costs one elementwise pass over the weights per backward.
+
+Where kernels plug in
+---------------------
+The autograd code calls three functions and never a kernel directly:
+
+* :func:`_int8_conv_forward` ``(x_q, w_q, stride, padding, dilation, groups) -> int32`` looks up
+  ``INT8_CONV_KERNELS[x_q.device.type]``.  The CPU entry (:func:`int8_conv_cpu`) is exact
+  (see its docstring).  The CUDA path (TVM-generated int8 kernels, exchanged through DLPack,
+  compiled once per shape and cached on disk) registers itself with
+  ``register_int8_conv_kernel("cuda", fn)``; the autograd Function does not change.  Its
+  contract: contiguous NCHW int8 ``x_q``, contiguous OIHW int8 ``w_q`` (``I = C / groups``),
+  ``padding = (top, left, bottom, right)``, returns contiguous NCHW int32 on ``x_q``'s device.
+  Linear layers reach the same entry point as 1x1 convs on a 1x1 image (``H = W = 1``), so a
+  kernel may route that case to a dense kernel.
+* :func:`_conv_input_grad` and :func:`_conv_weight_grad` compute ``dx`` and ``dw`` from the
+  dequantized tensors with PyTorch's own conv gradients (float32; cuDNN on a GPU), which are
+  device-generic: a faster kernel would replace these two functions and nothing else.
+
+Inputs reach the kernels contiguous (``.contiguous()`` in forward and backward): TVM's DLPack
+import rejects non-compact arrays (channels_last, transposed or sliced views), and the CPU path
+gains nothing from strides either.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..observers import MIN_WEIGHT_SCALE, QMAX
+
+# The scale of an all-zero tensor (amax == 0): any positive scale quantizes 0 exactly.
+MIN_INPUT_SCALE = MIN_WEIGHT_SCALE
+# float64 represents every integer below 2**53 exactly; an int8 x int8 product is at most
+# 127 * 127 = 16129 < 2**14 and an int32 accumulator is below 2**31, so a float64 conv of int8
+# values is exact whatever order its GEMM sums in.  float32 (2**24) would already be inexact
+# for one 3x3 conv with 1041+ input channels per group of saturated values (VGG16 has 512).
+_EXACT_FLOAT = torch.float64
+_BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+Padding4 = tuple[int, int, int, int]  # (top, left, bottom, right), as Conv2dWorkload.padding
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+def input_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-tensor int8 scale ``amax / 127`` (at least ``MIN_INPUT_SCALE``).
+
+    Args:
+        amax: 0-d float tensor, the clipping threshold for |x|.
+
+    Returns:
+        0-d float32 tensor on ``amax``'s device.
+    """
+    return torch.clamp(amax.detach().to(torch.float32) / QMAX, min=MIN_INPUT_SCALE)
+
+
+def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to int8 with one symmetric scale ``amax / 127``.
+
+    Rounds to nearest (ties to even, as ``np.rint`` in the compile step) instead of the seed's
+    truncation: truncation pulls every value toward zero, a bias that does not average out
+    over a convolution's sum, and doubles the worst-case error from ``s/2`` to ``s``.
+    Values beyond ``amax`` clip to +-127 (-128 is unused, so the range is symmetric).
+
+    Args:
+        x: float tensor of any shape.
+        amax: 0-d float tensor >= 0.
+
+    Returns:
+        ``(x_q, scale)``: int8 ``x_q`` of ``x``'s shape and the 0-d float32 scale;
+        ``x ~= x_q * scale``.
+
+    Example:
+        >>> q, s = quantize_per_tensor(torch.tensor([0.5, -1.0, 3.0]), torch.tensor(1.0))
+        >>> q.tolist()
+        [64, -127, 127]
+    """
+    scale = input_scale(amax)
+    q = torch.clamp(torch.round(x.detach().to(torch.float32) / scale), -QMAX, QMAX)
+    return q.to(torch.int8), scale
+
+
+def weight_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric scales ``max|w[o]| / 127`` (at least ``MIN_WEIGHT_SCALE``).
+
+    The same float32 arithmetic as :func:`tvm_qconv.observers.weight_scales_per_channel`, so
+    the int8 weights trained here are the ones the compile step builds, bit for bit.
+
+    Args:
+        w: weights with output channels on axis 0.
+
+    Returns:
+        float32 tensor of shape ``(O,)``.
+    """
+    amax = w.detach().reshape(w.shape[0], -1).abs().amax(dim=1).to(torch.float32)
+    return torch.clamp(amax / QMAX, min=MIN_WEIGHT_SCALE)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize weights to int8, symmetric per output channel, rounding to nearest.
+
+    Args:
+        w: weights with output channels on axis 0 (OIHW, or OI).
+
+    Returns:
+        ``(w_q, scales)``: int8 ``w_q`` with ``w``'s shape, values in [-127, 127], and float32
+        ``scales`` of shape ``(O,)``; ``w ~= w_q * scales[:, None, ...]``.  Nothing clips
+        (the scale comes from ``max|w[o]|``), so the weight STE passes every gradient.
+    """
+    scales = weight_scales(w)
+    s = scales.reshape((-1,) + (1,) * (w.dim() - 1))
+    q = torch.clamp(torch.round(w.detach().to(torch.float32) / s), -QMAX, QMAX)
+    return q.to(torch.int8), scales
+
+
+def batch_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x|`` as a 0-d float32 tensor (0 for an empty tensor), without an |x| temporary."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(-lo, hi).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- bit masks
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor 8 elements per byte (uint8, ``ceil(numel / 8)`` long)."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
+    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a bool tensor of ``shape``."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) & weights) != 0
+    n = 1
+    for d in shape:
+        n *= d
+    return bits.reshape(-1)[:n].reshape(tuple(shape))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _is_symmetric(padding: Padding4) -> bool:
+    top, left, bottom, right = padding
+    return top == bottom and left == right
+
+
+def _pad(x: torch.Tensor, padding: Padding4) -> torch.Tensor:
+    top, left, bottom, right = padding
+    return F.pad(x, (left, right, top, bottom))
+
+
+def int8_conv_cpu(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], padding: Padding4,
+                  dilation: tuple[int, int], groups: int) -> torch.Tensor:
+    """Exact int8 x int8 -> int32 conv through PyTorch's float64 conv.
+
+    PyTorch has no integer conv on the CPU.  Its float64 conv is im2col + a float64 GEMM
+    (``Slow2d`` / ``SlowDilated2d``: oneDNN, NNPACK and Winograd only take float32), and every
+    product and partial sum is an integer below 2**53, so the result is exact in any summation
+    order.  Asymmetric padding is applied explicitly (zero point 0: padding with 0 is exact).
+
+    Args:
+        x_q: int8 NCHW input.
+        w_q: int8 OIHW weight, ``I = C / groups``.
+        stride, dilation: (h, w).
+        padding: (top, left, bottom, right).
+        groups: conv groups.
+
+    Returns:
+        int32 NCHW accumulators.
+    """
+    x = x_q.to(_EXACT_FLOAT)
+    if _is_symmetric(padding):
+        pad = (padding[0], padding[1])
+    else:
+        x, pad = _pad(x, padding), (0, 0)
+    acc = F.conv2d(x, w_q.to(_EXACT_FLOAT), None, stride, pad, dilation, groups)
+    return acc.to(torch.int32)
+
+
+# Device type -> int8 conv kernel with int8_conv_cpu's signature and contract.
+INT8_CONV_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"cpu": int8_conv_cpu}
+
+
+def register_int8_conv_kernel(device_type: str, kernel: Callable[..., torch.Tensor]) -> None:
+    """Make ``kernel`` compute every int8 conv on ``device_type`` (e.g. ``"cuda"``).
+
+    Args:
+        device_type: ``torch.device.type`` of the tensors it takes.
+        kernel: ``(x_q, w_q, stride, padding, dilation, groups) -> int32``, the contract of
+            :func:`int8_conv_cpu`.
+    """
+    INT8_CONV_KERNELS[device_type] = kernel
+
+
+def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], padding: Padding4,
+                       dilation: tuple[int, int], groups: int) -> torch.Tensor:
+    """The dispatch point of the forward int8 conv: int8 NCHW x int8 OIHW -> int32 NCHW.
+
+    Raises:
+        NotImplementedError: no kernel is registered for the tensors' device.
+    """
+    kernel = INT8_CONV_KERNELS.get(x_q.device.type)
+    if kernel is None:
+        raise NotImplementedError(
+            f"no int8 conv kernel for device {x_q.device.type!r} (have: {sorted(INT8_CONV_KERNELS)}); "
+            f"register one with tvm_qconv.nn.functional.register_int8_conv_kernel({x_q.device.type!r}, fn)")
+    return kernel(x_q.contiguous(), w_q.contiguous(), stride, padding, dilation, groups)
+
+
+def _conv_input_grad(grad: torch.Tensor, w_deq: torch.Tensor, input_shape: Sequence[int], stride, padding: Padding4,
+                     dilation, groups: int) -> torch.Tensor:
+    """``dx = conv_transpose(grad, w_deq)`` for an input of ``input_shape`` (float32)."""
+    if _is_symmetric(padding):
+        return torch.nn.grad.conv2d_input(input_shape, w_deq, grad, stride, (padding[0], padding[1]), dilation, groups)
+    top, left, bottom, right = padding
+    n, c, h, w = input_shape
+    padded = (n, c, h + top + bottom, w + left + right)
+    dx = torch.nn.grad.conv2d_input(padded, w_deq, grad, stride, 0, dilation, groups)
+    return dx[:, :, top:top + h, left:left + w]
+
+
+def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
+                      stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dw = correlate(grad, x_q * x_scale)``: the weight gradient from the dequantized int8 input."""
+    x_deq = x_q.to(torch.float32) * x_scale
+    if _is_symmetric(padding):
+        pad = (padding[0], padding[1])
+    else:
+        x_deq, pad = _pad(x_deq, padding), (0, 0)
+    return torch.nn.grad.conv2d_weight(x_deq, weight_shape, grad, stride, pad, dilation, groups)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask, keep_clip_mask):
+    """The forward computation; returns ``(y, tensors backward needs)``."""
+    # Compact NCHW for the kernels (TVM's DLPack import rejects channels_last, transposed
+    # and sliced views); the copy is transient, only its int8 version is kept.
+    x = x.contiguous()
+    x_q, x_scale = quantize_per_tensor(x, amax)
+    w_q, w_scale = quantize_weight(weight)
+    acc = _int8_conv_forward(x_q, w_q, stride, padding, dilation, groups)
+    # Dequantize once per accumulator (== dequantizing every product, the sum is exact).
+    y = acc.to(torch.float32) * (x_scale * w_scale).view(1, -1, 1, 1)
+    del acc
+    if bias is not None:
+        y += bias.detach().to(torch.float32).view(1, -1, 1, 1)
+    if relu:
+        y = torch.relu_(y)
+    empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+    relu_bits = pack_bits(y > 0) if keep_relu_mask else empty
+    # The clip mask only if something clipped: never with the batch's own amax (training), but
+    # possibly with a learned amax (eval, or a frozen scale).
+    clip_bits = empty
+    if keep_clip_mask and bool(batch_amax(x) > amax):
+        clip_bits = pack_bits(x.abs() <= amax)
+    # The float weight, not w_q: see "ctx keeps" in the module docstring.
+    return y.to(x.dtype), (x_q, weight, x_scale, relu_bits, clip_bits)
+
+
+class QuantizedConv2dFunction(torch.autograd.Function):
+    """int8 conv (+ bias, + ReLU) with the straight-through estimator; see the module docstring.
+
+    ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu)``: ``bias`` may be
+    None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is (top, left, bottom, right).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu):
+        y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu,
+                            keep_relu_mask=relu, keep_clip_mask=ctx.needs_input_grad[0])
+        ctx.save_for_backward(*saved)
+        ctx.conf = (stride, padding, dilation, groups, relu)
+        ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_q, weight, x_scale, relu_bits, clip_bits = ctx.saved_tensors
+        stride, padding, dilation, groups, relu = ctx.conf
+        x_shape, w_shape, y_shape = ctx.shapes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        # Compact for the same reason as the input (a permuted loss gives a strided gradient).
+        g = grad_y.to(torch.float32).contiguous()
+        if relu:
+            g = g.masked_fill(~unpack_bits(relu_bits, y_shape), 0.0)
+
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w_q, w_scale = quantize_weight(weight)  # bit-identical to the forward's
+            w_deq = w_q.to(torch.float32) * w_scale.view(-1, 1, 1, 1)
+            dx = _conv_input_grad(g, w_deq, x_shape, stride, padding, dilation, groups)
+            if clip_bits.numel():
+                dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
+            dx = dx.to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            db = g.sum(dim=(0, 2, 3)).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def padding4(padding, kernel_size, dilation) -> Padding4:
+    """Normalize ``nn.Conv2d`` padding (int, (h, w), ``'valid'``, ``'same'``) to (top, left, bottom, right).
+
+    ``'same'`` splits an odd total as PyTorch does: the extra row/column goes to the bottom/right.
+    """
+    kh, kw = _pair(kernel_size)
+    dh, dw = _pair(dilation)
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":
+        th, tw = dh * (kh - 1), dw * (kw - 1)
+        return (th // 2, tw // 2, th - th // 2, tw - tw // 2)
+    if isinstance(padding, str):
+        raise ValueError(f"padding must be an int, a pair, 'valid' or 'same'; got {padding!r}")
+    ph, pw = _pair(padding)
+    return (ph, pw, ph, pw)
+
+
+def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
+                     stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False) -> torch.Tensor:
+    """int8 conv2d (+ bias, + optional fused ReLU) with STE gradients, ``F.conv2d``'s arguments.
+
+    Args:
+        x: float NCHW input (any strides).
+        weight: float OIHW weight; quantized per output channel on every call.
+        bias: float ``(O,)`` or None.
+        amax: 0-d tensor, the input's clipping threshold (``batch_amax(x)`` clips nothing).
+        stride, dilation: int or (h, w).
+        padding: int, (h, w), ``'valid'`` or ``'same'``.
+        groups: conv groups.
+        relu: apply ReLU (its mask is kept as bits, not the float output).
+
+    Returns:
+        float NCHW output in ``x``'s dtype.
+
+    Example:
+        >>> x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+        >>> quantized_conv2d(x, w, None, batch_amax(x), padding=1, relu=True).shape
+        torch.Size([2, 4, 8, 8])
+    """
+    if x.dim() != 4:
+        raise ValueError(f"quantized_conv2d expects an NCHW input, got shape {tuple(x.shape)}")
+    amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+        # Inference: no graph, so no masks to build (ctx.needs_input_grad ignores no_grad mode).
+        return _forward(x, weight, bias, amax, _pair(stride), padding4(padding, weight.shape[2:], dilation),
+                        _pair(dilation), int(groups), bool(relu), False, False)[0]
+    return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
+                                         padding4(padding, weight.shape[2:], dilation), _pair(dilation),
+                                         int(groups), bool(relu))
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
+                     relu: bool = False) -> torch.Tensor:
+    """int8 linear layer ``x @ w.T + b`` (``F.linear``'s arguments), as a 1x1 conv on a 1x1 image.
+
+    Args:
+        x: float ``(*, K)``.
+        weight: float ``(O, K)``, quantized per output channel.
+        bias: float ``(O,)`` or None.
+        amax: 0-d tensor, the input's clipping threshold.
+        relu: apply ReLU.
+
+    Returns:
+        float ``(*, O)``.
+    """
+    lead = x.shape[:-1]
+    x4 = x.reshape(-1, x.shape[-1], 1, 1)
+    y = quantized_conv2d(x4, weight.view(weight.shape[0], weight.shape[1], 1, 1), bias, amax, relu=relu)
+    return y.reshape(*lead, weight.shape[0])

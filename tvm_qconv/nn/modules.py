@@ -1,0 +1,223 @@
+"""int8 quantization-aware layers and their float twins, with ``nn.Conv2d`` / ``nn.Linear``'s signatures.
+
+* ``QuantizedConv2d``, ``QuantizedConv2dReLU``, ``QuantizedLinear``: int8 forward, STE backward
+  (:mod:`tvm_qconv.nn.functional`).
+* ``TorchConv2d``, ``TorchConv2dReLU``, ``TorchLinear``: the same layers in float, for comparison.
+
+Every one of them subclasses the PyTorch layer (same arguments, same initialization, same
+parameter names ``weight`` / ``bias``) and keeps two range buffers, updated in training as an
+exponential moving average (EMA) of each batch's max:
+
+* ``input_amax``: max|input|.  The quantized layers quantize with the batch's own max in
+  training (nothing clips) and with this *learned scale* in eval; it is saved in checkpoints
+  and becomes the compile step's calibration range ``f"{layer}.in0"``.
+* ``output_amax``: max|output| (after the ReLU for the fused layers): ``f"{layer}.out"``.
+
+A value of 0 means "not observed yet"; an eval pass before any training then quantizes with
+the batch's own max.  The float twins keep the same buffers (used for nothing but the record),
+so a model's quantized and float versions have identical state dicts.  A plain float model
+(``nn.Conv2d``) lacks the two buffers: load it with :func:`load_float_state_dict`, and go back
+with :func:`to_float_state_dict`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .functional import batch_amax, quantized_conv2d, quantized_linear
+
+AMAX_BUFFERS = {"input_amax": "in0", "output_amax": "out"}  # buffer -> calibration-point suffix
+DEFAULT_AMAX_MOMENTUM = 0.1
+
+
+class _RangeTracker:
+    """Mixin: the ``input_amax`` / ``output_amax`` EMA buffers shared by every layer here."""
+
+    def _init_ranges(self, amax_momentum: float) -> None:
+        if not 0.0 < amax_momentum <= 1.0:
+            raise ValueError(f"amax_momentum must be in (0, 1], got {amax_momentum}")
+        self.amax_momentum = float(amax_momentum)
+        self.register_buffer("input_amax", torch.zeros(()))
+        self.register_buffer("output_amax", torch.zeros(()))
+
+    @torch.no_grad()
+    def _observe(self, buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Fold this batch's max|t| into ``buf``; return the batch max.  Training only."""
+        m = batch_amax(t).to(buf.device)
+        # The first batch initializes (an EMA from 0 would under-estimate for ~1/momentum steps).
+        buf.copy_(torch.where(buf > 0, buf + self.amax_momentum * (m - buf), m))
+        return m
+
+    def _input_clip(self, x: torch.Tensor) -> torch.Tensor:
+        """The amax to quantize ``x`` with: the batch's in training, the learned one in eval."""
+        if self.training:
+            return self._observe(self.input_amax, x)
+        if bool(self.input_amax > 0):
+            return self.input_amax
+        return batch_amax(x)  # never trained: quantize dynamically
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", amax_momentum={self.amax_momentum}"
+
+
+def _check_padding_mode(padding_mode: str) -> None:
+    if padding_mode != "zeros":
+        # Zero point 0 makes zero padding exact in int8; other modes are not implemented.
+        raise ValueError(f"quantized convs support padding_mode='zeros' only, got {padding_mode!r}")
+
+
+class QuantizedConv2d(_RangeTracker, nn.Conv2d):
+    """int8 ``nn.Conv2d``: per-tensor int8 input, per-channel int8 weight, int32 accumulation.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+        padding_mode, device, dtype: as ``nn.Conv2d`` (``padding_mode='zeros'`` only).
+        amax_momentum: EMA weight of each training batch in ``input_amax`` / ``output_amax``.
+
+    Example:
+        >>> conv = QuantizedConv2d(3, 16, 3, padding=1)
+        >>> conv(torch.randn(2, 3, 8, 8)).sum().backward()
+    """
+
+    relu = False
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None,
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM):
+        _check_padding_mode(padding_mode)
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                           bias, padding_mode, device, dtype)
+        self._init_ranges(amax_momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
+                             self.dilation, self.groups, relu=self.relu)
+        if self.training:
+            self._observe(self.output_amax, y)
+        return y
+
+
+class QuantizedConv2dReLU(QuantizedConv2d):
+    """``QuantizedConv2d`` with a fused ReLU: backward keeps a 1-bit mask, not the float output."""
+
+    relu = True
+
+
+class TorchConv2d(_RangeTracker, nn.Conv2d):
+    """Float twin of ``QuantizedConv2d``: ``nn.Conv2d`` plus the range buffers."""
+
+    relu = False
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None,
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM):
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                           bias, padding_mode, device, dtype)
+        self._init_ranges(amax_momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self._observe(self.input_amax, x)
+        y = nn.Conv2d.forward(self, x)
+        if self.relu:
+            y = F.relu(y)
+        if self.training:
+            self._observe(self.output_amax, y)
+        return y
+
+
+class TorchConv2dReLU(TorchConv2d):
+    """Float twin of ``QuantizedConv2dReLU``: ``nn.Conv2d`` then ``F.relu``."""
+
+    relu = True
+
+
+class QuantizedLinear(_RangeTracker, nn.Linear):
+    """int8 ``nn.Linear`` (per-tensor int8 input, per-channel int8 weight), through the conv path.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        amax_momentum: EMA weight of each training batch in the range buffers.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM):
+        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._init_ranges(amax_momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quantized_linear(x, self.weight, self.bias, self._input_clip(x))
+        if self.training:
+            self._observe(self.output_amax, y)
+        return y
+
+
+class TorchLinear(_RangeTracker, nn.Linear):
+    """Float twin of ``QuantizedLinear``: ``nn.Linear`` plus the range buffers."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM):
+        nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
+        self._init_ranges(amax_momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self._observe(self.input_amax, x)
+        y = nn.Linear.forward(self, x)
+        if self.training:
+            self._observe(self.output_amax, y)
+        return y
+
+
+QUANTIZED_LAYERS = (QuantizedConv2d, QuantizedLinear)
+TRACKED_LAYERS = (QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear)
+
+
+def learned_amax(model: nn.Module) -> dict[str, float]:
+    """The learned ranges of every layer of this module, by calibration-point name.
+
+    Args:
+        model: a model built from this module's layers.
+
+    Returns:
+        ``{f"{name}.in0": input amax, f"{name}.out": output amax}`` for every tracked layer
+        (``name`` is the module path, e.g. ``"features.0"``); 0.0 where nothing was observed.
+
+    Example:
+        >>> learned_amax(nn.Sequential(QuantizedConv2dReLU(3, 8, 3)))
+        {'0.in0': 0.0, '0.out': 0.0}
+    """
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, TRACKED_LAYERS):
+            for buf, suffix in AMAX_BUFFERS.items():
+                out[f"{name}.{suffix}"] = float(getattr(m, buf))
+    return out
+
+
+def to_float_state_dict(state_dict: dict) -> dict:
+    """Drop the range buffers, so that the state dict loads strictly into the float model.
+
+    Args:
+        state_dict: a state dict of a model built from this module's layers.
+
+    Returns:
+        A new dict without ``*.input_amax`` / ``*.output_amax`` (tensors shared, not copied).
+    """
+    return {k: v for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in AMAX_BUFFERS}
+
+
+def load_float_state_dict(model: nn.Module, state_dict: dict) -> None:
+    """Load a float model's state dict (no range buffers) into a model built from these layers.
+
+    Every key must match; only the range buffers may be missing (they keep their values,
+    0 = not observed).  Equivalent to ``load_state_dict(sd, strict=False)`` plus that check.
+
+    Raises:
+        RuntimeError: unexpected keys, or missing keys other than the range buffers.
+    """
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if k.rsplit(".", 1)[-1] not in AMAX_BUFFERS]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,273 @@
+"""Float and quantization-aware (QAT) training on scikit-learn's digits, and the checkpoint format.
+
+QAT trains the model built from ``QuantizedConv2dReLU`` / ``QuantizedLinear`` (int8 forward, STE
+backward), so the network learns around the int8 rounding the compile step will apply, and every
+layer learns its input and output ranges (EMA of the batch max) on the way.
+
+A checkpoint (``torch.save`` of a dict) holds:
+
+* ``state_dict``: the float-model state dict (no range buffers), so it loads strictly into the
+  plain float model (``models.vgg.SmallVGG``; ``torchvision.models.vgg16`` for a VGG16 trained
+  at 224x224, whose classifier is torchvision's);
+* ``amax``: the learned ranges by calibration point, ``f"{layer}.in0"`` (input max|x|) and
+  ``f"{layer}.out"`` (output max, after the fused ReLU) for every conv and linear layer, ``layer``
+  being the module path (``"features.0"``);
+* ``config``: :class:`TrainConfig` as a dict; ``accuracy``: test accuracies in percent.
+
+Example:
+    >>> result = run_training(TrainConfig(model="small_vgg", epochs=5, qat=True), out="ckpt.pt")
+    >>> result["accuracy"]          # {'float': 97.78, 'ptq': 97.78, 'qat': 97.5}
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .nn import learned_amax, load_float_state_dict, to_float_state_dict
+from .nn.modules import AMAX_BUFFERS, TRACKED_LAYERS
+
+log = logging.getLogger(__name__)
+
+TRAIN_CONFIG_VERSION = 1
+DIGITS_CLASSES = 10
+_EVAL_BATCH = 256
+
+
+def _small_vgg(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
+    from models.quantized_vgg import SmallQuantizedVGG
+    return SmallQuantizedVGG(num_classes=num_classes, image_size=image_size, quantized=quantized)
+
+
+def _vgg16(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
+    from models.quantized_vgg import QuantizedVGG16
+    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized)
+
+
+# The CLI's --model choices.
+MODELS: dict[str, Callable[[bool, int, int], nn.Module]] = {"small_vgg": _small_vgg, "vgg16": _vgg16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        model: a key of ``MODELS``.
+        epochs: passes over the 1437 training digits.
+        batch_size: training batch.
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
+        qat: train the int8 quantized model (else the float twin).
+        seed: seeds the initialization, the batch order and the data split.
+        image_size: digits are upsampled to this size (32 for both models).
+    """
+
+    model: str = "small_vgg"
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    qat: bool = False
+    seed: int = 0
+    image_size: int = 32
+    version: int = TRAIN_CONFIG_VERSION
+
+    def __post_init__(self):
+        checks = [
+            (self.model in MODELS, f"model must be one of {sorted(MODELS)}, got {self.model!r}"),
+            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
+            (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"TrainConfig: {msg}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def build_model(config: TrainConfig, quantized: bool | None = None) -> nn.Module:
+    """The model of ``config`` (quantized iff ``config.qat`` unless ``quantized`` says otherwise)."""
+    q = config.qat if quantized is None else quantized
+    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size)
+
+
+def load_digits(config: TrainConfig):
+    """``((x_train, y_train), (x_test, y_test))`` as torch tensors (see ``tvm_qconv.data.digits_dataset``)."""
+    from .data import digits_dataset
+
+    (xt, yt), (xe, ye) = digits_dataset(config.image_size, seed=config.seed)
+    return (torch.from_numpy(xt), torch.from_numpy(yt)), (torch.from_numpy(xe), torch.from_numpy(ye))
+
+
+def train_model(model: nn.Module, train: tuple[torch.Tensor, torch.Tensor], config: TrainConfig,
+                report: Callable[[str], None] = log.info) -> nn.Module:
+    """Train ``model`` in place with Adam and cross-entropy.
+
+    Args:
+        model: float or quantized model.
+        train: ``(images, labels)``.
+        config: epochs, batch size, optimizer settings, seed (batch order).
+        report: called with one line per epoch.
+
+    Returns:
+        ``model``, in eval mode.
+    """
+    x, y = train
+    opt = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    gen = torch.Generator().manual_seed(config.seed)
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(config.epochs):
+        model.train()
+        start, total, correct = time.perf_counter(), 0.0, 0
+        for idx in torch.randperm(len(x), generator=gen).split(config.batch_size):
+            logits = model(x[idx])
+            loss = loss_fn(logits, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+            correct += int((logits.argmax(1) == y[idx]).sum())
+        report(f"epoch {epoch + 1}/{config.epochs}: loss {total / len(x):.4f}, "
+               f"train acc {100.0 * correct / len(x):.2f}%, {time.perf_counter() - start:.1f} s")
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Top-1 accuracy in percent (eval mode: quantized layers use their learned ranges)."""
+    model.eval()
+    x, y = data
+    correct = sum(int((model(xb).argmax(1) == yb).sum())
+                  for xb, yb in zip(x.split(_EVAL_BATCH), y.split(_EVAL_BATCH)))
+    return 100.0 * correct / len(x)
+
+
+def save_checkpoint(path: str, model: nn.Module, config: TrainConfig, accuracy: dict[str, float]) -> dict:
+    """Write the checkpoint dict (module docstring) atomically: a temp file renamed into place.
+
+    Returns:
+        The dict written.
+    """
+    ckpt = {
+        "state_dict": to_float_state_dict(model.state_dict()),
+        "amax": learned_amax(model),
+        "config": config.to_dict(),
+        "accuracy": dict(accuracy),
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(ckpt, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return ckpt
+
+
+def set_learned_amax(model: nn.Module, amax: dict[str, float]) -> None:
+    """Restore the range buffers from a checkpoint's ``amax`` dict.
+
+    Raises:
+        KeyError: a tracked layer of ``model`` has no entry.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, TRACKED_LAYERS):
+            for buf, suffix in AMAX_BUFFERS.items():
+                getattr(m, buf).fill_(float(amax[f"{name}.{suffix}"]))
+
+
+def load_checkpoint(path: str, quantized: bool | None = None) -> tuple[nn.Module, dict]:
+    """Rebuild the trained model of a checkpoint, with its weights and learned ranges, in eval mode.
+
+    Args:
+        path: a file written by :func:`save_checkpoint`.
+        quantized: build the int8 model (True) or the float twin (False); default: as trained.
+
+    Returns:
+        ``(model, checkpoint dict)``.
+    """
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    config = TrainConfig.from_dict(ckpt["config"])
+    model = build_model(config, quantized)
+    load_float_state_dict(model, ckpt["state_dict"])
+    set_learned_amax(model, ckpt["amax"])
+    return model.eval(), ckpt
+
+
+def _fresh(config: TrainConfig, quantized: bool) -> nn.Module:
+    torch.manual_seed(config.seed)  # the same initial weights for the float and the QAT run
+    return build_model(config, quantized)
+
+
+def _int8_twin(model: nn.Module, config: TrainConfig) -> nn.Module:
+    """The quantized twin of a float-trained model, with its weights and EMA ranges (PTQ)."""
+    twin = build_model(config, quantized=True)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
+def run_training(config: TrainConfig, out: str | None = None, baseline: bool = True,
+                 report: Callable[[str], None] = log.info) -> dict:
+    """Train on digits, evaluate float vs int8, and optionally save a checkpoint.
+
+    Without ``config.qat``: trains the float model and reports its accuracy (``float``) and that
+    of its int8 twin run with the EMA ranges seen in float training (``ptq``, post-training
+    quantization).  With ``config.qat``: trains the quantized model (``qat``, evaluated in int8
+    with its learned ranges) and, if ``baseline``, the float model from the same initial weights
+    and batch order (``float`` and ``ptq``).
+
+    Args:
+        config: the run.
+        out: checkpoint path (the trained model: the QAT one if ``config.qat``), or None.
+        baseline: with ``config.qat``, also train the float model for comparison.
+        report: called with progress and result lines.
+
+    Returns:
+        ``{"accuracy": {...}, "amax": {...}, "model": the trained model, "seconds": {...}}``.
+    """
+    train, test = load_digits(config)
+    accuracy, seconds, trained = {}, {}, None
+    if baseline or not config.qat:
+        report(f"float training ({config.model}, {config.epochs} epochs)")
+        start = time.perf_counter()
+        trained = train_model(_fresh(config, quantized=False), train, config, report)
+        seconds["float"] = time.perf_counter() - start
+        accuracy["float"] = evaluate(trained, test)
+        accuracy["ptq"] = evaluate(_int8_twin(trained, config), test)
+    if config.qat:
+        report(f"QAT training ({config.model}, {config.epochs} epochs, int8 conv/linear)")
+        start = time.perf_counter()
+        trained = train_model(_fresh(config, quantized=True), train, config, report)
+        seconds["qat"] = time.perf_counter() - start
+        accuracy["qat"] = evaluate(trained, test)
+    report("test accuracy: " + ", ".join(f"{k} {v:.2f}%" for k, v in accuracy.items()))
+    if out is not None:
+        save_checkpoint(out, trained, config, accuracy)
+        report(f"wrote {out}")
+    return {"accuracy": accuracy, "amax": learned_amax(trained), "model": trained, "seconds": seconds}
