@@ -7,17 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from tvm_qconv.cli_args import positive_int as _positive
 import time
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def _percentile(text: str) -> float:

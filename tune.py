@@ -16,25 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
-    return v
+from tvm_qconv.cli_args import positive_float as _positive_float
+from tvm_qconv.cli_args import positive_int as _positive
 
 
 def _arch(text: str) -> str:

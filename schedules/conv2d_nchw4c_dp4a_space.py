@@ -11,8 +11,8 @@ Rules, in the order PostOrderApply runs them over the blocks (``requant``, ``con
    blockIdx.x / vthread.x / threadIdx.x, then reduction and register tiles), reads both
    operands through shared memory at the outer reduction tile (the intrinsic wants A and B in
    "shared") and accumulates in registers (C in "local").  The plain ``MultiLevelTiling`` is
-   left out on purpose, so no candidate falls back to scalar int8 multiply-adds.  On sm_80+ the
-   rule adds two software-pipelined variants of the same sketch (3 sketches in all).
+   left out on purpose, so no candidate falls back to scalar int8 multiply-adds.  For sm_90 the
+   rule also emits two software-pipelined variants of the sketch (3 sketches in all).
 2. ``AutoInline`` after tiling: ``pad`` is inlined into the shared-memory copy of the input
    (the zero border is produced while loading the tile, no padded copy in global memory), and
    ``requant`` is reverse-inlined into the register write-back, so the epilogue runs on the
@@ -23,13 +23,16 @@ Rules, in the order PostOrderApply runs them over the blocks (``requant``, ``con
 
 Postprocessors turn the annotations into code and reject what cannot run: cooperative fetches
 across the block's threads, VerifyGPUCode (threads in [32, 1024], vthreads <= 8, shared
-memory <= the target's 48 KB, which rejects ~94% of random tile samples: the evolutionary
-search keeps sampling), then the tensorize itself.
+memory <= the target's 48 KB), then the tensorize itself.  VerifyGPUCode rejects ~94% of
+random samples (mostly fewer than 32 threads or too much shared memory: the tile factors are
+sampled independently per axis); the evolutionary search keeps sampling until it has enough.
 
-Measured on VGG16's layer shapes (random samples, see the module's tests): every sample that
-passes the postprocessors contains ``__dp4a`` and builds.  ``vector_load_lens`` has no 3: a
-3-wide cooperative fetch of int8 crashed the CUDA build (``Check failed: (eval_vec_)``) in 2
-of 49 passing samples, and 4 bytes (one input word) is the widest the copy loops allow anyway.
+Measured on CPU over VGG16 layer shapes (900 random samples, 49 passing the postprocessors):
+every passing sample calls ``__dp4a`` and builds to CUDA.  ``vector_load_lens`` stays [1, 2, 4]:
+with 3, 2 of the 49 crashed the CUDA build (``Check failed: (eval_vec_)`` on a 3-lane int8
+fetch); with 8 and 16, 2 failed (``Cannot convert type T.int32x16 to CUDA type``).  A smaller
+``max_innermost_factor`` (16, 8) raises the pass rate only to 7-8% and does not shorten
+candidate generation, so it stays 64.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from .conv2d_nchw4c_dp4a import DP4A_INTRIN, _ensure_dp4a_registered
 STRUCTURE = "SSSRRSRS"
 TILE_BINDS = ["blockIdx.x", "vthread.x", "threadIdx.x"]
 MAX_INNERMOST_FACTOR = 64
-VECTOR_LOAD_LENS = [1, 2, 4]  # int8 lanes per cooperative-fetch load; not 3 (see above)
+VECTOR_LOAD_LENS = [1, 2, 4]  # int8 lanes per cooperative-fetch load; not 3, 8 or 16 (see above)
 UNROLL_MAX_STEPS = [0, 16, 64, 512, 1024]
 
 
