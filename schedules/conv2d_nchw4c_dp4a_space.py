@@ -22,7 +22,7 @@ Rules, in the order PostOrderApply runs them over the blocks (``requant``, ``con
    left outside the thread loops).
 
 Postprocessors turn the annotations into code and reject what cannot run: cooperative fetches
-across the block's threads, VerifyGPUCode (threads in [32, 1024], vthreads <= 8, shared
+across the block's threads, VerifyGPUCode (threads per block in [32, 1024], shared
 memory <= the target's 48 KB), then the tensorize itself.  VerifyGPUCode rejects ~94% of
 random samples (mostly fewer than 32 threads or too much shared memory: the tile factors are
 sampled independently per axis); the evolutionary search keeps sampling until it has enough.

@@ -576,10 +576,9 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
 
 def _tune(todo: list, db, tgt, work_dir: str, num_trials_per_iter: int, seed: int, measured: dict,
           builder, runner) -> None:
-    """Run ms.tune_tasks over the unfinished tasks, one call per remaining-trial count.
-
-    MetaSchedule takes a single per-task budget, while a resumed run has tasks at different
-    counts; the calls share the database, builder, runner and cost model.
+    """Run ms.tune_tasks over the unfinished tasks, one call per task, largest (occurrences x ops)
+    first, so an interrupted run has tuned the layers that matter most; the calls share the
+    database, builder, runner and cost model.
     """
     # MetaSchedule gives its console handler this logger's level (DEBUG once configured): keep
     # the console to warnings and _Progress's lines; logs/ gets everything regardless.
