@@ -488,8 +488,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     arguments tunes only what an interrupted run left (finished tasks are skipped), and a
     larger ``trials_per_task`` goes on from the best schedules found so far.  MetaSchedule
     counts candidates that failed to build or run as trials, so a rerun also tops up a task
-    by its failures.  Tasks share one XGBoost cost model; the gradient task scheduler favours
-    tasks by occurrences x expected gain.
+    by its failures.  Tasks share one XGBoost cost model and are tuned one at a time, largest
+    (occurrences x ops) first (``_tune`` says why).
 
     Args:
         model_name: torchvision name (``vgg16``); ``model`` overrides the torch module itself.
