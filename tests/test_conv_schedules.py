@@ -35,6 +35,7 @@ from schedules.conv2d_nchw4c_int8 import (  # noqa: E402
     pack_oihw4o4i,
 )
 from schedules.requantize import quantize_multiplier  # noqa: E402
+from tvm_qconv.build import cuda_source  # noqa: E402
 
 CUDA_TARGET = tvm.target.Target(
     {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
@@ -112,14 +113,7 @@ def _per_thread_instances(sch, block_name: str) -> int:
 
 
 def _cuda_source(func) -> str:
-    ex = tvm.compile(tvm.IRModule({"main": func}), target=CUDA_TARGET)
-    mods = [ex.mod]
-    while mods:
-        mod = mods.pop()
-        if mod.kind == "cuda":
-            return mod.inspect_source()
-        mods.extend(mod.imports)
-    raise AssertionError("no cuda module in the build")
+    return cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=CUDA_TARGET))
 
 
 @pytest.mark.parametrize("wl", WORKLOADS, ids=WORKLOAD_IDS)

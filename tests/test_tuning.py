@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 import tvm
+
+from tvm_qconv.build import cuda_source as build_cuda_source
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.script import parser as tvmscript
@@ -79,14 +81,7 @@ def sample_schedules(func, count: int, tries: int = 100, seed: int = 1) -> list:
 
 def cuda_source(mod) -> str:
     with CUDA:
-        ex = tvm.compile(mod, target=CUDA)
-    mods = [ex.mod]
-    while mods:
-        m = mods.pop()
-        if m.kind == "cuda":
-            return m.inspect_source()
-        mods.extend(m.imports)
-    raise AssertionError("no cuda module in the build")
+        return build_cuda_source(tvm.compile(mod, target=CUDA))
 
 
 _DP4A_CALL = re.compile(

@@ -151,6 +151,17 @@ def _categories(model_name: str) -> list | None:
         return None
 
 
+def cuda_source(ex) -> str:
+    """The CUDA C of a ``tvm.compile`` result (its module tree varies: walk it for the cuda module)."""
+    mods = [ex.mod if hasattr(ex, "mod") else ex]
+    while mods:
+        mod = mods.pop()
+        if mod.kind == "cuda":
+            return mod.inspect_source()
+        mods.extend(mod.imports)
+    raise ValueError("the build holds no CUDA module")
+
+
 def artifact_paths(lib_path: str) -> tuple[str, str]:
     stem = lib_path[:-3] if lib_path.endswith(".so") else lib_path
     return stem + ".params.npz", stem + ".json"

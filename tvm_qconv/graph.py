@@ -47,11 +47,6 @@ class Graph:
     consumed: set = field(default_factory=set)         # vars bound inside some pattern
     points: dict = field(default_factory=dict)         # relax.Var -> point name
 
-    def layer(self, name: str) -> Layer:
-        for ly in self.layers:
-            if ly.name == name:
-                return ly
-        raise KeyError(f"no layer named {name!r}; layers: {[ly.name for ly in self.layers]}")
 
 
 def _op(expr) -> str | None:
