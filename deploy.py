@@ -1,7 +1,9 @@
-"""deploy.py: build an int8 library from a torchvision model, and run it.
+"""deploy.py: build an int8 library from a torchvision model or a QAT checkpoint, run it, evaluate it.
 
     python deploy.py build --model vgg16 --target llvm -o build/vgg16.so
     python deploy.py run --lib build/vgg16.so --image cat.jpg
+    python deploy.py build --checkpoint ckpt.pt --target llvm -o build/small_vgg.so    # train.py --qat
+    python deploy.py eval --lib build/small_vgg.so --dataset digits
 """
 from __future__ import annotations
 
@@ -25,16 +27,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="quantize, compile and export a model",
                        description="Import a torchvision classifier, calibrate it on real images, quantize it to "
-                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.")
-    b.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
+                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.  With "
+                                   "--checkpoint: the model a `train.py --qat` checkpoint was trained as, with "
+                                   "its learned ranges instead of calibration.")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="torchvision classifier name, e.g. vgg16, resnet50")
+    src.add_argument("--checkpoint", metavar="CKPT",
+                     help="a checkpoint written by `train.py --qat --out CKPT`: its architecture, weights and "
+                          "learned activation ranges (no calibration; --image-size comes from it)")
     b.add_argument("--weights", default=None,
-                   help="a state-dict/checkpoint file, or a torchvision weight name (DEFAULT, IMAGENET1K_V1); "
-                        "default: random init")
+                   help="(--model) a state-dict/checkpoint file, or a torchvision weight name (DEFAULT, "
+                        "IMAGENET1K_V1); default: random init")
     b.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init (default 1000)")
     b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
     b.add_argument("--arch", default="sm_90", help="CUDA arch for --target cuda (default sm_90)")
     b.add_argument("--batch", type=_positive, default=1, help="static batch size of the library (default 1)")
-    b.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
+    b.add_argument("--image-size", type=_positive, default=None,
+                   help="input height = width (default 224; with --checkpoint: the size it was trained at)")
     b.add_argument("--scheme", choices=sorted(PRESETS), default="int8", help="named quantization preset (default int8)")
     b.add_argument("--calibration", choices=CALIBRATIONS, default=None, help="activation observer (overrides --scheme)")
     b.add_argument("--percentile", type=_percentile, default=None, help="percentile for --calibration percentile")
@@ -56,14 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
     r.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     r.add_argument("--repeat", type=_positive, default=5, help="timing repeats (median is printed)")
+    e = sub.add_parser("eval", help="accuracy of a built library on a test split",
+                       description="Top-1 accuracy of a built library on the digits test split (the split "
+                                   "train.py reports), beside the accuracies its checkpoint recorded.")
+    e.add_argument("--lib", required=True, help="the .so written by `deploy.py build --checkpoint ...`")
+    e.add_argument("--dataset", choices=["digits"], default="digits", help="test split (default digits)")
+    e.add_argument("--seed", type=int, default=None, help="split seed (default: the checkpoint's)")
+    e.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     return p
+
+
+# Flags that only steer calibration or --model: with --checkpoint nothing is calibrated and the
+# checkpoint holds the weights, so they are refused rather than silently ignored.
+_MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile", "calib_dir": "--calib-dir",
+                      "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes"}
 
 
 def cmd_build(args) -> int:
     import dataclasses
 
-    from tvm_qconv.build import compile_model
+    from tvm_qconv.build import compile_checkpoint, compile_model
     from tvm_qconv.config import PRESETS
+    from tvm_qconv.errors import InputError
     from tvm_qconv.report import format_report
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
@@ -71,14 +94,46 @@ def cmd_build(args) -> int:
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
     cfg = dataclasses.replace(cfg, **over)
-    print(f"[build] {args.model} -> {args.output}: target={args.target}"
-          f"{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch} size={args.image_size} "
-          f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
-    res = compile_model(args.model, args.output, target=args.target, arch=args.arch, batch=args.batch,
-                        image_size=args.image_size, weights=args.weights, num_classes=args.num_classes,
-                        config=cfg, calib_dir=args.calib_dir, tuning_log=args.tuning_log, debug_dump=args.debug_dump,
-                        cuda_graph=args.cuda_graph)
+    common = dict(target=args.target, arch=args.arch, batch=args.batch, config=cfg, tuning_log=args.tuning_log,
+                  debug_dump=args.debug_dump, cuda_graph=args.cuda_graph)
+    target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
+    if args.checkpoint:
+        given = [flag for key, flag in _MODEL_ONLY_FLAGS.items() if getattr(args, key) is not None]
+        if given:
+            raise InputError(f"{', '.join(given)} cannot be used with --checkpoint: the checkpoint holds the weights "
+                             "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
+        print(f"[build] {args.checkpoint} -> {args.output}: {target} size={args.image_size or 'as trained'} "
+              f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
+        res = compile_checkpoint(args.checkpoint, args.output, image_size=args.image_size, **common)
+    else:
+        size = args.image_size or 224
+        print(f"[build] {args.model} -> {args.output}: {target} size={size} "
+              f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
+        res = compile_model(args.model, args.output, image_size=size, weights=args.weights,
+                            num_classes=args.num_classes, calib_dir=args.calib_dir, **common)
     print(format_report(res.meta))
+    print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
+    return 0
+
+
+def describe_ranges(ranges: dict) -> str:
+    """One line saying where a build's activation ranges came from."""
+    if ranges.get("source") == "checkpoint":
+        return (f"learned in QAT, from {ranges['checkpoint']} ({len(ranges['points'])} points, no calibration; "
+                "each int8 tensor takes the range of the layer input it feeds)")
+    if ranges.get("source") == "calibration":
+        how = ranges["calibration"] + (f" {ranges['percentile']}" if "percentile" in ranges else "")
+        return f"calibrated ({how}) on {ranges['images']} images"
+    return "given by the caller (amax=...)"
+
+
+def cmd_eval(args) -> int:
+    from tvm_qconv.train import evaluate_library
+    res = evaluate_library(args.lib, seed=args.seed, device=args.device)
+    print(f"{args.dataset} test split (seed {res['seed']}, {res['total']} images): compiled int8 "
+          f"{res['accuracy']:.2f}% ({res['correct']}/{res['total']}) on {res['device']}")
+    if res["recorded"]:
+        print("recorded in its checkpoint (PyTorch): " + ", ".join(f"{k} {v:.2f}%" for k, v in res["recorded"].items()))
     return 0
 
 
@@ -116,7 +171,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from tvm_qconv.errors import InputError
     try:
-        return cmd_build(args) if args.cmd == "build" else cmd_run(args)
+        return {"build": cmd_build, "run": cmd_run, "eval": cmd_eval}[args.cmd](args)
     except InputError as err:
         print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
         return 2

@@ -5,7 +5,8 @@
 With --qat it trains the int8 model and, for comparison, the float model from the same initial
 weights (--no-baseline skips it), then prints the float, post-training-quantized and QAT test
 accuracies.  The checkpoint holds the float-compatible state dict, the learned ranges
-("features.0.in0", "features.0.out", ...), the config and the accuracies.
+("features.0.in0", "features.0.out", ...), the config and the accuracies; `deploy.py build
+--checkpoint` compiles it with those ranges (no calibration).
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def main(argv=None) -> int:
                          qat=args.qat, seed=args.seed)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
     run_training(config, out=args.out, baseline=args.baseline, report=print)
+    if args.out and args.qat:
+        print(f"compile it with its learned scales: python deploy.py build --checkpoint {args.out} --target llvm "
+              f"-o build/{args.model}.so")
     return 0
 
 

@@ -14,6 +14,10 @@ A checkpoint (``torch.save`` of a dict) holds:
   being the module path (``"features.0"``);
 * ``config``: :class:`TrainConfig` as a dict; ``accuracy``: test accuracies in percent.
 
+:func:`tvm_qconv.build.compile_checkpoint` (``deploy.py build --checkpoint``) compiles a QAT
+checkpoint with these ranges instead of calibration, and :func:`evaluate_library`
+(``deploy.py eval``) measures the compiled library on the same test split as :func:`evaluate`.
+
 Example:
     >>> result = run_training(TrainConfig(model="small_vgg", epochs=5, qat=True), out="ckpt.pt")
     >>> result["accuracy"]          # {'float': 97.78, 'ptq': 97.78, 'qat': 97.5}
@@ -202,6 +206,39 @@ def set_learned_amax(model: nn.Module, amax: dict[str, float]) -> None:
                 getattr(m, buf).fill_(float(amax[f"{name}.{suffix}"]))
 
 
+CHECKPOINT_KEYS = ("state_dict", "amax", "config")
+
+
+def read_checkpoint(path: str) -> tuple[dict, TrainConfig]:
+    """Read and check a file written by :func:`save_checkpoint`.
+
+    Returns:
+        ``(checkpoint dict, its TrainConfig)``.
+
+    Raises:
+        InputError: unreadable, not a dict with ``state_dict`` / ``amax`` / ``config`` (e.g. a
+            plain state dict), or a config this version cannot read.
+    """
+    from .errors import InputError
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"cannot read checkpoint {path}: {type(err).__name__}: {reason}") from err
+    lacking = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if lacking:
+        what = f"a dict with keys {sorted(ckpt)[:6]}" if isinstance(ckpt, dict) else f"a {type(ckpt).__name__}"
+        raise InputError(f"{path} is not a train.py checkpoint ({what}; it lacks {lacking}): give the file that "
+                         "`python train.py --qat --out CKPT` wrote; a plain state dict of a torchvision model "
+                         "builds with --model NAME --weights FILE (ranges by calibration)")
+    try:
+        config = TrainConfig.from_dict(dict(ckpt["config"]))
+    except (TypeError, ValueError) as err:
+        raise InputError(f"checkpoint {path} has a training config this version cannot read: {err}") from err
+    return ckpt, config
+
+
 def load_checkpoint(path: str, quantized: bool | None = None) -> tuple[nn.Module, dict]:
     """Rebuild the trained model of a checkpoint, with its weights and learned ranges, in eval mode.
 
@@ -212,12 +249,78 @@ def load_checkpoint(path: str, quantized: bool | None = None) -> tuple[nn.Module
     Returns:
         ``(model, checkpoint dict)``.
     """
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    config = TrainConfig.from_dict(ckpt["config"])
+    ckpt, config = read_checkpoint(path)
     model = build_model(config, quantized)
     load_float_state_dict(model, ckpt["state_dict"])
     set_learned_amax(model, ckpt["amax"])
     return model.eval(), ckpt
+
+
+def load_float_model(path: str, require_qat: bool = False) -> tuple[nn.Module, dict, TrainConfig]:
+    """The float architecture a checkpoint was trained with, holding its weights, in eval mode.
+
+    This is what the compile step imports: the float twin (``TorchConv2dReLU``, ...) has the
+    trained model's module names, so its calibration points are the checkpoint's ``amax`` keys.
+
+    Args:
+        path: a file written by :func:`save_checkpoint`.
+        require_qat: raise unless the checkpoint was trained with ``qat=True``.
+
+    Returns:
+        ``(model, checkpoint dict, TrainConfig)``.
+
+    Raises:
+        InputError: see :func:`read_checkpoint`; trained in float while ``require_qat``; weights
+            that do not fit the configured model.
+    """
+    from .errors import InputError
+
+    ckpt, config = read_checkpoint(path)
+    if require_qat and not config.qat:
+        raise InputError(f"{path} was trained in float (train.py without --qat): its ranges are statistics of the "
+                         "float activations, not scales learned under int8; retrain with "
+                         f"`python train.py --model {config.model} --qat --out CKPT`")
+    model = build_model(config, quantized=False)
+    try:
+        load_float_state_dict(model, ckpt["state_dict"])
+    except RuntimeError as err:
+        raise InputError(f"the weights in {path} do not fit its configured model {config.model}: {err}") from err
+    return model.eval(), ckpt, config
+
+
+def evaluate_library(lib_path: str, seed: int | None = None, device: str | None = None) -> dict:
+    """Top-1 accuracy of a built library on the digits test split (the split :func:`evaluate` uses).
+
+    Args:
+        lib_path: a ``.so`` written by ``deploy.py build`` for digits (e.g. from a QAT checkpoint).
+        seed: the split's seed; default: the one recorded at build time (the checkpoint's), else 0.
+        device: ``llvm`` / ``cuda``; default: the library's target.
+
+    Returns:
+        ``{"accuracy": percent, "correct": n, "total": n, "seed": seed, "device": str,
+        "recorded": the accuracies its checkpoint recorded ({} when not built from one)}``.
+
+    Example:
+        >>> evaluate_library("build/small_vgg.so")["accuracy"]     # 97.5
+    """
+    import numpy as np
+
+    from .data import digits_dataset
+    from .runtime import CompiledModel
+
+    lib = CompiledModel(lib_path, device)
+    dataset = lib.meta.get("dataset") or {}
+    seed = dataset.get("seed", 0) if seed is None else seed
+    n, _, size, _ = lib.input_shape
+    _, (x, y) = digits_dataset(size, seed=seed)
+    pred = []
+    for i in range(0, len(x), n):  # the library has a static batch: pad the last one with its last image
+        xb = x[i: i + n]
+        padded = np.concatenate([xb, np.repeat(xb[-1:], n - len(xb), axis=0)])
+        pred.append(lib(padded)[: len(xb)].argmax(1))
+    correct = int((np.concatenate(pred) == y).sum())
+    return {"accuracy": 100.0 * correct / len(y), "correct": correct, "total": len(y), "seed": seed,
+            "device": str(lib.dev), "recorded": dict((lib.meta.get("checkpoint") or {}).get("accuracy") or {})}
 
 
 def _fresh(config: TrainConfig, quantized: bool) -> nn.Module:
