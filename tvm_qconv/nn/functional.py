@@ -37,16 +37,24 @@ The autograd code calls three functions and never a kernel directly:
 
 * :func:`_int8_conv_forward` ``(x_q, w_q, stride, padding, dilation, groups) -> int32`` looks up
   ``INT8_CONV_KERNELS[x_q.device.type]``.  The CPU entry (:func:`int8_conv_cpu`) is exact
-  (see its docstring).  The CUDA path (TVM-generated int8 kernels, exchanged through DLPack,
-  compiled once per shape and cached on disk) registers itself with
-  ``register_int8_conv_kernel("cuda", fn)``; the autograd Function does not change.  Its
-  contract: contiguous NCHW int8 ``x_q``, contiguous OIHW int8 ``w_q`` (``I = C / groups``),
-  ``padding = (top, left, bottom, right)``, returns contiguous NCHW int32 on ``x_q``'s device.
-  Linear layers reach the same entry point as 1x1 convs on a 1x1 image (``H = W = 1``), so a
-  kernel may route that case to a dense kernel.
-* :func:`_conv_input_grad` and :func:`_conv_weight_grad` compute ``dx`` and ``dw`` from the
-  dequantized tensors with PyTorch's own conv gradients (float32; cuDNN on a GPU), which are
-  device-generic: a faster kernel would replace these two functions and nothing else.
+  (see its docstring).  Its contract: contiguous NCHW int8 ``x_q``, contiguous OIHW int8
+  ``w_q`` (``I = C / groups``), ``padding = (top, left, bottom, right)``, returns NCHW int32
+  on ``x_q``'s device, any strides (the CUDA kernel returns a view of its NCHW4c output:
+  ``_forward`` converts to float and to contiguous NCHW in one pass).  Linear layers reach the
+  same entry point as 1x1 convs on a 1x1 image (``H = W = 1``), so a kernel may route that
+  case to a dense kernel.
+* :func:`_conv_input_grad` ``(g, w_q, w_scale, ...)`` and :func:`_conv_weight_grad`
+  ``(x_q, x_scale, g, ...)`` compute ``dx`` and ``dw`` through ``CONV_GRAD_KERNELS[device]``;
+  the default (:func:`conv_input_grad_torch`, :func:`conv_weight_grad_torch`) is PyTorch's own
+  conv gradients on the dequantized tensors (float32), device-generic.
+
+On CUDA all three are TVM kernels generated from this project's TensorIR definitions
+(:mod:`tvm_qconv.nn.tvm_kernels`: dp4a int8 forward, float32 gradient kernels with the int8
+tensors read as int8), which register themselves the first time a CUDA tensor arrives
+(``LAZY_KERNELS``), so that importing ``tvm_qconv`` needs neither TVM nor CUDA.  Set
+``TVM_QCONV_KERNELS=torch`` to run CUDA on the PyTorch reference kernels instead (the exact
+float64 forward conv and PyTorch's gradients: a debugging aid).  Other registrations:
+``register_int8_conv_kernel`` / ``register_conv_grad_kernels``.
 
 Inputs reach the kernels contiguous (``.contiguous()`` in forward and backward): TVM's DLPack
 import rejects non-compact arrays (channels_last, transposed or sliced views), and the CPU path
@@ -54,6 +62,8 @@ gains nothing from strides either.
 """
 from __future__ import annotations
 
+import importlib
+import os
 from typing import Callable, Sequence
 
 import torch
@@ -109,7 +119,10 @@ def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tens
         [64, -127, 127]
     """
     scale = input_scale(amax)
-    q = torch.clamp(torch.round(x.detach().to(torch.float32) / scale), -QMAX, QMAX)
+    # In place after the division: one float temporary, not three (411 MB each for VGG16's first
+    # activations at batch 32); the same operations, so the same bits.
+    q = x.detach().to(torch.float32) / scale
+    q = q.round_().clamp_(-QMAX, QMAX)
     return q.to(torch.int8), scale
 
 
@@ -142,7 +155,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     scales = weight_scales(w)
     s = scales.reshape((-1,) + (1,) * (w.dim() - 1))
-    q = torch.clamp(torch.round(w.detach().to(torch.float32) / s), -QMAX, QMAX)
+    q = (w.detach().to(torch.float32) / s).round_().clamp_(-QMAX, QMAX)  # one temporary, as above
     return q.to(torch.int8), scales
 
 
@@ -218,6 +231,13 @@ def int8_conv_cpu(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int],
 
 # Device type -> int8 conv kernel with int8_conv_cpu's signature and contract.
 INT8_CONV_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"cpu": int8_conv_cpu}
+# Device type -> (input gradient, weight gradient) with conv_*_grad_torch's signatures; devices
+# not listed use those (device-generic) PyTorch versions.
+CONV_GRAD_KERNELS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {}
+# Device type -> module whose ``register(device_type)`` installs its kernels, imported the first
+# time a tensor of that type arrives (TVM loads only when a CUDA tensor does).
+LAZY_KERNELS = {"cuda": "tvm_qconv.nn.tvm_kernels"}
+KERNELS_ENV = "TVM_QCONV_KERNELS"  # "torch": the PyTorch reference kernels on every device
 
 
 def register_int8_conv_kernel(device_type: str, kernel: Callable[..., torch.Tensor]) -> None:
@@ -231,6 +251,31 @@ def register_int8_conv_kernel(device_type: str, kernel: Callable[..., torch.Tens
     INT8_CONV_KERNELS[device_type] = kernel
 
 
+def register_conv_grad_kernels(device_type: str, input_grad: Callable[..., torch.Tensor],
+                               weight_grad: Callable[..., torch.Tensor]) -> None:
+    """Make ``input_grad`` / ``weight_grad`` compute the conv gradients on ``device_type``.
+
+    Args:
+        device_type: ``torch.device.type`` of the tensors they take.
+        input_grad: :func:`conv_input_grad_torch`'s signature and result.
+        weight_grad: :func:`conv_weight_grad_torch`'s signature and result.
+    """
+    CONV_GRAD_KERNELS[device_type] = (input_grad, weight_grad)
+
+
+def _load_lazy_kernels(device_type: str) -> None:
+    """Register ``device_type``'s kernels on first use (see ``LAZY_KERNELS``)."""
+    module = LAZY_KERNELS.get(device_type)
+    if module is None:
+        return
+    if os.environ.get(KERNELS_ENV, "").lower() == "torch":
+        register_int8_conv_kernel(device_type, int8_conv_cpu)
+        register_conv_grad_kernels(device_type, conv_input_grad_torch, conv_weight_grad_torch)
+    else:
+        importlib.import_module(module).register(device_type)
+    del LAZY_KERNELS[device_type]  # only once it worked: a failed import fails again, loudly
+
+
 def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], padding: Padding4,
                        dilation: tuple[int, int], groups: int) -> torch.Tensor:
     """The dispatch point of the forward int8 conv: int8 NCHW x int8 OIHW -> int32 NCHW.
@@ -238,6 +283,7 @@ def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, 
     Raises:
         NotImplementedError: no kernel is registered for the tensors' device.
     """
+    _load_lazy_kernels(x_q.device.type)
     kernel = INT8_CONV_KERNELS.get(x_q.device.type)
     if kernel is None:
         raise NotImplementedError(
@@ -246,9 +292,10 @@ def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, 
     return kernel(x_q.contiguous(), w_q.contiguous(), stride, padding, dilation, groups)
 
 
-def _conv_input_grad(grad: torch.Tensor, w_deq: torch.Tensor, input_shape: Sequence[int], stride, padding: Padding4,
-                     dilation, groups: int) -> torch.Tensor:
-    """``dx = conv_transpose(grad, w_deq)`` for an input of ``input_shape`` (float32)."""
+def conv_input_grad_torch(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
+                          stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dx = conv_transpose(grad, w_q * w_scale)`` for an input of ``input_shape``, by PyTorch (float32)."""
+    w_deq = w_q.to(torch.float32) * w_scale.view(-1, 1, 1, 1)
     if _is_symmetric(padding):
         return torch.nn.grad.conv2d_input(input_shape, w_deq, grad, stride, (padding[0], padding[1]), dilation, groups)
     top, left, bottom, right = padding
@@ -258,15 +305,32 @@ def _conv_input_grad(grad: torch.Tensor, w_deq: torch.Tensor, input_shape: Seque
     return dx[:, :, top:top + h, left:left + w]
 
 
-def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
-                      stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
-    """``dw = correlate(grad, x_q * x_scale)``: the weight gradient from the dequantized int8 input."""
+def conv_weight_grad_torch(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
+                           stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dw = correlate(grad, x_q * x_scale)``: the weight gradient from the dequantized int8 input, by PyTorch."""
     x_deq = x_q.to(torch.float32) * x_scale
     if _is_symmetric(padding):
         pad = (padding[0], padding[1])
     else:
         x_deq, pad = _pad(x_deq, padding), (0, 0)
     return torch.nn.grad.conv2d_weight(x_deq, weight_shape, grad, stride, pad, dilation, groups)
+
+
+def _grad_kernels(device_type: str):
+    _load_lazy_kernels(device_type)
+    return CONV_GRAD_KERNELS.get(device_type, (conv_input_grad_torch, conv_weight_grad_torch))
+
+
+def _conv_input_grad(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
+                     stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """The dispatch point of ``dx`` (float32 NCHW) from the float32 gradient and the int8 weights."""
+    return _grad_kernels(grad.device.type)[0](grad, w_q, w_scale, input_shape, stride, padding, dilation, groups)
+
+
+def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
+                      stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """The dispatch point of ``dw`` (float32 OIHW) from the int8 input, its scale and the gradient."""
+    return _grad_kernels(grad.device.type)[1](x_q, x_scale, grad, weight_shape, stride, padding, dilation, groups)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -280,8 +344,11 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
     w_q, w_scale = quantize_weight(weight)
     acc = _int8_conv_forward(x_q, w_q, stride, padding, dilation, groups)
     # Dequantize once per accumulator (== dequantizing every product, the sum is exact).
-    y = acc.to(torch.float32) * (x_scale * w_scale).view(1, -1, 1, 1)
+    # copy_ converts int32 -> float32 and the kernel's layout -> contiguous NCHW in one pass; the
+    # scale is applied in place: one float temporary fewer per layer.
+    y = torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc)
     del acc
+    y.mul_((x_scale * w_scale).view(1, -1, 1, 1))
     if bias is not None:
         y += bias.detach().to(torch.float32).view(1, -1, 1, 1)
     if relu:
@@ -328,8 +395,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             w_q, w_scale = quantize_weight(weight)  # bit-identical to the forward's
-            w_deq = w_q.to(torch.float32) * w_scale.view(-1, 1, 1, 1)
-            dx = _conv_input_grad(g, w_deq, x_shape, stride, padding, dilation, groups)
+            dx = _conv_input_grad(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)

@@ -1,0 +1,348 @@
+"""The training path's TVM kernels on CPU: gradient kernels vs NumPy, CUDA builds, the torch wrapper, the cache.
+
+No GPU here, so the CUDA kernels are checked three ways short of running them:
+
+* the compute definitions, built for llvm, against NumPy float64 references (which are
+  themselves checked against PyTorch's float64 conv gradients);
+* the *scheduled* CUDA PrimFuncs made runnable on llvm (:func:`cpu_twin`: thread loops serial,
+  shared/local buffers global), against the same references: this checks the schedules' tiling
+  and staging index arithmetic, everything but the hardware;
+* the CUDA source they generate for sm_90 (``__dp4a`` in the forward, shared-memory tiles, no
+  TVM-allocated global buffer).
+
+Then the autograd layer runs end to end through :mod:`tvm_qconv.nn.tvm_kernels` on the CPU
+(``register("cpu")``: the same packing, group, linear-layer and split-K code the CUDA path runs,
+with llvm kernels), with the differential helper of ``test_qconv_autograd.py``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import tvm
+from tvm.script import parser as tvmscript
+
+from schedules.conv2d_grad_input_int8 import (ConvGradWorkload as GW, conv2d_grad_input_int8,
+                                              conv2d_grad_input_int8_ref, schedule_grad_input_cuda)
+from schedules.conv2d_grad_weight_int8 import (conv2d_grad_weight_int8, conv2d_grad_weight_int8_ref,
+                                               schedule_grad_weight_cuda, weight_grad_splits)
+from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
+from schedules.conv2d_nchw4c_int8 import Conv2dWorkload, conv2d_nchw4c_int8
+from tests.test_qconv_autograd import CASES, CASE_IDS, NONCONTIGUOUS, assert_matches_reference, run_twins
+from tvm_qconv.build import cuda_source, make_target
+from tvm_qconv.nn import QuantizedLinear, batch_amax, functional, quantize_per_tensor, quantize_weight
+from tvm_qconv.nn import tvm_kernels
+
+CUDA = make_target("cuda", "sm_90")
+RNG = np.random.default_rng(0)
+
+# Shapes that divide no tile: odd channels and sizes, stride, dilation, asymmetric padding,
+# groups (depthwise too), a 1x1 and a linear layer as the wrapper presents it (batch as width).
+WORKLOADS = [
+    GW(2, 6, 9, 7, 10, (3, 3), (2, 1), (1, 1, 1, 1), (1, 2), 2),
+    GW(1, 8, 6, 5, 12, (3, 3), (1, 1), (0, 1, 2, 1)),
+    GW(2, 8, 10, 10, 16, (4, 4), (1, 1), (1, 1, 2, 2)),
+    GW(3, 40, 12, 12, 36),
+    GW(2, 8, 7, 7, 8, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 8),
+    GW(1, 5, 11, 13, 7, (1, 1), (1, 1), (0, 0, 0, 0)),
+    GW(1, 70, 1, 5, 9, (1, 1), (1, 1), (0, 0, 0, 0)),
+]
+WL_IDS = ["odd_stride_dilation_g2", "asym_pad", "even_kernel_same", "wide_channels", "depthwise_s2", "1x1",
+          "linear_as_width"]
+
+
+def _grads(wl: GW, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    g = rng.normal(size=(wl.batch, wl.out_channels, wl.out_height, wl.out_width)).astype(np.float32)
+    w = rng.integers(-127, 128, (wl.out_channels, wl.group_in) + wl.kernel).astype(np.int8)
+    w_scale = rng.uniform(1e-3, 1e-2, wl.out_channels).astype(np.float32)
+    x = rng.integers(-127, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
+    return g, w, w_scale, x, np.array([0.0123], np.float32)
+
+
+def cpu_twin(func):
+    """A scheduled CUDA PrimFunc made runnable on llvm: thread loops serial, shared/local buffers
+    global.  Serial threads run each cooperative copy whole before the compute that reads it, so
+    the twin computes what the kernel computes whenever the kernel's barriers are right."""
+    text = func.script()
+    text, n_bind = re.subn(r'T\.thread_binding\((\d+), thread="[\w.]+"(, annotations=\{[^}]*\})?\)',
+                           r"T.serial(\1\2)", text)
+    text = text.replace('scope="shared"', 'scope="global"').replace('scope="local"', 'scope="global"')
+    assert n_bind > 0
+    return tvmscript.parse(text)
+
+
+def _run_llvm(func, arrays, out_shape):
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.tensor(np.zeros(out_shape, np.float32))
+    lib["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in arrays], out)
+    return out.numpy()
+
+
+def _dx(func, wl: GW, g, w, w_scale):
+    G = wl.groups
+    out = _run_llvm(func, [g.reshape(wl.batch, G, -1, wl.out_height, wl.out_width),
+                           w.reshape(G, -1, wl.group_in, *wl.kernel), w_scale.reshape(G, -1)],
+                    (wl.batch, G, wl.group_in, wl.height, wl.width))
+    return out.reshape(wl.batch, wl.in_channels, wl.height, wl.width)
+
+
+def _dw(func, wl: GW, g, x, x_scale):
+    G, splits = wl.groups, int(func.attrs["tvm_qconv.splits"])
+    out = _run_llvm(func, [g.reshape(wl.batch, G, -1, wl.out_height, wl.out_width),
+                           x.reshape(wl.batch, G, -1, wl.height, wl.width), x_scale],
+                    (splits, G, wl.group_out, wl.group_in) + wl.kernel)
+    return out.sum(0).reshape(wl.out_channels, wl.group_in, *wl.kernel)
+
+
+def assert_close_f32(got, ref):
+    # float32 sums of <= a few thousand terms vs float64: rounding ~sqrt(terms) * 2**-24 of the
+    # largest value (measured <= 2e-6 relative here); 1e-5 of the scale is 5x above it, far
+    # below one int8 level of one weight (~1e-2 of the scale).
+    scale = max(1.0, float(np.abs(ref).max()))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+# ----------------------------------------------------------------------------- references
+
+@pytest.mark.parametrize("wl", WORKLOADS, ids=WL_IDS)
+def test_numpy_references_equal_torch_float64_conv_gradients(wl):
+    g, w, w_scale, x, x_scale = _grads(wl)
+    pt, pl, pb, pr = wl.padding
+    wd = torch.from_numpy(w.astype(np.float64) * w_scale.astype(np.float64)[:, None, None, None])
+    padded = (wl.batch, wl.in_channels, wl.height + pt + pb, wl.width + pl + pr)
+    dx = torch.nn.grad.conv2d_input(padded, wd, torch.from_numpy(g).double(), wl.stride, 0, wl.dilation, wl.groups)
+    xd = F.pad(torch.from_numpy(x).double() * float(x_scale[0]), (pl, pr, pt, pb))
+    dw = torch.nn.grad.conv2d_weight(xd, w.shape, torch.from_numpy(g).double(), wl.stride, 0, wl.dilation, wl.groups)
+    np.testing.assert_allclose(conv2d_grad_input_int8_ref(g, w, w_scale, wl),
+                               dx[:, :, pt:pt + wl.height, pl:pl + wl.width].numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(conv2d_grad_weight_int8_ref(g, x, x_scale[0], wl), dw.numpy(), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- kernels on llvm
+
+@pytest.mark.parametrize("wl", WORKLOADS, ids=WL_IDS)
+def test_grad_input_kernel_and_its_cuda_schedule_match_numpy(wl):
+    g, w, w_scale, _, _ = _grads(wl)
+    ref = conv2d_grad_input_int8_ref(g, w, w_scale, wl)
+    func = conv2d_grad_input_int8(wl)
+    assert_close_f32(_dx(func, wl, g, w, w_scale), ref)
+    assert_close_f32(_dx(cpu_twin(schedule_grad_input_cuda(func, CUDA)), wl, g, w, w_scale), ref)
+
+
+@pytest.mark.parametrize("wl", WORKLOADS, ids=WL_IDS)
+def test_grad_weight_kernel_and_its_cuda_schedule_match_numpy(wl):
+    g, _, _, x, x_scale = _grads(wl)
+    ref = conv2d_grad_weight_int8_ref(g, x, x_scale[0], wl)
+    for splits in sorted({1, weight_grad_splits(wl)}):  # one chunk, and the planned split-K
+        func = conv2d_grad_weight_int8(wl, splits)
+        assert_close_f32(_dw(func, wl, g, x, x_scale), ref)
+        assert_close_f32(_dw(cpu_twin(schedule_grad_weight_cuda(func, CUDA)), wl, g, x, x_scale), ref)
+
+
+def test_weight_grad_splits_divide_the_rows_and_bound_the_partials():
+    first = GW(32, 64, 224, 224, 64)  # VGG16's second conv at batch 32: 37 k weights, K = 1.6 M
+    s = weight_grad_splits(first)
+    assert (32 * 224) % s == 0 and s >= 64
+    last = GW(32, 512, 14, 14, 512)
+    assert weight_grad_splits(last) * 512 * 512 * 9 <= 16 * 2**20
+    assert weight_grad_splits(GW(1, 25088, 1, 32, 4096, (1, 1), padding=(0, 0, 0, 0))) == 1
+
+
+# ----------------------------------------------------------------------------- CUDA code
+
+VGG_WORKLOADS = [GW(32, 3, 224, 224, 64), GW(32, 256, 56, 56, 256), GW(32, 512, 14, 14, 512),
+                 GW(1, 4096, 1, 32, 1000, (1, 1), padding=(0, 0, 0, 0))]
+
+
+def _cuda_funcs(wl: GW):
+    fwd = Conv2dWorkload(wl.batch, wl.in_channels, wl.height, wl.width, wl.out_channels, wl.kernel, wl.stride,
+                         wl.padding, wl.dilation, relu=False)
+    return {"forward": schedule_dp4a(conv2d_nchw4c_int8(fwd, requantize=False), CUDA),
+            "grad_input": schedule_grad_input_cuda(conv2d_grad_input_int8(wl), CUDA),
+            "grad_weight": schedule_grad_weight_cuda(conv2d_grad_weight_int8(wl), CUDA)}
+
+
+@pytest.mark.parametrize("wl", VGG_WORKLOADS, ids=["vgg_conv1", "vgg_256@56", "vgg_512@14", "vgg_fc3"])
+def test_cuda_kernels_build_with_shared_tiles_and_no_tvm_allocated_global_memory(wl):
+    for kind, func in _cuda_funcs(wl).items():
+        # Every buffer a kernel allocates lives in shared memory or registers: a global one
+        # would be allocated by TVM, outside PyTorch's allocator and its memory statistics.
+        allocs = [line.strip() for line in func.script().splitlines() if "alloc_buffer(" in line]
+        assert allocs and all('scope="shared"' in a or 'scope="local"' in a for a in allocs), (kind, allocs)
+        with CUDA:
+            src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=CUDA))
+        assert "__shared__" in src and "__syncthreads()" in src, kind
+        threads = [int(t) for t in re.findall(r"__launch_bounds__\((\d+)\)", src)]
+        assert threads and max(threads) <= 1024, kind
+        if kind == "forward":
+            assert "__dp4a" in src
+        else:
+            assert "signed char" in src  # the int8 tensor is read as int8, not a float copy
+
+
+# ----------------------------------------------------------------------------- the torch wrapper
+
+@pytest.fixture
+def tvm_on_cpu(tmp_path, monkeypatch):
+    """The autograd layer's CPU kernels replaced by tvm_kernels' (llvm builds, a fresh cache)."""
+    monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setitem(functional.INT8_CONV_KERNELS, "cpu", tvm_kernels.int8_conv)
+    monkeypatch.setitem(functional.CONV_GRAD_KERNELS, "cpu",
+                        (tvm_kernels.conv_input_grad, tvm_kernels.conv_weight_grad))
+    monkeypatch.setattr(tvm_kernels, "_kernels", {})
+    monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
+    return tmp_path / "kernels"
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_layer_through_tvm_kernels_matches_exact_reference(tvm_on_cpu, case):
+    ours, _, ref = run_twins(case)
+    for name in ("out", "dx", "dw", "db"):
+        if getattr(ref, name) is None:
+            assert getattr(ours, name) is None
+        else:
+            assert_matches_reference(getattr(ours, name), getattr(ref, name))
+    kinds = {k for k, _ in tvm_kernels.CALLS}
+    assert kinds == {"forward", "grad_input", "grad_weight"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_tvm_forward_is_bit_exact_against_cpu_int8_conv(tvm_on_cpu, case):
+    g = torch.Generator().manual_seed(0)
+    layer, _ = case.layers()
+    x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, layer.weight.shape, generator=g, dtype=torch.int8)
+    pad4 = functional.padding4(case.padding, layer.kernel_size, layer.dilation)
+    args = (layer.stride, pad4, layer.dilation, case.groups)
+    acc = tvm_kernels.int8_conv(x_q, w_q, *args)
+    assert acc.dtype == torch.int32 and acc.shape == (case.batch, case.cout) + acc.shape[2:]
+    assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
+
+
+def test_linear_layer_runs_as_one_wide_image_and_matches_reference(tvm_on_cpu):
+    torch.manual_seed(0)
+    layer = QuantizedLinear(70, 9)
+    x = torch.randn(5, 70, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x_q, s_x = quantize_per_tensor(x, batch_amax(x))
+    w_q, s_w = quantize_weight(layer.weight)
+    ref = (x_q.double() * s_x.double()) @ (w_q.double() * s_w.double()[:, None]).T + layer.bias.detach().double()
+    assert_matches_reference(y.detach(), ref)
+    assert_matches_reference(x.grad, g.double() @ (w_q.double() * s_w.double()[:, None]))
+    assert_matches_reference(layer.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
+    # batch 5 became the width of one image: "70->9 1x1 s1 @1x5 b1"
+    assert {d for _, d in tvm_kernels.CALLS} == {"70->9 1x1 s1 @1x5 b1 pad(0, 0, 0, 0)"}
+
+
+def test_linear_layer_at_batch_1_matches_reference(tvm_on_cpu):
+    torch.manual_seed(0)
+    layer = QuantizedLinear(12, 5)
+    x = torch.randn(1, 12, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    x_q, s_x = quantize_per_tensor(x, batch_amax(x))
+    w_q, s_w = quantize_weight(layer.weight)
+    w_deq = w_q.double() * s_w.double()[:, None]
+    assert_matches_reference(y.detach(), (x_q.double() * s_x.double()) @ w_deq.T + layer.bias.detach().double())
+    assert_matches_reference(x.grad, w_deq.sum(0, keepdim=True))
+
+
+@pytest.mark.parametrize("layout", list(NONCONTIGUOUS), ids=list(NONCONTIGUOUS))
+def test_noncontiguous_input_and_grad_through_tvm_kernels_are_bit_identical(tvm_on_cpu, layout):
+    base = CASES[0]
+    x = torch.randn((base.batch, base.cin) + base.hw, generator=torch.Generator().manual_seed(0))
+    contiguous, _, _ = run_twins(base, x=x)
+    grad = torch.randn(contiguous.out.shape, generator=torch.Generator().manual_seed(1))
+    ours, _, _ = run_twins(base, x=NONCONTIGUOUS[layout](x), grad=NONCONTIGUOUS[layout](grad))
+    for name in ("out", "dx", "dw", "db"):
+        assert torch.equal(getattr(ours, name), getattr(contiguous, name)), name
+
+
+def test_misaligned_view_is_copied_before_tvm_sees_it():
+    # TVM kernels assume 64-byte aligned data (an llvm kernel segfaulted on a 4-byte aligned view).
+    big = torch.zeros(100)
+    view = big[1:17]
+    assert view.is_contiguous() and view.data_ptr() % tvm_kernels.ALIGNMENT != 0
+    ready = tvm_kernels._ready(view)
+    assert ready.data_ptr() % tvm_kernels.ALIGNMENT == 0 and torch.equal(ready, view)
+    aligned = torch.zeros(16)
+    assert tvm_kernels._ready(aligned) is aligned
+
+
+# ----------------------------------------------------------------------------- the cache
+
+SMALL = Conv2dWorkload(1, 4, 5, 5, 4, relu=False)
+
+
+def _fresh_memory(monkeypatch):
+    monkeypatch.setattr(tvm_kernels, "_kernels", {})
+
+
+def test_kernel_is_built_once_and_then_loaded_from_disk(tvm_on_cpu, monkeypatch):
+    cpu = torch.device("cpu")
+    fn = tvm_kernels.get_kernel("forward", SMALL, cpu)
+    assert tvm_kernels.get_kernel("forward", SMALL, cpu) is fn  # memory
+    path = tvm_kernels.cache_path("forward", SMALL, "llvm")
+    assert os.path.dirname(path) == str(tvm_on_cpu) and os.path.exists(path)
+    assert [f for f in os.listdir(tvm_on_cpu) if f.startswith(".tmp")] == []
+    _fresh_memory(monkeypatch)
+    monkeypatch.setattr(tvm_kernels, "_build", lambda *a: pytest.fail("rebuilt a cached kernel"))
+    tvm_kernels.get_kernel("forward", SMALL, cpu)  # disk
+
+
+def test_corrupt_cache_entry_is_rebuilt_with_a_warning(tvm_on_cpu, monkeypatch):
+    cpu = torch.device("cpu")
+    path = tvm_kernels.cache_path("forward", SMALL, "llvm")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF truncated")
+    with pytest.warns(UserWarning, match="does not load.*rebuilding"):
+        fn = tvm_kernels.get_kernel("forward", SMALL, cpu)
+    x = torch.ones(1, 1, 5, 5, 4, dtype=torch.int8)
+    w = torch.ones(1, 1, 3, 3, 4, 4, dtype=torch.int8)
+    out = torch.zeros(1, 1, 5, 5, 4, dtype=torch.int32)
+    fn(x, w, out)
+    assert int(out[0, 0, 2, 2, 0]) == 36  # 3x3 taps x 4 channels of ones
+
+
+def test_interrupted_build_leaves_no_cache_entry(tvm_on_cpu, monkeypatch):
+    class Interrupted(Exception):
+        pass
+
+    def export_then_die(self, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"half a library")
+        raise Interrupted
+
+    monkeypatch.setattr(tvm.runtime.Executable, "export_library", export_then_die)
+    with pytest.raises(Interrupted):
+        tvm_kernels.get_kernel("forward", SMALL, torch.device("cpu"))
+    assert not os.path.exists(tvm_kernels.cache_path("forward", SMALL, "llvm"))
+    assert os.listdir(tvm_on_cpu) == []
+
+
+def test_cache_key_changes_with_workload_arch_and_kernel_source(monkeypatch):
+    base = tvm_kernels.cache_path("forward", SMALL, "sm_90")
+    assert tvm_kernels.cache_path("forward", Conv2dWorkload(1, 4, 5, 6, 4, relu=False), "sm_90") != base
+    assert tvm_kernels.cache_path("forward", SMALL, "sm_80") != base
+    assert tvm_kernels.cache_path("grad_input", GW(1, 4, 5, 5, 4), "sm_90") != base
+    real = tvm_kernels._source_hash
+    monkeypatch.setattr(tvm_kernels, "_source_hash", lambda kind: real(kind) + "edited")
+    assert tvm_kernels.cache_path("forward", SMALL, "sm_90") != base
+    assert tvm.__version__ in str(tvm_kernels.cache_key("forward", SMALL, "sm_90"))
+
+
+def test_importing_the_training_layers_does_not_import_tvm():
+    code = "import sys, tvm_qconv.nn, models.quantized_vgg; print('tvm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,183 @@
+"""The int8 QAT layers on CUDA, through the TVM kernels: the CPU autograd tests, on the GPU.
+
+Mirrors ``test_qconv_autograd.py`` (same cases, same differential helper, same tolerances):
+ours on CUDA against the float64 autograd of the dequantized graph (tight) and against the
+float twin on CUDA (int8 tolerances); the forward int32 accumulators bit-exact against the CPU
+kernel; non-contiguous inputs; streams; and that the TVM kernels, not torch convs, ran.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import SmallQuantizedVGG
+from tests.test_qconv_autograd import (CASES, CASE_IDS, GRADS, TWIN_GRAD_TOLERANCE, Case, Result, _input, _reference,
+                                       _run, assert_matches_reference, relative_error)
+from tvm_qconv.nn import QuantizedLinear, batch_amax, functional, quantize_per_tensor, quantize_weight
+from tvm_qconv.nn import tvm_kernels
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
+CUDA = torch.device("cuda")
+TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
+               "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
+               "aten::addmm"}
+
+
+def run_cuda_twins(case: Case, x: torch.Tensor | None = None, grad: torch.Tensor | None = None, seed: int = 0):
+    """``(ours, twin, ref)`` on CUDA: the same seeded weights, input and gradient through ours,
+    the float twin and the float64 reference (all on the GPU)."""
+    torch.manual_seed(seed)
+    ours, twin = case.layers()
+    twin.load_state_dict(ours.state_dict())
+    ours, twin = ours.to(CUDA), twin.to(CUDA)
+    x = _input(case, seed).to(CUDA) if x is None else x
+    if grad is None:
+        with torch.no_grad():
+            shape = twin(x).shape
+        grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(CUDA)
+    res_ours, _ = _run(ours, x, grad)
+    res_twin, _ = _run(twin, x, grad)
+    return res_ours, res_twin, _reference(case, ours, x, grad, batch_amax(x))
+
+
+@pytest.fixture(autouse=True)
+def tvm_kernels_registered():
+    torch.zeros(1, device=CUDA)
+    functional._load_lazy_kernels("cuda")
+    assert functional.INT8_CONV_KERNELS["cuda"] is tvm_kernels.int8_conv, "TVM_QCONV_KERNELS=torch is set?"
+    tvm_kernels.CALLS.clear()
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cuda_layer_matches_exact_dequantized_reference(case):
+    ours, _, ref = run_cuda_twins(case)
+    for name in ("out",) + tuple(GRADS):
+        if getattr(ref, name) is None:
+            assert getattr(ours, name) is None, name
+        else:
+            assert getattr(ours, name).device.type == "cuda"
+            assert_matches_reference(getattr(ours, name), getattr(ref, name))
+    assert {k for k, _ in tvm_kernels.CALLS} == {"forward", "grad_input", "grad_weight"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cuda_output_within_int8_tolerance_of_twin(case):
+    ours, twin, _ = run_cuda_twins(case)
+    torch.testing.assert_close(ours.out, twin.out, atol=0.05, rtol=0.01)  # seed 000's bound; see the CPU test
+
+
+@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cuda_gradient_close_to_float_twin(case, grad):
+    ours, twin, _ = run_cuda_twins(case)
+    if getattr(twin, grad) is None:
+        assert getattr(ours, grad) is None
+        return
+    # The twin runs cuDNN with TF32 allowed (PyTorch's default for convs): its error (~1e-3
+    # relative) is far inside these int8 tolerances.
+    assert relative_error(getattr(ours, grad), getattr(twin, grad)) < TWIN_GRAD_TOLERANCE[case.relu]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cuda_int8_conv_is_bit_exact_against_cpu_kernel(case):
+    g = torch.Generator().manual_seed(0)
+    layer, _ = case.layers()
+    x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, layer.weight.shape, generator=g, dtype=torch.int8)
+    args = (layer.stride, functional.padding4(case.padding, layer.kernel_size, layer.dilation), layer.dilation,
+            case.groups)
+    acc = functional._int8_conv_forward(x_q.to(CUDA), w_q.to(CUDA), *args)
+    assert acc.dtype == torch.int32 and acc.is_cuda
+    assert torch.equal(acc.cpu(), functional.int8_conv_cpu(x_q, w_q, *args))
+
+
+def test_cuda_no_bias_has_no_bias_gradient():
+    ours, twin, ref = run_cuda_twins(Case("nb", bias=False))
+    assert ours.db is None and twin.db is None
+    assert_matches_reference(ours.out, ref.out)
+    assert_matches_reference(ours.dw, ref.dw)
+
+
+def _sliced_cuda(x):
+    big = torch.zeros(x.shape[:-1] + (2 * x.shape[-1],), device=x.device)
+    big[..., ::2] = x
+    return big[..., ::2]
+
+
+NONCONTIGUOUS_CUDA = {
+    "channels_last": lambda x: x.contiguous(memory_format=torch.channels_last),
+    "transposed": lambda x: x.transpose(2, 3).contiguous().transpose(2, 3),
+    "sliced": _sliced_cuda,
+}
+
+
+@pytest.mark.parametrize("layout", list(NONCONTIGUOUS_CUDA), ids=list(NONCONTIGUOUS_CUDA))
+def test_cuda_noncontiguous_input_and_grad_give_bit_identical_results(layout):
+    base = CASES[0]
+    x = _input(base, 0).to(CUDA)
+    strided = NONCONTIGUOUS_CUDA[layout](x)
+    assert not strided.is_contiguous() and torch.equal(strided, x)
+    contiguous, _, _ = run_cuda_twins(base, x=x)
+    grad = torch.randn(contiguous.out.shape, generator=torch.Generator().manual_seed(1)).to(CUDA)
+    ours, _, _ = run_cuda_twins(base, x=strided, grad=NONCONTIGUOUS_CUDA[layout](grad))
+    for name in ("out",) + tuple(GRADS):
+        assert torch.equal(getattr(ours, name), getattr(contiguous, name)), name
+
+
+def test_cuda_linear_matches_reference():
+    torch.manual_seed(0)
+    layer = QuantizedLinear(300, 70).to(CUDA)
+    x = torch.randn(33, 300, device=CUDA, requires_grad=True)
+    y = layer(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x_q, s_x = quantize_per_tensor(x, batch_amax(x))
+    w_q, s_w = quantize_weight(layer.weight)
+    w_deq = w_q.double() * s_w.double()[:, None]
+    assert_matches_reference(y.detach(), (x_q.double() * s_x.double()) @ w_deq.T + layer.bias.detach().double())
+    assert_matches_reference(x.grad, g.double() @ w_deq)
+    assert_matches_reference(layer.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
+
+
+def test_kernels_run_on_torchs_current_stream():
+    # On a side stream, the input is written after a ~50 ms sleep; a kernel launched on any
+    # other stream would read it before it is written.
+    case = CASES[0]
+    ours_ref, _, _ = run_cuda_twins(case)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.manual_seed(0)
+        layer, _ = case.layers()
+        layer = layer.to(CUDA)
+        x = torch.zeros((case.batch, case.cin) + case.hw, device=CUDA)
+        torch.cuda._sleep(100_000_000)
+        x.copy_(_input(case, 0).to(CUDA, non_blocking=False))
+        x.requires_grad_()
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(CUDA))
+    torch.cuda.synchronize()
+    assert torch.equal(out.detach(), ours_ref.out)
+    assert torch.equal(x.grad, ours_ref.dx) and torch.equal(layer.weight.grad, ours_ref.dw)
+
+
+def test_a_training_step_runs_tvm_kernels_and_no_torch_conv():
+    torch.manual_seed(0)
+    model = SmallQuantizedVGG().to(CUDA)
+    x = torch.randn(8, 3, 32, 32, device=CUDA)
+    target = torch.randint(0, 10, (8,), device=CUDA)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & TORCH_CONVS, sorted(ops & TORCH_CONVS)
+    kinds = {k for k, _ in tvm_kernels.CALLS}
+    assert kinds == {"forward", "grad_input", "grad_weight"}
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_result_type_is_unchanged_by_the_cuda_path():
+    ours, twin, _ = run_cuda_twins(CASES[0])
+    for name in ("out",) + tuple(GRADS):
+        a, b = getattr(ours, name), getattr(twin, name)
+        assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device, name
+    assert isinstance(ours, Result)
