@@ -39,8 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="database folder (default tuning_logs/<model>-b<batch>-<arch>)")
     p.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
     p.add_argument("--workers", type=_positive, default=None, help="parallel builds (default: all CPU cores)")
-    p.add_argument("--trials-per-iter", type=_positive, default=64,
-                   help="candidates built and measured per round (default 64)")
+    p.add_argument("--trials-per-iter", type=_positive, default=32,
+                   help="candidates built and measured per round (default 32)")
+    p.add_argument("--space", choices=["template", "mlt"], default="template",
+                   help="search space: the default schedule's structure with its decisions searched "
+                        "(template, default), or MetaSchedule's generic multi-level tiling (mlt); "
+                        "see schedules/conv2d_nchw4c_dp4a_space.py")
+    p.add_argument("--no-seed-default", action="store_true",
+                   help="do not measure the default schedule first (by default it seeds the search, "
+                        "so the tuned kernel is never slower than the default)")
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--only", nargs="+", default=None, metavar="TASK",
                    help="tune only these tasks (names as printed in the table, e.g. 64to64_3x3s1_224x224_b1)")
@@ -58,11 +65,12 @@ def main(argv=None) -> int:
     work_dir = args.work_dir or default_work_dir(args.model, args.batch, args.arch)
     print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
-          f"seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
+          f"space={args.space} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     try:
         tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
                    work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
-                   max_workers=args.workers, seed=args.seed, only=args.only, peak_tops=args.peak_tops)
+                   max_workers=args.workers, seed=args.seed, only=args.only, peak_tops=args.peak_tops,
+                   space=args.space, seed_default=not args.no_seed_default)
         if args.prune:
             before, after = prune_database(work_dir)
             print(f"[tune] pruned {work_dir}: {before} -> {after} records")

@@ -52,6 +52,14 @@ NUM_SM = 132          # H100 / H200; only sizes the two targets below
 MIN_TOTAL_THREADS = NUM_SM * 128  # give up register tiling before leaving SMs nearly idle
 SMEM_TARGET = 24 * 1024  # shared tiles per block we aim for (leaves room for 2+ blocks per SM)
 
+# The search space's caps on the innermost (register / reduction) tile of each axis; the
+# sampled tiles must still fit the target's threads and shared memory (VerifyGPUCode).
+MAX_OC_INNER = 8      # 32 output channels per thread
+MAX_Y_INNER = 4
+MAX_X_INNER = 4
+MAX_RC_INNER = 32     # 128 input channels per shared tile
+UNROLL_STEPS = [0, 16, 64, 512]  # 1024 (MetaSchedule's largest) made tuning rounds 2-10x longer on the H100
+
 
 def _ensure_dp4a_registered() -> None:
     """Register ``dp4a_s8s8s32`` without importing all of ``tvm.s_tir.tensor_intrin``.
@@ -88,22 +96,26 @@ def _next_smaller_divisor(n: int, d: int) -> int:
 
 
 @dataclass
-class _Plan:
-    ocr: int  # oc_outer blocks per thread (registers)
+class Dp4aTiles:
+    """The decisions of the dp4a schedule (module docstring: OCB = oct*ocr, YB = yt*yr, XB = xt*xr)."""
+
+    ocr: int  # oc_outer blocks per thread (registers, x4 channels)
     oct: int  # threads along oc_outer
     yr: int   # output rows per thread (registers)
     yt: int   # threads along oh
-    xt: int   # threads along ow (one column each)
+    xt: int   # threads along ow
     rc: int   # ic_outer blocks per shared tile
+    xr: int = 1      # output columns per thread (registers)
+    unroll: int = 0  # explicit unroll depth of the reduction loops, one of UNROLL_STEPS
 
     @property
     def threads(self) -> int:
         return self.oct * self.yt * self.xt
 
 
-def _smem_bytes(p: _Plan, kh, kw, sh, sw, dh, dw) -> int:
+def _smem_bytes(p: Dp4aTiles, kh, kw, sh, sw, dh, dw) -> int:
     rows = (p.yt * p.yr - 1) * sh + (kh - 1) * dh + 1
-    cols = (p.xt - 1) * sw + (kw - 1) * dw + 1
+    cols = (p.xt * p.xr - 1) * sw + (kw - 1) * dw + 1
     return p.rc * 4 * (rows * cols + p.oct * p.ocr * 4 * kh * kw)
 
 
@@ -111,7 +123,7 @@ def _divisors(n: int, cap: int) -> list[int]:
     return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
 
 
-def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads) -> _Plan:
+def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads) -> Dp4aTiles:
     """Pick divisor tile sizes for one workload.
 
     1. Registers: OCR x YR outputs (x4 channels) per thread, shrunk while the whole grid would
@@ -131,13 +143,13 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
             yr = 1
     max_threads = min(MAX_THREADS, max_threads)
 
-    def key(q: _Plan):
-        blocks = batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // q.xt)
+    def key(q: Dp4aTiles):
+        blocks = batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // (q.xt * q.xr))
         balance = blocks / (NUM_SM * -(-blocks // NUM_SM))
         warp_eff = q.threads / (32 * -(-q.threads // 32))
         return (round(balance * warp_eff * min(q.threads, 128) / 128, 2), q.threads, q.xt, q.yt)
 
-    cands = [_Plan(ocr, o, yr, y, x, 1)
+    cands = [Dp4aTiles(ocr, o, yr, y, x, 1)
              for o in _divisors(occ // ocr, MAX_OC_THREADS)
              for y in _divisors(oh // yr, MAX_YT)
              for x in _divisors(ow, MAX_XT)
@@ -148,7 +160,7 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
     p = max(fits, key=key)
     budget = min(SMEM_TARGET, smem_max)
     p.rc = max([d for d in range(1, icc + 1) if icc % d == 0
-                and _smem_bytes(_Plan(p.ocr, p.oct, p.yr, p.yt, p.xt, d), kh, kw, sh, sw, dh, dw) <= budget],
+                and _smem_bytes(Dp4aTiles(p.ocr, p.oct, p.yr, p.yt, p.xt, d), kh, kw, sh, sw, dh, dw) <= budget],
                default=1)
     return p
 
@@ -160,29 +172,109 @@ def _loops_under(sch, block, loop) -> list:
     return list(loops[at + 1:])
 
 
-def _cooperative_fetch(sch, block, at_loop, nthreads: int, vec: int) -> None:
-    """Spread a cache block's copy (placed under ``at_loop``) over the block's threads, ``vec``
-    int8 per vector load (the last 1 or 2 copy loops, 4 each)."""
+def _cooperative_fetch(sch, block, at_loop, thread_factors, nvec: int) -> None:
+    """Spread a cache block's copy (placed under ``at_loop`` with unit loops kept) over the
+    block's threads: the copy loops but the last ``nvec`` (4 wide each, one vector load) are
+    fused and split by the thread tile factors, whose fused product is threadIdx.x."""
     own = _loops_under(sch, block, at_loop)
-    nvec = {4: 1, 16: 2}[vec]  # copy loops (4 wide each) in one vector
-    outer = own[:-nvec]  # compute_at leaves out unit loops, so this can be empty
     inner = sch.fuse(*own[-nvec:]) if nvec > 1 else own[-1]
-    if not outer:
-        outer = sch.split(inner, [1, None])[:1]
-        inner = _loops_under(sch, block, outer[0])[0]
-    fused = sch.fuse(*outer) if len(outer) > 1 else outer[0]
-    _, tx = sch.split(fused, [None, nthreads])
-    sch.bind(tx, "threadIdx.x")
+    split = sch.split(sch.fuse(*own[:-nvec]), [None, *thread_factors])
+    sch.bind(sch.fuse(*split[1:]), "threadIdx.x")
     sch.vectorize(inner)
 
 
-def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc:
+def apply_dp4a_schedule(sch: tvm.s_tir.Schedule, tiles: Dp4aTiles | None = None) -> None:
+    """Schedule the blocks ``pad``, ``conv``, ``requant`` of ``sch`` in place (see the module
+    docstring), with the tile sizes ``tiles``, or sampled ones when ``tiles`` is None.
+
+    Every choice is a sampling instruction of the trace (``sample_perfect_tile`` per tiled
+    axis, ``sample_categorical`` for the unroll depth), with ``tiles`` as its decision when
+    given: the default schedule and each MetaSchedule candidate are the same program with other
+    decisions, so the search's mutators (tile sizes, unroll) move between them, and the default
+    can seed the search (``tvm_qconv/tuning.py``).  Unit loops are kept at every compute_at,
+    so the number of loops, and with it the trace, does not depend on the decisions.  The
+    unroll depth is a ``meta_schedule.unroll_explicit`` annotation that MetaSchedule's
+    ``RewriteParallelVectorizeUnroll`` postprocessor turns into the pragma.
+    """
+    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
+    n, oc, y, x, oci, rc, ry, rx, rci = sch.get_loops(conv)
+
+    def tile(loop, parts, decision, max_inner):
+        return sch.sample_perfect_tile(loop, n=parts, max_innermost_factor=max_inner, decision=decision)
+
+    t = tiles
+    occ, oh, ow, icc = (int(sch.get(l).extent) for l in (oc, y, x, rc))
+    oc_f = tile(oc, 3, t and [occ // (t.oct * t.ocr), t.oct, t.ocr], MAX_OC_INNER)
+    y_f = tile(y, 3, t and [oh // (t.yt * t.yr), t.yt, t.yr], MAX_Y_INNER)
+    x_f = tile(x, 3, t and [ow // (t.xt * t.xr), t.xt, t.xr], MAX_X_INNER)
+    rc_f = tile(rc, 2, t and [icc // t.rc, t.rc], MAX_RC_INNER)
+    unroll = sch.sample_categorical(UNROLL_STEPS, [1 / len(UNROLL_STEPS)] * len(UNROLL_STEPS),
+                                    decision=t and UNROLL_STEPS.index(t.unroll))
+
+    # Each thread's registers cover a contiguous box (oc_r, y_r, x_r innermost): reverse_compute_at
+    # takes the bounding box of what a thread computes, so a strided per-thread tile would
+    # make the epilogue read other threads' accumulators.
+    oc_b, oc_t, oc_r = sch.split(oc, oc_f)
+    y_b, y_t, y_r = sch.split(y, y_f)
+    x_b, x_t, x_r = sch.split(x, x_f)
+    rc_o, rc_i = sch.split(rc, rc_f)
+    sch.reorder(n, oc_b, y_b, x_b, oc_t, y_t, x_t, rc_o, rc_i, ry, rx, oc_r, y_r, x_r, oci, rci)
+    sch.bind(sch.fuse(n, oc_b), "blockIdx.z")
+    sch.bind(y_b, "blockIdx.y")
+    sch.bind(x_b, "blockIdx.x")
+    tx = sch.fuse(oc_t, y_t, x_t)
+    sch.bind(tx, "threadIdx.x")
+    threads = [oc_f[1], y_f[1], x_f[1]]
+
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
+
+    sch.set_scope(pad, 0, "shared")
+    sch.compute_at(pad, rc_o, preserve_unit_loops=True)
+    _cooperative_fetch(sch, pad, rc_o, threads, 1)   # int8x4: one input word
+    w_sh = sch.cache_read(conv, "W", "shared")
+    sch.compute_at(w_sh, rc_o, preserve_unit_loops=True)
+    _cooperative_fetch(sch, w_sh, rc_o, threads, 2)  # int8x16: one 4o x 4i filter tap
+
+    # The epilogue computes (in int64) into registers, and a copy stores them as int8x4 words:
+    # vectorizing the epilogue itself would make int64x4 vectors, 32 bytes, which
+    # MetaSchedule's VerifyGPUCode rejects (max 16 bytes per vector).
+    store = sch.cache_write(requant, 0, "local")
+    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
+    init = sch.decompose_reduction(conv, rc_o)
+    sch.tensorize(rci, DP4A_INTRIN)
+    # Unroll every loop over the accumulators so they stay in registers (constant indices).
+    for loop in ([oc_r, y_r, x_r, oci] + _loops_under(sch, init, tx) + _loops_under(sch, requant, tx)
+                 + _loops_under(sch, store, tx)[:-1]):
+        sch.unroll(loop)
+    sch.vectorize(_loops_under(sch, store, tx)[-1])
+    # The reduction loops (rc_i, ry, rx) are unrolled up to the sampled depth.
+    sch.annotate(sch.get_sblock("root"), "meta_schedule.unroll_explicit", unroll)
+
+
+def default_tiles(func: tirx.PrimFunc, target: tvm.target.Target) -> Dp4aTiles:
+    """The heuristic tile sizes (``_plan``) of :func:`conv2d_nchw4c_int8`'s PrimFunc on ``target``."""
+    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    smem_max = int(target.attrs.get("max_shared_memory_per_block", 49152))
+    max_threads = int(target.attrs.get("max_threads_per_block", 1024))
+    sch = tvm.s_tir.Schedule(func)
+    conv = sch.get_sblock("conv")
+    n, oc, y, x, _, rc, ry, rx, _ = sch.get_loops(conv)
+    batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
+    stride, dilation = _stride_dilation(sch, conv)
+    return _plan(batch, occ, oh, ow, icc, (kh, kw), stride, dilation, smem_max, max_threads)
+
+
+def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target,
+                  tiles: Dp4aTiles | None = None) -> tirx.PrimFunc:
     """Schedule :func:`conv2d_nchw4c_int8`'s PrimFunc for CUDA with a ``__dp4a`` inner product.
 
     Args:
-        func: the unscheduled PrimFunc (blocks ``pad``, ``conv``, ``requant``).
+        func: the unscheduled PrimFunc (blocks ``pad``, ``conv``, ``requant``; the
+            ``requantize=False`` variant too).
         target: the CUDA target; ``max_shared_memory_per_block`` caps the shared tiles
             (48 KB when absent) and ``max_threads_per_block`` the threads.
+        tiles: the tile sizes; default :func:`default_tiles`.
     Returns:
         The scheduled PrimFunc with attr ``tir.is_scheduled`` (dlight leaves it alone).
 
@@ -193,47 +285,13 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
         ex = tvm.compile(tvm.IRModule({"main": f}), target=target)
     """
     _ensure_dp4a_registered()
-    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
-    smem_max = int(target.attrs.get("max_shared_memory_per_block", 49152))
-    max_threads = int(target.attrs.get("max_threads_per_block", 1024))
-
+    tiles = tiles or default_tiles(func, target)
     sch = tvm.s_tir.Schedule(func)
-    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
-    n, oc, y, x, oci, rc, ry, rx, rci = sch.get_loops(conv)
-    batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
-    wl_stride, wl_dilation = _stride_dilation(sch, conv)
-    p = _plan(batch, occ, oh, ow, icc, (kh, kw), wl_stride, wl_dilation, smem_max, max_threads)
+    apply_dp4a_schedule(sch, tiles)
+    from tvm.s_tir.meta_schedule.postproc import RewriteParallelVectorizeUnroll
 
-    # Each thread's registers cover a contiguous box (oc_r, y_r innermost): reverse_compute_at
-    # takes the bounding box of what a thread computes, so a strided per-thread tile would
-    # make the epilogue read other threads' accumulators.
-    oc_b, oc_t, oc_r = sch.split(oc, [None, p.oct, p.ocr])
-    y_b, y_t, y_r = sch.split(y, [None, p.yt, p.yr])
-    x_b, x_t = sch.split(x, [None, p.xt])
-    rc_o, rc_i = sch.split(rc, [None, p.rc])
-    sch.reorder(n, oc_b, y_b, x_b, oc_t, y_t, x_t, rc_o, rc_i, ry, rx, oc_r, y_r, oci, rci)
-    sch.bind(sch.fuse(n, oc_b), "blockIdx.z")
-    sch.bind(y_b, "blockIdx.y")
-    sch.bind(x_b, "blockIdx.x")
-    tx = sch.fuse(oc_t, y_t, x_t)
-    sch.bind(tx, "threadIdx.x")
-
-    sch.set_scope(conv, 0, "local")
-    sch.reverse_compute_at(requant, tx)
-
-    sch.set_scope(pad, 0, "shared")
-    sch.compute_at(pad, rc_o)
-    _cooperative_fetch(sch, pad, rc_o, p.threads, 4)
-    w_sh = sch.cache_read(conv, "W", "shared")
-    sch.compute_at(w_sh, rc_o)
-    _cooperative_fetch(sch, w_sh, rc_o, p.threads, 16)
-
-    init = sch.decompose_reduction(conv, rc_o)
-    sch.tensorize(rci, DP4A_INTRIN)
-    # Unroll every loop over the accumulators so they stay in registers (constant indices).
-    for loop in [oc_r, y_r, oci] + _loops_under(sch, init, tx) + _loops_under(sch, requant, tx)[:-1]:
-        sch.unroll(loop)
-    sch.vectorize(_loops_under(sch, requant, tx)[-1])
+    if not RewriteParallelVectorizeUnroll().apply(sch):  # the unroll annotation -> pragma
+        raise RuntimeError("RewriteParallelVectorizeUnroll failed on the default dp4a schedule")
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
