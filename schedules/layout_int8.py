@@ -5,8 +5,25 @@ model (one at the input, one before the classifier).
 ``dequantize_unpack``: int8 [N, C/4, H, W, 4] -> float [N, C, H, W].
 ``quantize_rows``: float [N, K] -> int8 [N, ceil(K/4)*4], the input of an int8 dense layer.
 
-Rounding is ``floor(x / s + 0.5)`` with a true division: no multiply-add for nvcc to contract
-into an FMA, so CPU and CUDA builds round identically.
+Rounding is ``nearbyint(x / s)``: to nearest, ties to even, as the training path's
+``torch.round`` (``tvm_qconv.nn.functional.quantize_per_tensor``) and ``np.rint`` round, so a
+tie such as digits' pixel level 4/16 (``x / s = -63.5``) gives the QAT model's integer (-64).
+TVM lowers ``nearbyint`` to ``llvm.nearbyint`` (x86 ``vroundps``/``vrndscaleps $12`` with an
+mcpu, libm ``nearbyintf`` without: the MXCSR mode, half to even unless a program changes it)
+and to CUDA's ``nearbyintf`` (``cvt.rni``: always half to even); ``tirx.round``
+lowers the same way in TVM 0.27, but its docstring still promises ``llvm.round`` (ties away from
+zero), so the kernel names the rounding it means.
+
+``x / s`` must be the IEEE float32 quotient PyTorch computes, on every target: a value that lands
+on a tie goes to the other integer if the quotient is one ulp off.  So it is a true division, not
+``x * (1 / s)`` (rounded twice), and not a float32 ``/`` either: TVM compiles CUDA with
+``--use_fast_math``, which makes that ``div.approx.ftz.f32`` (up to 2 ulp off).  The kernels
+divide in float64 (always IEEE on CUDA: ``div.rn.f64``) and round to float32, which is exactly
+the float32 quotient (53 >= 2 * 24 + 2 bits: no double-rounding error for a quotient).  The
+divisor is written ``M * 2**e`` with ``M`` a 24-bit integer, ``x / s = (x / M) * 2**-e``
+(power-of-two scaling is exact), because TVM's CUDA codegen prints a float64 constant with 15
+decimals (``float32(1 / 127)`` becomes ``0.007874015718699``, ``2**-100`` becomes 0) and
+integers print exactly.
 """
 from __future__ import annotations
 
@@ -16,14 +33,23 @@ from tvm import te, tirx
 from .conv2d_nchw4c_int8 import ceil4
 
 
+def _div_exact(x, scale: float):
+    """float32 ``x / scale`` (``scale`` rounded to float32), IEEE on llvm and on CUDA under fast math."""
+    frac, exp = np.frexp(np.float32(scale))  # scale = frac * 2**exp, frac in [0.5, 1)
+    m, e = int(frac * (1 << 24)), int(exp) - 24  # scale = m * 2**e, m < 2**24: both print exactly
+    q = x.astype("float64") / tirx.const(m, "float64")
+    q = q * tirx.const(2.0 ** -e, "float64") if e <= 0 else q / tirx.const(2.0 ** e, "float64")
+    return q.astype("float32")
+
+
 def _q(x, scale: float, lo: int = -128, hi: int = 127):
-    v = tirx.floor(x / tirx.const(scale, "float32") + tirx.const(0.5, "float32"))
+    v = tirx.nearbyint(_div_exact(x, scale))  # ties to even (module docstring)
     return tirx.max(tirx.min(v, tirx.const(hi, "float32")), tirx.const(lo, "float32")).astype("int8")
 
 
 def quantize_ref(x: np.ndarray, scale: float, lo: int = -128, hi: int = 127) -> np.ndarray:
-    """NumPy twin of the kernels' float -> int8 rounding (float32 arithmetic throughout)."""
-    v = np.floor(x.astype(np.float32) / np.float32(scale) + np.float32(0.5))
+    """NumPy twin of the kernels' float -> int8 rounding: float32 division, round half to even."""
+    v = np.rint(x.astype(np.float32) / np.float32(scale))
     return np.clip(v, lo, hi).astype(np.int8)
 
 

@@ -6,7 +6,8 @@ import tvm
 
 from models import SmallVGG
 from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
-from schedules.conv2d_nchw4c_int8 import ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref
+from schedules.conv2d_nchw4c_int8 import ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, pack_nchw4c
+from schedules.layout_int8 import quantize_pack, quantize_ref
 from tests.test_kernels import CONV_IDS, CONV_WORKLOADS, conv_args
 from tvm_qconv.build import compile_model, cuda_source, make_target
 from tvm_qconv.config import QuantConfig
@@ -51,3 +52,26 @@ def test_cuda_build_equals_cpu_build_on_a_whole_model(tmp_path):
     for a, b in zip(outs["llvm"][1:], outs["cuda"][1:]):
         np.testing.assert_array_equal(a, b)  # integer-only epilogues: identical int8 activations
     np.testing.assert_allclose(outs["llvm"][0], outs["cuda"][0], rtol=1e-5, atol=1e-5)  # float dense epilogue
+
+
+def test_cuda_input_quantizer_rounds_ties_to_even_like_the_cpu_build():
+    # Exact ties (digits' pixel levels at s = float32(1 / 127): -63.5, 63.5) and one ulp either
+    # side of every k + 0.5: under TVM's --use_fast_math a float32 division would move some.
+    from tvm import s_tir
+
+    s = np.float32(1.0) / np.float32(127)
+    near = (np.arange(-127, 127, dtype=np.float32) + np.float32(0.5)) * s
+    x = np.concatenate([np.nextafter(near, -np.inf), near, np.nextafter(near, np.inf),
+                        (np.arange(17, dtype=np.float32) / 16 - 0.5) / 0.5]).astype(np.float32)
+    x = np.resize(x, (2, 3, 16, 17))
+    sch = s_tir.Schedule(quantize_pack(x.shape, float(s)))
+    bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("quantize_pack"))), [None, 128])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    target = make_target("cuda", "sm_90")
+    with target:
+        lib = tvm.compile(sch.mod, target=target)
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full((2, 1, 16, 17, 4), 77, np.int8), dev)
+    lib["main"](tvm.runtime.tensor(x, dev), out)
+    np.testing.assert_array_equal(out.numpy(), pack_nchw4c(quantize_ref(x, s)))

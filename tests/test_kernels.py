@@ -1,4 +1,6 @@
 """Every int8 kernel, unscheduled on llvm, against its NumPy reference: bit-exact for int8 outputs."""
+import shutil
+
 import numpy as np
 import pytest
 import tvm
@@ -99,6 +101,73 @@ def test_quantize_rows_pads_k_with_zeros():
     q = run(quantize_rows(x.shape, 0.05), x, out_shape=(3, 12), out_dtype="int8")
     np.testing.assert_array_equal(q[:, :10], quantize_ref(x, 0.05))
     assert not q[:, 10:].any()
+
+
+# Float -> int8 ties: x / s lands exactly on k + 0.5.  digits' pixel levels 4 and 12 at the scale
+# QAT learns for them (amax 1.0: s = float32(1 / 127)) give -63.5 and 63.5; at s = 0.25 (amax 31.75)
+# every product is exact; s = 2**25 takes the kernel's other branch (scales >= 2**24).
+TIES = [((np.arange(17, dtype=np.float32) / 16 - 0.5) / 0.5, np.float32(1.0)),
+        (np.float32([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 126.5, -126.5]) * np.float32(0.25), np.float32(31.75)),
+        (np.float32([-2.5, -0.5, 0.5, 2.5]) * np.float32(2**25), np.float32(127 * 2**25))]
+
+
+@pytest.mark.parametrize("x, amax", TIES, ids=["digits_levels", "scale_0.25", "scale_2^25"])
+def test_float_to_int8_rounds_ties_to_even_in_kernel_reference_and_training(x, amax):
+    import torch
+
+    from tvm_qconv.nn import quantize_per_tensor
+
+    q_train, s = quantize_per_tensor(torch.from_numpy(x), torch.tensor(float(amax)))
+    s = float(s)
+    quotient = x / np.float32(s)
+    ties = quotient[np.floor(quotient) + 0.5 == quotient]
+    assert len(ties) >= 2, "degenerate test: no exact tie"
+    want = np.rint(quotient).astype(np.int8)  # half to even: -63.5 -> -64, 2.5 -> 2, 0.5 -> 0
+    assert np.all(want[np.isin(quotient, ties)] % 2 == 0)
+    np.testing.assert_array_equal(q_train.numpy(), want)
+    np.testing.assert_array_equal(quantize_ref(x, s), want)
+    nchw = x.reshape(1, -1, 1, 1)
+    packed = run(quantize_pack(nchw.shape, s), nchw, out_shape=(1, ceil4(x.size) // 4, 1, 1, 4), out_dtype="int8")
+    np.testing.assert_array_equal(unpack_nchw4c(packed, x.size).reshape(-1), want)
+    rows = run(quantize_rows((1, x.size), s), x[None], out_shape=(1, ceil4(x.size)), out_dtype="int8")
+    np.testing.assert_array_equal(rows[0, :x.size], want)
+
+
+def test_quantize_kernel_divides_like_float32_numpy_near_ties():
+    # x / s one float32 ulp either side of every tie k + 0.5: the kernel's quotient must be
+    # NumPy's float32 quotient to the last bit, or these round the other way.
+    s = np.float32(1.0) / np.float32(127)
+    near = (np.arange(-127, 127, dtype=np.float32) + np.float32(0.5)) * s
+    x = np.concatenate([np.nextafter(near, -np.inf), near, np.nextafter(near, np.inf)]).astype(np.float32)
+    x = np.concatenate([x, RNG.normal(0, 0.5, 4096).astype(np.float32)]).reshape(1, 1, 1, -1)
+    q = run(quantize_pack(x.shape, s), x, out_shape=(1, 1, 1, x.shape[3], 4), out_dtype="int8")
+    np.testing.assert_array_equal(q[..., 0].reshape(-1), quantize_ref(x, s).reshape(-1))
+
+
+def test_quantize_cuda_source_rounds_half_to_even_after_an_ieee_division():
+    # TVM builds CUDA with --use_fast_math: a float32 "/" would be div.approx.ftz.f32 (up to 2 ulp
+    # off), so the kernel divides in float64 (always IEEE) and rounds with nearbyintf (cvt.rni).
+    from tvm import s_tir
+
+    from tvm_qconv.build import cuda_source, make_target
+
+    sch = s_tir.Schedule(quantize_pack((1, 3, 8, 8), 1 / 127))
+    bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("quantize_pack"))), [None, 64])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    target = make_target("cuda", "sm_90")
+    with target:
+        src = cuda_source(tvm.compile(sch.mod, target=target))
+    body = src[src.index("__global__"):]
+    assert "nearbyintf(((float)((((double)X_ptr[" in body and "floor" not in body and "roundf" not in body
+    assert "/ 8454660.0" in body  # float32(1 / 127) = 8454660 * 2**-30, the divisor printed exactly
+    if shutil.which("nvcc") is None:
+        return
+    from tvm.support import nvcc
+
+    with target:
+        ptx = bytes(nvcc.compile_cuda(src, target_format="ptx", compiler="nvcc")).decode()
+    assert "div.rn.f64" in ptx and "cvt.rni.f32.f32" in ptx and "div.approx" not in ptx
 
 
 POOLS = [((2, 2), (2, 2), (0, 0, 0, 0), False), ((3, 3), (2, 2), (1, 1, 1, 1), False),

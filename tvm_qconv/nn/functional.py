@@ -100,7 +100,7 @@ def input_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to int8 with one symmetric scale ``amax / 127``.
 
-    Rounds to nearest (ties to even, as ``np.rint`` in the compile step) instead of the seed's
+    Rounds to nearest (ties to even, as the compile step's ``nearbyint``) instead of the seed's
     truncation: truncation pulls every value toward zero, a bias that does not average out
     over a convolution's sum, and doubles the worst-case error from ``s/2`` to ``s``.
     Values beyond ``amax`` clip to +-127 (-128 is unused, so the range is symmetric).
