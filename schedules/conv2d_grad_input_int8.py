@@ -37,6 +37,9 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from .conv2d_nchw4c_dp4a import _divisor_at_most, _loops_under
+from .conv2d_nchw4c_int8 import conv_output_size
+
 KERNEL_NAME = "conv2d_grad_input_int8"
 
 
@@ -69,13 +72,13 @@ class ConvGradWorkload:
 
     @property
     def out_height(self) -> int:
-        kh = (self.kernel[0] - 1) * self.dilation[0] + 1
-        return (self.height + self.padding[0] + self.padding[2] - kh) // self.stride[0] + 1
+        return conv_output_size(self.height, self.kernel[0], self.stride[0], self.padding[0], self.padding[2],
+                                self.dilation[0])
 
     @property
     def out_width(self) -> int:
-        kw = (self.kernel[1] - 1) * self.dilation[1] + 1
-        return (self.width + self.padding[1] + self.padding[3] - kw) // self.stride[1] + 1
+        return conv_output_size(self.width, self.kernel[1], self.stride[1], self.padding[1], self.padding[3],
+                                self.dilation[1])
 
     @property
     def group_in(self) -> int:
@@ -173,16 +176,6 @@ def workload_of(func: tirx.PrimFunc) -> ConvGradWorkload:
     """The workload a compute definition was made for (its ``tvm_qconv.workload`` attr)."""
     d = ast.literal_eval(str(func.attrs["tvm_qconv.workload"]))
     return ConvGradWorkload(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-
-
-def _divisor_at_most(n: int, cap: int) -> int:
-    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
-
-
-def _loops_under(sch, block, loop) -> list:
-    loops = sch.get_loops(block)
-    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(loop))][0]
-    return list(loops[at + 1:])
 
 
 def cooperative_fetch(sch, block, at_loop, nthreads: int) -> None:

@@ -30,7 +30,8 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from .conv2d_grad_input_int8 import ConvGradWorkload, _divisor_at_most, _loops_under, cooperative_fetch
+from .conv2d_grad_input_int8 import ConvGradWorkload, cooperative_fetch
+from .conv2d_nchw4c_dp4a import _divisor_at_most, _loops_under
 
 KERNEL_NAME = "conv2d_grad_weight_int8"
 

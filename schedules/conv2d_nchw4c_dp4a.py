@@ -87,8 +87,8 @@ def _ensure_dp4a_registered() -> None:
 
 
 def _divisor_at_most(n: int, cap: int) -> int:
-    """Largest d <= cap dividing n (>= 1)."""
-    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+    """Largest d <= cap dividing n (>= 1; a cap below 1 counts as 1)."""
+    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
 
 
 def _next_smaller_divisor(n: int, d: int) -> int:

@@ -25,6 +25,11 @@ def ceil4(c: int) -> int:
     return (c + 3) // 4 * 4
 
 
+def conv_output_size(size: int, kernel: int, stride: int, pad_before: int, pad_after: int, dilation: int) -> int:
+    """Output length of a conv along one axis (PyTorch's formula, floor division)."""
+    return (size + pad_before + pad_after - (kernel - 1) * dilation - 1) // stride + 1
+
+
 @dataclass(frozen=True)
 class Conv2dWorkload:
     """One conv layer as the kernel sees it (channels in real units, before padding to 4)."""
@@ -49,13 +54,13 @@ class Conv2dWorkload:
 
     @property
     def out_height(self) -> int:
-        kh = (self.kernel[0] - 1) * self.dilation[0] + 1
-        return (self.height + self.padding[0] + self.padding[2] - kh) // self.stride[0] + 1
+        return conv_output_size(self.height, self.kernel[0], self.stride[0], self.padding[0], self.padding[2],
+                                self.dilation[0])
 
     @property
     def out_width(self) -> int:
-        kw = (self.kernel[1] - 1) * self.dilation[1] + 1
-        return (self.width + self.padding[1] + self.padding[3] - kw) // self.stride[1] + 1
+        return conv_output_size(self.width, self.kernel[1], self.stride[1], self.padding[1], self.padding[3],
+                                self.dilation[1])
 
     @property
     def ops(self) -> int:

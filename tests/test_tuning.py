@@ -36,7 +36,7 @@ from tvm_qconv.config import QuantConfig
 from tvm_qconv.errors import InputError
 from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
 from tvm_qconv.tuning import (RECORD_FILE, WORKLOAD_FILE, _int8_module, _parse_workload, _repair_database,
-                              _unpack_database,
+                              _load_database, _unpack_database,
                               apply_tuning_database, extract_conv_tasks, prune_database, tune_model)
 
 CUDA = make_target("cuda", "sm_90")
@@ -415,3 +415,16 @@ def test_tune_model_starts_from_the_default_schedule_and_logs_progress(small_int
     progress = [json.loads(line) for line in (tmp_path / "logs" / "progress.jsonl").read_text().splitlines()]
     assert [p["valid"] for p in progress] == [1, 2]
     assert [p["model_conv_us"] for p in progress] == [pytest.approx(40.0), pytest.approx(20.0)]  # x2 occurrences
+
+
+def test_a_truncated_packed_database_is_reported_not_unpacked(tuned_db, tmp_path):
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
+    prune_database(str(tmp_path))
+    packed = tmp_path / (WORKLOAD_FILE + ".gz")
+    packed.write_bytes(packed.read_bytes()[:200])  # a cut-off download or checkout
+    with pytest.raises(InputError, match=r"is corrupt \(EOFError.*restore it .*or delete it and tune again"):
+        _load_database(str(tmp_path))
+    with pytest.raises(InputError, match="is corrupt"):
+        _unpack_database(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".gz", WORKLOAD_FILE + ".gz"]  # left as it was

@@ -58,7 +58,9 @@ FAILED_RUN_SECS = 1e10
 # seconds.  A candidate still compiling after this is pathological (huge explicit unroll).
 BUILD_TIMEOUT_S = 120.0
 CALIB_IMAGES = 2  # tuning depends on shapes only; calibration just has to run
-POPULATION = int(os.environ.get("TVM_QCONV_POPULATION", "128"))
+# Evolutionary-search population (MetaSchedule default 512): the template space is small and
+# mostly valid; on the 2-core CPU box 128 cut one search round from 60-90 s to ~20 s.
+POPULATION = 128
 # Attributes the Relax module adds to a kernel that say nothing about its computation.
 _RELAX_ONLY_ATTRS = ("global_symbol", "op_pattern")
 
@@ -210,8 +212,12 @@ def _unpack_database(work_dir: str) -> None:
     files = _db_files(work_dir)
     if files is None or not files[0].endswith(".gz"):
         return
-    for path in files:
-        _atomic_write_lines(path[:-3], _parse_lines(path)[0])
+    try:
+        unpacked = [(path[:-3], _parse_lines(path)[0]) for path in files]
+    except (OSError, EOFError) as err:  # a truncated / not-gzip .gz: leave the folder as it is
+        raise _corrupt(work_dir, err) from err
+    for path, lines in unpacked:
+        _atomic_write_lines(path, lines)
     for path in files:
         os.remove(path)
 
@@ -301,8 +307,11 @@ def _load_database(work_dir: str) -> ms.database.MemoryDatabase:
     if paths is None:
         raise InputError(f"tuning log folder {work_dir} has no MetaSchedule database ({WORKLOAD_FILE}, "
                          f"{RECORD_FILE}, or their .gz): tune into it with `{_tune_command(work_dir)}`")
-    _, workloads, _ = _parse_lines(paths[0])
-    _, records, _ = _parse_lines(paths[1])
+    try:
+        _, workloads, _ = _parse_lines(paths[0])
+        _, records, _ = _parse_lines(paths[1])
+    except (OSError, EOFError) as err:  # unreadable, or a truncated / not-gzip .gz
+        raise _corrupt(work_dir, err) from err
     # A truncated last line (interrupted run) is skipped, as _repair_database would drop it.
     workloads = workloads[:-1] if workloads and workloads[-1] is None else workloads
     records = [r for r in records if _is_record(r, len(workloads)) and _record_secs(r) is not None]
@@ -324,8 +333,8 @@ def _load_database(work_dir: str) -> ms.database.MemoryDatabase:
 
 def _corrupt(work_dir: str, err: Exception) -> InputError:
     return InputError(f"tuning log folder {work_dir} is corrupt ({type(err).__name__}: "
-                      f"{(str(err).strip().splitlines() or [''])[0][:200]}): tune again with "
-                      f"`{_tune_command(work_dir)}`")
+                      f"{(str(err).strip().splitlines() or [''])[0][:200]}): restore it (e.g. `git checkout -- "
+                      f"{work_dir}`), or delete it and tune again with `{_tune_command(work_dir)}`")
 
 
 # ---------------------------------------------------------------- apply / prune
@@ -419,9 +428,8 @@ def prune_database(work_dir: str) -> tuple[int, int]:
 def _build_function():
     """MetaSchedule's LocalBuilder build function, without its ``import tvm.s_tir.tensor_intrin``.
 
-    The stock ``default_build`` imports every tensor intrinsic in each popen worker, and the
-    builder starts fresh workers for every batch: ~20 s per batch on a 16-core GPU host, over a
-    minute on a small box.  A candidate reaches the builder already tensorized (the dp4a body
+    The stock ``default_build`` imports every tensor intrinsic in each popen worker (~20 s on a
+    16-core GPU host, over a minute on a small box), once per worker.  A candidate reaches the builder already tensorized (the dp4a body
     is inlined as ``__dp4a`` calls), so the worker needs no intrinsic registry.  Defined in a
     closure so cloudpickle ships it by value: the worker needs no tvm_qconv on its path.
     ``with target`` gives nvcc/NVRTC the arch where no GPU can be queried.

@@ -69,8 +69,11 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 # Files whose text defines each kind of kernel (this one included: it calls them).
 _SOURCES = {
     "forward": ("schedules/conv2d_nchw4c_int8.py", "schedules/requantize.py", "schedules/conv2d_nchw4c_dp4a.py"),
-    "grad_input": ("schedules/conv2d_grad_input_int8.py",),
-    "grad_weight": ("schedules/conv2d_grad_input_int8.py", "schedules/conv2d_grad_weight_int8.py"),
+    # The gradient kernels use conv_output_size and the dp4a file's loop helpers too.
+    "grad_input": ("schedules/conv2d_grad_input_int8.py", "schedules/conv2d_nchw4c_int8.py",
+                   "schedules/conv2d_nchw4c_dp4a.py"),
+    "grad_weight": ("schedules/conv2d_grad_input_int8.py", "schedules/conv2d_grad_weight_int8.py",
+                    "schedules/conv2d_nchw4c_int8.py", "schedules/conv2d_nchw4c_dp4a.py"),
 }
 
 # (kind, workload description) -> calls, for "which kernels ran" reports.
