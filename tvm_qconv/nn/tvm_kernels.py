@@ -50,6 +50,7 @@ Details that matter:
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import os
@@ -100,8 +101,12 @@ def _source_hash(kind: str) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
 def device_target(device: torch.device) -> tuple[object, str]:
-    """``(tvm target, short name)`` for a torch device: CUDA at the device's arch, or llvm."""
+    """``(tvm target, short name)`` for a torch device: CUDA at the device's arch, or llvm.
+
+    Cached: every kernel call looks its kernel up through this, and building a Target and
+    querying the device capability each time would sit on the training step's hot path."""
     if device.type == "cuda":
         from ..build import make_target
         major, minor = torch.cuda.get_device_capability(device)
