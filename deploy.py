@@ -8,10 +8,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import time
 
 from tvm_qconv.cli_args import positive_int as _positive
-import time
+from tvm_qconv.config import CALIBRATIONS, PRESETS
+from tvm_qconv.errors import InputError
+
+# The subcommands import what they need when they run: `run` needs the TVM runtime only, so it
+# must not pay for importing torch and the compiler.
 
 
 def _percentile(text: str) -> float:
@@ -22,7 +28,6 @@ def _percentile(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tvm_qconv.config import CALIBRATIONS, PRESETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="quantize, compile and export a model",
@@ -48,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibration", choices=CALIBRATIONS, default=None, help="activation observer (overrides --scheme)")
     b.add_argument("--percentile", type=_percentile, default=None, help="percentile for --calibration percentile")
     b.add_argument("--skip", action="append", default=[], metavar="LAYER",
-                   help="keep this layer in float (torch module path, e.g. classifier.6); repeatable")
+                   help="keep this layer in float: a torch module path (classifier.6) or a pattern "
+                        "(classifier.*); repeatable")
     b.add_argument("--calib-dir", default=None, help="folder of JPEG/PNG calibration images "
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
@@ -82,11 +88,9 @@ _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile
 
 
 def cmd_build(args) -> int:
-    import dataclasses
-
-    from tvm_qconv.build import compile_checkpoint, compile_model
-    from tvm_qconv.config import PRESETS
-    from tvm_qconv.errors import InputError
+    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
+    from tvm_qconv.frontend import load_model
+    from tvm_qconv.ranges import Calibrate
     from tvm_qconv.report import format_report
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
@@ -94,8 +98,12 @@ def cmd_build(args) -> int:
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
     cfg = dataclasses.replace(cfg, **over)
-    common = dict(target=args.target, arch=args.arch, batch=args.batch, config=cfg, tuning_log=args.tuning_log,
-                  debug_dump=args.debug_dump, cuda_graph=args.cuda_graph)
+
+    def build_options(image_size: int) -> BuildOptions:
+        return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
+                            image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
+                            debug_dump=args.debug_dump)
+
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:
         given = [flag for key, flag in _MODEL_ONLY_FLAGS.items() if getattr(args, key) is not None]
@@ -104,13 +112,15 @@ def cmd_build(args) -> int:
                              "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
         print(f"[build] {args.checkpoint} -> {args.output}: {target} size={args.image_size or 'as trained'} "
               f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
-        res = compile_checkpoint(args.checkpoint, args.output, image_size=args.image_size, **common)
+        options = None if args.image_size is None else build_options(args.image_size)
+        res = compile_checkpoint(args.checkpoint, args.output, options=options, config=cfg)
     else:
         size = args.image_size or 224
         print(f"[build] {args.model} -> {args.output}: {target} size={size} "
               f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
-        res = compile_model(args.model, args.output, image_size=size, weights=args.weights,
-                            num_classes=args.num_classes, calib_dir=args.calib_dir, **common)
+        model = load_model(args.model, args.weights, args.num_classes)
+        res = compile_model(model, args.output, options=build_options(size), config=cfg, name=args.model,
+                            ranges=Calibrate(calib_dir=args.calib_dir))
     print(format_report(res.meta))
     print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
     return 0
@@ -128,7 +138,7 @@ def describe_ranges(ranges: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from tvm_qconv.train import evaluate_library
+    from tvm_qconv.evaluate import evaluate_library
     res = evaluate_library(args.lib, seed=args.seed, device=args.device)
     print(f"{args.dataset} test split (seed {res['seed']}, {res['total']} images): compiled int8 "
           f"{res['accuracy']:.2f}% ({res['correct']}/{res['total']}) on {res['device']}")
@@ -148,7 +158,6 @@ def cmd_run(args) -> int:
     if len(x) < n:  # a batch-N library takes N images: repeat the given ones to fill it
         x = np.concatenate([x] * (-(-n // len(x))))[:n]
     elif len(x) > n:
-        from tvm_qconv.errors import InputError
         raise InputError(f"{len(x)} images given, the library takes a batch of {n}: rebuild with --batch {len(x)}")
     t = time.time()
     logits = model(x)
@@ -169,7 +178,6 @@ def cmd_run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tvm_qconv.errors import InputError
     try:
         return {"build": cmd_build, "run": cmd_run, "eval": cmd_eval}[args.cmd](args)
     except InputError as err:

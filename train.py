@@ -19,7 +19,7 @@ from tvm_qconv.cli_args import positive_int as _positive
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tvm_qconv.train import MODELS, TrainConfig
+    from tvm_qconv.training import MODELS, TrainConfig
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default=d.model, help=f"model (default {d.model})")
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tvm_qconv.train import TrainConfig, run_training
+    from tvm_qconv.training import TrainConfig, run_training
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)

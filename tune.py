@@ -41,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive, default=None, help="parallel builds (default: all CPU cores)")
     p.add_argument("--trials-per-iter", type=_positive, default=32,
                    help="candidates built and measured per round (default 32)")
-    p.add_argument("--space", choices=["template", "mlt"], default="template",
-                   help="search space: the default schedule's structure with its decisions searched "
-                        "(template, default), or MetaSchedule's generic multi-level tiling (mlt); "
-                        "see schedules/conv2d_nchw4c_dp4a_space.py")
+    p.add_argument("--space", default=None,
+                   help="search space by name (default: each kernel implementation's first); the dp4a family "
+                        "has template (the default schedule's structure with its decisions searched) and mlt "
+                        "(MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py")
     p.add_argument("--no-seed-default", action="store_true",
                    help="do not measure the default schedule first (by default it seeds the search, "
                         "so the tuned kernel is never slower than the default)")
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     work_dir = args.work_dir or default_work_dir(args.model, args.batch, args.arch)
     print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
-          f"space={args.space} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
+          f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     try:
         tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
                    work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,

@@ -12,6 +12,7 @@ Times are medians of TVM's time_evaluator / CUDA events after warm-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,11 +26,13 @@ import tvm  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
 from benchmarks.timing import cuda_median_ms  # noqa: E402
-from schedules.conv2d_nchw4c_dp4a import schedule_dp4a  # noqa: E402
-from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload, ceil4, conv2d_nchw4c_int8,  # noqa: E402
-                                          conv2d_nchw4c_int8_ref, pack_channels, pack_nchw4c, pack_oihw4o4i)
-from schedules.requantize import quantize_multiplier, requantize_tir  # noqa: E402
-from tvm_qconv.build import make_target  # noqa: E402
+from tests.workloads import conv_wl  # noqa: E402
+from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,  # noqa: E402
+                                               pack_channels, pack_oihw4o4i)
+from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a  # noqa: E402
+from tvm_qconv.schedules.nchw4c.layout import ceil4, pack_nchw4c  # noqa: E402
+from tvm_qconv.schedules.requantize import quantize_multiplier, requantize_tir  # noqa: E402
+from tvm_qconv.target import make_target  # noqa: E402
 
 SEED_002_SHAPES = [(4, 32, 64, 64), (4, 32, 32, 64), (8, 32, 64, 128), (8, 64, 64, 512)]
 
@@ -88,7 +91,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     for b, cin, cout, hw in SEED_002_SHAPES:
-        wl = Conv2dWorkload(b, cin, hw, hw, cout)
+        wl = conv_wl(b, cin, hw, hw, cout)
         a = pack_nchw4c(rng.integers(-128, 128, (b, cin, hw, hw)).astype(np.int8))
         w = pack_oihw4o4i(rng.integers(-127, 128, (cout, cin, 3, 3)).astype(np.int8))
         bias = pack_channels(rng.integers(-5000, 5000, cout).astype(np.int32))
@@ -99,8 +102,8 @@ def main(argv=None):
         out8 = tvm.runtime.tensor(np.zeros(oshape, np.int8), dev)
         fused = build(schedule_dp4a(conv2d_nchw4c_int8(wl), target), target)
         fused_ms = time_ms(fused, dev, *t, out8)
-        ok = np.array_equal(out8.numpy(), conv2d_nchw4c_int8_ref(a, w, bias, mult, shift, wl))
-        conv32 = build(schedule_dp4a(conv2d_nchw4c_int8(wl, requantize=False), target), target)
+        ok = np.array_equal(out8.numpy(), conv2d_nchw4c_int8_ref(wl, a, w, bias, mult, shift))
+        conv32 = build(schedule_dp4a(conv2d_nchw4c_int8(dataclasses.replace(wl, out_dtype="int32")), target), target)
         add, relu, req, _ = (build(k, target) if not isinstance(k, tuple) else k for k in unfused_kernels(wl))
         acc, acc2 = (tvm.runtime.tensor(np.zeros(oshape, np.int32), dev) for _ in range(2))
         out8b = tvm.runtime.tensor(np.zeros(oshape, np.int8), dev)

@@ -3,7 +3,7 @@
     python benchmarks/train_memory.py --out results/ [--batch 32] [--image-size 224] [--steps 10]
 
 One training step = zero_grad, forward, cross-entropy, backward, SGD (momentum 0.9) step, on
-``models.QuantizedVGG16`` with ``quantized=True`` (ours: int8 forward through the TVM dp4a
+``tvm_qconv.models.QuantizedVGG16`` with ``quantized=True`` (ours: int8 forward through the TVM dp4a
 kernel, TVM gradient kernels, int8 saved activations) or ``quantized=False`` (the twin:
 ``nn.Conv2d`` + ReLU and ``nn.Linear``, cuDNN, PyTorch defaults).  Same seed, same weights, same
 random batch.  Each variant runs in a fresh subprocess, so peaks do not mix:
@@ -51,7 +51,7 @@ def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, nu
     import torch
     import torch.nn.functional as F
 
-    from models import QuantizedVGG16
+    from tvm_qconv.models import QuantizedVGG16
 
     ours = variant.startswith("ours")
     dev = torch.device("cuda")

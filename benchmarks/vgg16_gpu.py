@@ -28,11 +28,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import cuda_median_ms  # noqa: E402
-from tvm_qconv.build import compile_model, quantize_module  # noqa: E402
+from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
+from tvm_qconv.evaluate import sqnr_db  # noqa: E402
 from tvm_qconv.frontend import load_model  # noqa: E402
+from tvm_qconv.quantize import quantize_module  # noqa: E402
+from tvm_qconv.ranges import Calibrate, GivenRanges  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
+from tvm_qconv.target import TargetInfo, make_target  # noqa: E402
 
 
 def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
@@ -76,7 +80,9 @@ def main(argv=None):
     photos = skimage_photos(size)
     cfg = QuantConfig()
     t = time.time()
-    _, _, amax, _ = quantize_module(model, (1, 3, size, size), cfg, photos)
+    amax = quantize_module(model, (1, 3, size, size), TargetInfo.from_target(make_target("llvm")), config=cfg,
+                           ranges=Calibrate(photos)).amax
+    given = GivenRanges(amax)
     res["calibrate_s"] = round(time.time() - t, 1)
     libdir = args.lib_dir
 
@@ -84,12 +90,13 @@ def main(argv=None):
         outs = {}
         for target in ("llvm", "cuda"):
             t = time.time()
-            lib = compile_model("vgg16", f"{libdir}/vgg16_{target}_dbg.so", target=target, arch=args.arch,
-                                image_size=size, model=model, amax=amax, config=cfg, expose_activations=True)
+            lib = compile_model(model, f"{libdir}/vgg16_{target}_dbg.so", name="vgg16", ranges=given, config=cfg,
+                                options=BuildOptions(target=target, arch=args.arch if target == "cuda" else None,
+                                                     image_size=size, expose_activations=True))
             cm = CompiledModel(lib.lib_path)
             outs[target] = cm.outputs(photos[:1])
             res[f"build_{target}_dbg_s"] = round(time.time() - t, 1)
-            names = lib.report["exposed"]
+            names = [e["layer"] for e in lib.report["exposed"]]
         agree = []
         for name, a, b in zip(names, outs["llvm"][1:], outs["cuda"][1:]):
             d = np.abs(a.astype(np.int32) - b.astype(np.int32))
@@ -107,8 +114,8 @@ def main(argv=None):
     torch.backends.cudnn.benchmark = True
     for bs in args.batches:
         t = time.time()
-        lib = compile_model("vgg16", f"{libdir}/vgg16_cuda_b{bs}.so", target="cuda", arch=args.arch, batch=bs,
-                            image_size=size, model=model, amax=amax, config=cfg)
+        lib = compile_model(model, f"{libdir}/vgg16_cuda_b{bs}.so", name="vgg16", ranges=given, config=cfg,
+                            options=BuildOptions(target="cuda", arch=args.arch, batch=bs, image_size=size))
         build_s = time.time() - t
         cm = CompiledModel(lib.lib_path)
         x = np.concatenate([photos] * (-(-bs // len(photos))))[:bs]
@@ -122,8 +129,8 @@ def main(argv=None):
             variants[("tuned_" if "tuned" in variants else "") + "graph"] = dict(variants.get("tuned", {}),
                                                                               cuda_graph=True)
         for tag, kw in variants.items():
-            vlib = compile_model("vgg16", f"{libdir}/vgg16_cuda_b{bs}_{tag}.so", target="cuda", arch=args.arch,
-                                 batch=bs, image_size=size, model=model, amax=amax, config=cfg, **kw)
+            vlib = compile_model(model, f"{libdir}/vgg16_cuda_b{bs}_{tag}.so", name="vgg16", ranges=given, config=cfg,
+                                 options=BuildOptions(target="cuda", arch=args.arch, batch=bs, image_size=size, **kw))
             vm = CompiledModel(vlib.lib_path)
             same = all(np.array_equal(vm(x), cm(x)) for _ in range(2))  # twice: a replayed graph must not go stale
             row[f"tvm_int8_{tag}_ms"] = vm.benchmark(x, number=10 if bs == 1 else 3, repeat=10)["median_ms"]
@@ -133,7 +140,7 @@ def main(argv=None):
         if bs == 1:
             ref = model(torch.from_numpy(photos)).detach().numpy()
             got = np.concatenate([cm(photos[i:i + 1]) for i in range(len(photos))])
-            row["sqnr_db"] = float(10 * np.log10((ref ** 2).sum() / ((got - ref) ** 2).sum()))
+            row["sqnr_db"] = sqnr_db(ref, got)
             row["top1_agree"] = float((ref.argmax(1) == got.argmax(1)).mean())
         xt = torch.from_numpy(x).to(dev)
         for dtype, tag in ((torch.float32, "fp32"), (torch.float16, "fp16")):

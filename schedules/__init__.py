@@ -1,0 +1,8 @@
+"""The int8 kernels: TensorIR compute definitions, NumPy references, schedules and search spaces.
+
+Installed as ``tvm_qconv.schedules``.  One folder per kernel family (``nchw4c/``: dp4a on CUDA and
+the llvm schedule), ``training/`` for the training path's gradients, and the pieces every
+family shares: ``kernel.py`` (the interface an implementation fills in), ``workload.py`` (the
+conv workload), ``requantize.py`` (the fixed-point epilogue), ``quantize.py`` (float -> int8
+rounding), ``dense_int8.py``.
+"""

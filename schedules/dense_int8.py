@@ -7,8 +7,30 @@ the reduction can be tensorized by 4 like the conv.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from tvm import te, tirx
+
+from .kernel import KernelImpl
+from .quantize import quantize_tir
+
+KERNEL_NAME = "dense_int8"
+
+
+def ceil4(k: int) -> int:
+    return (k + 3) // 4 * 4
+
+
+def quantize_rows(shape: tuple[int, int], scale: float) -> tirx.PrimFunc:
+    """float [N, K] -> int8 [N, ceil(K/4)*4] (zero-padded), the input of an int8 dense layer."""
+    n, k = shape
+    x = te.placeholder(shape, "float32", name="X")
+    out = te.compute(
+        (n, ceil4(k)),
+        lambda b, i: tirx.if_then_else(i < k, quantize_tir(x[b, tirx.min(i, k - 1)], scale), tirx.const(0, "int8")),
+        name="quantize_rows")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
 
 
 def dense_int8(n: int, k4: int, o: int, relu: bool) -> tirx.PrimFunc:
@@ -25,10 +47,42 @@ def dense_int8(n: int, k4: int, o: int, relu: bool) -> tirx.PrimFunc:
         return tirx.max(v, tirx.const(0, "float32")) if relu else v
 
     out = te.compute((n, o), epi, name="dequant")
-    return te.create_prim_func([x, w, scale, bias, out]).with_attr({"tvm_qconv.kernel": "dense_int8"})
+    return te.create_prim_func([x, w, scale, bias, out]).with_attr({"tvm_qconv.kernel": KERNEL_NAME})
 
 
 def dense_int8_ref(x, w, scale, bias, relu) -> np.ndarray:
     acc = x.astype(np.int64) @ w.astype(np.int64).T
     v = acc.astype(np.float32) * scale.astype(np.float32) + bias.astype(np.float32)
     return np.maximum(v, 0) if relu else v
+
+
+@dataclass(frozen=True)
+class DenseWorkload:
+    """int8 [batch, k4] x int8 [out_features, k4] (K padded to 4) -> float [batch, out_features]."""
+
+    batch: int
+    k4: int
+    out_features: int
+    relu: bool
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class Dense(KernelImpl):
+    name = "dense.rows.generic"
+    op = "dense"
+    layout = "rows"
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: DenseWorkload):
+        return self.tag(dense_int8(wl.batch, wl.k4, wl.out_features, wl.relu), wl)
+
+    def reference(self, wl: DenseWorkload, x, w, scale, bias):
+        return dense_int8_ref(x, w, scale, bias, wl.relu)
+
+
+DENSE = Dense()

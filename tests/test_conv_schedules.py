@@ -13,29 +13,19 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
 from tvm.script import parser as tvmscript
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from schedules.conv2d_nchw4c_cpu import schedule_cpu  # noqa: E402
-from schedules.conv2d_nchw4c_dp4a import schedule_dp4a  # noqa: E402
-from schedules.conv2d_nchw4c_int8 import (  # noqa: E402
-    Conv2dWorkload as W,
-    ceil4,
-    conv2d_nchw4c_int8,
-    conv2d_nchw4c_int8_ref,
-    pack_channels,
-    pack_nchw4c,
-    pack_oihw4o4i,
-)
-from schedules.requantize import quantize_multiplier  # noqa: E402
-from tvm_qconv.build import cuda_source  # noqa: E402
+from tests.workloads import conv_wl as W
+from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
+                                               pack_channels, pack_input_groups, pack_oihw4o4i)
+from tvm_qconv.schedules.nchw4c.cpu import schedule_cpu
+from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
+from tvm_qconv.schedules.requantize import quantize_multiplier
+from tvm_qconv.target import cuda_source
 
 CUDA_TARGET = tvm.target.Target(
     {"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
@@ -55,11 +45,14 @@ WORKLOADS = [
     W(1, 8, 7, 113, 12),                       # prime width > the CPU ow tile: predicated tile
     W(1, 64, 28, 28, 64, relu=False),
     W(1, 4, 1, 1, 4, (1, 1), padding=(0, 0, 0, 0)),  # one word in, one out: single-vector copies
+    W(2, 32, 9, 9, 64, groups=4),              # ResNeXt-like groups of 8 -> 16 channels
+    W(1, 6, 7, 7, 9, groups=3, relu=False),    # groups of 2 -> 3 channels, each padded to 4 on its own
 ]
 WORKLOAD_IDS = [
     "odd_6to10_9x7_s2x1_d1x2", "odd_6to10_9x7_s2x1_d1x2_norelu", "stem_3to8_7x7s2p3_17x17_b2",
     "1x1_16to32_14", "1x1s2_32to16_15_b2_norelu", "3x3s2_20to36_13x11", "3x3_asym_pad_12to8_10x9",
-    "3x3_8to12_7x113", "3x3_64to64_28_norelu", "1x1_4to4_1x1",
+    "3x3_8to12_7x113", "3x3_64to64_28_norelu", "1x1_4to4_1x1", "groups4_32to64_9x9_b2",
+    "groups3_6to9_7x7_padded_norelu",
 ]
 # For the dp4a twin, add workloads whose plan uses every register / thread / rc split.
 DP4A_WORKLOADS = WORKLOADS + [
@@ -72,18 +65,19 @@ DP4A_IDS = WORKLOAD_IDS + ["3x3_64to64_14_b48", "3x3_256to64_8_b4"]
 def _random_args(wl: W, seed: int = 0):
     """Random int8 data/weights, int32 bias and realistic requant multipliers, packed."""
     rng = np.random.default_rng(seed)
+    g = wl.groups
     a = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width), dtype=np.int8)
-    w = rng.integers(-128, 128, (wl.out_channels, wl.in_channels) + tuple(wl.kernel), dtype=np.int8)
+    w = rng.integers(-128, 128, (wl.out_channels, wl.group_in) + tuple(wl.kernel), dtype=np.int8)
     bias = rng.integers(-2 ** 15, 2 ** 15, wl.out_channels).astype(np.int32)
     mult, shift = quantize_multiplier(rng.uniform(1e-4, 1e-2, wl.out_channels))
-    return (pack_nchw4c(a), pack_oihw4o4i(w), pack_channels(bias), pack_channels(mult),
-            pack_channels(shift, fill=1))
+    return (pack_input_groups(a, g), pack_oihw4o4i(w, g), pack_channels(bias, groups=g),
+            pack_channels(mult, groups=g), pack_channels(shift, fill=1, groups=g))
 
 
 def _run_llvm(func, wl: W, args) -> np.ndarray:
     ex = tvm.compile(tvm.IRModule({"main": func}), target=LLVM_TARGET)
     dev = tvm.cpu()
-    out = tvm.runtime.tensor(np.zeros((wl.batch, ceil4(wl.out_channels) // 4, wl.out_height,
+    out = tvm.runtime.tensor(np.zeros((wl.batch, wl.groups * group_blocks(wl)[1], wl.out_height,
                                        wl.out_width, 4), np.int8), dev)
     ex["main"](*[tvm.runtime.tensor(x, dev) for x in args], out)
     return out.numpy()
@@ -121,7 +115,7 @@ def test_cpu_schedule_is_bit_exact_against_numpy_reference(wl):
     args = _random_args(wl)
     func = schedule_cpu(conv2d_nchw4c_int8(wl))
     assert func.attrs["tir.is_scheduled"]
-    np.testing.assert_array_equal(_run_llvm(func, wl, args), conv2d_nchw4c_int8_ref(*args, wl))
+    np.testing.assert_array_equal(_run_llvm(func, wl, args), conv2d_nchw4c_int8_ref(wl, *args))
 
 
 def test_cpu_schedule_parallelizes_rows_and_vectorizes_32_output_channels():
@@ -135,7 +129,7 @@ def test_dp4a_schedule_cpu_twin_is_bit_exact(wl):
     args = _random_args(wl, seed=1)
     func = schedule_dp4a(conv2d_nchw4c_int8(wl), CUDA_TARGET)
     assert func.attrs["tir.is_scheduled"]
-    np.testing.assert_array_equal(_run_llvm(_cpu_twin(func), wl, args), conv2d_nchw4c_int8_ref(*args, wl))
+    np.testing.assert_array_equal(_run_llvm(_cpu_twin(func), wl, args), conv2d_nchw4c_int8_ref(wl, *args))
 
 
 @pytest.mark.parametrize("wl", DP4A_WORKLOADS, ids=DP4A_IDS)

@@ -4,12 +4,16 @@ import os
 import numpy as np
 import pytest
 import torch
+import tvm
 
 import deploy
-from models import SmallVGG
-from tvm_qconv.build import compile_model
+from tvm_qconv import artifact
+from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.errors import InputError
+from tvm_qconv.fileio import TEMP_PREFIX
+from tvm_qconv.models import SmallVGG
+from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
 
 
@@ -50,7 +54,7 @@ def test_calibration_images_with_nan_name_the_layer(tmp_path):
     x = np.zeros((2, 3, 32, 32), np.float32)
     x[1, 0, 3, 3] = np.nan
     with pytest.raises(InputError, match=r"calibration at features\.0\.in0: .*NaN"):
-        compile_model("small_vgg", str(tmp_path / "m.so"), image_size=32, model=SmallVGG(), calib_images=x,
+        compile_model(SmallVGG(), str(tmp_path / "m.so"), options=BuildOptions(image_size=32), ranges=Calibrate(x),
                       config=QuantConfig(num_calib_images=2), progress=False)
     assert not os.listdir(tmp_path)  # nothing was written
 
@@ -60,7 +64,7 @@ def small_lib(tmp_path_factory):
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("lib") / "small.so"
     x = np.random.default_rng(0).normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
-    compile_model("small_vgg", str(out), image_size=32, model=SmallVGG(), calib_images=x,
+    compile_model(SmallVGG(), str(out), options=BuildOptions(image_size=32), ranges=Calibrate(x),
                   config=QuantConfig(num_calib_images=4), progress=False)
     return str(out)
 
@@ -85,8 +89,24 @@ def test_missing_library(capsys, tmp_path):
     assert "not found" in err and "deploy.py build" in err
 
 
-def test_rebuild_keeps_a_loadable_library_at_every_moment(small_lib, tmp_path):
-    # save_artifact writes into a temp folder and renames: the old files stay whole until replaced
-    meta_before = CompiledModel(small_lib).meta["built"]
-    assert meta_before and os.path.exists(small_lib.replace(".so", ".params.npz"))
-    assert not [f for f in os.listdir(os.path.dirname(small_lib)) if f.startswith(".tvm_qconv-")]
+def test_a_build_that_fails_while_saving_leaves_the_previous_library_whole(small_lib, tmp_path, monkeypatch):
+    import shutil
+    lib = str(tmp_path / "small.so")
+    for path in (small_lib, *artifact.artifact_paths(small_lib)):
+        shutil.copy(path, tmp_path)
+    before = {p: open(p, "rb").read() for p in (lib, *artifact.artifact_paths(lib))}
+    x = np.random.default_rng(1).normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
+
+    def export_then_fail(self, path, *args, **kwargs):
+        open(path, "wb").write(b"half a library")
+        raise KeyboardInterrupt  # Ctrl-C while the new library is being written
+
+    monkeypatch.setattr(tvm.runtime.Executable, "export_library", export_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        compile_model(SmallVGG(), lib, options=BuildOptions(image_size=32), ranges=Calibrate(x),
+                      config=QuantConfig(num_calib_images=4), progress=False)
+    assert {p: open(p, "rb").read() for p in before} == before  # the old library, byte for byte
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(TEMP_PREFIX)]  # no temporaries left
+    monkeypatch.undo()
+    out = CompiledModel(lib)(x[:1])
+    assert out.shape == (1, 10) and np.isfinite(out).all()  # and it still loads and runs

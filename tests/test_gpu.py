@@ -4,16 +4,21 @@ import pytest
 import torch
 import tvm
 
-from models import SmallVGG
-from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
-from schedules.conv2d_nchw4c_int8 import ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, pack_nchw4c
-from schedules.layout_int8 import quantize_pack, quantize_ref
-from tests.test_kernels import CONV_IDS, CONV_WORKLOADS, conv_args
-from tvm_qconv.build import compile_model, cuda_source, make_target
+from tests.test_kernels import CONV_IDS, CONV_WORKLOADS, conv_args, out_shape
+from tests.workloads import conv_wl
+from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
+from tvm_qconv.models import SmallVGG
+from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref
+from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
+from tvm_qconv.schedules.nchw4c.layout import pack_nchw4c, quantize_pack
+from tvm_qconv.schedules.quantize import quantize_ref
+from tvm_qconv.target import cuda_source, device_arch, make_target
 
 pytestmark = pytest.mark.gpu
+ARCH = device_arch() or "sm_90"  # the GPU's own arch (the tests are skipped where there is none)
 
 # VGG16 layer shapes at 224 and batch 1 that the default dp4a schedule must handle, besides the odd ones
 VGG_SHAPES = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (256, 256, 56), (512, 512, 28), (512, 512, 14)]
@@ -21,22 +26,20 @@ VGG_SHAPES = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (256, 256, 56), (512,
 
 @pytest.mark.parametrize("wl", CONV_WORKLOADS, ids=CONV_IDS)
 def test_dp4a_conv_on_gpu_is_bit_exact(wl):
-    target = make_target("cuda", "sm_90")
+    target = make_target("cuda", ARCH)
     with target:
         lib = tvm.compile(tvm.IRModule({"main": schedule_dp4a(conv2d_nchw4c_int8(wl), target)}), target=target)
     assert "__dp4a" in cuda_source(lib)
     dev = tvm.cuda(0)
     args = conv_args(wl)
-    shape = (wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4)
-    out = tvm.runtime.tensor(np.full(shape, 77, np.int8), dev)  # poisoned: every element must be written
+    out = tvm.runtime.tensor(np.full(out_shape(wl), 77, np.int8), dev)  # poisoned: every element must be written
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
-    np.testing.assert_array_equal(out.numpy(), conv2d_nchw4c_int8_ref(*args, wl))
+    np.testing.assert_array_equal(out.numpy(), conv2d_nchw4c_int8_ref(wl, *args))
 
 
 @pytest.mark.parametrize("cin,cout,size", VGG_SHAPES, ids=[f"{a}to{b}@{s}" for a, b, s in VGG_SHAPES])
 def test_dp4a_conv_on_gpu_vgg16_shapes(cin, cout, size):
-    from schedules.conv2d_nchw4c_int8 import Conv2dWorkload
-    test_dp4a_conv_on_gpu_is_bit_exact(Conv2dWorkload(1, cin, size, size, cout))
+    test_dp4a_conv_on_gpu_is_bit_exact(conv_wl(1, cin, size, size, cout))
 
 
 def test_cuda_build_equals_cpu_build_on_a_whole_model(tmp_path):
@@ -45,9 +48,10 @@ def test_cuda_build_equals_cpu_build_on_a_whole_model(tmp_path):
     x = np.random.default_rng(0).normal(0, 1, (8, 3, 32, 32)).astype(np.float32)
     outs = {}
     for target in ("llvm", "cuda"):
-        lib = compile_model("small_vgg", str(tmp_path / f"{target}.so"), target=target, batch=8, image_size=32,
-                            model=model, calib_images=x, config=QuantConfig(num_calib_images=8),
-                            expose_activations=True, progress=False)
+        lib = compile_model(model, str(tmp_path / f"{target}.so"), config=QuantConfig(num_calib_images=8),
+                            options=BuildOptions(target=target, arch=ARCH if target == "cuda" else None, batch=8,
+                                                 image_size=32, expose_activations=True),
+                            ranges=Calibrate(x), progress=False)
         outs[target] = CompiledModel(lib.lib_path).outputs(x)
     for a, b in zip(outs["llvm"][1:], outs["cuda"][1:]):
         np.testing.assert_array_equal(a, b)  # integer-only epilogues: identical int8 activations
@@ -68,7 +72,7 @@ def test_cuda_input_quantizer_rounds_ties_to_even_like_the_cpu_build():
     bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("quantize_pack"))), [None, 128])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    target = make_target("cuda", "sm_90")
+    target = make_target("cuda", ARCH)
     with target:
         lib = tvm.compile(sch.mod, target=target)
     dev = tvm.cuda(0)

@@ -28,16 +28,25 @@ import torch.nn.functional as F
 import tvm
 from tvm.script import parser as tvmscript
 
-from schedules.conv2d_grad_input_int8 import (ConvGradWorkload as GW, conv2d_grad_input_int8,
-                                              conv2d_grad_input_int8_ref, schedule_grad_input_cuda)
-from schedules.conv2d_grad_weight_int8 import (conv2d_grad_weight_int8, conv2d_grad_weight_int8_ref,
-                                               schedule_grad_weight_cuda, weight_grad_splits)
-from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
-from schedules.conv2d_nchw4c_int8 import Conv2dWorkload, conv2d_nchw4c_int8
 from tests.test_qconv_autograd import CASES, CASE_IDS, NONCONTIGUOUS, assert_matches_reference, run_twins
-from tvm_qconv.build import cuda_source, make_target
+from tests.workloads import conv_wl
 from tvm_qconv.nn import QuantizedLinear, batch_amax, functional, quantize_per_tensor, quantize_weight
 from tvm_qconv.nn import tvm_kernels
+from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8
+from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
+from tvm_qconv.schedules.training.grad_input import (conv2d_grad_input_int8, conv2d_grad_input_int8_ref,
+                                                     schedule_grad_input_cuda)
+from tvm_qconv.schedules.training.grad_weight import (conv2d_grad_weight_int8, conv2d_grad_weight_int8_ref,
+                                                      schedule_grad_weight_cuda, weight_grad_splits)
+from tvm_qconv.schedules.workload import ConvWorkload
+from tvm_qconv.target import cuda_source, make_target
+
+
+def GW(batch, in_channels, height, width, out_channels, kernel=(3, 3), stride=(1, 1), padding=(1, 1, 1, 1),
+       dilation=(1, 1), groups=1) -> ConvWorkload:
+    """A gradient kernel's workload (positional, as the kernels' tests write them)."""
+    return ConvWorkload(batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation, groups)
+
 
 CUDA = make_target("cuda", "sm_90")
 RNG = np.random.default_rng(0)
@@ -162,9 +171,9 @@ VGG_WORKLOADS = [GW(32, 3, 224, 224, 64), GW(32, 256, 56, 56, 256), GW(32, 512, 
 
 
 def _cuda_funcs(wl: GW):
-    fwd = Conv2dWorkload(wl.batch, wl.in_channels, wl.height, wl.width, wl.out_channels, wl.kernel, wl.stride,
-                         wl.padding, wl.dilation, relu=False)
-    return {"forward": schedule_dp4a(conv2d_nchw4c_int8(fwd, requantize=False), CUDA),
+    fwd = conv_wl(wl.batch, wl.in_channels, wl.height, wl.width, wl.out_channels, wl.kernel, wl.stride,
+                  wl.padding, wl.dilation, relu=False, out_dtype="int32")
+    return {"forward": schedule_dp4a(conv2d_nchw4c_int8(fwd), CUDA),
             "grad_input": schedule_grad_input_cuda(conv2d_grad_input_int8(wl), CUDA),
             "grad_weight": schedule_grad_weight_cuda(conv2d_grad_weight_int8(wl), CUDA)}
 
@@ -280,7 +289,7 @@ def test_misaligned_view_is_copied_before_tvm_sees_it():
 
 # ----------------------------------------------------------------------------- the cache
 
-SMALL = Conv2dWorkload(1, 4, 5, 5, 4, relu=False)
+SMALL = conv_wl(1, 4, 5, 5, 4, relu=False, out_dtype="int32")
 
 
 def _fresh_memory(monkeypatch):
@@ -330,19 +339,28 @@ def test_interrupted_build_leaves_no_cache_entry(tvm_on_cpu, monkeypatch):
     assert os.listdir(tvm_on_cpu) == []
 
 
-def test_cache_key_changes_with_workload_arch_and_kernel_source(monkeypatch):
+def test_cache_key_changes_with_workload_arch_and_tvm_version():
     base = tvm_kernels.cache_path("forward", SMALL, "sm_90")
-    assert tvm_kernels.cache_path("forward", Conv2dWorkload(1, 4, 5, 6, 4, relu=False), "sm_90") != base
+    assert tvm_kernels.cache_path("forward", conv_wl(1, 4, 5, 6, 4, relu=False, out_dtype="int32"), "sm_90") != base
     assert tvm_kernels.cache_path("forward", SMALL, "sm_80") != base
     assert tvm_kernels.cache_path("grad_input", GW(1, 4, 5, 5, 4), "sm_90") != base
-    real = tvm_kernels._source_hash
-    monkeypatch.setattr(tvm_kernels, "_source_hash", lambda kind: real(kind) + "edited")
-    assert tvm_kernels.cache_path("forward", SMALL, "sm_90") != base
+    assert tvm_kernels.cache_path("forward", SMALL, "sm_90") == base  # and only with those
     assert tvm.__version__ in str(tvm_kernels.cache_key("forward", SMALL, "sm_90"))
 
 
+def test_source_hash_changes_when_any_kernel_source_file_changes(tmp_path):
+    import shutil
+    tree = tmp_path / "schedules"
+    shutil.copytree(tvm_kernels._SCHEDULES_DIR, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    base = tvm_kernels.source_hash(str(tree))
+    assert base == tvm_kernels.source_hash(tvm_kernels._SCHEDULES_DIR)  # the same text, the same hash
+    helper = tree / "nchw4c" / "dp4a.py"  # a loop helper the gradient kernels import too
+    helper.write_text(helper.read_text() + "\n# edited\n")
+    assert tvm_kernels.source_hash(str(tree)) != base
+
+
 def test_importing_the_training_layers_does_not_import_tvm():
-    code = "import sys, tvm_qconv.nn, models.quantized_vgg; print('tvm' in sys.modules)"
+    code = "import sys, tvm_qconv.nn, tvm_qconv.models.quantized_vgg; print('tvm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "False"

@@ -5,26 +5,37 @@ import numpy as np
 import pytest
 import tvm
 
-from schedules.add_int8 import add_multipliers, add_nchw4c_int8, add_nchw4c_int8_ref
-from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload, ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,
-                                          pack_channels, pack_nchw4c, pack_oihw4o4i, unpack_nchw4c)
-from schedules.dense_int8 import dense_int8, dense_int8_ref
-from schedules.layout_int8 import dequantize_unpack, quantize_pack, quantize_ref, quantize_rows
-from schedules.pool_int8 import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref
-from schedules.requantize import quantize_multiplier, requantize_ref
+from tvm_qconv.schedules.dense_int8 import dense_int8, dense_int8_ref, quantize_rows
+from tvm_qconv.schedules.nchw4c.add import add_multipliers, add_nchw4c_int8, add_nchw4c_int8_ref
+from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
+                                               pack_channels, pack_input_groups, pack_oihw4o4i,
+                                               unpack_output_groups)
+from tvm_qconv.schedules.nchw4c.layout import ceil4, dequantize_unpack, pack_nchw4c, quantize_pack, unpack_nchw4c
+from tvm_qconv.schedules.nchw4c.pool import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref
+from tvm_qconv.schedules.quantize import quantize_ref
+from tvm_qconv.schedules.requantize import quantize_multiplier, requantize_ref
+from tvm_qconv.schedules.workload import ConvWorkload
 
 RNG = np.random.default_rng(0)
 CPU = tvm.cpu()
 
-# Shapes that do not divide 4 or any tile: odd channels, odd spatial, stride, dilation, 1x1, no ReLU.
+W = ConvWorkload.with_activation
+# Shapes that do not divide 4 or any tile: odd channels, odd spatial, stride, dilation, 1x1, no ReLU,
+# groups of 4-multiples (ResNeXt), groups that are not (each padded on its own), depthwise, a clip.
 CONV_WORKLOADS = [
-    Conv2dWorkload(1, 3, 8, 8, 8),
-    Conv2dWorkload(2, 6, 9, 7, 10, (3, 3), (2, 1), (1, 1, 1, 1), (1, 2), True),
-    Conv2dWorkload(1, 5, 11, 11, 7, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), False),
-    Conv2dWorkload(1, 3, 13, 13, 4, (7, 7), (2, 2), (3, 3, 3, 3), (1, 1), True),
-    Conv2dWorkload(1, 8, 6, 5, 12, (3, 3), (1, 1), (0, 1, 2, 1), (1, 1), False),
+    W("relu", batch=1, in_channels=3, height=8, width=8, out_channels=8),
+    W("relu", batch=2, in_channels=6, height=9, width=7, out_channels=10, stride=(2, 1), dilation=(1, 2)),
+    W("none", batch=1, in_channels=5, height=11, width=11, out_channels=7, kernel=(1, 1), padding=(0, 0, 0, 0)),
+    W("relu", batch=1, in_channels=3, height=13, width=13, out_channels=4, kernel=(7, 7), stride=(2, 2),
+      padding=(3, 3, 3, 3)),
+    W("none", batch=1, in_channels=8, height=6, width=5, out_channels=12, padding=(0, 1, 2, 1)),
+    W("relu", batch=2, in_channels=16, height=7, width=7, out_channels=24, groups=2),
+    W("none", batch=1, in_channels=9, height=7, width=6, out_channels=6, groups=3, stride=(2, 2)),
+    W("clip", 0, 100, batch=1, in_channels=12, height=9, width=9, out_channels=12, groups=12, dilation=(2, 2),
+      padding=(2, 2, 2, 2)),
 ]
-CONV_IDS = ["3to8", "odd_stride_dilation", "1x1_norelu", "7x7_s2_stem", "asym_pad_norelu"]
+CONV_IDS = ["3to8", "odd_stride_dilation", "1x1_norelu", "7x7_s2_stem", "asym_pad_norelu", "groups2_aligned",
+            "groups3_padded_s2", "depthwise_d2_clip"]
 
 
 def run(func, *arrays, out_shape, out_dtype):
@@ -35,23 +46,57 @@ def run(func, *arrays, out_shape, out_dtype):
 
 
 def conv_args(wl):
-    a = pack_nchw4c(RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8))
-    w = pack_oihw4o4i(RNG.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel)).astype(np.int8))
-    bias = pack_channels(RNG.integers(-20000, 20000, wl.out_channels).astype(np.int32))
-    mult, shift = quantize_multiplier(RNG.uniform(1e-4, 1e-2, wl.out_channels))
-    return a, w, bias, pack_channels(mult), pack_channels(shift, fill=1)
+    g = wl.groups
+    a = pack_input_groups(RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8), g)
+    w = pack_oihw4o4i(RNG.integers(-127, 128, (wl.out_channels, wl.group_in, *wl.kernel)).astype(np.int8), g)
+    bias = pack_channels(RNG.integers(-20000, 20000, wl.out_channels).astype(np.int32), groups=g)
+    # Depthwise layers sum 9 products, not hundreds: a larger multiplier keeps outputs off zero.
+    mult, shift = quantize_multiplier(RNG.uniform(1e-4, 1e-2, wl.out_channels) * (30 if wl.group_in < 4 else 1))
+    return a, w, bias, pack_channels(mult, groups=g), pack_channels(shift, fill=1, groups=g)
+
+
+def out_shape(wl):
+    return (wl.batch, wl.groups * group_blocks(wl)[1], wl.out_height, wl.out_width, 4)
 
 
 @pytest.mark.parametrize("wl", CONV_WORKLOADS, ids=CONV_IDS)
 def test_conv_kernel_is_bit_exact_against_numpy_int32_reference(wl):
     args = conv_args(wl)
-    out = run(conv2d_nchw4c_int8(wl), *args, out_shape=(wl.batch, ceil4(wl.out_channels) // 4, wl.out_height,
-                                                         wl.out_width, 4), out_dtype="int8")
-    ref = conv2d_nchw4c_int8_ref(*args, wl)
+    out = run(conv2d_nchw4c_int8(wl), *args, out_shape=out_shape(wl), out_dtype="int8")
+    ref = conv2d_nchw4c_int8_ref(wl, *args)
     np.testing.assert_array_equal(out, ref)
     assert 0.05 < (ref != 0).mean(), "degenerate test: almost every output is zero"
-    # padded output channels are exactly zero, so the next layer may read them
-    assert not unpack_nchw4c(out, ceil4(wl.out_channels))[:, wl.out_channels:].any()
+    assert wl.act_min <= ref.min() and ref.max() <= wl.act_max  # the epilogue's clamp
+    # padded output channels (of each group) are exactly zero, so the next layer may read them
+    real = unpack_output_groups(out, wl.out_channels, wl.groups)
+    assert np.count_nonzero(out) == np.count_nonzero(real)
+
+
+@pytest.mark.parametrize("wl", [w for w in CONV_WORKLOADS if w.groups > 1], ids=[i for i, w in
+                         zip(CONV_IDS, CONV_WORKLOADS) if w.groups > 1])
+def test_grouped_conv_reference_matches_float64_grouped_convolution(wl):
+    import torch
+    x = RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
+    w = RNG.integers(-127, 128, (wl.out_channels, wl.group_in, *wl.kernel)).astype(np.int8)
+    one = np.full(wl.out_channels, 1 << 30, np.int32)  # mult 2**30, shift 30: the identity multiplier
+    got = conv2d_nchw4c_int8_ref(wl, pack_input_groups(x, wl.groups), pack_oihw4o4i(w, wl.groups),
+                                 pack_channels(np.zeros(wl.out_channels, np.int32), groups=wl.groups),
+                                 pack_channels(one, groups=wl.groups), pack_channels(one * 0 + 30, fill=1,
+                                                                                       groups=wl.groups))
+    pt, pl, pb, pr = wl.padding
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    acc = torch.nn.functional.conv2d(torch.from_numpy(xp), torch.from_numpy(w.astype(np.float64)), stride=wl.stride,
+                                     dilation=wl.dilation, groups=wl.groups).numpy()
+    np.testing.assert_array_equal(unpack_output_groups(got, wl.out_channels, wl.groups),
+                                  np.clip(acc, wl.act_min, wl.act_max))
+
+
+def test_int32_variant_returns_the_exact_accumulator():
+    wl = ConvWorkload(1, 6, 5, 5, 6, groups=3, activation="none", act_min=-128, out_dtype="int32")
+    a, w, *_ = conv_args(wl)
+    out = run(conv2d_nchw4c_int8(wl), a, w, out_shape=out_shape(wl), out_dtype="int32")
+    np.testing.assert_array_equal(out, conv2d_nchw4c_int8_ref(wl, a, w))
+    assert np.abs(out).max() > 127  # really the accumulator, not a requantized value
 
 
 def test_conv_reference_matches_float64_convolution():
@@ -65,7 +110,7 @@ def test_conv_reference_matches_float64_convolution():
                                      dilation=wl.dilation).numpy()
     one, zero = np.full((ceil4(wl.out_channels) // 4, 4), 1 << 30, np.int32), np.zeros((ceil4(wl.out_channels) // 4, 4), np.int32)
     # mult 2**30, shift 30 is the identity multiplier: the requantized output is clip(acc)
-    got = conv2d_nchw4c_int8_ref(a, w, zero, one, np.full_like(one, 30), wl)
+    got = conv2d_nchw4c_int8_ref(wl, a, w, zero, one, np.full_like(one, 30))
     np.testing.assert_array_equal(unpack_nchw4c(got, wl.out_channels), np.clip(acc, 0, 127)[:, :wl.out_channels])
 
 
@@ -149,7 +194,7 @@ def test_quantize_cuda_source_rounds_half_to_even_after_an_ieee_division():
     # off), so the kernel divides in float64 (always IEEE) and rounds with nearbyintf (cvt.rni).
     from tvm import s_tir
 
-    from tvm_qconv.build import cuda_source, make_target
+    from tvm_qconv.target import cuda_source, make_target
 
     sch = s_tir.Schedule(quantize_pack((1, 3, 8, 8), 1 / 127))
     bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("quantize_pack"))), [None, 64])

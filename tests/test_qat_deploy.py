@@ -9,12 +9,14 @@ import pytest
 import torch
 
 import deploy
-from models import SmallVGG
-from schedules.conv2d_nchw4c_int8 import ceil4, pack_oihw4o4i
 from tvm_qconv.build import compile_checkpoint
 from tvm_qconv.errors import InputError
+from tvm_qconv.evaluate import evaluate_library
+from tvm_qconv.models import SmallVGG
 from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, quantize_weight
-from tvm_qconv.train import (TrainConfig, build_model, evaluate, evaluate_library, load_checkpoint, load_digits,
+from tvm_qconv.schedules.nchw4c.conv2d import pack_oihw4o4i
+from tvm_qconv.schedules.nchw4c.layout import ceil4
+from tvm_qconv.training import (TrainConfig, build_model, evaluate, load_checkpoint, load_digits,
                              run_training, save_checkpoint)
 
 # 3 epochs: ~91 % on the 360 test digits in ~6 s on one core (5 epochs: 97.5 % in ~10 s); enough
@@ -33,7 +35,7 @@ def qat_lib(tmp_path_factory):
         run_training(QAT_CONFIG, out=ckpt, baseline=False, report=lambda line: None)
     finally:
         torch.set_num_threads(threads)
-    res = compile_checkpoint(ckpt, str(folder / "small_vgg.so"), target="llvm", progress=False)
+    res = compile_checkpoint(ckpt, str(folder / "small_vgg.so"), progress=False)
     return ckpt, res
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torchvision
 
-from models import QuantizedVGG16, SmallQuantizedVGG, SmallVGG
+from tvm_qconv.models import QuantizedVGG16, SmallQuantizedVGG, SmallVGG
 from tvm_qconv.nn import (
     QuantizedConv2dReLU,
     QuantizedLinear,
@@ -16,7 +16,7 @@ from tvm_qconv.nn import (
     load_float_state_dict,
     to_float_state_dict,
 )
-from tvm_qconv.train import TrainConfig, evaluate, load_checkpoint, load_digits, run_training
+from tvm_qconv.training import TrainConfig, evaluate, load_checkpoint, load_digits, run_training
 
 # 5 epochs: the float SmallVGG is at ~98 % on the 360 test digits; one digit is 0.28 points.
 QAT_CONFIG = TrainConfig(model="small_vgg", epochs=5, qat=True, seed=0)
@@ -39,7 +39,9 @@ def qat_run(tmp_path_factory):
 
 def test_qat_small_vgg_reaches_float_accuracy_on_digits(qat_run):
     acc = qat_run[0]["accuracy"]
-    assert acc["qat"] >= acc["float"] - 1.0 or acc["qat"] > 95.0, acc
+    assert acc["float"] > 90.0, acc  # the float baseline really trained
+    # QAT within one point of float (3.6 of the 360 test digits): the int8 rounding costs little.
+    assert acc["qat"] >= acc["float"] - 1.0, acc
 
 
 def test_checkpoint_has_learned_ranges_for_every_quantized_layer(qat_run):

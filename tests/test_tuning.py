@@ -18,28 +18,36 @@ import torch
 import tvm
 from tvm.ir.utils import derived_object
 
-from tvm_qconv.build import cuda_source as build_cuda_source
 import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.script import parser as tvmscript
 
 import tune
-from models import SmallVGG
-from schedules.conv2d_nchw4c_dp4a import (UNROLL_STEPS, _ensure_dp4a_registered, apply_dp4a_schedule,
-                                          default_tiles, schedule_dp4a)
-from schedules.conv2d_nchw4c_dp4a_space import SPACES, schedule_rules, space_generator
-from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload as W, ceil4, conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,
-                                          pack_channels, pack_nchw4c, pack_oihw4o4i)
-from schedules.requantize import quantize_multiplier
-from tvm_qconv.build import make_target, quantize_module
+from tests.workloads import conv_wl as W
+from tvm_qconv import registry
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.errors import InputError
+from tvm_qconv.models import SmallVGG
+from tvm_qconv.quantize import quantize_module
+from tvm_qconv.ranges import Calibrate
+from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, pack_channels,
+                                               pack_oihw4o4i)
+from tvm_qconv.schedules.nchw4c.dp4a import (UNROLL_STEPS, _ensure_dp4a_registered, apply_dp4a_schedule,
+                                             default_tiles, schedule_dp4a)
+from tvm_qconv.schedules.nchw4c.dp4a_space import SPACES, schedule_rules, space_generator
+from tvm_qconv.schedules.nchw4c.layout import ceil4, pack_nchw4c
+from tvm_qconv.schedules.requantize import quantize_multiplier
+from tvm_qconv.schedules.workload import ConvWorkload
+from tvm_qconv.target import TargetInfo, make_target
+from tvm_qconv.target import cuda_source as build_cuda_source
 from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
-from tvm_qconv.tuning import (RECORD_FILE, WORKLOAD_FILE, _int8_module, _parse_workload, _repair_database,
-                              _load_database, _unpack_database,
-                              apply_tuning_database, extract_conv_tasks, prune_database, tune_model)
+from tvm_qconv.tuning import apply_tuning_database, extract_tasks, prune_database, task_func, tune_model
+from tvm_qconv.tuning.database import (RECORD_FILE, WORKLOAD_FILE, canonicalize_database, load_database, repair_database,
+                                       unpack_database)
+from tvm_qconv.tuning.driver import int8_module
 
 CUDA = make_target("cuda", "sm_90")
+CUDA_INFO = TargetInfo.from_target(CUDA)
 SIZE = 32
 # 6 convs, 4 tasks: 16->16 at 32x32 and 32->32 at 16x16 twice each.
 CFG = (16, 16, 16, "M", 32, 32, 32)
@@ -120,7 +128,7 @@ def run_twin(func, wl: W, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     out = tvm.runtime.tensor(np.zeros((wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4),
                                       np.int8), tvm.cpu())
     ex["main"](*[tvm.runtime.tensor(x, tvm.cpu()) for x in args], out)
-    return out.numpy(), conv2d_nchw4c_int8_ref(*args, wl)
+    return out.numpy(), conv2d_nchw4c_int8_ref(wl, *args)
 
 
 def test_space_tiles_only_with_dp4a():
@@ -212,25 +220,27 @@ def small_int8():
     torch.manual_seed(0)
     model = SmallVGG(cfg=CFG)
     images = np.random.default_rng(0).normal(size=(4, 3, SIZE, SIZE)).astype(np.float32)
-    qmod, _, _, _ = quantize_module(model, (1, 3, SIZE, SIZE), QuantConfig(calibration="max"), images,
-                                    progress=False)
-    return model, LiftConstantsToParams()(qmod), extract_conv_tasks(_int8_module(model, 1, SIZE))
+    q = quantize_module(model, (1, 3, SIZE, SIZE), CUDA_INFO, config=QuantConfig(calibration="max"),
+                        ranges=Calibrate(images), progress=False)
+    return model, LiftConstantsToParams()(q.mod), extract_tasks(int8_module(model, 1, SIZE, CUDA))
 
 
-def test_extract_conv_tasks_dedupes_and_counts(small_int8):
+def test_extract_tasks_dedupes_and_counts(small_int8):
     _, _, tasks = small_int8
     assert [(t.name, t.weight) for t in tasks] == [
         ("3to16_3x3s1_32x32_b1", 1), ("16to16_3x3s1_32x32_b1", 2), ("16to32_3x3s1_16x16_b1", 1),
         ("32to32_3x3s1_16x16_b1", 2)]
     assert tasks[1].workload == W(1, 16, 32, 32, 16)
     assert tasks[1].func.attrs["global_symbol"] == "main" and "op_pattern" not in tasks[1].func.attrs
+    assert not [k for k in tasks[1].func.attrs.keys() if k.startswith("tvm_qconv.")]  # the computation only
+    assert {t.impl.name for t in tasks} == {"conv2d.nchw4c.dp4a"}
 
 
 def test_tuning_and_building_present_the_same_workloads(small_int8):
     """tune_model calibrates on 2 photos, compile_model on other images with another observer:
     the database must still find every kernel."""
     _, qmod, tasks = small_int8
-    built = extract_conv_tasks(qmod)
+    built = extract_tasks(qmod)
     assert [t.name for t in built] == [t.name for t in tasks]
     assert all(tvm_ffi.structural_equal(a.func, b.func) for a, b in zip(built, tasks))
 
@@ -261,8 +271,8 @@ def tuned_db(small_int8, tmp_path_factory):
 def test_apply_schedules_exactly_the_tuned_kernel_and_the_model_builds(small_int8, tuned_db):
     _, qmod, tasks = small_int8
     mod, tuned = apply_tuning_database(qmod, str(tuned_db), CUDA)
-    shapes = {gv.name_hint: _parse_workload(f) for gv, f in qmod.functions.items()
-              if "tvm_qconv.workload" in (f.attrs or {})}
+    shapes = {gv.name_hint: ConvWorkload.of(f) for gv, f in qmod.functions.items()
+              if registry.of_func(f) is not None and registry.of_func(f).op == "conv2d"}
     (name,) = [n for n, wl in shapes.items() if wl == tasks[1].workload]
     assert tuned == {name: "16->16 3x3 s1 @32x32 b1"}  # the failed record of tasks[0] is not applied
     func = mod[name]
@@ -271,7 +281,7 @@ def test_apply_schedules_exactly_the_tuned_kernel_and_the_model_builds(small_int
     assert not qmod[name].attrs.get("tir.is_scheduled", False)  # the input module is left alone
     sched = ScheduleInt8Kernels(CUDA)
     mod = sched(mod)
-    convs = {k: v[1] for k, v in sched.applied.items() if v[0] == "conv2d_nchw4c_int8"}
+    convs = {k: v[1] for k, v in sched.applied.items() if v[0] == "conv2d.nchw4c.dp4a"}
     assert convs == {n: "tuned" if n == name else "default" for n in shapes}
     with CUDA:
         tvm.compile(mod, target=CUDA)
@@ -282,10 +292,11 @@ def test_apply_warns_about_another_arch_and_no_match(small_int8, tuned_db, capsy
     _, tuned = apply_tuning_database(qmod, str(tuned_db), make_target("cuda", "sm_80"))
     assert len(tuned) == 1 and "was tuned for sm_90, building for sm_80" in capsys.readouterr().err
     torch.manual_seed(0)
-    other, _, _, _ = quantize_module(SmallVGG(cfg=(8, "M", 8)), (1, 3, SIZE, SIZE), QuantConfig(calibration="max"),
-                                     np.ones((1, 3, SIZE, SIZE), np.float32), progress=False)
+    other = quantize_module(SmallVGG(cfg=(8, "M", 8)), (1, 3, SIZE, SIZE), CUDA_INFO,
+                            config=QuantConfig(calibration="max"),
+                            ranges=Calibrate(np.ones((1, 3, SIZE, SIZE), np.float32)), progress=False).mod
     _, tuned = apply_tuning_database(other, str(tuned_db), CUDA)
-    assert tuned == {} and "covers none of this model's 2 conv kernels" in capsys.readouterr().err
+    assert tuned == {} and "covers none of this model's 2 tunable kernels" in capsys.readouterr().err
 
 
 def test_interrupted_write_is_repaired_with_a_backup(small_int8, tuned_db, tmp_path, capsys):
@@ -298,7 +309,7 @@ def test_interrupted_write_is_repaired_with_a_backup(small_int8, tuned_db, tmp_p
     assert len(tuned) == 1 and len(os.listdir(tmp_path)) == 2
     with pytest.raises(Exception):
         ms.database.JSONDatabase(work_dir=str(tmp_path))  # MetaSchedule itself cannot load it
-    assert _repair_database(str(tmp_path)) == 2
+    assert repair_database(str(tmp_path)) == 2
     assert "dropped 1 unreadable line(s)" in capsys.readouterr().err
     backup = [f for f in os.listdir(tmp_path) if f.startswith(RECORD_FILE + ".bak-")]
     assert len(backup) == 1 and (tmp_path / RECORD_FILE).read_bytes() == records
@@ -316,7 +327,7 @@ def test_prune_keeps_the_best_valid_record_per_workload_packed(small_int8, tuned
     assert json.loads(line)[1][1] == [5e-6]
     _, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA)  # builds read the packed form
     assert list(tuned.values()) == ["16->16 3x3 s1 @32x32 b1"]
-    _unpack_database(str(tmp_path))  # what tune_model does before tuning on
+    unpack_database(str(tmp_path))  # what tune_model does before tuning on
     assert sorted(os.listdir(tmp_path)) == [RECORD_FILE, WORKLOAD_FILE]
     assert len(ms.database.JSONDatabase(work_dir=str(tmp_path))) == 1
 
@@ -424,7 +435,38 @@ def test_a_truncated_packed_database_is_reported_not_unpacked(tuned_db, tmp_path
     packed = tmp_path / (WORKLOAD_FILE + ".gz")
     packed.write_bytes(packed.read_bytes()[:200])  # a cut-off download or checkout
     with pytest.raises(InputError, match=r"is corrupt \(EOFError.*restore it .*or delete it and tune again"):
-        _load_database(str(tmp_path))
+        load_database(str(tmp_path))
     with pytest.raises(InputError, match="is corrupt"):
-        _unpack_database(str(tmp_path))
+        unpack_database(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".gz", WORKLOAD_FILE + ".gz"]  # left as it was
+
+
+VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
+               (256, 512, 28), (512, 512, 28), (512, 512, 14)]
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_committed_vgg16_databases_cover_every_vgg16_kernel(batch):
+    """The databases were tuned before the kernels named their implementation and workload in
+    attributes; matching is on the computation alone, so every VGG16 conv still finds its record."""
+    db = load_database(os.path.join(os.path.dirname(__file__), "..", "tuning_logs", f"vgg16-b{batch}-sm_90"))
+    impl = registry.get("conv2d.nchw4c.dp4a")
+    for cin, cout, size in VGG16_CONVS:
+        func = tvm.IRModule({"main": task_func(impl.compute(W(batch, cin, size, size, cout)))})
+        assert db.has_workload(func), (cin, cout, size)
+        assert db.query_schedule(func, CUDA, "main") is not None
+
+
+def test_resuming_an_old_database_rewrites_its_workloads_in_canonical_form(tmp_path):
+    import shutil
+    work_dir = tmp_path / "db"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "tuning_logs", "vgg16-b1-sm_90"), work_dir)
+    unpack_database(str(work_dir))
+    impl = registry.get("conv2d.nchw4c.dp4a")
+    func = tvm.IRModule({"main": task_func(impl.compute(W(1, 64, 224, 224, 64)))})
+    _ensure_dp4a_registered()
+    # written before the canonical form: MetaSchedule itself would not find the kernel in it
+    assert not ms.database.JSONDatabase(work_dir=str(work_dir)).has_workload(func)
+    canonicalize_database(str(work_dir))
+    db = ms.database.JSONDatabase(work_dir=str(work_dir))  # what tune_model opens to resume
+    assert len(db) == 9 and db.has_workload(func) and db.get_top_k(db.commit_workload(func), 1)

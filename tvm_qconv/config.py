@@ -1,9 +1,11 @@
 """The quantization scheme: a frozen, validated, versioned dataclass stored in every artifact."""
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import asdict, dataclass, field
 
-CONFIG_VERSION = 1
+# 2: the activation layout left the scheme; it is the chosen kernel's (tvm_qconv/registry.py).
+CONFIG_VERSION = 2
 CALIBRATIONS = ("max", "percentile", "entropy")
 
 
@@ -16,9 +18,8 @@ class QuantConfig:
         percentile: the percentile of |x| used when ``calibration == "percentile"``.
         weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
         activation: activation granularity; only ``per_tensor`` (symmetric).
-        layout: activation layout between int8 layers; only ``NCHW4c`` (weights OIHW4o4i).
-        skip: layer names (torch module paths, e.g. ``classifier.6``) kept in float, as
-            relay.quantize's ``skip_dense_layer`` did.
+        skip: layers kept in float: torch module paths (``classifier.6``) or shell-style
+            patterns (``classifier.*``; ``*`` keeps every layer in float).
         quantize_dense: run linear layers in int8 (else every linear layer stays float).
         num_calib_images: at most this many calibration images are used.
     """
@@ -27,7 +28,6 @@ class QuantConfig:
     percentile: float = 99.99
     weight: str = "per_channel"
     activation: str = "per_tensor"
-    layout: str = "NCHW4c"
     skip: tuple[str, ...] = field(default_factory=tuple)
     quantize_dense: bool = True
     num_calib_images: int = 32
@@ -40,13 +40,17 @@ class QuantConfig:
             (50.0 < self.percentile <= 100.0, f"percentile must be in (50, 100], got {self.percentile}"),
             (self.weight == "per_channel", f"weight granularity must be 'per_channel', got {self.weight!r}"),
             (self.activation == "per_tensor", f"activation granularity must be 'per_tensor', got {self.activation!r}"),
-            (self.layout == "NCHW4c", f"layout must be 'NCHW4c', got {self.layout!r}"),
             (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),
             (self.version == CONFIG_VERSION, f"config version {self.version} is not {CONFIG_VERSION}: rebuild"),
+            (all(isinstance(p, str) and p for p in self.skip), f"skip entries must be non-empty strings, got {self.skip}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"QuantConfig: {msg}")
+
+    def skips(self, layer: str) -> bool:
+        """Whether ``layer`` (a torch module path) is kept in float by ``skip``."""
+        return any(fnmatch.fnmatchcase(layer, pattern) for pattern in self.skip)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -55,6 +59,10 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantConfig":
+        d = dict(d)
+        if d.get("version") == 1:  # version 1 had a fixed layout field, always NCHW4c
+            d.pop("layout", None)
+            d["version"] = CONFIG_VERSION
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"QuantConfig: unknown keys {sorted(unknown)}")

@@ -3,7 +3,8 @@
 Calibration and the quantize pass both read this one analysis, so the tensors that get
 calibrated are exactly the tensors that get quantized.  A *layer* is one of
 
-- ``conv2d``: ``conv2d(x, W)`` [+ ``add(., bias)``] [+ ``relu``], W and bias constants, groups 1;
+- ``conv2d``: ``conv2d(x, W)`` [+ ``add(., bias)``] [+ ``relu``], W and bias constants (whether a
+  kernel exists for its groups, stride... is the kernel registry's call, not this analysis');
 - ``dense``: ``matmul(x, W)`` [+ ``add(bias, .)``] [+ ``relu``], x 2-D, W a constant [K, O];
 - ``add``: ``add(a, b)`` of two activations of one shape (residual) [+ ``relu``];
 - ``max_pool2d``: NCHW max pooling.
@@ -190,8 +191,6 @@ def _conv_layer(var, call, value, sole_user, name):
         layer.reason_float = "weight is not a constant"
     elif attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW" or attrs.out_layout not in ("NCHW", ""):
         layer.reason_float = f"layout {attrs.data_layout}/{attrs.kernel_layout}"
-    elif int(attrs.groups) != 1:
-        layer.reason_float = f"groups={int(attrs.groups)} (grouped / depthwise conv has no int8 kernel yet)"
     elif str(call.ty.dtype) != "float32":
         layer.reason_float = f"dtype {call.struct_info.dtype}"
     else:

@@ -1,4 +1,6 @@
-"""The build report: each layer, its kernel, and what stayed float."""
+"""The build report: each layer, its kernel implementation, how it was scheduled, what stayed
+float, and every conversion kernel (quantize / dequantize at float boundaries, relayout where
+two kernel families' layouts meet)."""
 from __future__ import annotations
 
 
@@ -6,23 +8,25 @@ def format_report(meta: dict) -> str:
     rep = meta["report"]
     rows = rep["layers"]
     w = max([len(r["layer"]) for r in rows] + [5])
-    lines = [f"{'layer':<{w}}  {'op':<22} {'kernel':<26} {'dtype':<7} {'schedule':<9} shape"]
-    sched = rep.get("schedules", {})
-    kinds = {}
-    for kernel, how in sched.values():
-        kinds.setdefault(kernel, set()).add(how)
+    wk = max([len(r["kernel"]) for r in rows if r["dtype"] == "int8"] + [6])
+    lines = [f"{'layer':<{w}}  {'op':<22} {'kernel':<{wk}} {'dtype':<7} {'schedule':<9} shape"]
+    kinds: dict = {}
+    for impl, how in rep.get("schedules", {}).values():
+        kinds.setdefault(impl, set()).add(how)
     for r in rows:
         how = "/".join(sorted(kinds.get(r["kernel"], {"-"}))) if r["dtype"] == "int8" else "-"
-        lines.append(f"{r['layer']:<{w}}  {r['kind']:<22} {r['kernel']:<26} {r['dtype']:<7} {how:<9} "
+        lines.append(f"{r['layer']:<{w}}  {r['kind']:<22} {r['kernel']:<{wk}} {r['dtype']:<7} {how:<9} "
                      f"{r.get('shape', '')}")
     n8 = sum(r["dtype"] == "int8" for r in rows)
     lines.append(f"{n8}/{len(rows)} layers in int8")
     fl = rep.get("float_ops") or {}
     lines.append("stayed float: " + (", ".join(f"{k.removeprefix('relax.')} x{v}" for k, v in sorted(fl.items()))
                                      or "nothing"))
-    lines.append("layout transforms: " + (", ".join(rep.get("layout_transforms", [])) or "none"))
+    conversions = rep.get("conversions", [])
+    lines.append(f"conversions: {len(conversions)} ({rep.get('relayouts', 0)} relayouts): "
+                 + (", ".join(conversions) or "none"))
     if rep.get("tuned"):
-        lines.append(f"tuned kernels: {len(rep['tuned'])}; others use the default schedule")
+        lines.append(f"tuned kernels: {len(rep['tuned'])}; others use their default schedule")
     bs = meta.get("build_seconds", {})
     lines.append(f"built in {bs.get('quantize', 0) + bs.get('compile', 0):.1f} s "
                  f"(quantize {bs.get('quantize')} s, compile {bs.get('compile')} s)")

@@ -1,13 +1,11 @@
 """Load and run a built library with the TVM runtime only (no torch, no compiler passes)."""
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import tvm
 from tvm import relax
 
+from .artifact import artifact_paths, read_meta
 from .errors import InputError
 
 
@@ -15,13 +13,8 @@ class CompiledModel:
     """A built int8 model: ``CompiledModel("vgg16.so", "cuda")(x) -> logits``."""
 
     def __init__(self, lib_path: str, device: str | None = None):
-        stem = lib_path[:-3] if lib_path.endswith(".so") else lib_path
-        params_path, meta_path = stem + ".params.npz", stem + ".json"
-        for p in (lib_path, params_path, meta_path):
-            if not os.path.exists(p):
-                raise InputError(f"{p} not found: build it with `python deploy.py build ... -o {lib_path}`")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
+        self.meta = read_meta(lib_path)
+        params_path, _ = artifact_paths(lib_path)
         kind = device or self.meta["target"]
         self.dev = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
         if kind == "cuda" and not self.dev.exist:

@@ -1,15 +1,18 @@
 """The training path's TVM kernels: int8 conv forward, input and weight gradients on torch tensors.
 
-Three compute definitions from ``schedules/``, compiled once per shape, cached in memory and
-on disk, and called on torch tensors zero-copy (tvm-ffi takes them through DLPack):
+Three kernels, asked of the kernel registry (``tvm_qconv/registry.py``) for the tensors'
+device, compiled once per shape, cached in memory and on disk, and called on torch tensors
+zero-copy (tvm-ffi takes them through DLPack):
 
-============  =======================================================  ===================================
-kind          kernel                                                   CUDA schedule
-============  =======================================================  ===================================
-``forward``   ``conv2d_nchw4c_int8(wl, requantize=False)`` int32 out   ``schedule_dp4a`` (``__dp4a``)
-``grad_input``  ``conv2d_grad_input_int8``  float32 dx                 ``schedule_grad_input_cuda``
-``grad_weight`` ``conv2d_grad_weight_int8`` float32 split-K dw         ``schedule_grad_weight_cuda``
-============  =======================================================  ===================================
+===============  =======================  =======================================================
+kind             registry op              what
+===============  =======================  =======================================================
+``forward``      ``conv2d``, int32 out    the int8 conv's accumulator (on CUDA: the dp4a family)
+``grad_input``   ``conv2d_grad_input``    float32 dx from int8 weights
+``grad_weight``  ``conv2d_grad_weight``   float32 split-K partial dw from the int8 input
+===============  =======================  =======================================================
+
+All three take one :class:`~tvm_qconv.schedules.workload.ConvWorkload` (groups included).
 
 On CUDA they replace the forward int8 conv and both conv gradients (:func:`register`, called
 lazily by :mod:`tvm_qconv.nn.functional` when the first CUDA tensor arrives: importing
@@ -36,13 +39,14 @@ Details that matter:
   64-byte aligned data (an llvm kernel given a 4-byte aligned view segfaulted): every tensor
   passed is contiguous and aligned, copied when not (:func:`_ready`).  ``functional`` already
   makes inputs and gradients contiguous, so in practice only group slices are copied.
-* **Groups** run as one kernel call per group on that group's packed slices (a grouped compute
-  is the upgrade; no model here has groups).  The gradient kernels have a group axis.
+* **Groups** run in one call: the forward's packing pads each group's channels to a multiple
+  of 4 on their own, so its NCHW4c blocks never mix groups (``schedules/nchw4c/conv2d.py``);
+  the gradient kernels have a group axis.
 * **Linear layers** arrive as 1x1 convs on 1x1 images (``H = W = 1``).  They run as a 1x1 conv
   on *one* 1 x N image (the batch becomes the width): the same result, but the forward
   schedule tiles 32 columns x 8 output-channel groups instead of one pixel per block.
-* **Cache.** Key = kind, workload, target (arch), TVM version and a hash of the kernel source
-  files (so editing a schedule rebuilds its kernels).  Each ``.so`` is written to a temp file
+* **Cache.** Key = kind, workload, target (arch), TVM version and a hash of the kernels' source
+  files (every file of ``schedules/`` and this one: editing a schedule rebuilds the kernels).  Each ``.so`` is written to a temp file
   and ``os.replace``d into place: an interrupted build never leaves a partial entry, and an
   entry that fails to load is rebuilt with a warning.  Directory: ``$TVM_QCONV_KERNEL_CACHE``,
   else ``~/.cache/tvm_qconv/kernels``.
@@ -54,7 +58,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -62,20 +65,21 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+import tvm
+
+from .. import registry, schedules
+from ..fileio import atomic_path
+from ..schedules.training.grad_weight import weight_grad_splits
+from ..schedules.workload import ConvWorkload
+from ..target import TargetInfo, make_target
+from .functional import register_conv_grad_kernels, register_int8_conv_kernel
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 ALIGNMENT = 64  # bytes; TVM's kAllocAlignment, which its kernels assume for every argument
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SCHEDULES_DIR = os.path.dirname(os.path.abspath(schedules.__file__))
 
-# Files whose text defines each kind of kernel (this one included: it calls them).
-_SOURCES = {
-    "forward": ("schedules/conv2d_nchw4c_int8.py", "schedules/requantize.py", "schedules/conv2d_nchw4c_dp4a.py"),
-    # The gradient kernels use conv_output_size and the dp4a file's loop helpers too.
-    "grad_input": ("schedules/conv2d_grad_input_int8.py", "schedules/conv2d_nchw4c_int8.py",
-                   "schedules/conv2d_nchw4c_dp4a.py"),
-    "grad_weight": ("schedules/conv2d_grad_input_int8.py", "schedules/conv2d_grad_weight_int8.py",
-                    "schedules/conv2d_nchw4c_int8.py", "schedules/conv2d_nchw4c_dp4a.py"),
-}
+# The registry op each kind of kernel is.
+OPS = {"forward": "conv2d", "grad_input": "conv2d_grad_input", "grad_weight": "conv2d_grad_weight"}
 
 # (kind, workload description) -> calls, for "which kernels ran" reports.
 CALLS: collections.Counter = collections.Counter()
@@ -93,12 +97,23 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tvm_qconv", "kernels")
 
 
-def _source_hash(kind: str) -> str:
+def source_hash(schedules_dir: str = _SCHEDULES_DIR) -> str:
+    """A hash of every ``.py`` file under ``schedules_dir`` and of this module: the text that
+    defines the kernels (a changed schedule, helper or compute definition rebuilds them)."""
     h = hashlib.sha256()
-    for rel in _SOURCES[kind] + ("tvm_qconv/nn/tvm_kernels.py",):
-        with open(os.path.join(_REPO, rel), "rb") as f:
+    files = sorted(os.path.relpath(os.path.join(d, f), schedules_dir)
+                   for d, _, names in os.walk(schedules_dir) for f in names if f.endswith(".py"))
+    for rel in files:
+        with open(os.path.join(schedules_dir, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())
+    with open(os.path.abspath(__file__), "rb") as f:
+        h.update(b"tvm_kernels.py\0" + f.read())
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash() -> str:
+    return source_hash()
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,38 +123,24 @@ def device_target(device: torch.device) -> tuple[object, str]:
     Cached: every kernel call looks its kernel up through this, and building a Target and
     querying the device capability each time would sit on the training step's hot path."""
     if device.type == "cuda":
-        from ..build import make_target
         major, minor = torch.cuda.get_device_capability(device)
         arch = f"sm_{major}{minor}"
         return make_target("cuda", arch), arch
     if device.type == "cpu":
-        import tvm
         return tvm.target.Target("llvm"), "llvm"
     raise NotImplementedError(f"no TVM kernels for device type {device.type!r}")
 
 
-def _definition(kind: str, wl, target):
-    """The PrimFunc of one kernel: scheduled for CUDA, the bare compute definition for llvm."""
-    cuda = target.kind.name == "cuda"
-    if kind == "forward":
-        from schedules.conv2d_nchw4c_int8 import conv2d_nchw4c_int8
-        func = conv2d_nchw4c_int8(wl, requantize=False)
-        if cuda:
-            from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
-            func = schedule_dp4a(func, target)
-    elif kind == "grad_input":
-        from schedules.conv2d_grad_input_int8 import conv2d_grad_input_int8, schedule_grad_input_cuda
-        func = conv2d_grad_input_int8(wl)
-        if cuda:
-            func = schedule_grad_input_cuda(func, target)
-    elif kind == "grad_weight":
-        from schedules.conv2d_grad_weight_int8 import conv2d_grad_weight_int8, schedule_grad_weight_cuda
-        func = conv2d_grad_weight_int8(wl)
-        if cuda:
-            func = schedule_grad_weight_cuda(func, target)
-    else:
-        raise ValueError(f"unknown kernel kind {kind!r}")
-    return func
+def _definition(kind: str, wl: ConvWorkload, target):
+    """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
+    its default schedule where it has one (llvm: the bare compute definition)."""
+    if kind not in OPS:
+        raise ValueError(f"unknown kernel kind {kind!r}; kinds: {sorted(OPS)}")
+    impl = registry.select(OPS[kind], wl, TargetInfo.from_target(target))
+    if impl is None:
+        raise NotImplementedError(f"no {OPS[kind]} kernel for {wl.describe()} on {target}")
+    func = impl.compute(wl)
+    return impl.schedule(func, target) or func
 
 
 def symbol(kind: str) -> str:
@@ -149,9 +150,7 @@ def symbol(kind: str) -> str:
 
 def cache_key(kind: str, wl, arch: str) -> dict:
     """Everything a cached kernel depends on."""
-    import tvm
-    return {"kind": kind, "workload": wl.to_dict(), "arch": arch, "tvm": tvm.__version__,
-            "source": _source_hash(kind)}
+    return {"kind": kind, "workload": wl.to_dict(), "arch": arch, "tvm": tvm.__version__, "source": _source_hash()}
 
 
 def cache_path(kind: str, wl, arch: str) -> str:
@@ -160,22 +159,13 @@ def cache_path(kind: str, wl, arch: str) -> str:
 
 
 def _build(kind: str, wl, target, path: str) -> None:
-    """Compile one kernel and write it to ``path`` atomically (temp file in the same folder + rename)."""
-    import tvm
+    """Compile one kernel and write it to ``path`` atomically."""
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
     func = _definition(kind, wl, target).with_attr("global_symbol", symbol(kind))
     with target:
         ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".so") as tmp:
         ex.export_library(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def get_kernel(kind: str, wl, device: torch.device) -> Callable:
@@ -183,7 +173,7 @@ def get_kernel(kind: str, wl, device: torch.device) -> Callable:
 
     Args:
         kind: ``"forward"``, ``"grad_input"`` or ``"grad_weight"``.
-        wl: ``Conv2dWorkload`` (forward) or ``ConvGradWorkload`` (gradients).
+        wl: the layer's ``ConvWorkload`` (int32 out for the forward).
         device: the torch device the tensors live on.
 
     Returns:
@@ -203,7 +193,6 @@ def get_kernel(kind: str, wl, device: torch.device) -> Callable:
 
 
 def _load_or_build(kind: str, wl, target, arch: str) -> Callable:
-    import tvm
     path = cache_path(kind, wl, arch)
     t0 = time.perf_counter()
     if os.path.exists(path):
@@ -221,10 +210,8 @@ def _load_or_build(kind: str, wl, target, arch: str) -> Callable:
 
 
 def describe(wl) -> str:
-    """``wl.describe()`` plus the padding and dilation, which it leaves out."""
-    pad = "" if wl.padding == (1, 1, 1, 1) else f" pad{wl.padding}"
-    dil = "" if wl.dilation == (1, 1) else f" d{wl.dilation[0]}x{wl.dilation[1]}"
-    return wl.describe() + pad + dil
+    """``wl.describe()`` plus the padding, which it leaves out."""
+    return wl.describe() + ("" if wl.padding == (1, 1, 1, 1) else f" pad{wl.padding}")
 
 
 def _call(kind: str, wl, device: torch.device, *tensors: torch.Tensor) -> None:
@@ -259,24 +246,27 @@ def _pad_dim(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
-def _pack_input(x: torch.Tensor) -> torch.Tensor:
-    """int8 [N, C, H, W] -> [N, C4/4, H, W, 4] (zero channels appended)."""
+def _pack_input(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """int8 [N, C, H, W] -> [N, G*cgb, H, W, 4]: each group's channels zero-padded to a multiple
+    of 4 on their own (plain NCHW4c when they already are one)."""
     n, c, h, w = x.shape
-    xp = _pad_dim(x, 1, _ceil4(c))
+    xp = _pad_dim(x.reshape(n, groups, c // groups, h, w), 2, _ceil4(c // groups))
     return xp.reshape(n, -1, 4, h, w).permute(0, 1, 3, 4, 2).contiguous()
 
 
-def _pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """int8 [O, I, KH, KW] -> [O4/4, I4/4, KH, KW, 4o, 4i] (zero channels appended)."""
+def _pack_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """int8 [O, I, KH, KW] -> [G*ogb, cgb, KH, KW, 4o, 4i], each group's channels zero-padded."""
     o, i, kh, kw = w.shape
-    wp = _pad_dim(_pad_dim(w, 0, _ceil4(o)), 1, _ceil4(i))
+    wp = _pad_dim(_pad_dim(w.reshape(groups, o // groups, i, kh, kw), 1, _ceil4(o // groups)), 2, _ceil4(i))
     return wp.reshape(-1, 4, _ceil4(i) // 4, 4, kh, kw).permute(0, 2, 4, 5, 1, 3).contiguous()
 
 
-def _unpack_output(acc: torch.Tensor, channels: int) -> torch.Tensor:
-    """int32 [N, O4/4, OH, OW, 4] -> [N, channels, OH, OW] (a view; padded channels dropped)."""
+def _unpack_output(acc: torch.Tensor, channels: int, groups: int) -> torch.Tensor:
+    """int32 [N, G*ogb, OH, OW, 4] -> [N, channels, OH, OW] (padded channels dropped)."""
     n, oc, oh, ow, _ = acc.shape
-    return acc.permute(0, 1, 4, 2, 3).reshape(n, oc * 4, oh, ow)[:, :channels]
+    per_group = oc * 4 // groups
+    out = acc.permute(0, 1, 4, 2, 3).reshape(n, groups, per_group, oh, ow)[:, :, :channels // groups]
+    return out.reshape(n, channels, oh, ow)
 
 
 def _is_dense(shape: Sequence[int], kernel, stride, padding, dilation, groups: int) -> bool:
@@ -312,30 +302,19 @@ def int8_conv(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], pad
         groups: conv groups.
 
     Returns:
-        int32 NCHW accumulators on ``x_q``'s device: a strided view of the kernel's NCHW4c output
-        for one group (``functional._forward`` makes it contiguous float in one pass), contiguous
-        otherwise.
+        int32 NCHW accumulators on ``x_q``'s device.
     """
-    from schedules.conv2d_nchw4c_int8 import Conv2dWorkload
     if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups):
         out = int8_conv(_rows_to_width(x_q), w_q, stride, padding, dilation, groups)
         return _width_to_rows(out)
     n, c, h, w = x_q.shape
     o, cg, kh, kw = w_q.shape
-    og = o // groups
-    wl = Conv2dWorkload(n, cg, h, w, og, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), relu=False)
-    shape = (n, _ceil4(og) // 4, wl.out_height, wl.out_width, 4)
-    if groups == 1:
-        acc = torch.empty(shape, dtype=torch.int32, device=x_q.device)
-        _call("forward", wl, x_q.device, _pack_input(x_q), _pack_weight(w_q), acc)
-        return _unpack_output(acc, og)
-    out = torch.empty((n, o, wl.out_height, wl.out_width), dtype=torch.int32, device=x_q.device)
-    for g in range(groups):
-        acc = torch.empty(shape, dtype=torch.int32, device=x_q.device)
-        _call("forward", wl, x_q.device, _pack_input(x_q[:, g * cg:(g + 1) * cg]),
-              _pack_weight(w_q[g * og:(g + 1) * og]), acc)
-        out[:, g * og:(g + 1) * og] = _unpack_output(acc, og)
-    return out
+    wl = ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
+                      activation="none", act_min=-128, out_dtype="int32")
+    shape = (n, groups * _ceil4(o // groups) // 4, wl.out_height, wl.out_width, 4)
+    acc = torch.empty(shape, dtype=torch.int32, device=x_q.device)
+    _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)
+    return _unpack_output(acc, o, groups)
 
 
 def conv_input_grad(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
@@ -348,14 +327,13 @@ def conv_input_grad(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor
         input_shape: (N, C, H, W) of the forward input.
         stride, padding (top, left, bottom, right), dilation, groups: the forward conv's.
     """
-    from schedules.conv2d_grad_input_int8 import ConvGradWorkload
     if _is_dense(input_shape, w_q.shape[2:], stride, padding, dilation, groups):
         n, k = input_shape[:2]
         dx = conv_input_grad(_rows_to_width(grad), w_q, w_scale, (1, k, 1, n), stride, padding, dilation, groups)
         return _width_to_rows(dx)
     n, c, h, w = input_shape
     o, cg, kh, kw = w_q.shape
-    wl = ConvGradWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups)
+    wl = ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups)
     g_ = groups
     dx = torch.empty((n, c, h, w), dtype=torch.float32, device=grad.device)
     _call("grad_input", wl, grad.device, grad.view(n, g_, o // g_, wl.out_height, wl.out_width),
@@ -373,14 +351,12 @@ def conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tenso
         weight_shape: (O, C / groups, KH, KW).
         stride, padding (top, left, bottom, right), dilation, groups: the forward conv's.
     """
-    from schedules.conv2d_grad_input_int8 import ConvGradWorkload
-    from schedules.conv2d_grad_weight_int8 import weight_grad_splits
     o, cg, kh, kw = weight_shape
     if _is_dense(x_q.shape, (kh, kw), stride, padding, dilation, groups):
         return conv_weight_grad(_rows_to_width(x_q), x_scale, _rows_to_width(grad), weight_shape, stride, padding,
                                 dilation, groups)
     n, c, h, w = x_q.shape
-    wl = ConvGradWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups)
+    wl = ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups)
     g_ = groups
     splits = weight_grad_splits(wl)
     part = torch.empty((splits, g_, o // g_, cg, kh, kw), dtype=torch.float32, device=grad.device)
@@ -392,7 +368,6 @@ def conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tenso
 
 def register(device_type: str = "cuda") -> None:
     """Make these kernels compute the int8 conv and both gradients for ``device_type`` tensors."""
-    from .functional import register_conv_grad_kernels, register_int8_conv_kernel
     register_int8_conv_kernel(device_type, int8_conv)
     register_conv_grad_kernels(device_type, conv_input_grad, conv_weight_grad)
 

@@ -1,12 +1,21 @@
-"""QuantizeInt8: float Relax main -> int8 NCHW4c main calling one TensorIR kernel per layer.
+"""QuantizeInt8: float Relax main -> int8 main calling one TensorIR kernel per layer.
 
-Each conv2d(+bias)(+ReLU) becomes one call to the fused int8 kernel
-(``schedules/conv2d_nchw4c_int8.py``) with weights packed OIHW4o4i, bias in int32 at scale
-``s_x * s_w[c]`` and the requantize multiplier ``s_x * s_w[c] / s_y`` in fixed point.
-Activations stay int8 NCHW4c from one int8 layer to the next (max-pool and residual adds
-included); a float op that needs an int8 tensor gets it unpacked and dequantized once, and an
-int8 layer fed by a float tensor quantizes and packs it once: those two kernels are the only
-layout transforms.  Everything the pass could not put in int8 is listed in ``self.report``.
+Each layer found by the analysis (``tvm_qconv/graph.py``) asks the kernel registry
+(``tvm_qconv/registry.py``) for an implementation that runs it on the build's target; the
+chosen implementation's compute definition becomes one ``call_tir``, and its layout is the
+layout of the layer's int8 output.  A conv(+bias)(+activation) becomes one fused kernel with its
+weights packed for that kernel, the bias in int32 at scale ``s_x * s_w[c]`` and the requantize
+multiplier ``s_x * s_w[c] / s_y`` in fixed point.
+
+Activations stay int8 from one int8 layer to the next (max-pool and residual adds included).
+Three kinds of conversion kernels appear, and only where needed; the report lists each:
+
+- ``quantize``: a float tensor feeds an int8 layer (the model input), into that layer's layout;
+- ``dequantize``: an int8 tensor feeds a float op (the classifier's flatten, an op with no kernel);
+- ``relayout``: an int8 tensor feeds a kernel of another layout (a family boundary).
+
+Each conversion is made once per tensor and layout and shared by every consumer.
+Everything the pass could not put in int8 is listed in ``self.report``.
 """
 from __future__ import annotations
 
@@ -16,27 +25,27 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from schedules.add_int8 import add_multipliers, add_nchw4c_int8
-from schedules.conv2d_nchw4c_int8 import (Conv2dWorkload, ceil4, conv2d_nchw4c_int8, pack_channels,
-                                          pack_oihw4o4i)
-from schedules.dense_int8 import dense_int8
-from schedules.layout_int8 import dequantize_unpack, quantize_pack, quantize_rows
-from schedules.pool_int8 import max_pool2d_nchw4c_int8
-from schedules.requantize import quantize_multiplier
-
+from .. import registry
 from ..config import QuantConfig
 from ..graph import Graph, analyze, static_shape
 from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, substitute
+from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
+from ..schedules.nchw4c.add import add_multipliers
+from ..schedules.nchw4c.impls import AddWorkload, PoolWorkload
+from ..schedules.relayout import relayout_int8
+from ..schedules.requantize import quantize_multiplier
+from ..schedules.workload import ConvWorkload
+from ..target import TargetInfo
 
 AMAX_FLOOR = 1e-6  # a dead (all-zero) tensor still needs a finite scale
 
 
 class _QTensor:
-    """An int8 NCHW4c tensor of the new graph: its var, scale and real channel count."""
+    """An int8 tensor of the new graph: its var, scale, real channel count and layout."""
 
-    def __init__(self, var, scale: float, channels: int):
-        self.var, self.scale, self.channels = var, scale, channels
+    def __init__(self, var, scale: float, channels: int, layout):
+        self.var, self.scale, self.channels, self.layout = var, scale, channels, layout
 
 
 @tvm.transform.module_pass(opt_level=0, name="QuantizeInt8")
@@ -44,18 +53,23 @@ class QuantizeInt8:
     """Rewrite ``main`` to int8.
 
     Args:
-        amax: ``{point name: amax}`` from calibration (or learned QAT ranges).
+        amax: ``{point name: amax}`` from a range source (calibration, given, learned in QAT).
         config: the scheme (skip list, dense on/off).
+        target: the build's target; the registry picks each layer's kernel for it.
         names: torch layer names from the frontend (``{"conv2d": [...], "dense": [...]}``).
+        choices: ``{layer name: implementation name}`` to prefer over the registry's default
+            order (a tuning database's per-layer pick); ignored where it does not apply.
         expose_activations: make main return ``(outputs, *int8 activations)``, in layer order,
-            to compare builds layer by layer (the report's ``exposed`` lists their layers).
-    After the pass, ``self.report`` holds one row per layer and the float ops that remain.
+            to compare builds layer by layer (the report's ``exposed`` describes each).
+    After the pass, ``self.report`` holds one row per layer, the float ops that remain and every
+    conversion kernel.
     """
 
-    def __init__(self, amax: dict, config: QuantConfig, names: dict | None = None,
-                 expose_activations: bool = False):
-        self.amax, self.config, self.names = dict(amax), config, names
-        self.expose_activations = expose_activations  # main also returns every int8 activation (debug)
+    def __init__(self, amax: dict, config: QuantConfig, target: TargetInfo, names: dict | None = None,
+                 choices: dict | None = None, expose_activations: bool = False):
+        self.amax, self.config, self.target, self.names = dict(amax), config, target, names
+        self.choices = dict(choices or {})
+        self.expose_activations = expose_activations
         self.report: dict = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -64,10 +78,6 @@ class QuantizeInt8:
         if missing:
             raise ValueError(f"no calibrated range for {missing[:5]}{'...' if len(missing) > 5 else ''}: "
                              "calibrate this model (or this checkpoint) again")
-        unknown_skip = set(self.config.skip) - {ly.name for ly in graph.layers}
-        if unknown_skip:
-            raise ValueError(f"skip list names unknown layers {sorted(unknown_skip)}; layers are "
-                             f"{[ly.name for ly in graph.layers if ly.kind in ('conv2d', 'dense')]}")
         return _Rewriter(graph, self).run(mod)
 
 
@@ -76,41 +86,61 @@ class _Rewriter:
         self.g, self.p = graph, qpass
         self.bb = relax.BlockBuilder()
         self.fenv: dict = {}   # old var -> new float var
-        self.qenv: dict = {}   # old var -> _QTensor
+        self.qenv: dict = {}   # old var -> {layout name: _QTensor}
         self.rows: list = []
         self.float_ops: Counter = Counter()
-        self.transforms: list = []   # (kind, at) of every layout transform emitted
+        self.conversions: list = []   # (kind, tensor) of every conversion kernel emitted
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
         name = self.g.points[var]
         return max(self.p.amax[name], AMAX_FLOOR) / 127.0
 
+    def quantized(self, expr) -> _QTensor | None:
+        """The int8 version of ``expr`` in the layout its producer wrote, if any."""
+        versions = self.qenv.get(expr) if isinstance(expr, relax.Var) else None
+        return next(iter(versions.values())) if versions else None
+
     def float_of(self, expr):
         if not isinstance(expr, relax.Var):
             return substitute(expr, {})
         if expr in self.fenv:
             return self.fenv[expr]
-        if expr in self.qenv:
-            q = self.qenv[expr]
+        q = self.quantized(expr)
+        if q is not None:
             shape = static_shape(q.var.ty)
-            out = (shape[0], q.channels, shape[2], shape[3])
-            f = dequantize_unpack(shape, q.channels, q.scale)
+            n, _, h, w = static_shape(expr.ty)
+            out = (n, q.channels, h, w)
+            f = q.layout.dequantize(shape, q.channels, q.scale)
             self.fenv[expr] = self.call(f, "dequantize_unpack", [q.var], out, "float32")
-            self.transforms.append(("dequantize_unpack", expr.name))
+            self.conversions.append(("dequantize", f"{expr.name} ({q.layout.name})"))
             return self.fenv[expr]
         return expr  # a function parameter
 
-    def int8_of(self, expr) -> _QTensor:
-        if expr in self.qenv:
-            return self.qenv[expr]
+    def int8_of(self, expr, layout_name: str) -> _QTensor:
+        """``expr`` as int8 in ``layout_name``: as produced, relayouted, or quantized from float."""
+        versions = self.qenv.setdefault(expr, {})
+        if layout_name in versions:
+            return versions[layout_name]
+        layout = registry.layout(layout_name)
+        src = next(iter(versions.values()), None)
+        if src is not None:  # int8 already, in another family's layout
+            shape = (*static_shape(expr.ty)[:1], src.channels, *static_shape(expr.ty)[2:])
+            var = self.call(relayout_int8(src.layout, layout, shape), "relayout_int8", [src.var],
+                            layout.packed_shape(shape), "int8")
+            self.conversions.append(("relayout", f"{expr.name} ({src.layout.name}->{layout.name})"))
+            versions[layout_name] = _QTensor(var, src.scale, src.channels, layout)
+            return versions[layout_name]
         x = self.float_of(expr)
-        n, c, h, w = static_shape(x.ty)
+        shape = static_shape(x.ty)
         s = self.scale(expr)
-        var = self.call(quantize_pack((n, c, h, w), s), "quantize_pack", [x], (n, ceil4(c) // 4, h, w, 4), "int8")
-        self.transforms.append(("quantize_pack", expr.name))
-        self.qenv[expr] = _QTensor(var, s, c)
-        return self.qenv[expr]
+        var = self.call(layout.quantize(shape, s), "quantize_pack", [x], layout.packed_shape(shape), "int8")
+        self.conversions.append(("quantize", f"{expr.name} ({layout.name})"))
+        versions[layout_name] = _QTensor(var, s, shape[1], layout)
+        return versions[layout_name]
+
+    def produce(self, old_var, var, scale: float, channels: int, layout_name: str) -> None:
+        self.qenv[old_var] = {layout_name: _QTensor(var, scale, channels, registry.layout(layout_name))}
 
     def call(self, prim, name, args, shape, dtype):
         if "global_symbol" in prim.attrs:
@@ -138,9 +168,8 @@ class _Rewriter:
                 for b in bindings_of(func):
                     ly = self.g.layer_of_var.get(b.var)
                     if ly is not None:
-                        why = self.why_float(ly)
+                        why = self.why_float(ly) or getattr(self, f"emit_{ly.kind}")(ly)
                         if why is None:
-                            getattr(self, f"emit_{ly.kind}")(ly)
                             continue
                         self.rows.append(dict(layer=ly.name, kind=ly.kind, kernel="float (" + why + ")",
                                               dtype="float32"))
@@ -149,9 +178,13 @@ class _Rewriter:
                     elif b.var not in self.g.consumed:
                         self.emit_float(b)
                 result = self._output(func.body.body)
+                exposed = []
                 if self.p.expose_activations:
-                    exposed = [(ly.name, self.qenv[ly.output].var) for ly in self.g.layers if ly.output in self.qenv]
-                    self.exposed = [n for n, _ in exposed]
+                    for ly in self.g.layers:
+                        q = self.quantized(ly.output)
+                        if q is not None:
+                            exposed.append((dict(layer=ly.name, layout=q.layout.name, channels=q.channels,
+                                                 scale=q.scale), q.var))
                     result = relax.Tuple([result] + [v for _, v in exposed])
                 out = self.bb.emit_output(result)
             self.bb.emit_func_output(out)
@@ -159,9 +192,11 @@ class _Rewriter:
         for gv, f in mod.functions.items():
             if gv.name_hint != "main" and gv.name_hint not in [g.name_hint for g in new_mod.get_global_vars()]:
                 new_mod[gv] = f
+        kinds = Counter(kind for kind, _ in self.conversions)
         self.p.report = {"layers": self.rows, "float_ops": dict(self.float_ops),
-                         "layout_transforms": [f"{k} at {at}" for k, at in self.transforms],
-                         "exposed": getattr(self, "exposed", [])}
+                         "conversions": [f"{kind} {at}" for kind, at in self.conversions],
+                         "relayouts": kinds.get("relayout", 0),
+                         "exposed": [e for e, _ in exposed]}
         return relax.transform.DeadCodeElimination(["main"])(new_mod)
 
     def _output(self, body):
@@ -172,72 +207,103 @@ class _Rewriter:
     def why_float(self, ly) -> str | None:
         if ly.reason_float:
             return ly.reason_float
-        if ly.name in self.p.config.skip:
+        if self.p.config.skips(ly.name):
             return "in the skip list"
         if ly.kind == "dense" and not self.p.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind == "max_pool2d" and ly.inputs[0] not in self.qenv:
+        if ly.kind == "max_pool2d" and self.quantized(ly.inputs[0]) is None:
             return "input is float"
         return None
 
-    def emit_conv2d(self, ly):
+    def no_kernel(self, op, wl) -> str:
+        return f"no int8 {op} kernel for {wl.describe() if hasattr(wl, 'describe') else wl} on {self.p.target.kind}" \
+               + (f" {self.p.target.arch}" if self.p.target.arch else "")
+
+    def emit_conv2d(self, ly) -> str | None:
         a = ly.call.attrs
-        x = self.int8_of(ly.inputs[0])
-        n, _, h, w = static_shape(ly.inputs[0].ty)
-        o, i, kh, kw = ly.weight.shape
-        wl = Conv2dWorkload(n, i, h, w, o, (kh, kw), tuple(map(int, a.strides)), tuple(map(int, a.padding)),
-                            tuple(map(int, a.dilation)), ly.relu)
+        n, c, h, w = static_shape(ly.inputs[0].ty)
+        o, _, kh, kw = ly.weight.shape
+        wl = ConvWorkload.with_activation(
+            "relu" if ly.relu else "none", batch=n, in_channels=c, height=h, width=w, out_channels=o,
+            kernel=(kh, kw), stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
+            dilation=tuple(map(int, a.dilation)), groups=int(a.groups))
+        impl = registry.select("conv2d", wl, self.p.target, prefer=self.p.choices.get(ly.name))
+        if impl is None:
+            return self.no_kernel("conv2d", wl)
+        x = self.int8_of(ly.inputs[0], impl.layout)
         qw, s_w = quantize_weight_per_channel(ly.weight)
         s_y = self.scale(ly.output)
         acc_scale = x.scale * s_w.astype(np.float64)
         bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
         bias_q = np.clip(np.round(bias / acc_scale), -2**31, 2**31 - 1).astype(np.int32)
         mult, shift = quantize_multiplier(acc_scale / s_y)
-        args = [x.var, relax.const(pack_oihw4o4i(qw)), relax.const(pack_channels(bias_q)),
-                relax.const(pack_channels(mult)), relax.const(pack_channels(shift, fill=1))]
-        var = self.call(conv2d_nchw4c_int8(wl), "conv2d_nchw4c_int8", args,
-                        (n, ceil4(o) // 4, wl.out_height, wl.out_width, 4), "int8")
-        self.qenv[ly.output] = _QTensor(var, s_y, o)
+        args = [x.var] + [relax.const(p) for p in impl.pack_params(wl, qw, bias_q, mult, shift)]
+        prim = impl.compute(wl)
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, impl.out_shape(wl), "int8")
+        self.produce(ly.output, var, s_y, o, impl.layout)
         self.rows.append(dict(layer=ly.name, kind="conv2d" + ("+bias" if ly.bias is not None else "")
-                              + ("+relu" if ly.relu else ""), kernel="conv2d_nchw4c_int8", dtype="int8",
+                              + ("+relu" if ly.relu else ""), kernel=impl.name, dtype="int8",
                               shape=wl.describe(), in_scale=x.scale, out_scale=s_y))
+        return None
 
-    def emit_max_pool2d(self, ly):
+    def emit_max_pool2d(self, ly) -> str | None:
         a = ly.call.attrs
-        x = self.qenv[ly.inputs[0]]
+        x = self.quantized(ly.inputs[0])
         shape = static_shape(x.var.ty)
-        prim = max_pool2d_nchw4c_int8(shape, tuple(map(int, a.pool_size)), tuple(map(int, a.strides)),
-                                      tuple(map(int, a.padding)), tuple(map(int, a.dilation)), bool(a.ceil_mode))
-        n, cc = shape[:2]
-        oh, ow = static_shape(ly.output.ty)[2:]
-        var = self.call(prim, "max_pool2d_nchw4c_int8", [x.var], (n, cc, oh, ow, 4), "int8")
-        self.qenv[ly.output] = _QTensor(var, x.scale, x.channels)
-        self.rows.append(dict(layer=ly.name, kind="max_pool2d", kernel="max_pool2d_nchw4c_int8", dtype="int8",
-                              shape=f"{tuple(map(int, a.pool_size))} s{int(a.strides[0])}"))
+        wl = PoolWorkload(shape, tuple(map(int, a.pool_size)), tuple(map(int, a.strides)),
+                          tuple(map(int, a.padding)), tuple(map(int, a.dilation)), bool(a.ceil_mode))
+        impl = registry.select("max_pool2d", wl, self.p.target, layout=x.layout.name)
+        if impl is None:
+            return self.no_kernel("max_pool2d", f"{x.layout.name} tensor")
+        n, _, oh, ow = static_shape(ly.output.ty)
+        out_shape = x.layout.packed_shape((n, x.channels, oh, ow))
+        prim = impl.compute(wl)
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [x.var], out_shape, "int8")
+        self.produce(ly.output, var, x.scale, x.channels, impl.layout)
+        self.rows.append(dict(layer=ly.name, kind="max_pool2d", kernel=impl.name, dtype="int8",
+                              shape=f"{wl.pool} s{wl.stride[0]}"))
+        return None
 
-    def emit_add(self, ly):
-        qa, qb = (self.int8_of(v) for v in ly.inputs)
+    def emit_add(self, ly) -> str | None:
+        # The inputs' layout: the first int8 one's (a float input is quantized into it).
+        produced = [self.quantized(v) for v in ly.inputs]
+        layout_name = next((q.layout.name for q in produced if q is not None), None)
+        for name in ([layout_name] if layout_name else list(registry.LAYOUTS)):
+            impls = registry.candidates("add", None, self.p.target, layout=name)
+            if impls:
+                impl = impls[0]
+                break
+        else:
+            return self.no_kernel("add", "these inputs")
+        qa, qb = (self.int8_of(v, impl.layout) for v in ly.inputs)
         s_y = self.scale(ly.output)
         mult_a, mult_b, shift = add_multipliers(qa.scale, qb.scale, s_y)
         shape = static_shape(qa.var.ty)
-        var = self.call(add_nchw4c_int8(shape, mult_a, mult_b, shift, ly.relu), "add_nchw4c_int8",
-                        [qa.var, qb.var], shape, "int8")
-        self.qenv[ly.output] = _QTensor(var, s_y, qa.channels)
-        self.rows.append(dict(layer=ly.name, kind="add" + ("+relu" if ly.relu else ""), kernel="add_nchw4c_int8",
-                              dtype="int8", shape=str(shape)))
+        prim = impl.compute(AddWorkload(shape, mult_a, mult_b, shift, ly.relu))
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [qa.var, qb.var], shape, "int8")
+        self.produce(ly.output, var, s_y, qa.channels, impl.layout)
+        self.rows.append(dict(layer=ly.name, kind="add" + ("+relu" if ly.relu else ""), kernel=impl.name,
+                              dtype="int8", shape=str(static_shape(ly.output.ty))))
+        return None
 
-    def emit_dense(self, ly):
+    def emit_dense(self, ly) -> str | None:
         x = self.float_of(ly.inputs[0])
         n, k = static_shape(x.ty)
+        o = ly.weight.shape[0]
+        wl = DenseWorkload(n, ceil4(k), o, ly.relu)
+        impl = registry.select("dense", wl, self.p.target)
+        if impl is None:
+            return self.no_kernel("dense", f"{k}->{o}")
         s_x = self.scale(ly.inputs[0])
         xq = self.call(quantize_rows((n, k), s_x), "quantize_rows", [x], (n, ceil4(k)), "int8")
         qw, s_w = quantize_weight_per_channel(ly.weight)
-        o = qw.shape[0]
         wp = np.zeros((o, ceil4(k)), np.int8)
         wp[:, :k] = qw
         bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
         args = [xq, relax.const(wp), relax.const((s_x * s_w).astype(np.float32)), relax.const(bias)]
-        self.fenv[ly.output] = self.call(dense_int8(n, ceil4(k), o, ly.relu), "dense_int8", args, (n, o), "float32")
+        prim = impl.compute(wl)
+        self.fenv[ly.output] = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, (n, o), "float32")
         self.rows.append(dict(layer=ly.name, kind="dense" + ("+bias" if ly.bias is not None else "")
-                              + ("+relu" if ly.relu else ""), kernel="dense_int8", dtype="int8",
+                              + ("+relu" if ly.relu else ""), kernel=impl.name, dtype="int8",
                               shape=f"{k}->{o} b{n}", in_scale=s_x))
+        return None

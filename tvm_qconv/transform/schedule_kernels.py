@@ -1,51 +1,43 @@
-"""ScheduleInt8Kernels: give every tvm_qconv kernel its default schedule for the target.
+"""ScheduleInt8Kernels: give every tvm_qconv kernel its implementation's default schedule.
 
-Schedules are looked up in a table keyed by (kernel, target kind); a kernel with no entry for
-the target is left unscheduled, and on CUDA dlight's default rules (in the Relax CUDA pipeline)
-schedule it instead.  A kernel a tuning database covers is scheduled from the database first
+Each PrimFunc the quantize pass emitted names its implementation (``tvm_qconv.impl``); the
+registry's implementation schedules it for the target, or declines (returns None), and then
+dlight's default rules in the Relax CUDA pipeline schedule it instead (llvm: unscheduled).
+A kernel a tuning database covers was scheduled from the database first
 (``deploy.py build --tuning-log``) and marked ``tir.is_scheduled``, so it is skipped here.
 """
 from __future__ import annotations
 
 import tvm
 
-
-def _conv_cpu(func, target):
-    from schedules.conv2d_nchw4c_cpu import schedule_cpu
-    return schedule_cpu(func)
-
-
-def _conv_cuda(func, target):
-    from schedules.conv2d_nchw4c_dp4a import schedule_dp4a
-    return schedule_dp4a(func, target)
-
-
-DEFAULT_SCHEDULES = {
-    ("conv2d_nchw4c_int8", "llvm"): _conv_cpu,
-    ("conv2d_nchw4c_int8", "cuda"): _conv_cuda,
-}
+from .. import registry
+from ..schedules.kernel import KERNEL_ATTR
 
 
 @tvm.transform.module_pass(opt_level=0, name="ScheduleInt8Kernels")
 class ScheduleInt8Kernels:
+    """After the pass, ``self.applied`` maps each function name to ``[implementation, how]``
+    with ``how`` one of ``tuned``, ``default``, ``dlight`` or ``unscheduled``."""
+
     def __init__(self, target: tvm.target.Target):
         self.target = target
-        self.applied: dict = {}  # function name -> [kernel, "tuned" | "default" | "dlight" | "unscheduled"]
+        self.applied: dict = {}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        fallback = "dlight" if self.target.kind.name == "cuda" else "unscheduled"
         for gv, func in list(mod.functions.items()):
-            if not isinstance(func, tvm.tirx.PrimFunc) or "tvm_qconv.kernel" not in func.attrs:
+            if not isinstance(func, tvm.tirx.PrimFunc) or func.attrs is None or KERNEL_ATTR not in func.attrs:
                 continue
-            kernel = str(func.attrs["tvm_qconv.kernel"])
+            impl = registry.of_func(func)
+            label = impl.name if impl is not None else str(func.attrs[KERNEL_ATTR])
             if func.attrs.get("tir.is_scheduled", False):
-                self.applied[gv.name_hint] = [kernel, "tuned"]
+                self.applied[gv.name_hint] = [label, "tuned"]
                 continue
-            rule = DEFAULT_SCHEDULES.get((kernel, self.target.kind.name))
-            if rule is None:
-                self.applied[gv.name_hint] = [kernel, "dlight" if self.target.kind.name == "cuda" else "unscheduled"]
+            sched = impl.schedule(func, self.target) if impl is not None else None
+            if sched is None:
+                self.applied[gv.name_hint] = [label, fallback]
                 continue
-            sched = rule(func, self.target)
             sched = sched if isinstance(sched, tvm.tirx.PrimFunc) else sched.mod["main"]
             mod[gv] = sched.with_attr("tir.is_scheduled", True)
-            self.applied[gv.name_hint] = [kernel, "default"]
+            self.applied[gv.name_hint] = [label, "default"]
         return mod

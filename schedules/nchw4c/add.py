@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-from .requantize import MULT_BITS, quantize_multiplier, requantize_ref, requantize_tir
+from ..requantize import MULT_BITS, quantize_multiplier, requantize_ref, requantize_tir
 
 
 def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int]:

@@ -39,6 +39,12 @@ import tvm
 import tvm.sym
 from tvm import tirx
 
+from tvm_qconv.target import TargetInfo
+
+from ..kernel import WORKLOAD_ATTR
+from ..workload import ConvWorkload
+from .conv2d import group_blocks
+
 DP4A_INTRIN = "dp4a_s8s8s32"
 
 # Heuristic caps of the default tile (see _plan).
@@ -48,8 +54,7 @@ MAX_OC_THREADS = 8    # threads along oc_outer
 MAX_XT = 32           # threads (= output columns) along ow: 32 x int8x4 = one 128-byte line
 MAX_YT = 16           # threads along oh
 MAX_THREADS = 256
-NUM_SM = 132          # H100 / H200; only sizes the two targets below
-MIN_TOTAL_THREADS = NUM_SM * 128  # give up register tiling before leaving SMs nearly idle
+THREADS_PER_SM = 128  # give up register tiling before the grid has fewer threads than SMs x this
 SMEM_TARGET = 24 * 1024  # shared tiles per block we aim for (leaves room for 2+ blocks per SM)
 
 # The search space's caps on the innermost (register / reduction) tile of each axis; the
@@ -123,34 +128,39 @@ def _divisors(n: int, cap: int) -> list[int]:
     return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
 
 
-def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads) -> Dp4aTiles:
+def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threads, num_sm,
+          oc_group: int | None = None) -> Dp4aTiles:
     """Pick divisor tile sizes for one workload.
 
     1. Registers: OCR x YR outputs (x4 channels) per thread, shrunk while the whole grid would
-       have fewer than MIN_TOTAL_THREADS threads (batch-1 layers on small feature maps).
+       have fewer than ``num_sm * THREADS_PER_SM`` threads (batch-1 layers on small feature maps).
     2. Block (OCT, YT, XT), among divisor triples of <= MAX_THREADS threads whose shared tiles
-       fit ``smem_max`` with RC=1, the best by: the product of SM balance (blocks / (NUM_SM x
+       fit ``smem_max`` with RC=1, the best by: the product of SM balance (blocks / (num_sm x
        waves)), warp efficiency (no partial warps) and block size up to 128 threads (latency
        hiding), then more threads, then wider rows (coalescing, less halo), then taller tiles.
     3. RC: the largest divisor of ic_outer whose shared tiles fit SMEM_TARGET.
     """
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    ocr, yr = _divisor_at_most(occ, MAX_OC_REG), _divisor_at_most(oh, MAX_Y_REG)
-    while batch * occ * oh * ow < MIN_TOTAL_THREADS * ocr * yr and ocr * yr > 1:
+    yr = _divisor_at_most(oh, MAX_Y_REG)
+    # Grouped convs: a block's output channels stay inside one group (``oc_group`` blocks of 4),
+    # so its shared input tile holds one group's channels, not the span of several.
+    oc_span = oc_group or occ
+    ocr = _divisor_at_most(oc_span, MAX_OC_REG)
+    while batch * occ * oh * ow < num_sm * THREADS_PER_SM * ocr * yr and ocr * yr > 1:
         if ocr > 2 or (yr == 1 and ocr > 1):
-            ocr = _next_smaller_divisor(occ, ocr)
+            ocr = _next_smaller_divisor(oc_span, ocr)
         else:
             yr = 1
     max_threads = min(MAX_THREADS, max_threads)
 
     def key(q: Dp4aTiles):
         blocks = batch * (occ // (q.ocr * q.oct)) * (oh // (q.yr * q.yt)) * (ow // (q.xt * q.xr))
-        balance = blocks / (NUM_SM * -(-blocks // NUM_SM))
+        balance = blocks / (num_sm * -(-blocks // num_sm))
         warp_eff = q.threads / (32 * -(-q.threads // 32))
         return (round(balance * warp_eff * min(q.threads, 128) / 128, 2), q.threads, q.xt, q.yt)
 
     cands = [Dp4aTiles(ocr, o, yr, y, x, 1)
-             for o in _divisors(occ // ocr, MAX_OC_THREADS)
+             for o in _divisors(oc_span // ocr, MAX_OC_THREADS)
              for y in _divisors(oh // yr, MAX_YT)
              for x in _divisors(ow, MAX_XT)
              if o * y * x <= max_threads]
@@ -255,14 +265,16 @@ def apply_dp4a_schedule(sch: tvm.s_tir.Schedule, tiles: Dp4aTiles | None = None)
 def default_tiles(func: tirx.PrimFunc, target: tvm.target.Target) -> Dp4aTiles:
     """The heuristic tile sizes (``_plan``) of :func:`conv2d_nchw4c_int8`'s PrimFunc on ``target``."""
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
-    smem_max = int(target.attrs.get("max_shared_memory_per_block", 49152))
-    max_threads = int(target.attrs.get("max_threads_per_block", 1024))
+    info = TargetInfo.from_target(target)
     sch = tvm.s_tir.Schedule(func)
     conv = sch.get_sblock("conv")
     n, oc, y, x, _, rc, ry, rx, _ = sch.get_loops(conv)
     batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
     stride, dilation = _stride_dilation(sch, conv)
-    return _plan(batch, occ, oh, ow, icc, (kh, kw), stride, dilation, smem_max, max_threads)
+    wl = ConvWorkload.of(func) if func.attrs is not None and WORKLOAD_ATTR in func.attrs else None
+    oc_group = group_blocks(wl)[1] if wl is not None and wl.groups > 1 else None
+    return _plan(batch, occ, oh, ow, icc, (kh, kw), stride, dilation, info.max_shared_memory_per_block,
+                 info.max_threads_per_block, info.num_sm, oc_group)
 
 
 def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target,

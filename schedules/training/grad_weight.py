@@ -3,7 +3,7 @@
 Read top to bottom: the split plan (:func:`weight_grad_splits`), the compute definition
 (:func:`conv2d_grad_weight_int8`), the NumPy reference (:func:`conv2d_grad_weight_int8_ref`)
 and the CUDA schedule (:func:`schedule_grad_weight_cuda`).  The workload is
-:class:`schedules.conv2d_grad_input_int8.ConvGradWorkload`.
+:class:`schedules.workload.ConvWorkload`.
 
 Math (the STE backward of ``y = conv(x_q * s_x, w) + b``)::
 
@@ -30,8 +30,10 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from .conv2d_grad_input_int8 import ConvGradWorkload, cooperative_fetch
-from .conv2d_nchw4c_dp4a import _divisor_at_most, _loops_under
+from ..kernel import KernelImpl
+from ..nchw4c.dp4a import _divisor_at_most, _loops_under
+from ..workload import ConvWorkload
+from .grad_input import cooperative_fetch
 
 KERNEL_NAME = "conv2d_grad_weight_int8"
 
@@ -47,7 +49,7 @@ MAX_CT = 16        # threads along input channels
 MAX_XB = 32        # gradient columns staged per shared tile
 
 
-def weight_grad_splits(wl: ConvGradWorkload) -> int:
+def weight_grad_splits(wl: ConvWorkload) -> int:
     """How many chunks ``S`` the reduction over the ``N * OH`` gradient rows is split into.
 
     The largest divisor of ``N * OH`` (whole rows per chunk: a staged tile never crosses an
@@ -65,7 +67,7 @@ def weight_grad_splits(wl: ConvGradWorkload) -> int:
 
 # ----------------------------------------------------------------------------- compute
 
-def conv2d_grad_weight_int8(wl: ConvGradWorkload, splits: int | None = None) -> tirx.PrimFunc:
+def conv2d_grad_weight_int8(wl: ConvWorkload, splits: int | None = None) -> tirx.PrimFunc:
     """Compute definition (unscheduled PrimFunc) of the split-K weight gradient.
 
     Params: Grad float32 (N, G, Og, OH, OW); X int8 (N, G, Cg, H, W); XScale float32 (1,);
@@ -105,7 +107,7 @@ def conv2d_grad_weight_int8(wl: ConvGradWorkload, splits: int | None = None) -> 
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict()), "tvm_qconv.splits": s_})
 
 
-def conv2d_grad_weight_int8_ref(grad, x, x_scale: float, wl: ConvGradWorkload) -> np.ndarray:
+def conv2d_grad_weight_int8_ref(grad, x, x_scale: float, wl: ConvWorkload) -> np.ndarray:
     """NumPy float64 reference: NCHW grad, NCHW int8 x -> dw (O, Cg, KH, KW), already summed over splits."""
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
@@ -181,3 +183,29 @@ def schedule_grad_weight_cuda(func: tirx.PrimFunc, target: tvm.target.Target) ->
     for loop in [o_r, c_r, r, q] + _loops_under(sch, init, tx) + _loops_under(sch, acc, tx):
         sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+class GradWeight(KernelImpl):
+    """``dw`` (split-K partial sums) of the training path's int8 conv."""
+
+    name = "conv2d_grad_weight.nchw.simt"
+    op = "conv2d_grad_weight"
+    layout = "NCHW"
+    family = "simt"
+    SCHEDULES = {"cuda": schedule_grad_weight_cuda}  # target kind -> schedule; others run unscheduled
+
+    def applies(self, wl, target) -> bool:
+        return target.kind in ("cuda", "llvm")
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(conv2d_grad_weight_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, grad, x, x_scale):
+        return conv2d_grad_weight_int8_ref(grad, x, x_scale, wl)
+
+    def schedule(self, func, target):
+        rule = self.SCHEDULES.get(target.kind.name)
+        return rule(func, target) if rule else None
+
+
+GRAD_WEIGHT = GradWeight()

@@ -1,7 +1,7 @@
 """MetaSchedule search spaces of the fused int8 conv on CUDA: every candidate runs on ``__dp4a``.
 
-The tuned twins of ``conv2d_nchw4c_dp4a.py``: instead of one heuristic tile, MetaSchedule samples
-candidates from a space, measures them and learns which to try next (``tvm_qconv/tuning.py``,
+The tuned twins of ``dp4a.py``: instead of one heuristic tile, MetaSchedule samples
+candidates from a space, measures them and learns which to try next (``tvm_qconv/tuning/``,
 ``tune.py``).  Two spaces, picked by name (``SPACES``, ``tune.py --space``):
 
 ``template`` (the default): the default schedule itself, with its decisions sampled
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from tvm.s_tir import meta_schedule as ms
 
-from .conv2d_nchw4c_dp4a import DP4A_INTRIN, _ensure_dp4a_registered, apply_dp4a_schedule
+from .dp4a import DP4A_INTRIN, _ensure_dp4a_registered, apply_dp4a_schedule
 
 STRUCTURE = "SSSRRSRS"
 TILE_BINDS = ["blockIdx.x", "vthread.x", "threadIdx.x"]

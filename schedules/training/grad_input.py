@@ -1,7 +1,6 @@
 """The training path's input gradient: ``dx = conv_transpose(dL/dy * s_w, w_q)`` with int8 weights, float32 sums.
 
-Read top to bottom: the workload (:class:`ConvGradWorkload`, shared with
-``conv2d_grad_weight_int8.py``), the compute definition (:func:`conv2d_grad_input_int8`), the
+Read top to bottom: the compute definition (:func:`conv2d_grad_input_int8`), the
 NumPy reference (:func:`conv2d_grad_input_int8_ref`) and the CUDA schedule
 (:func:`schedule_grad_input_cuda`).
 
@@ -30,76 +29,20 @@ Sums are float32 like cuDNN's; the tests compare against a float64 reference.
 """
 from __future__ import annotations
 
-import ast
-from dataclasses import asdict, dataclass
-
 import numpy as np
 import tvm
 from tvm import te, tirx
 
-from .conv2d_nchw4c_dp4a import _divisor_at_most, _loops_under
-from .conv2d_nchw4c_int8 import conv_output_size
+from ..kernel import KernelImpl
+from ..nchw4c.dp4a import _divisor_at_most, _loops_under
+from ..workload import ConvWorkload
 
 KERNEL_NAME = "conv2d_grad_input_int8"
 
 
-@dataclass(frozen=True)
-class ConvGradWorkload:
-    """A conv layer as the gradient kernels see it: NCHW float gradient, OIHW int8 weight, groups."""
-
-    batch: int
-    in_channels: int
-    height: int
-    width: int
-    out_channels: int
-    kernel: tuple[int, int] = (3, 3)
-    stride: tuple[int, int] = (1, 1)
-    padding: tuple[int, int, int, int] = (1, 1, 1, 1)  # top, left, bottom, right
-    dilation: tuple[int, int] = (1, 1)
-    groups: int = 1
-
-    def __post_init__(self):
-        for name in ("batch", "in_channels", "height", "width", "out_channels", "groups"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ConvGradWorkload.{name} must be >= 1, got {getattr(self, name)}")
-        if self.in_channels % self.groups or self.out_channels % self.groups:
-            raise ValueError(f"groups={self.groups} must divide in_channels={self.in_channels} "
-                             f"and out_channels={self.out_channels}")
-        if min(self.padding) < 0:
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
-        if self.out_height < 1 or self.out_width < 1:
-            raise ValueError(f"conv output would be empty: {self}")
-
-    @property
-    def out_height(self) -> int:
-        return conv_output_size(self.height, self.kernel[0], self.stride[0], self.padding[0], self.padding[2],
-                                self.dilation[0])
-
-    @property
-    def out_width(self) -> int:
-        return conv_output_size(self.width, self.kernel[1], self.stride[1], self.padding[1], self.padding[3],
-                                self.dilation[1])
-
-    @property
-    def group_in(self) -> int:
-        return self.in_channels // self.groups
-
-    @property
-    def group_out(self) -> int:
-        return self.out_channels // self.groups
-
-    def describe(self) -> str:
-        g = f" g{self.groups}" if self.groups > 1 else ""
-        return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} "
-                f"s{self.stride[0]}{g} @{self.height}x{self.width} b{self.batch}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
 # ----------------------------------------------------------------------------- compute
 
-def conv2d_grad_input_int8(wl: ConvGradWorkload) -> tirx.PrimFunc:
+def conv2d_grad_input_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     """Compute definition (unscheduled PrimFunc) of ``dx`` for one workload.
 
     Params: Grad float32 (N, G, Og, OH, OW); W int8 (G, Og, Cg, KH, KW); WScale float32 (G, Og);
@@ -138,7 +81,7 @@ def conv2d_grad_input_int8(wl: ConvGradWorkload) -> tirx.PrimFunc:
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def conv2d_grad_input_int8_ref(grad, w, w_scale, wl: ConvGradWorkload) -> np.ndarray:
+def conv2d_grad_input_int8_ref(grad, w, w_scale, wl: ConvWorkload) -> np.ndarray:
     """NumPy float64 reference of :func:`conv2d_grad_input_int8` (NCHW grad, OIHW int8 w, (O,) scale).
 
     A scatter, written independently of the gather above: every output-gradient element adds
@@ -170,12 +113,6 @@ MAX_XT = 32        # threads along the width: a warp reads 32 consecutive staged
 MAX_THREADS = 256
 MAX_RO = 16        # output channels staged per shared tile
 SMEM_TARGET = 24 * 1024
-
-
-def workload_of(func: tirx.PrimFunc) -> ConvGradWorkload:
-    """The workload a compute definition was made for (its ``tvm_qconv.workload`` attr)."""
-    d = ast.literal_eval(str(func.attrs["tvm_qconv.workload"]))
-    return ConvGradWorkload(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 def cooperative_fetch(sch, block, at_loop, nthreads: int) -> None:
@@ -219,7 +156,7 @@ def schedule_grad_input_cuda(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     dx, gpad = sch.get_sblock("dx"), sch.get_sblock("grad_pad")
     n, g, c, y, x, ro, rr, rs = sch.get_loops(dx)
     cg, h, w, og, kh, kw = (int(sch.get(l).extent) for l in (c, y, x, ro, rr, rs))
-    dh, dw = workload_of(func).dilation
+    dh, dw = ConvWorkload.of(func).dilation
 
     xt = _divisor_at_most(w, MAX_XT)
     yr = _divisor_at_most(h, MAX_Y_REG)
@@ -255,3 +192,29 @@ def schedule_grad_input_cuda(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     for loop in [rr, rs, c_r, y_r] + _loops_under(sch, init, tx) + _loops_under(sch, acc, tx):
         sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+class GradInput(KernelImpl):
+    """``dx`` of the training path's int8 conv; scheduled on CUDA, unscheduled on llvm (tests)."""
+
+    name = "conv2d_grad_input.nchw.simt"
+    op = "conv2d_grad_input"
+    layout = "NCHW"
+    family = "simt"
+    SCHEDULES = {"cuda": schedule_grad_input_cuda}  # target kind -> schedule; others run unscheduled
+
+    def applies(self, wl, target) -> bool:
+        return target.kind in ("cuda", "llvm")
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(conv2d_grad_input_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, grad, w, w_scale):
+        return conv2d_grad_input_int8_ref(grad, w, w_scale, wl)
+
+    def schedule(self, func, target):
+        rule = self.SCHEDULES.get(target.kind.name)
+        return rule(func, target) if rule else None
+
+
+GRAD_INPUT = GradInput()

@@ -1,0 +1,129 @@
+"""The interface every kernel implementation fills in, and the one an activation layout fills in.
+
+A *kernel implementation* is one way to run one op (``conv2d``, ``max_pool2d``, ...): its compute
+definition, NumPy reference, default schedule, MetaSchedule search spaces and tuning seed, and
+the layout of the int8 activations it reads and writes.  Implementations of one op differ by
+*family* (``dp4a``, ``cpu``, ``generic``...): the family is how it runs, the layout what it
+reads.  ``tvm_qconv/registry.py`` lists them all and picks one per layer; passes, the tuner and
+the training kernels only ever talk to this interface.
+
+Like a dlight rule, :meth:`KernelImpl.applies` says whether an implementation can run a workload
+on a target, and returns False where it cannot, rather than raising.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+IMPL_ATTR = "tvm_qconv.impl"          # PrimFunc attribute: the registry name of the implementation
+KERNEL_ATTR = "tvm_qconv.kernel"      # PrimFunc attribute: the compute definition's name
+WORKLOAD_ATTR = "tvm_qconv.workload"  # PrimFunc attribute: the workload (a dict literal)
+
+
+class Layout:
+    """An int8 activation layout: how float NCHW tensors enter and leave it.
+
+    Attributes:
+        name: e.g. ``NCHW4c``.
+    """
+
+    name: str = ""
+
+    def packed_shape(self, shape: tuple[int, int, int, int]) -> tuple[int, ...]:
+        """The int8 buffer shape of a float NCHW tensor of ``shape``."""
+        raise NotImplementedError
+
+    def quantize(self, shape: tuple[int, int, int, int], scale: float) -> tirx.PrimFunc:
+        """Kernel: float NCHW of ``shape`` -> int8 in this layout (round half to even, clamp)."""
+        raise NotImplementedError
+
+    def dequantize(self, packed: tuple[int, ...], channels: int, scale: float) -> tirx.PrimFunc:
+        """Kernel: int8 in this layout -> float NCHW with ``channels`` channels."""
+        raise NotImplementedError
+
+    def pack(self, x: np.ndarray) -> np.ndarray:
+        """NumPy NCHW -> this layout (channels zero-padded)."""
+        raise NotImplementedError
+
+    def to_logical(self, index: tuple) -> tuple:
+        """TIR: the NCHW index ``(n, c, h, w)`` of the packed element at ``index``."""
+        raise NotImplementedError
+
+    def to_packed(self, n, c, h, w) -> tuple:
+        """TIR: the packed index of NCHW element ``(n, c, h, w)``."""
+        raise NotImplementedError
+
+    def unpack(self, x: np.ndarray, channels: int) -> np.ndarray:
+        """NumPy, this layout -> NCHW with ``channels`` channels."""
+        raise NotImplementedError
+
+
+class KernelImpl:
+    """One implementation of one op.
+
+    Attributes:
+        name: unique registry name, ``<op>.<layout>.<family>`` (e.g. ``conv2d.nchw4c.dp4a``).
+        op: the op it implements (``conv2d``, ``max_pool2d``, ``add``, ``dense``,
+            ``conv2d_grad_input``, ``conv2d_grad_weight``).
+        layout: the layout of its int8 activations (``NCHW4c``), or ``NCHW`` / ``rows`` for
+            kernels that take plain tensors.
+        family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
+            unscheduled on llvm).
+        spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
+    """
+
+    name: str = ""
+    op: str = ""
+    layout: str = ""
+    family: str = ""
+    spaces: tuple[str, ...] = ()
+
+    def applies(self, wl, target) -> bool:
+        """Whether this implementation runs ``wl`` on ``target`` (a ``TargetInfo``)."""
+        raise NotImplementedError
+
+    def compute(self, wl) -> tirx.PrimFunc:
+        """The unscheduled PrimFunc of ``wl``, with the ``tvm_qconv.*`` attributes set."""
+        raise NotImplementedError
+
+    def reference(self, wl, *args: np.ndarray) -> np.ndarray:
+        """NumPy twin of :meth:`compute` on the same (packed) arguments."""
+        raise NotImplementedError
+
+    def schedule(self, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+        """The default schedule (marked ``tir.is_scheduled``), or None: leave the function to
+        dlight (CUDA) or unscheduled (llvm)."""
+        return None
+
+    def space_generator(self, space: str):
+        """The MetaSchedule space generator named ``space`` (one of :attr:`spaces`)."""
+        raise ValueError(f"{self.name} has no search space {space!r}")
+
+    def seed(self, sch: "tvm.s_tir.Schedule", target: tvm.target.Target) -> None:
+        """Schedule ``sch`` with the default decisions *as a trace of the default space*, so
+        that tuning can start from the default schedule."""
+        raise NotImplementedError(f"{self.name} has no tuning seed")
+
+    def prepare(self) -> None:
+        """Register what parsing this implementation's traces needs (tensor intrinsics)."""
+
+    def tag(self, func: tirx.PrimFunc, wl) -> tirx.PrimFunc:
+        """``func`` with the attributes that name this implementation and its workload."""
+        attrs = {IMPL_ATTR: self.name}
+        if wl is not None and hasattr(wl, "to_dict"):
+            attrs[WORKLOAD_ATTR] = str(wl.to_dict())
+        return func.with_attr(attrs)
+
+
+def impl_name(func) -> str | None:
+    """The registry name of the implementation a PrimFunc was made by, or None."""
+    if not isinstance(func, tirx.PrimFunc) or func.attrs is None or IMPL_ATTR not in func.attrs:
+        return None
+    return str(func.attrs[IMPL_ATTR])
+
+
+# A schedule function of a family: (PrimFunc, tvm Target) -> scheduled PrimFunc.
+ScheduleFn = Callable[[tirx.PrimFunc, tvm.target.Target], tirx.PrimFunc]

@@ -1,0 +1,7 @@
+"""The NCHW4c kernel family (seed 001): int8 activations ``[n, c/4, h, w, 4]``, weights OIHW4o4i.
+
+Read in this order: ``layout.py`` (the layout and its float boundary kernels), ``conv2d.py``
+(the fused conv's compute definition and NumPy reference), ``dp4a.py`` (its CUDA schedule on
+``__dp4a``), ``dp4a_space.py`` (MetaSchedule spaces), ``cpu.py`` (its llvm schedule),
+``pool.py`` and ``add.py`` (int8 max-pool and residual add), ``impls.py`` (what the registry sees).
+"""

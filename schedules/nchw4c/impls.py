@@ -1,0 +1,151 @@
+"""The NCHW4c family's kernel implementations, as the registry (``tvm_qconv/registry.py``) sees them.
+
+======================  ===========  ======================================================
+name                    op           runs
+======================  ===========  ======================================================
+``conv2d.nchw4c.dp4a``  conv2d       CUDA (sm_61+), ``__dp4a``; default schedule + 2 spaces
+``conv2d.nchw4c.cpu``   conv2d       llvm, vectorized over output channels
+``max_pool2d.nchw4c``   max_pool2d   any target (dlight on CUDA)
+``add.nchw4c``          add          any target (dlight on CUDA)
+======================  ===========  ======================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernel import KernelImpl
+from ..workload import ConvWorkload
+from . import add, conv2d, cpu, dp4a, dp4a_space, pool
+from .layout import LAYOUT
+
+
+class _Conv2dNCHW4c(KernelImpl):
+    """The fused conv on NCHW4c / OIHW4o4i (``conv2d.py``); families differ by schedule."""
+
+    op = "conv2d"
+    layout = LAYOUT.name
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        # A group whose channels are not a multiple of 4 would need each group padded on its
+        # own, which is not the NCHW4c its neighbours use; the training path packs that itself.
+        aligned = wl.groups == 1 or (wl.group_in % 4 == 0 and wl.group_out % 4 == 0)
+        return aligned or wl.out_dtype == "int32"
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(conv2d.conv2d_nchw4c_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return conv2d.conv2d_nchw4c_int8_ref(wl, *args)
+
+    def pack_params(self, wl: ConvWorkload, weight: np.ndarray, bias: np.ndarray, mult: np.ndarray,
+                    shift: np.ndarray) -> list[np.ndarray]:
+        """The kernel's constant arguments from the layer's int8 OIHW weight and int32 vectors."""
+        g = wl.groups
+        return [conv2d.pack_oihw4o4i(weight, g), conv2d.pack_channels(bias, groups=g),
+                conv2d.pack_channels(mult, groups=g), conv2d.pack_channels(shift, fill=1, groups=g)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return (wl.batch, wl.groups * conv2d.group_blocks(wl)[1], wl.out_height, wl.out_width, 4)
+
+
+class Conv2dDp4a(_Conv2dNCHW4c):
+    name = "conv2d.nchw4c.dp4a"
+    family = "dp4a"
+    spaces = dp4a_space.SPACES
+
+    def applies(self, wl, target) -> bool:
+        return target.kind == "cuda" and target.has_dp4a and super().applies(wl, target)
+
+    def schedule(self, func, target):
+        return dp4a.schedule_dp4a(func, target)
+
+    def space_generator(self, space: str):
+        return dp4a_space.space_generator(space)
+
+    def seed(self, sch, target) -> None:
+        dp4a.apply_dp4a_schedule(sch, dp4a.default_tiles(sch.mod["main"], target))
+
+    def prepare(self) -> None:
+        dp4a._ensure_dp4a_registered()
+
+
+class Conv2dCpu(_Conv2dNCHW4c):
+    name = "conv2d.nchw4c.cpu"
+    family = "cpu"
+
+    def applies(self, wl, target) -> bool:
+        return target.kind == "llvm" and super().applies(wl, target)
+
+    def schedule(self, func, target):
+        return cpu.schedule_cpu(func)
+
+
+@dataclass(frozen=True)
+class PoolWorkload:
+    """A max-pool on an NCHW4c int8 tensor of ``shape`` (packed)."""
+
+    shape: tuple[int, ...]
+    pool: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class MaxPool2d(KernelImpl):
+    name = "max_pool2d.nchw4c"
+    op = "max_pool2d"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: PoolWorkload):
+        return self.tag(pool.max_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.dilation,
+                                                    wl.ceil_mode), wl)
+
+    def reference(self, wl: PoolWorkload, x):
+        return pool.max_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.dilation, wl.ceil_mode)
+
+
+@dataclass(frozen=True)
+class AddWorkload:
+    """``requant(a * mult_a + b * mult_b >> shift)`` (+ReLU) on two int8 tensors of ``shape``."""
+
+    shape: tuple[int, ...]
+    mult_a: int
+    mult_b: int
+    shift: int
+    relu: bool
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class Add(KernelImpl):
+    name = "add.nchw4c"
+    op = "add"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: AddWorkload):
+        return self.tag(add.add_nchw4c_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.relu), wl)
+
+    def reference(self, wl: AddWorkload, a, b):
+        return add.add_nchw4c_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.relu)
+
+
+CONV2D_DP4A = Conv2dDp4a()
+CONV2D_CPU = Conv2dCpu()
+MAX_POOL2D = MaxPool2d()
+ADD = Add()
+IMPLEMENTATIONS = (CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD)

@@ -1,0 +1,1 @@
+"""The training path's gradient kernels (float32 sums over int8 operands), one per file."""

@@ -1,0 +1,134 @@
+"""One conv workload for every kernel of the project: the compile path's fused int8 conv (any
+family), the training path's int32 conv and both of its gradients.
+
+A workload is the layer in real units (channels before any padding to a layout's block), plus
+what the epilogue does.  Kernels record it in their PrimFunc (``tvm_qconv.workload``) so the
+tuner and the build report can name a kernel by its layer.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import asdict, dataclass
+
+# The epilogue's activation, as a clamp of the requantized int8 output (integer domain): ``none``
+# is [-128, 127], ``relu`` is [0, 127], ``clip`` (ReLU6, hardtanh) is [act_min, act_max].
+ACTIVATIONS = ("none", "relu", "clip")
+OUT_DTYPES = ("int8", "int32")  # int8: requantized (bias, multiplier, activation); int32: the accumulator
+
+
+def conv_output_size(size: int, kernel: int, stride: int, pad_before: int, pad_after: int, dilation: int) -> int:
+    """Output length of a conv along one axis (PyTorch's formula, floor division)."""
+    return (size + pad_before + pad_after - (kernel - 1) * dilation - 1) // stride + 1
+
+
+@dataclass(frozen=True)
+class ConvWorkload:
+    """One conv layer.
+
+    Attributes:
+        batch, in_channels, height, width, out_channels: the layer in real units
+            (``in_channels`` counts every group's channels, as ``nn.Conv2d`` does).
+        kernel, stride, dilation: (h, w).
+        padding: (top, left, bottom, right).
+        groups: conv groups (``in_channels`` and ``out_channels`` divisible by it).
+        activation: the epilogue's ``none`` / ``relu`` / ``clip`` (``out_dtype == "int8"``).
+        act_min, act_max: the int8 clamp of ``clip`` (``relu``: 0, 127; ``none``: -128, 127).
+        out_dtype: ``int8`` (the fused, requantized layer) or ``int32`` (the raw accumulator:
+            the training path and the unfused benchmark).
+    """
+
+    batch: int
+    in_channels: int
+    height: int
+    width: int
+    out_channels: int
+    kernel: tuple[int, int] = (3, 3)
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (1, 1, 1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    activation: str = "relu"
+    act_min: int = 0
+    act_max: int = 127
+    out_dtype: str = "int8"
+
+    def __post_init__(self):
+        for name in ("batch", "in_channels", "height", "width", "out_channels", "groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ConvWorkload.{name} must be >= 1, got {getattr(self, name)}")
+        if self.in_channels % self.groups or self.out_channels % self.groups:
+            raise ValueError(f"groups={self.groups} must divide in_channels={self.in_channels} "
+                             f"and out_channels={self.out_channels}")
+        if min(self.padding) < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
+        expected = {"none": (-128, 127), "relu": (0, 127)}.get(self.activation)
+        if expected is not None and (self.act_min, self.act_max) != expected:
+            raise ValueError(f"activation {self.activation!r} clamps to {expected}, got ({self.act_min}, {self.act_max})")
+        if not -128 <= self.act_min <= self.act_max <= 127:
+            raise ValueError(f"act_min/act_max must satisfy -128 <= min <= max <= 127, got ({self.act_min}, "
+                             f"{self.act_max})")
+        if self.out_height < 1 or self.out_width < 1:
+            raise ValueError(f"conv output would be empty: {self}")
+
+    @classmethod
+    def with_activation(cls, activation: str, act_min: int = -128, act_max: int = 127, **fields) -> "ConvWorkload":
+        """A workload whose clamp follows from ``activation`` (``clip`` takes ``act_min``/``act_max``)."""
+        if activation == "none":
+            act_min, act_max = -128, 127
+        elif activation == "relu":
+            act_min, act_max = 0, 127
+        return cls(activation=activation, act_min=act_min, act_max=act_max, **fields)
+
+    @property
+    def out_height(self) -> int:
+        return conv_output_size(self.height, self.kernel[0], self.stride[0], self.padding[0], self.padding[2],
+                                self.dilation[0])
+
+    @property
+    def out_width(self) -> int:
+        return conv_output_size(self.width, self.kernel[1], self.stride[1], self.padding[1], self.padding[3],
+                                self.dilation[1])
+
+    @property
+    def group_in(self) -> int:
+        return self.in_channels // self.groups
+
+    @property
+    def group_out(self) -> int:
+        return self.out_channels // self.groups
+
+    @property
+    def is_depthwise(self) -> bool:
+        """One input channel per group (``groups == in_channels``), any channel multiplier."""
+        return self.groups > 1 and self.group_in == 1
+
+    @property
+    def ops(self) -> int:
+        """Multiply-adds x 2 over the real (unpadded) channels."""
+        return (2 * self.batch * self.out_channels * self.out_height * self.out_width * self.group_in
+                * self.kernel[0] * self.kernel[1])
+
+    def describe(self) -> str:
+        """``64->64 3x3 s1 @56x56 b1`` (+ `` g32``, `` d2``, `` pad..`` where not the default)."""
+        g = f" g{self.groups}" if self.groups > 1 else ""
+        d = f" d{self.dilation[0]}" + (f"x{self.dilation[1]}" if self.dilation[1] != self.dilation[0] else "") \
+            if self.dilation != (1, 1) else ""
+        s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
+        return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d} "
+                f"@{self.height}x{self.width} b{self.batch}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ConvWorkload":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    @classmethod
+    def of(cls, func) -> "ConvWorkload":
+        """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
+        return cls.from_dict(ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))

@@ -1,0 +1,182 @@
+"""The kernel registry: which implementation runs what, layouts as a property of the chosen
+kernel, and the scheme's config round trip."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from tvm import relax
+
+from tests.workloads import conv_wl
+from tvm_qconv import registry
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import CONFIG_VERSION, PRESETS, QuantConfig
+from tvm_qconv.data import skimage_photos
+from tvm_qconv.frontend import load_model
+from tvm_qconv.models import SmallVGG
+from tvm_qconv.quantize import quantize_module
+from tvm_qconv.ranges import Calibrate
+from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.schedules.nchw4c import impls as nchw4c
+from tvm_qconv.schedules.nchw4c.layout import NCHW4c
+from tvm_qconv.target import TargetInfo, make_target
+
+LLVM = TargetInfo.from_target(make_target("llvm"))
+SM90 = TargetInfo.from_target(make_target("cuda", "sm_90"))
+SM52 = TargetInfo.from_target(make_target("cuda", "sm_52"))  # Maxwell: no __dp4a, no int8 tensor cores
+
+
+def test_every_implementation_names_its_op_layout_and_family():
+    for impl in registry.IMPLEMENTATIONS:
+        assert impl.name and impl.op and impl.layout and impl.family, impl
+        assert registry.get(impl.name) is impl
+        assert impl.name.startswith(impl.op + ".")
+    with pytest.raises(KeyError, match="no kernel implementation 'conv2d.nope'"):
+        registry.get("conv2d.nope")
+
+
+TARGETS = {"llvm": (LLVM, "conv2d.nchw4c.cpu"), "sm_90": (SM90, "conv2d.nchw4c.dp4a"), "sm_52": (SM52, None)}
+
+
+@pytest.mark.parametrize("target", list(TARGETS), ids=list(TARGETS))
+def test_select_picks_the_family_the_target_has(target):
+    info, expected = TARGETS[target]
+    impl = registry.select("conv2d", conv_wl(1, 64, 56, 56, 64), info)
+    assert (impl.name if impl else None) == expected
+
+
+def test_target_info_comes_from_the_target_not_from_constants():
+    assert SM90.has_dp4a and SM90.has_int8_mma and not SM90.has_wgmma and SM90.num_sm == 132
+    assert TargetInfo.from_target(make_target("cuda", "sm_90a")).has_wgmma
+    assert TargetInfo.from_target(make_target("cuda", "sm_80")).num_sm == 108
+    assert not SM52.has_dp4a and SM52.max_shared_memory_per_block == 49152
+
+
+def test_grouped_conv_runs_in_int8_where_the_groups_fit_the_layout_and_falls_back_otherwise():
+    aligned = conv_wl(1, 32, 8, 8, 64, groups=4)      # groups of 8 -> 16 channels
+    ragged = conv_wl(1, 6, 8, 8, 6, groups=3)         # groups of 2 channels
+    assert registry.select("conv2d", aligned, SM90).name == "conv2d.nchw4c.dp4a"
+    assert registry.select("conv2d", ragged, SM90) is None
+    # the training path packs each group on its own, so any grouping runs there
+    assert registry.select("conv2d", dataclasses.replace(ragged, out_dtype="int32"), SM90) is not None
+
+
+def test_a_conv_with_no_kernel_on_the_target_stays_float_with_the_reason():
+    torch.manual_seed(0)
+    photos = skimage_photos(16)
+    report = quantize_module(SmallVGG(cfg=(8, "M", 8), image_size=16), (1, 3, 16, 16), SM52, ranges=Calibrate(photos),
+                             progress=False).report
+    convs = [r for r in report["layers"] if r["kind"].startswith("conv2d")]
+    assert convs and all(r["dtype"] == "float32" and "no int8 conv2d kernel" in r["kernel"] and "sm_52" in r["kernel"]
+                         for r in convs)
+
+
+@pytest.mark.parametrize("target", ["llvm", "sm_90"])
+def test_no_conversion_between_consecutive_int8_layers_of_one_family(target):
+    torch.manual_seed(0)
+    info = TARGETS[target][0]
+    q = quantize_module(load_model("vgg16"), (1, 3, 32, 32), info, ranges=Calibrate(skimage_photos(32)),
+                        progress=False)
+    convs = [r for r in q.report["layers"] if r["kind"].startswith("conv2d")]
+    assert len(convs) == 13 and {r["kernel"] for r in convs} == {TARGETS[target][1]}
+    # one quantize at the input, one dequantize before the classifier, nothing between
+    assert [c.split()[0] for c in q.report["conversions"]] == ["quantize", "dequantize"]
+    assert q.report["relayouts"] == 0 and "relax.layout_transform" not in q.mod["main"].script()
+
+
+class _AltLayout(NCHW4c):
+    """NCHW4c under another name: a stand-in for a second family's layout."""
+
+    name = "NCHW4c_alt"
+
+
+class _AltConv(nchw4c.Conv2dCpu):
+    name = "conv2d.nchw4c_alt.cpu"
+    layout = "NCHW4c_alt"
+
+
+@pytest.fixture
+def second_family(monkeypatch):
+    alt = _AltConv()
+    monkeypatch.setattr(registry, "IMPLEMENTATIONS", registry.IMPLEMENTATIONS + (alt,))
+    monkeypatch.setitem(registry._BY_NAME, alt.name, alt)
+    monkeypatch.setitem(registry.LAYOUTS, "NCHW4c_alt", _AltLayout())
+    return alt
+
+
+def test_a_relayout_is_inserted_exactly_where_neighbouring_kernels_differ_in_layout(second_family, tmp_path):
+    torch.manual_seed(0)
+    model = SmallVGG(cfg=(8, 8, 8, "M", 16), image_size=16)  # conv, conv, conv, pool, conv
+    x = np.random.default_rng(0).normal(0, 1, (4, 3, 16, 16)).astype(np.float32)
+    graph_names = quantize_module(model, (1, 3, 16, 16), LLVM, ranges=Calibrate(x), progress=False).names
+    convs = graph_names["conv2d"]
+    # family of each conv: A A B B (the pool follows its input's layout: B)
+    choices = {convs[2]: second_family.name, convs[3]: second_family.name}
+    q = quantize_module(model, (1, 3, 16, 16), LLVM, ranges=Calibrate(x), choices=choices, progress=False)
+    rows = {r["layer"]: r["kernel"] for r in q.report["layers"]}
+    assert [rows[c] for c in convs] == ["conv2d.nchw4c.cpu"] * 2 + [second_family.name] * 2
+    assert q.report["relayouts"] == 1
+    (relayout,) = [c for c in q.report["conversions"] if c.startswith("relayout")]
+    assert "NCHW4c->NCHW4c_alt" in relayout
+    # and the model computes the same integers as the one-family build (the two layouts pack alike)
+    one = compile_model(model, str(tmp_path / "one.so"), options=BuildOptions(image_size=16), ranges=Calibrate(x),
+                        progress=False)
+    assert one.report["relayouts"] == 0
+    two = compile_model(model, str(tmp_path / "two.so"), options=BuildOptions(image_size=16, kernels=choices),
+                        ranges=Calibrate(x), progress=False)
+    assert two.report["relayouts"] == 1
+    np.testing.assert_array_equal(CompiledModel(two.lib_path)(x[:1]), CompiledModel(one.lib_path)(x[:1]))
+
+
+def test_quantization_off_equals_float(tmp_path):
+    torch.manual_seed(0)
+    model = SmallVGG(cfg=(8, "M", 16), image_size=16).eval()
+    x = np.random.default_rng(0).normal(0, 1, (2, 3, 16, 16)).astype(np.float32)
+    res = compile_model(model, str(tmp_path / "float.so"), options=BuildOptions(image_size=16),
+                        config=QuantConfig(skip=("*",)), ranges=Calibrate(x), progress=False)
+    assert {r["dtype"] for r in res.report["layers"]} == {"float32"} and res.report["conversions"] == []
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x[:1])).numpy()
+    # the same float32 graph, compiled by TVM instead of run by PyTorch: summation order differs
+    np.testing.assert_allclose(CompiledModel(res.lib_path)(x[:1]), ref, rtol=1e-5, atol=1e-5)
+
+
+CONFIGS = [QuantConfig(), QuantConfig(calibration="entropy", skip=("classifier.*", "features.0"),
+                                      quantize_dense=False, num_calib_images=3), *PRESETS.values()]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_quant_config_round_trips_through_its_dict(config):
+    d = config.to_dict()
+    assert d["version"] == CONFIG_VERSION and isinstance(d["skip"], list)
+    assert QuantConfig.from_dict(d) == config
+
+
+def test_quant_config_reads_version_1_and_refuses_bad_values():
+    v1 = dict(QuantConfig().to_dict(), version=1, layout="NCHW4c")
+    assert QuantConfig.from_dict(v1) == QuantConfig()
+    with pytest.raises(ValueError, match="unknown keys \\['colour'\\]"):
+        QuantConfig.from_dict(dict(QuantConfig().to_dict(), colour="red"))
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        QuantConfig(calibration="median")
+    with pytest.raises(ValueError, match="skip entries must be non-empty strings"):
+        QuantConfig(skip=("",))
+    assert QuantConfig(skip=("classifier.*",)).skips("classifier.6") and not QuantConfig().skips("features.0")
+
+
+def test_skip_entry_matching_no_layer_is_refused_before_calibration(monkeypatch):
+    import tvm_qconv.ranges as ranges
+    monkeypatch.setattr(ranges, "calibrate", lambda *a, **k: pytest.fail("calibrated before checking --skip"))
+    from tvm_qconv.errors import InputError
+    with pytest.raises(InputError, match="'classifer.6' matches no layer"):
+        quantize_module(SmallVGG(), (1, 3, 32, 32), LLVM, config=QuantConfig(skip=("classifer.6",)),
+                        ranges=Calibrate(np.zeros((1, 3, 32, 32), np.float32)), progress=False)
+
+
+def test_relax_module_kernels_carry_their_implementation():
+    torch.manual_seed(0)
+    q = quantize_module(SmallVGG(cfg=(8, "M", 8), image_size=16), (1, 3, 16, 16), SM90, ranges=Calibrate(skimage_photos(16)),
+                        progress=False)
+    impls = sorted({registry.of_func(f).name for f in q.mod.functions.values()
+                    if not isinstance(f, relax.Function) and registry.of_func(f) is not None})
+    assert impls == ["conv2d.nchw4c.dp4a", "dense.rows.generic", "max_pool2d.nchw4c"]

@@ -1,0 +1,56 @@
+"""Atomic file writes: whatever a user made (a library, a tuning log, a checkpoint, a kernel cache
+entry) is either the old file or the whole new one, never half of it, whatever interrupts the write."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from typing import Iterator
+
+TEMP_PREFIX = ".tvm_qconv-"  # every temporary this project writes starts so (tests look for leftovers)
+
+
+def _default_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
+    """A temporary path beside ``path``: write it inside the ``with``; on a clean exit it is
+    renamed onto ``path`` (atomic on POSIX: same folder, same file system), otherwise removed.
+
+    Args:
+        path: the file to (re)place; its folder is created if missing.
+        suffix: the temporary's suffix, for writers that choose a format by it (``.so``).
+
+    Example:
+        >>> with atomic_path("build/model.json") as tmp:
+        ...     open(tmp, "w").write("{}")
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=suffix)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, _default_mode())  # mkstemp creates 0600; give the file the usual mode
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+
+
+def write_json(path: str, obj, **kwargs) -> None:
+    """Replace ``path`` by ``obj`` as JSON, atomically (``kwargs`` go to ``json.dump``)."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(obj, f, **kwargs)

@@ -1,0 +1,95 @@
+"""The quantize pipeline: a float torch model in, the int8 Relax module out (weights still inline).
+
+    torch model --torch.export--> Relax (float) --fold BN / constants--> analysis (graph.py)
+      --range source (ranges.py: calibrate | given | learned)--> QuantizeInt8 (kernel per layer
+      from the registry, for the target)
+
+``build.py`` takes it from there (lift weights, schedule, compile, save); the tuner uses it to
+find the kernels a model calls.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+
+import tvm
+
+from .config import QuantConfig
+from .errors import InputError
+from .frontend import export_to_relax, simplify
+from .graph import Graph, analyze
+from .ranges import Calibrate, RangeContext, RangeSource
+from .target import TargetInfo
+from .transform import QuantizeInt8
+
+
+@dataclass
+class QuantizedModule:
+    """``mod``: the int8 module; ``report``: the pass's report plus ``ranges`` (where they came
+    from); ``amax``: the range of every point; ``names``: torch names of conv / linear layers."""
+
+    mod: tvm.IRModule
+    report: dict
+    amax: dict
+    names: dict
+
+
+def dump_ir(debug_dump: str | None, step: str, mod) -> None:
+    """Write the IR after a numbered phase (``--debug-dump DIR``): a wrong fusion or layout is
+    found by reading files, not by guessing."""
+    if debug_dump:
+        os.makedirs(debug_dump, exist_ok=True)
+        with open(os.path.join(debug_dump, f"{step}.py"), "w") as f:
+            f.write(mod.script(show_meta=False))
+
+
+def check_skip(graph: Graph, config: QuantConfig) -> None:
+    """Refuse a skip entry that matches no layer, before anything is calibrated.
+
+    Raises:
+        InputError: naming the entries and the layers there are.
+    """
+    names = [ly.name for ly in graph.layers]
+    unknown = [p for p in config.skip if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if unknown:
+        listed = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense")]
+        raise InputError(f"skip list entry {', '.join(map(repr, unknown))} matches no layer of this model; its "
+                         f"conv and linear layers are {listed[:12]}{' ...' if len(listed) > 12 else ''}")
+
+
+def quantize_module(model, input_shape: tuple[int, int, int, int], target: TargetInfo, *,
+                    config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
+                    choices: dict | None = None, expose_activations: bool = False,
+                    debug_dump: str | None = None, progress: bool = True) -> QuantizedModule:
+    """The int8 Relax module of ``model`` for ``target``.
+
+    Args:
+        model: a float ``torch.nn.Module`` (eval mode is set).
+        input_shape: the static (N, C, H, W) to build for.
+        target: which kernels exist (``TargetInfo.from_target``).
+        config: the scheme.
+        ranges: where the activation ranges come from; default :class:`Calibrate` on
+            scikit-image's photos.
+        choices: ``{layer: implementation}`` preferences (a tuning database's picks).
+        expose_activations, debug_dump, progress: see ``compile_model``.
+    """
+    mod, names = export_to_relax(model, input_shape)
+    dump_ir(debug_dump, "01_imported", mod)
+    mod = simplify(mod)
+    dump_ir(debug_dump, "02_simplified", mod)
+    graph = analyze(mod["main"], names)
+    check_skip(graph, config)
+
+    def graph_at_batch1() -> Graph:
+        if input_shape[0] == 1:
+            return graph
+        one, one_names = export_to_relax(model, (1, *input_shape[1:]))
+        return analyze(simplify(one)["main"], one_names)
+
+    ranges = ranges if ranges is not None else Calibrate()
+    amax, ranges_report = ranges.resolve(RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress))
+    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations)
+    qmod = qpass(mod)
+    dump_ir(debug_dump, "03_quantized", qmod)
+    return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names)

@@ -1,0 +1,135 @@
+"""Range sources: where the int8 scale of every activation comes from.
+
+A build takes exactly one of them (``compile_model(..., ranges=...)``), and the report records
+which one it was:
+
+- :class:`Calibrate`: run the float model over real images and observe each tensor
+  (``QuantConfig.calibration`` picks the observer); the default.
+- :class:`GivenRanges`: ranges by point name (``features.0.out``), e.g. a previous build's.
+- :class:`LearnedRanges`: a QAT checkpoint's learned ranges by layer (``features.0.in0``),
+  mapped onto the points the compiled graph quantizes (:func:`map_learned_ranges`).
+
+Each has ``resolve(ctx) -> (amax by point, report entry)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .calibrate import calibrate
+from .config import QuantConfig
+from .data import load_calibration_images
+from .errors import InputError
+from .graph import Graph
+
+
+@dataclass
+class RangeContext:
+    """What a range source may use: the float graph at the build shape, and a way to get it at
+    batch 1 (calibration runs one image at a time whatever the build's batch)."""
+
+    graph: Graph
+    input_shape: tuple[int, int, int, int]
+    config: QuantConfig
+    graph_at_batch1: Callable[[], Graph]
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Calibrate:
+    """Calibrate on real images: ``images`` (float32 [N, 3, H, W], preprocessed), else the
+    JPEG/PNG files of ``calib_dir``, else scikit-image's bundled photos."""
+
+    images: np.ndarray | None = field(default=None, compare=False)
+    calib_dir: str | None = None
+
+    def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
+        cfg = ctx.config
+        images = self.images
+        if images is None:
+            images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images)
+        amax = calibrate(ctx.graph_at_batch1(), images, cfg, progress=ctx.progress)
+        report = dict(source="calibration", calibration=cfg.calibration,
+                      images=int(min(len(images), cfg.num_calib_images)))
+        if cfg.calibration == "percentile":
+            report["percentile"] = cfg.percentile
+        return amax, report
+
+
+@dataclass(frozen=True)
+class GivenRanges:
+    """Ranges by point name (``{"features.0.out": amax, ...}``), used as they are."""
+
+    amax: dict
+
+    def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
+        return dict(self.amax), dict(source="given")
+
+
+@dataclass(frozen=True)
+class LearnedRanges:
+    """A QAT checkpoint's ranges by layer (``{"features.0.in0": amax, ...}``); ``source``
+    names them in errors and in the report."""
+
+    learned: dict
+    source: str = "the checkpoint"
+
+    def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
+        amax, used = map_learned_ranges(ctx.graph, self.learned, self.source)
+        return amax, dict(source="checkpoint", checkpoint=self.source, calibrated=False, points=used)
+
+
+RangeSource = Calibrate | GivenRanges | LearnedRanges
+
+
+# Ops between two int8 layers that commute with per-tensor quantization at one scale: a max-pool
+# keeps its int8 input's scale, and a reshape of a dequantized tensor requantized at the same
+# scale gives back the same integers.  The QAT input quantizer after them is the tensor's scale.
+_SCALE_PRESERVING = ("relax.nn.max_pool2d", "relax.reshape")
+
+
+def map_learned_ranges(graph: Graph, learned: dict[str, float], source: str = "the checkpoint") -> tuple[dict, dict]:
+    """The range of every calibration point of ``graph``, taken from QAT's learned ranges.
+
+    QAT quantizes a tensor where it is *consumed*: layer ``L``'s input quantizer uses the learned
+    ``L.in0``; a layer's recorded output range ``L.out`` scales nothing.  The compiled model
+    instead requantizes each int8 layer's output in its epilogue, at the scale of the point
+    ``L.out``.  For the two to compute the same integers, a point takes the ``.in0`` range of the
+    layer that consumes it, following max-pools and reshapes (``_SCALE_PRESERVING``); a point
+    no int8 layer consumes keeps its own name (``L.out`` of the last conv before a float op).
+
+    Args:
+        graph: the analysis of the float model at the build shape.
+        learned: ``{f"{layer}.in0" | f"{layer}.out": amax}``, a QAT checkpoint's ``amax``.
+        source: names the ranges' origin in error messages.
+
+    Returns:
+        ``(amax, used)``: ``{point: amax}`` for every point of ``graph``, and ``{point: the
+        checkpoint key it came from}`` (recorded in the build report).
+
+    Raises:
+        InputError: a point has no learned range, or a range is not a positive finite number.
+    """
+    producer = {b.var: b.value for b in graph.bindings}
+    used = {point: point for point in graph.points.values()}
+    for ly in graph.layers:
+        if ly.kind not in ("conv2d", "dense"):
+            continue
+        x = ly.inputs[0]
+        while getattr(getattr(producer.get(x), "op", None), "name", None) in _SCALE_PRESERVING:
+            x = producer[x].args[0]
+        if x in graph.points:
+            used[graph.points[x]] = f"{ly.name}.in0"
+    missing = sorted({key for key in used.values() if key not in learned})
+    if missing:
+        raise InputError(f"{source} has no learned range for {missing} (the compiled graph quantizes these "
+                         f"tensors; it has {len(learned)} ranges, e.g. {sorted(learned)[:4]}): it was not trained for this "
+                         "model; retrain with "
+                         "`python train.py --qat --out CKPT`, which records every conv and linear layer's ranges")
+    bad = sorted(key for key in set(used.values()) if not (np.isfinite(learned[key]) and learned[key] > 0))
+    if bad:
+        raise InputError(f"{source} has a learned range of 0 or NaN for {bad}: those layers never saw data in "
+                         "training (0 = not observed); train for at least one epoch with --qat")
+    return {point: float(learned[key]) for point, key in used.items()}, used

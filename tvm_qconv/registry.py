@@ -1,0 +1,81 @@
+"""The kernel registry: every kernel implementation the project has, and how one is picked.
+
+Open this first.  An implementation (``tvm_qconv.schedules.kernel.KernelImpl``) is one way to
+run one op: compute definition, NumPy reference, default schedule, search spaces, tuning seed,
+and the layout of the int8 activations it reads and writes.  The quantize pass asks
+:func:`select` which implementation runs each layer on the build's target (so a layer's
+activation layout is the chosen kernel's), the schedule pass and the tuner look the chosen one
+up by the name it left on the PrimFunc (:func:`of_func`), and the training path asks for its
+conv and gradient kernels the same way.  Nothing outside ``schedules/`` names a family.
+
+Adding a family is one folder under ``schedules/`` whose implementations are listed here.
+"""
+from __future__ import annotations
+
+from .schedules import dense_int8
+from .schedules.kernel import KernelImpl, Layout, impl_name
+from .schedules.nchw4c import impls as nchw4c
+from .schedules.nchw4c.layout import LAYOUT as NCHW4C
+from .schedules.training import grad_input, grad_weight
+from .target import TargetInfo
+
+# In priority order per op: select() takes the first that applies, unless told otherwise.
+IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
+    *nchw4c.IMPLEMENTATIONS,
+    dense_int8.DENSE,
+    grad_input.GRAD_INPUT,
+    grad_weight.GRAD_WEIGHT,
+)
+LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C}
+
+_BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
+assert len(_BY_NAME) == len(IMPLEMENTATIONS), "two implementations share a name"
+
+
+def get(name: str) -> KernelImpl:
+    """The implementation registered as ``name``.
+
+    Raises:
+        KeyError: no such implementation (the message lists the registered ones).
+    """
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no kernel implementation {name!r}; registered: {sorted(_BY_NAME)}") from None
+
+
+def of_func(func) -> KernelImpl | None:
+    """The implementation a PrimFunc was made by (its ``tvm_qconv.impl`` attribute), or None."""
+    name = impl_name(func)
+    return None if name is None else get(name)
+
+
+def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> list[KernelImpl]:
+    """Every implementation of ``op`` that runs ``wl`` on ``target`` (in ``layout`` if given),
+    in priority order."""
+    return [impl for impl in IMPLEMENTATIONS
+            if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)]
+
+
+def select(op: str, wl, target: TargetInfo, layout: str | None = None,
+           prefer: str | None = None) -> KernelImpl | None:
+    """The implementation that runs ``wl``: ``prefer`` (a name, e.g. from a tuning database)
+    when it applies, else the first candidate; None when no implementation applies."""
+    found = candidates(op, wl, target, layout)
+    for impl in found:
+        if impl.name == prefer:
+            return impl
+    return found[0] if found else None
+
+
+def layout(name: str) -> Layout:
+    """The activation layout called ``name``."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise KeyError(f"no layout {name!r}; registered: {sorted(LAYOUTS)}") from None
+
+
+def tunable() -> list[KernelImpl]:
+    """The implementations that have search spaces."""
+    return [impl for impl in IMPLEMENTATIONS if impl.spaces]

@@ -1,0 +1,81 @@
+"""Training configuration: the models train.py can train and :class:`TrainConfig`, one run."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from ..models.quantized_vgg import QuantizedVGG16, SmallQuantizedVGG
+
+TRAIN_CONFIG_VERSION = 1
+DIGITS_CLASSES = 10
+
+
+def _small_vgg(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
+    return SmallQuantizedVGG(num_classes=num_classes, image_size=image_size, quantized=quantized)
+
+
+def _vgg16(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
+    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized)
+
+
+# The CLI's --model choices.
+MODELS: dict[str, Callable[[bool, int, int], nn.Module]] = {"small_vgg": _small_vgg, "vgg16": _vgg16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        model: a key of ``MODELS``.
+        epochs: passes over the 1437 training digits.
+        batch_size: training batch.
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
+        qat: train the int8 quantized model (else the float twin).
+        seed: seeds the initialization, the batch order and the data split.
+        image_size: digits are upsampled to this size (32 for both models).
+    """
+
+    model: str = "small_vgg"
+    epochs: int = 5
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    qat: bool = False
+    seed: int = 0
+    image_size: int = 32
+    version: int = TRAIN_CONFIG_VERSION
+
+    def __post_init__(self):
+        checks = [
+            (self.model in MODELS, f"model must be one of {sorted(MODELS)}, got {self.model!r}"),
+            (self.epochs >= 1, f"epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
+            (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"TrainConfig: {msg}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def build_model(config: TrainConfig, quantized: bool | None = None) -> nn.Module:
+    """The model of ``config`` (quantized iff ``config.qat`` unless ``quantized`` says otherwise)."""
+    q = config.qat if quantized is None else quantized
+    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size)

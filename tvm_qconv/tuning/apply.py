@@ -1,0 +1,59 @@
+"""Building with a tuning database: each kernel the database covers gets its best record's
+schedule; the others keep their implementation's default (``ScheduleInt8Kernels``)."""
+from __future__ import annotations
+
+import sys
+
+import tvm
+
+from ..schedules.workload import ConvWorkload
+from .database import corrupt, load_database
+from .tasks import is_tunable, task_func
+
+
+def apply_tuning_database(mod: tvm.IRModule, work_dir: str,
+                          target: tvm.target.Target) -> tuple[tvm.IRModule, dict]:
+    """Schedule every tunable kernel the database covers with its best record.
+
+    Args:
+        mod: the int8 Relax module (after ``LiftConstantsToParams``, before
+            ``ScheduleInt8Kernels``).
+        work_dir: the database folder written by :func:`tvm_qconv.tuning.tune_model`.
+        target: the CUDA target being built for.
+    Returns:
+        (mod, tuned): a copy of ``mod`` whose covered PrimFuncs are scheduled and marked
+        ``tir.is_scheduled`` (ScheduleInt8Kernels then reports them "tuned" and gives the rest
+        their default schedule), and {function name: layer shape} of those.
+    Raises:
+        InputError: ``work_dir`` is missing, empty or corrupt.
+    """
+    db = load_database(work_dir)
+    mod = mod.clone()
+    tuned, convs, other_archs = {}, 0, set()
+    for gv, func in list(mod.functions.items()):
+        if not is_tunable(func):
+            continue
+        convs += 1
+        workload = tvm.IRModule({"main": task_func(func)})
+        # has_workload first: a query of an unknown workload would add it to the database.
+        if not db.has_workload(workload):
+            continue
+        try:
+            record = db.query_tuning_record(workload, target, "main")
+            sch = db.query_schedule(workload, target, "main")  # replays the trace
+        except Exception as err:  # a trace that no longer applies to this workload
+            raise corrupt(work_dir, err) from err
+        arch = record.target.attrs.get("arch") if record.target is not None else None
+        if arch is not None and str(arch) != str(target.attrs.get("arch")):
+            other_archs.add(str(arch))
+        # Keep the Relax module's attributes (no global_symbol "main": that name is taken).
+        scheduled = sch.mod["main"].without_attr("global_symbol")
+        mod[gv] = scheduled.with_attr(dict(func.attrs, **{"tir.is_scheduled": True}))
+        tuned[gv.name_hint] = ConvWorkload.of(func).describe()
+    if convs and not tuned:
+        print(f"warning: tuning log {work_dir} covers none of this model's {convs} tunable kernels (tuned for "
+              f"another model, batch or image size?); they get the default schedule", file=sys.stderr)
+    if other_archs:
+        print(f"warning: tuning log {work_dir} was tuned for {', '.join(sorted(other_archs))}, building for "
+              f"{target.attrs.get('arch')}: the schedules run, but were not measured on this GPU", file=sys.stderr)
+    return mod, tuned

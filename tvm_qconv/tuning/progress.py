@@ -1,0 +1,75 @@
+"""Tuning progress: one console line and one JSON line per measured round, and the final table."""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from .database import FAILED_RUN_SECS
+from .tasks import KernelTask
+
+
+@derived_object
+class Progress(ms.measure_callback.PyMeasureCallback):
+    """After each measured batch: one console line (task, trials, best, TOPS, and the model's
+    conv time so far) and one JSON line in ``logs/progress.jsonl`` (the convergence curve)."""
+
+    def __init__(self, tasks: list[KernelTask], done: dict, best: dict, total: dict, t0: float, path: str):
+        self.tasks, self.done, self.best, self.total, self.t0, self.path = tasks, done, best, total, t0, path
+        self.current = [None]  # the task being tuned (tune_tasks gets one task at a time)
+
+    def model_us(self) -> float | None:
+        """Sum over tasks of occurrences x best time (us); None while a task has no time."""
+        if any(t.name not in self.best for t in self.tasks):
+            return None
+        return sum(t.weight * self.best[t.name] for t in self.tasks) * 1e6
+
+    def record(self, task: KernelTask, ok: list[float], tried: int) -> None:
+        self.done[task.name] += len(ok)
+        if ok:
+            self.best[task.name] = min(ok + [self.best.get(task.name, math.inf)])
+        best, model_us, elapsed = self.best.get(task.name), self.model_us(), time.time() - self.t0
+        perf = (f"best {best * 1e6:.1f} us = {task.workload.ops / best / 1e12:.2f} TOPS"
+                if best else "no valid run yet")
+        model = f", model convs {model_us:.1f} us" if model_us else ""
+        print(f"[tune] {task.name} (x{task.weight}): {len(ok)}/{tried} ran, "
+              f"{self.done[task.name]}/{self.total[task.name]} valid, {perf}{model}, {elapsed:.0f} s", flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(dict(elapsed_s=round(elapsed, 1), task=task.name, valid=self.done[task.name],
+                                    best_us=best and best * 1e6, model_conv_us=model_us)) + "\n")
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        task = self.current[0]
+        self.record(task, valid_secs(builder_results, runner_results), len(runner_results))
+
+
+def valid_secs(builder_results, runner_results) -> list[float]:
+    """Mean run time (s) of each candidate that built and ran."""
+    ok = [sum(float(s) for s in r.run_secs) / len(r.run_secs) for b, r in zip(builder_results, runner_results)
+          if b.error_msg is None and r.error_msg is None and r.run_secs]
+    return [s for s in ok if s < FAILED_RUN_SECS]
+
+
+def format_table(rows: list[dict]) -> str:
+    """The per-task table: task, layer shape, occurrences (x), trials, best us, TOPS, % of peak;
+    the last line sums occurrences x best us (the model's conv time) where every task has one."""
+    has_peak = any("pct_peak" in r for r in rows)
+    wt = max([len("all convs (x * best)")] + [len(r["task"]) for r in rows])
+    ws = max([len("shape")] + [len(r["shape"]) for r in rows])
+    head = f"{'task':<{wt}} {'shape':<{ws}} {'x':>2} {'trials':>6} {'best us':>9} {'TOPS':>7}" + \
+        (f" {'% peak':>6}" if has_peak else "")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        def num(key, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "-"
+        line = (f"{r['task']:<{wt}} {r['shape']:<{ws}} {r['occurrences']:>2} {r['trials']:>6} "
+                f"{num('best_us', '9.1f'):>9} {num('tops', '7.2f'):>7}")
+        out.append(line + (f" {num('pct_peak', '6.1f'):>6}" if has_peak else ""))
+    if rows and all(r["best_us"] is not None for r in rows):
+        total = sum(r["occurrences"] * r["best_us"] for r in rows)
+        out.append(f"{'all convs (x * best)':<{wt}} {'':<{ws}} {sum(r['occurrences'] for r in rows):>2} "
+                   f"{'':>6} {total:>9.1f}")
+    return "\n".join(out)

@@ -1,0 +1,118 @@
+"""Tuning tasks: the distinct tunable kernels of an int8 module, in the one form that tuning
+commits and building looks up.
+
+A task is one distinct kernel PrimFunc whose implementation (``tvm_qconv.impl``, see
+``tvm_qconv/registry.py``) has search spaces: a *workload* in MetaSchedule's terms.  The
+database finds a schedule by structural equality of the function, so tuning and building
+present the same canonical function (:func:`task_func`): the computation only, without the
+attributes that say where the function sat or which layer it serves.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+
+from .. import registry
+from ..schedules.kernel import KernelImpl
+from ..schedules.workload import ConvWorkload
+
+# Attributes the Relax module adds to a kernel that say nothing about its computation.
+_RELAX_ONLY_ATTRS = ("global_symbol", "op_pattern")
+_OWN_ATTR_PREFIX = "tvm_qconv."  # names the implementation and layer: not part of the computation
+
+
+@dataclass
+class KernelTask:
+    """One distinct tunable kernel of a model.
+
+    Attributes:
+        name: readable and unique within the model, e.g. ``64to64_3x3s1_56x56_b1``.
+        impl: the kernel implementation (its spaces and seed are the tuner's).
+        workload: the layer, from the PrimFunc's ``tvm_qconv.workload`` attribute.
+        func: the PrimFunc as MetaSchedule sees it (:func:`task_func`).
+        weight: how many times the model calls it.
+    """
+
+    name: str
+    impl: KernelImpl
+    workload: ConvWorkload
+    func: tirx.PrimFunc
+    weight: int
+
+
+def task_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The PrimFunc in the one form that tuning commits and building looks up.
+
+    Drops what the Relax module added (its name, the FuseOps pattern) and this project's own
+    ``tvm_qconv.*`` attributes, and adds what TuneContext's normalization would
+    (``global_symbol`` "main", ``tirx.noalias``), so the structural match depends only on the
+    computation, not on where the function sat or which layer it serves.
+    """
+    for key in list(func.attrs.keys()) if func.attrs is not None else []:
+        if key in _RELAX_ONLY_ATTRS or str(key).startswith(_OWN_ATTR_PREFIX):
+            func = func.without_attr(key)
+    return func.with_attr({"global_symbol": "main", "tirx.noalias": True})
+
+
+def is_tunable(func) -> bool:
+    """An unscheduled kernel whose implementation has search spaces."""
+    impl = registry.of_func(func) if isinstance(func, tirx.PrimFunc) else None
+    return impl is not None and bool(impl.spaces) and not func.attrs.get("tir.is_scheduled", False)
+
+
+def task_name(wl: ConvWorkload) -> str:
+    """``64to64_3x3s1_56x56_b1`` (+ ``_g32``, ``_d2x2``, ``_norelu`` / ``_clip0_100``)."""
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    name = f"{wl.in_channels}to{wl.out_channels}_{kh}x{kw}s{sh}" + (f"x{sw}" if sw != sh else "")
+    name += f"_{wl.height}x{wl.width}_b{wl.batch}"
+    if wl.groups > 1:
+        name += f"_g{wl.groups}"
+    if (dh, dw) != (1, 1):
+        name += f"_d{dh}x{dw}"
+    return name + {"relu": "", "none": "_norelu"}.get(wl.activation, f"_clip{wl.act_min}_{wl.act_max}")
+
+
+def extract_tasks(mod: tvm.IRModule) -> list[KernelTask]:
+    """The distinct tunable kernels an int8 Relax module calls, in graph order.
+
+    Args:
+        mod: the output of ``quantize_module`` (before or after ``LiftConstantsToParams``).
+    Returns:
+        One KernelTask per structurally distinct tunable PrimFunc called from a Relax function,
+        with ``weight`` = its number of call sites (VGG16 at 224: 13 convs, 9 tasks).
+    """
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    calls: Counter = Counter()  # GlobalVar name -> call sites, in first-call order
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir):
+            calls[expr.args[0].name_hint] += 1
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func.body, visit)
+    tasks: list[KernelTask] = []
+    by_hash: dict[int, list[KernelTask]] = {}
+    for gv_name, count in calls.items():
+        func = mod[gv_name]
+        if not is_tunable(func):
+            continue
+        canon = task_func(func)
+        bucket = by_hash.setdefault(tvm_ffi.structural_hash(canon), [])
+        same = next((t for t in bucket if tvm_ffi.structural_equal(t.func, canon)), None)
+        if same is not None:
+            same.weight += count
+            continue
+        wl = ConvWorkload.of(func)
+        name, taken = task_name(wl), {t.name for t in tasks}
+        suffix = 2
+        while name in taken:  # same shape, other padding: keep names unique
+            name, suffix = f"{task_name(wl)}_{suffix}", suffix + 1
+        task = KernelTask(name, registry.of_func(func), wl, canon, count)
+        bucket.append(task)
+        tasks.append(task)
+    return tasks
