@@ -16,10 +16,10 @@ import sys
 
 from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.training import MODELS, TrainConfig, run_training
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tvm_qconv.training import MODELS, TrainConfig
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default=d.model, help=f"model (default {d.model})")
@@ -38,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from tvm_qconv.training import TrainConfig, run_training
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)

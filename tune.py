@@ -18,6 +18,8 @@ import sys
 
 from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.errors import InputError
+from tvm_qconv.tuning import default_work_dir, prune_database, tune_model
 
 
 def _arch(text: str) -> str:
@@ -60,8 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tvm_qconv.errors import InputError
-    from tvm_qconv.tuning import default_work_dir, prune_database, tune_model
     work_dir = args.work_dir or default_work_dir(args.model, args.batch, args.arch)
     print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "

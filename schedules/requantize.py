@@ -56,3 +56,15 @@ def requantize_ref(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int
     s = shift.astype(np.int64)
     v = (v + (np.int64(1) << (s - 1))) >> s
     return np.clip(v, lo, hi).astype(np.int8)
+
+
+def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int]:
+    """Fixed-point rescale of a residual add ``a * s_a + b * s_b`` to ``s_out``:
+    (mult_a, mult_b, shift), both multipliers on the shift of the larger one."""
+    m_a, m_b = s_a / s_out, s_b / s_out
+    _, shift = quantize_multiplier(np.array([max(m_a, m_b)]))
+    shift = int(min(shift[0], 62 - 8))  # |a| <= 128 = 2**7: keep a*mult inside int64
+    mult_a, mult_b = (int(round(m * 2.0 ** shift)) for m in (m_a, m_b))
+    if max(mult_a, mult_b) >= 2 ** (MULT_BITS + 1):
+        raise ValueError(f"add rescale factors {m_a:.3g}, {m_b:.3g} too large: scales are inconsistent")
+    return mult_a, mult_b, shift

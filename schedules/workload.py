@@ -132,3 +132,32 @@ class ConvWorkload:
     def of(cls, func) -> "ConvWorkload":
         """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
         return cls.from_dict(ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))
+
+
+@dataclass(frozen=True)
+class PoolWorkload:
+    """A max-pool on an int8 tensor of packed ``shape`` (in its producer's layout)."""
+
+    shape: tuple[int, ...]
+    pool: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int] = (1, 1)
+    ceil_mode: bool = False
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class AddWorkload:
+    """``requant(a * mult_a + b * mult_b >> shift)`` (+ReLU) on two int8 tensors of ``shape``."""
+
+    shape: tuple[int, ...]
+    mult_a: int
+    mult_b: int
+    shift: int
+    relu: bool
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()

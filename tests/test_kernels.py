@@ -6,14 +6,14 @@ import pytest
 import tvm
 
 from tvm_qconv.schedules.dense_int8 import dense_int8, dense_int8_ref, quantize_rows
-from tvm_qconv.schedules.nchw4c.add import add_multipliers, add_nchw4c_int8, add_nchw4c_int8_ref
+from tvm_qconv.schedules.nchw4c.add import add_nchw4c_int8, add_nchw4c_int8_ref
 from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
                                                pack_channels, pack_input_groups, pack_oihw4o4i,
                                                unpack_output_groups)
 from tvm_qconv.schedules.nchw4c.layout import ceil4, dequantize_unpack, pack_nchw4c, quantize_pack, unpack_nchw4c
 from tvm_qconv.schedules.nchw4c.pool import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref
 from tvm_qconv.schedules.quantize import quantize_ref
-from tvm_qconv.schedules.requantize import quantize_multiplier, requantize_ref
+from tvm_qconv.schedules.requantize import add_multipliers, quantize_multiplier, requantize_ref
 from tvm_qconv.schedules.workload import ConvWorkload
 
 RNG = np.random.default_rng(0)

@@ -6,18 +6,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-from ..requantize import MULT_BITS, quantize_multiplier, requantize_ref, requantize_tir
-
-
-def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int]:
-    """(mult_a, mult_b, shift): both multipliers on the shift of the larger one."""
-    m_a, m_b = s_a / s_out, s_b / s_out
-    _, shift = quantize_multiplier(np.array([max(m_a, m_b)]))
-    shift = int(min(shift[0], 62 - 8))  # |a| <= 128 = 2**7: keep a*mult inside int64
-    mult_a, mult_b = (int(round(m * 2.0 ** shift)) for m in (m_a, m_b))
-    if max(mult_a, mult_b) >= 2 ** (MULT_BITS + 1):
-        raise ValueError(f"add rescale factors {m_a:.3g}, {m_b:.3g} too large: scales are inconsistent")
-    return mult_a, mult_b, shift
+from ..requantize import requantize_ref, requantize_tir
 
 
 def add_nchw4c_int8(shape, mult_a: int, mult_b: int, shift: int, relu: bool) -> tirx.PrimFunc:

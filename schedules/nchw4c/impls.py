@@ -11,12 +11,10 @@ name                    op           runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..kernel import KernelImpl
-from ..workload import ConvWorkload
+from ..workload import AddWorkload, ConvWorkload, PoolWorkload
 from . import add, conv2d, cpu, dp4a, dp4a_space, pool
 from .layout import LAYOUT
 
@@ -82,21 +80,6 @@ class Conv2dCpu(_Conv2dNCHW4c):
         return cpu.schedule_cpu(func)
 
 
-@dataclass(frozen=True)
-class PoolWorkload:
-    """A max-pool on an NCHW4c int8 tensor of ``shape`` (packed)."""
-
-    shape: tuple[int, ...]
-    pool: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int, int, int]
-    dilation: tuple[int, int] = (1, 1)
-    ceil_mode: bool = False
-
-    def to_dict(self) -> dict:
-        return self.__dict__.copy()
-
-
 class MaxPool2d(KernelImpl):
     name = "max_pool2d.nchw4c"
     op = "max_pool2d"
@@ -112,20 +95,6 @@ class MaxPool2d(KernelImpl):
 
     def reference(self, wl: PoolWorkload, x):
         return pool.max_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.dilation, wl.ceil_mode)
-
-
-@dataclass(frozen=True)
-class AddWorkload:
-    """``requant(a * mult_a + b * mult_b >> shift)`` (+ReLU) on two int8 tensors of ``shape``."""
-
-    shape: tuple[int, ...]
-    mult_a: int
-    mult_b: int
-    shift: int
-    relu: bool
-
-    def to_dict(self) -> dict:
-        return self.__dict__.copy()
 
 
 class Add(KernelImpl):

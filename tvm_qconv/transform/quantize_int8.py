@@ -31,11 +31,9 @@ from ..graph import Graph, analyze, static_shape
 from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, substitute
 from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
-from ..schedules.nchw4c.add import add_multipliers
-from ..schedules.nchw4c.impls import AddWorkload, PoolWorkload
 from ..schedules.relayout import relayout_int8
-from ..schedules.requantize import quantize_multiplier
-from ..schedules.workload import ConvWorkload
+from ..schedules.requantize import add_multipliers, quantize_multiplier
+from ..schedules.workload import AddWorkload, ConvWorkload, PoolWorkload
 from ..target import TargetInfo
 
 AMAX_FLOOR = 1e-6  # a dead (all-zero) tensor still needs a finite scale

@@ -1,0 +1,105 @@
+"""The code's shape: imports form a DAG, and only the kernel families know their own names."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where each package's source lives (schedules/ and models/ install as tvm_qconv.schedules / .models).
+PACKAGES = {"tvm_qconv": "tvm_qconv", "tvm_qconv.schedules": "schedules", "tvm_qconv.models": "models"}
+
+
+def _modules() -> dict[str, str]:
+    """Module name -> file, for every module of the package."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(d, f), os.path.join(ROOT, folder))[:-3].replace(os.sep, ".")
+                name = package if rel == "__init__" else f"{package}.{rel.removesuffix('.__init__')}"
+                found[name] = os.path.join(d, f)
+    return found
+
+
+def _imports(name: str, path: str, modules: dict) -> set[str]:
+    """The package modules ``name`` imports at module level (not inside functions)."""
+    tree = ast.parse(open(path).read())
+    is_package = path.endswith("__init__.py")
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[:len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        out.update(t for t in targets if t in modules and t != name)
+    return out
+
+
+def test_package_imports_form_a_dag():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # A package's __init__ importing its own submodules is not a cycle through them: drop
+    # the edge from a submodule back to its package's __init__ (Python runs the parent first).
+    for name, deps in graph.items():
+        deps.difference_update({p for p in deps if name.startswith(p + ".")})
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
+
+
+FAMILY_WORDS = ("dp4a", "nchw4c")
+
+
+def _code_words(path: str) -> set[str]:
+    """Identifiers and string literals of a file, docstrings left out."""
+    tree = ast.parse(open(path).read())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    words = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            words.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            words.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            words.add(n.value)
+        elif isinstance(n, ast.alias):
+            words.add(n.name)
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            words.add(n.module)
+    return words
+
+
+# The registry lists the families (that is its job); everything else asks it.
+ASKS_THE_REGISTRY = ["transform/quantize_int8.py", "transform/schedule_kernels.py", "tuning/tasks.py",
+                     "tuning/driver.py", "tuning/apply.py", "tuning/database.py", "nn/tvm_kernels.py", "build.py",
+                     "quantize.py"]
+
+
+@pytest.mark.parametrize("rel", ASKS_THE_REGISTRY)
+def test_passes_tuner_and_training_kernels_name_no_kernel_family(rel):
+    words = _code_words(os.path.join(ROOT, "tvm_qconv", rel))
+    named = sorted(w for w in words if any(f in w.lower() for f in FAMILY_WORDS))
+    assert not named, f"{rel} names {named}: ask tvm_qconv.registry instead"
