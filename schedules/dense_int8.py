@@ -33,7 +33,8 @@ def quantize_rows(shape: tuple[int, int], scale: float) -> tirx.PrimFunc:
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
 
 
-def dense_int8(n: int, k4: int, o: int, relu: bool) -> tirx.PrimFunc:
+def dense_int8(n: int, k4: int, o: int, clip: tuple[float, float] | None = None) -> tirx.PrimFunc:
+    """int8 linear layer, float out; ``clip``: the activation's (lo, hi), ReLU (0, inf), or None."""
     x = te.placeholder((n, k4), "int8", name="X")
     w = te.placeholder((o, k4), "int8", name="W")
     scale = te.placeholder((o,), "float32", name="Scale")  # s_x * s_w[o]
@@ -44,16 +45,20 @@ def dense_int8(n: int, k4: int, o: int, relu: bool) -> tirx.PrimFunc:
 
     def epi(i, j):
         v = acc[i, j].astype("float32") * scale[j] + bias[j]
-        return tirx.max(v, tirx.const(0, "float32")) if relu else v
+        if clip is None:
+            return v
+        lo, hi = clip
+        v = tirx.min(v, tirx.const(hi, "float32")) if np.isfinite(hi) else v
+        return tirx.max(v, tirx.const(lo, "float32")) if np.isfinite(lo) else v
 
     out = te.compute((n, o), epi, name="dequant")
     return te.create_prim_func([x, w, scale, bias, out]).with_attr({"tvm_qconv.kernel": KERNEL_NAME})
 
 
-def dense_int8_ref(x, w, scale, bias, relu) -> np.ndarray:
+def dense_int8_ref(x, w, scale, bias, clip=None) -> np.ndarray:
     acc = x.astype(np.int64) @ w.astype(np.int64).T
     v = acc.astype(np.float32) * scale.astype(np.float32) + bias.astype(np.float32)
-    return np.maximum(v, 0) if relu else v
+    return v if clip is None else np.clip(v, *clip)
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class DenseWorkload:
     batch: int
     k4: int
     out_features: int
-    relu: bool
+    clip: tuple[float, float] | None = None  # the activation's (lo, hi); ReLU is (0, inf)
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -79,10 +84,10 @@ class Dense(KernelImpl):
         return True
 
     def compute(self, wl: DenseWorkload):
-        return self.tag(dense_int8(wl.batch, wl.k4, wl.out_features, wl.relu), wl)
+        return self.tag(dense_int8(wl.batch, wl.k4, wl.out_features, wl.clip), wl)
 
     def reference(self, wl: DenseWorkload, x, w, scale, bias):
-        return dense_int8_ref(x, w, scale, bias, wl.relu)
+        return dense_int8_ref(x, w, scale, bias, wl.clip)
 
 
 DENSE = Dense()

@@ -36,6 +36,22 @@ def _div_exact(x, scale: float):
     return q.astype("float32")
 
 
+def dequantize_tir(q, scale: float):
+    """TIR: int8 ``q`` -> float32 ``q * float32(scale)``, rounded once, on llvm and CUDA alike.
+
+    The scale is written ``m * 2**e`` (``m`` a 24-bit integer) and applied in float64, where
+    ``q * m`` (at most 32 bits) and the division by ``2**-e`` are exact, so the one rounding is
+    the cast to float32: the float32 product, bit for bit.  A float32 constant would be printed
+    by TVM's CUDA codegen with 15 decimals, which keeps few digits of a scale of 1e-9 and none
+    of 1e-16 (the activations of deep random-init networks get such scales).
+    """
+    frac, exp = np.frexp(np.float32(scale))
+    m, e = int(frac * (1 << 24)), int(exp) - 24
+    v = q.astype("float64") * tirx.const(m, "float64")
+    v = v / tirx.const(2.0 ** -e, "float64") if e < 0 else v * tirx.const(2.0 ** e, "float64")
+    return v.astype("float32")
+
+
 def quantize_tir(x, scale: float, lo: int = -128, hi: int = 127):
     """TIR expression: float ``x`` -> int8 ``clamp(nearbyint(x / scale), lo, hi)``."""
     v = tirx.nearbyint(_div_exact(x, scale))  # ties to even (module docstring)

@@ -151,13 +151,28 @@ class PoolWorkload:
 
 @dataclass(frozen=True)
 class AddWorkload:
-    """``requant(a * mult_a + b * mult_b >> shift)`` (+ReLU) on two int8 tensors of ``shape``."""
+    """``clamp(a * mult_a + b * mult_b >> shift, act_min, act_max)`` on two int8 tensors of ``shape``."""
 
     shape: tuple[int, ...]
     mult_a: int
     mult_b: int
     shift: int
-    relu: bool
+    act_min: int = -128
+    act_max: int = 127
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class ConcatWorkload:
+    """Channel concatenation of int8 tensors of (N, H, W) = ``shape`` with ``channels`` real
+    channels each, each requantized to the output scale by (``mults[i]``, ``shifts[i]``)."""
+
+    shape: tuple[int, int, int]
+    channels: tuple[int, ...]
+    mults: tuple[int, ...]
+    shifts: tuple[int, ...]
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

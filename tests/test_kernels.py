@@ -234,8 +234,9 @@ def test_residual_add_rescales_to_output_scale(relu):
     b = RNG.integers(-128, 128, (1, 2, 5, 5, 4)).astype(np.int8)
     s_a, s_b, s_o = 0.03, 0.011, 0.05
     ma, mb, sh = add_multipliers(s_a, s_b, s_o)
-    out = run(add_nchw4c_int8(a.shape, ma, mb, sh, relu), a, b, out_shape=a.shape, out_dtype="int8")
-    np.testing.assert_array_equal(out, add_nchw4c_int8_ref(a, b, ma, mb, sh, relu))
+    lo = 0 if relu else -128
+    out = run(add_nchw4c_int8(a.shape, ma, mb, sh, lo), a, b, out_shape=a.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, add_nchw4c_int8_ref(a, b, ma, mb, sh, lo))
     exact = np.clip((a * s_a + b * s_b) / s_o, 0 if relu else -128, 127)
     assert np.abs(out - exact).max() <= 0.5 + 1e-6  # one rounding, in output steps
 
@@ -245,6 +246,99 @@ def test_dense_int8_matches_reference():
     w = RNG.integers(-127, 128, (7, 20)).astype(np.int8)
     scale = RNG.uniform(1e-5, 1e-4, 7).astype(np.float32)
     bias = RNG.normal(0, 1, 7).astype(np.float32)
-    out = run(dense_int8(3, 20, 7, True), x, w, scale, bias, out_shape=(3, 7), out_dtype="float32")
-    # float epilogue: one float32 multiply-add per output, so agreement to float32 rounding
-    np.testing.assert_allclose(out, dense_int8_ref(x, w, scale, bias, True), rtol=1e-6, atol=1e-6)
+    for clip in (None, (0.0, float("inf")), (0.0, 6.0)):  # none, ReLU, ReLU6
+        out = run(dense_int8(3, 20, 7, clip), x, w, scale, bias, out_shape=(3, 7), out_dtype="float32")
+        # float epilogue: one float32 multiply-add per output, so agreement to float32 rounding
+        np.testing.assert_allclose(out, dense_int8_ref(x, w, scale, bias, clip), rtol=1e-6, atol=1e-6)
+
+
+SCALES = [0.02, 1 / 127, 3.7e-9, 2.5e-17, 6.0e12]
+
+
+@pytest.mark.parametrize("scale", SCALES, ids=[f"{s:g}" for s in SCALES])
+def test_dequantize_is_the_float32_product_at_any_scale(scale):
+    q = RNG.integers(-128, 128, (1, 2, 3, 3, 4)).astype(np.int8)
+    out = run(dequantize_unpack(q.shape, 7, scale), q, out_shape=(1, 7, 3, 3), out_dtype="float32")
+    want = unpack_nchw4c(q, 7).astype(np.float32) * np.float32(scale)  # one float32 rounding
+    np.testing.assert_array_equal(out, want)
+
+
+def test_dequantize_cuda_source_prints_its_scale_exactly():
+    # TVM's CUDA codegen prints float constants with 15 decimals: 3.7e-9 as a float32 literal
+    # would keep 7 digits (and 2.5e-17 none); the kernel multiplies by an integer and divides by
+    # a power of two instead, both printed exactly.
+    from tvm import s_tir
+
+    from tvm_qconv.target import cuda_source, make_target
+
+    sch = s_tir.Schedule(dequantize_unpack((1, 1, 4, 4, 4), 3, 3.7e-9))
+    bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("dequantize_unpack"))), [None, 16])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    target = make_target("cuda", "sm_90")
+    with target:
+        body = cuda_source(tvm.compile(sch.mod, target=target))
+    frac, exp = np.frexp(np.float32(3.7e-9))
+    assert f"* {int(frac * (1 << 24))}.0" in body.replace("(double)", "") and f"{2.0 ** (24 - exp):.1f}"[:12] in body
+
+
+DEPTHWISE = [
+    W("clip", 0, 90, batch=2, in_channels=12, height=9, width=7, out_channels=12, groups=12, stride=(2, 2)),
+    W("relu", batch=1, in_channels=6, height=8, width=8, out_channels=12, groups=6, dilation=(2, 2),
+      padding=(2, 2, 2, 2)),
+    W("none", batch=1, in_channels=5, height=7, width=7, out_channels=5, groups=5, kernel=(5, 5),
+      padding=(2, 2, 2, 2)),
+    W("clip", -20, 127, batch=1, in_channels=32, height=14, width=14, out_channels=32, groups=32, stride=(2, 2),
+      padding=(0, 0, 1, 1)),
+]
+DEPTHWISE_IDS = ["relu6_s2", "multiplier2_d2", "5x5_odd_channels_norelu", "asym_pad_s2_clip"]
+
+
+def _depthwise_args(wl):
+    from tvm_qconv.schedules.nchw4c.depthwise import pack_depthwise
+    a = pack_nchw4c(RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8))
+    w = pack_depthwise(RNG.integers(-127, 128, (wl.out_channels, 1, *wl.kernel)).astype(np.int8))
+    b = pack_channels(RNG.integers(-2000, 2000, wl.out_channels).astype(np.int32))
+    m, s = quantize_multiplier(RNG.uniform(3e-3, 3e-2, wl.out_channels))
+    return [a, w, b, pack_channels(m), pack_channels(s, fill=1)]
+
+
+def _gpu_twin(func):
+    """A scheduled CUDA PrimFunc runnable on llvm: thread loops serial, local buffers global."""
+    import re
+
+    from tvm.script import parser as tvmscript
+    text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"range(\1)", func.script())
+    return tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
+
+
+@pytest.mark.parametrize("wl", DEPTHWISE, ids=DEPTHWISE_IDS)
+def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl):
+    from tvm_qconv.schedules.nchw4c.depthwise import (depthwise_nchw4c_int8, depthwise_nchw4c_int8_ref,
+                                                      schedule_cpu, schedule_cuda)
+    from tvm_qconv.target import cuda_source, make_target
+    args = _depthwise_args(wl)
+    ref = depthwise_nchw4c_int8_ref(wl, *args)
+    assert 0.05 < (ref != 0).mean() and wl.act_min <= ref.min() and ref.max() <= wl.act_max
+    func = depthwise_nchw4c_int8(wl)
+    target = make_target("cuda", "sm_90")
+    cuda = schedule_cuda(func, target)
+    for f in (func, schedule_cpu(func), _gpu_twin(cuda)):  # compute, llvm schedule, the CUDA schedule's twin
+        np.testing.assert_array_equal(run(f, *args, out_shape=ref.shape, out_dtype="int8"), ref)
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": cuda}), target=target))
+    if wl.out_channels == wl.in_channels:  # one int8x4 word per tap, not 4 bytes
+        assert "*(int*)(A_ptr" in src
+
+
+def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4():
+    from tvm_qconv.schedules.nchw4c.concat import concat_nchw4c_int8, concat_nchw4c_int8_ref
+    channels = [6, 8, 3]  # offsets 0, 6, 14: two branches start mid-word
+    xs = [pack_nchw4c(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
+    m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
+    out = run(concat_nchw4c_int8((2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 5, 3, 5, 4),
+              out_dtype="int8")
+    ref = concat_nchw4c_int8_ref(xs, channels, m, s)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(unpack_nchw4c(ref, 17)[:, 6:14], unpack_nchw4c(xs[1], 8))  # identity branch
+    assert not unpack_nchw4c(out, 20)[:, 17:].any()  # padded channels of the last word are 0

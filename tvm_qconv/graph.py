@@ -7,7 +7,11 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
   kernel exists for its groups, stride... is the kernel registry's call, not this analysis');
 - ``dense``: ``matmul(x, W)`` [+ ``add(bias, .)``] [+ ``relu``], x 2-D, W a constant [K, O];
 - ``add``: ``add(a, b)`` of two activations of one shape (residual) [+ ``relu``];
-- ``max_pool2d``: NCHW max pooling.
+- ``max_pool2d``: NCHW max pooling;
+- ``concat``: ``concat((a, b, ...), axis=1)`` of 4-D activations (Inception, DenseNet branches).
+
+``relu`` stands for any activation that is a clamp: ``relu``, and ``clip(x, lo, hi)`` with constant
+bounds (ReLU6, hardtanh), recorded as ``Layer.clip``; the kernel clamps in the integer domain.
 
 Every other binding stays float.  The *points* are the activation tensors whose range is
 calibrated: each layer's inputs and its output.
@@ -20,6 +24,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from .relax_utils import free_vars
+
 
 @dataclass
 class Layer:
@@ -30,6 +36,7 @@ class Layer:
     vars: list                     # every var bound by the pattern, first to last
     call: relax.Call               # the anchor call (conv2d / matmul / add / max_pool2d)
     relu: bool = False
+    clip: tuple[float, float] | None = None  # the activation's (lo, hi): relu (0, inf), ReLU6 (0, 6)
     weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float
     bias: np.ndarray | None = None     # [O] float
     reason_float: str | None = None    # set when the pattern cannot run in int8
@@ -105,17 +112,15 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
     count(func.body.body)
     user: dict = {}
     for b in bindings:
-        v = b.value
-        args = v.args if isinstance(v, relax.Call) else v.fields if isinstance(v, relax.Tuple) else []
-        for a in args:
-            if isinstance(a, relax.Var):
-                user.setdefault(a, []).append(b.var)
+        for a in free_vars(b.value):
+            user.setdefault(a, []).append(b.var)
 
     def sole_user(var, op):
+        """The one binding that reads ``var``, if it is a call of ``op`` (a name or a tuple of names)."""
         if uses.get(var, 0) != 1 or len(user.get(var, [])) != 1:
             return None
         nxt = user[var][0]
-        return nxt if _op(value[nxt]) == op else None
+        return nxt if _op(value[nxt]) in ((op,) if isinstance(op, str) else op) else None
 
     counters: dict = {}
     torch_names = {k: list(v) for k, v in (names or {}).items()}
@@ -143,13 +148,13 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
             layer = Layer("max_pool2d", name_for("max_pool2d"), [call.args[0]], var, [var], call)
             if call.attrs.layout != "NCHW" or call.attrs.out_layout != "NCHW":
                 layer.reason_float = f"max_pool2d layout {call.attrs.layout}"
+        elif op == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(_shape(var) or ()) == 4 \
+                and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
+            layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
         if layer is None:
             continue
         if layer.kind in ("add",):
-            nxt = sole_user(var, "relax.nn.relu")
-            if nxt is not None:
-                layer.relu, layer.output = True, nxt
-                layer.vars.append(nxt)
+            _absorb_activation(layer, layer.output, value, sole_user)
         g.layers.append(layer)
         g.layer_of_var[layer.vars[0]] = layer
         g.consumed.update(layer.vars)
@@ -164,6 +169,30 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
     return g
 
 
+def _clip_bounds(call) -> tuple[float, float] | None:
+    """(lo, hi) of ``relu`` / ``clip`` with constant bounds, else None."""
+    if _op(call) == "relax.nn.relu":
+        return (0.0, float("inf"))
+    if _op(call) == "relax.clip":
+        try:
+            lo, hi = (float(getattr(a, "value", a)) for a in call.args[1:3])
+        except (TypeError, ValueError):  # a bound that is not a constant
+            return None
+        return (lo, hi) if lo < hi else None
+    return None
+
+
+def _absorb_activation(layer, var, value, sole_user) -> None:
+    """Take a following relu / clip (ReLU6, hardtanh) into the layer: its epilogue clamps."""
+    nxt = sole_user(var, ("relax.nn.relu", "relax.clip"))
+    bounds = _clip_bounds(value[nxt]) if nxt is not None else None
+    if bounds is None:
+        return
+    layer.relu, layer.clip = True, bounds
+    layer.vars.append(nxt)
+    layer.output = nxt
+
+
 def _absorb_bias_relu(layer, var, value, sole_user, bias_shape_ok):
     nxt = sole_user(var, "relax.add")
     if nxt is not None:
@@ -174,11 +203,7 @@ def _absorb_bias_relu(layer, var, value, sole_user, bias_shape_ok):
             layer.bias = bias.reshape(-1).astype(np.float32)
             layer.vars.append(nxt)
             layer.output = var = nxt
-    nxt = sole_user(var, "relax.nn.relu")
-    if nxt is not None:
-        layer.relu = True
-        layer.vars.append(nxt)
-        layer.output = nxt
+    _absorb_activation(layer, var, value, sole_user)
     return layer
 
 

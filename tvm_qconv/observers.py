@@ -20,7 +20,9 @@ import numpy as np
 
 NON_FINITE_MESSAGE = "non-finite values (NaN/Inf) in calibration activations"
 QMAX = 127  # symmetric int8: [-127, 127]; -128 is unused so that the range is symmetric
-MIN_WEIGHT_SCALE = 1e-8  # scale of an all-zero weight channel: any positive value is exact
+# The scale of an all-zero weight channel: any positive value is exact.  A floor, not a range limit:
+# 1e-8 made channels with max|w| < 1.27e-6 lose their levels; 1e-30 is still a normal float32.
+MIN_WEIGHT_SCALE = 1e-30
 _CHUNK = 1 << 22  # elements per histogram pass: bounds temporaries to ~50 MB per update
 
 

@@ -18,6 +18,23 @@ def substitute(expr, vmap: dict):
     return expr
 
 
+def free_vars(expr, out: list | None = None) -> list:
+    """The Vars ``expr`` reads, in order: Call arguments, Tuple fields (``R.concat((a, b))`` takes
+    its inputs in a Tuple) and TupleGetItem, recursively."""
+    out = [] if out is None else out
+    if isinstance(expr, relax.Var):
+        out.append(expr)
+    elif isinstance(expr, relax.Call):
+        for a in expr.args:
+            free_vars(a, out)
+    elif isinstance(expr, relax.Tuple):
+        for f in expr.fields:
+            free_vars(f, out)
+    elif isinstance(expr, relax.TupleGetItem):
+        free_vars(expr.tuple_value, out)
+    return out
+
+
 def bindings_of(func: relax.Function) -> list:
     blocks = func.body.blocks
     if len(blocks) != 1:

@@ -1,22 +1,24 @@
 """The NCHW4c family's kernel implementations, as the registry (``tvm_qconv/registry.py``) sees them.
 
-======================  ===========  ======================================================
-name                    op           runs
-======================  ===========  ======================================================
-``conv2d.nchw4c.dp4a``  conv2d       CUDA (sm_61+), ``__dp4a``; default schedule + 2 spaces
-``conv2d.nchw4c.cpu``   conv2d       llvm, vectorized over output channels
-``max_pool2d.nchw4c``   max_pool2d   any target (dlight on CUDA)
-``add.nchw4c``          add          any target (dlight on CUDA)
-======================  ===========  ======================================================
+===========================  ===========  =================================================
+name                         op           runs
+===========================  ===========  =================================================
+``conv2d.nchw4c.depthwise``  conv2d       depthwise convs, CUDA and llvm (memory-bound)
+``conv2d.nchw4c.dp4a``       conv2d       CUDA (sm_61+), ``__dp4a``; default + 2 spaces
+``conv2d.nchw4c.cpu``        conv2d       llvm, vectorized over output channels
+``max_pool2d.nchw4c``        max_pool2d   any target (dlight on CUDA)
+``add.nchw4c``               add          any target (dlight on CUDA)
+``concat.nchw4c``            concat       any target (dlight on CUDA)
+===========================  ===========  =================================================
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..kernel import KernelImpl
-from ..workload import AddWorkload, ConvWorkload, PoolWorkload
-from . import add, conv2d, cpu, dp4a, dp4a_space, pool
-from .layout import LAYOUT
+from ..workload import AddWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
+from . import add, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
+from .layout import LAYOUT, ceil4
 
 
 class _Conv2dNCHW4c(KernelImpl):
@@ -46,6 +48,35 @@ class _Conv2dNCHW4c(KernelImpl):
 
     def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
         return (wl.batch, wl.groups * conv2d.group_blocks(wl)[1], wl.out_height, wl.out_width, 4)
+
+
+class Conv2dDepthwise(KernelImpl):
+    """Depthwise convs (one input channel per group, any channel multiplier): ``depthwise.py``."""
+
+    name = "conv2d.nchw4c.depthwise"
+    op = "conv2d"
+    layout = LAYOUT.name
+    family = "depthwise"
+    SCHEDULES = {"cuda": depthwise.schedule_cuda, "llvm": lambda func, target: depthwise.schedule_cpu(func)}
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        return wl.is_depthwise and wl.out_dtype == "int8" and target.kind in self.SCHEDULES
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(depthwise.depthwise_nchw4c_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return depthwise.depthwise_nchw4c_int8_ref(wl, *args)
+
+    def schedule(self, func, target):
+        return self.SCHEDULES[target.kind.name](func, target)
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        return [depthwise.pack_depthwise(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
+                conv2d.pack_channels(shift, fill=1)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return (wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4)
 
 
 class Conv2dDp4a(_Conv2dNCHW4c):
@@ -107,14 +138,32 @@ class Add(KernelImpl):
         return True
 
     def compute(self, wl: AddWorkload):
-        return self.tag(add.add_nchw4c_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.relu), wl)
+        return self.tag(add.add_nchw4c_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max), wl)
 
     def reference(self, wl: AddWorkload, a, b):
-        return add.add_nchw4c_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.relu)
+        return add.add_nchw4c_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max)
 
 
+class Concat(KernelImpl):
+    name = "concat.nchw4c"
+    op = "concat"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: ConcatWorkload):
+        return self.tag(concat.concat_nchw4c_int8(wl.shape, list(wl.channels), list(wl.mults), list(wl.shifts)), wl)
+
+    def reference(self, wl: ConcatWorkload, *xs):
+        return concat.concat_nchw4c_int8_ref(list(xs), list(wl.channels), wl.mults, wl.shifts)
+
+
+CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_DP4A = Conv2dDp4a()
 CONV2D_CPU = Conv2dCpu()
 MAX_POOL2D = MaxPool2d()
 ADD = Add()
-IMPLEMENTATIONS = (CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD)
+CONCAT = Concat()
+IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD, CONCAT)

@@ -13,7 +13,7 @@ import numpy as np
 from tvm import te, tirx
 
 from ..kernel import Layout
-from ..quantize import quantize_tir
+from ..quantize import dequantize_tir, quantize_tir
 
 
 def ceil4(c: int) -> int:
@@ -51,7 +51,7 @@ def dequantize_unpack(shape: tuple[int, int, int, int, int], channels: int, scal
     x = te.placeholder(shape, "int8", name="X")
     out = te.compute(
         (n, channels, h, w),
-        lambda b, c, y, xx: x[b, c // 4, y, xx, c % 4].astype("float32") * tirx.const(scale, "float32"),
+        lambda b, c, y, xx: dequantize_tir(x[b, c // 4, y, xx, c % 4], scale),
         name="dequantize_unpack")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack"})
 

@@ -29,14 +29,45 @@ from .. import registry
 from ..config import QuantConfig
 from ..graph import Graph, analyze, static_shape
 from ..observers import quantize_weight_per_channel
-from ..relax_utils import bindings_of, substitute
+from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
 from ..schedules.relayout import relayout_int8
 from ..schedules.requantize import add_multipliers, quantize_multiplier
-from ..schedules.workload import AddWorkload, ConvWorkload, PoolWorkload
+from ..schedules.workload import AddWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
 from ..target import TargetInfo
 
-AMAX_FLOOR = 1e-6  # a dead (all-zero) tensor still needs a finite scale
+# Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
+# values are all ~1e-9 (deep random-init networks) is quantized as well as one of ~1.  (It was
+# 1e-6, which left such tensors a few int8 levels and made MobileNet's logits noise.)
+AMAX_FLOOR = 1e-30
+
+
+def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
+    """The activation of ``ly`` as an int8 clamp at output scale ``s_y``: (name, lo, hi).
+
+    ``clip(x, lo, hi)`` then quantizing is ``clamp(round(x / s), round(lo / s), round(hi / s))``
+    (rounding is monotonic), so ReLU6 costs nothing in the epilogue; a bound beyond the int8
+    range is the range's end.  A clamp equal to ReLU's or to none is named so, and its kernel
+    is then the one ReLU / no-activation layers share (one tuning task, not two).
+    """
+    if not ly.relu:
+        return "none", -128, 127
+    lo, hi = ly.clip or (0.0, float("inf"))
+    q_lo = -128 if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y), -128, 127))
+    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y), -128, 127))
+    name = {(0, 127): "relu", (-128, 127): "none"}.get((q_lo, q_hi), "clip")
+    return name, q_lo, q_hi
+
+
+def block_diagonal(weight: np.ndarray, groups: int) -> np.ndarray:
+    """A grouped conv's [O, I/G, KH, KW] weight as the equivalent groups=1 weight [O, I, KH, KW]
+    (zeros off the diagonal blocks: the same sums, G times the multiply-adds)."""
+    o, cg, kh, kw = weight.shape
+    og = o // groups
+    dense = np.zeros((o, cg * groups, kh, kw), weight.dtype)
+    for g in range(groups):
+        dense[g * og:(g + 1) * og, g * cg:(g + 1) * cg] = weight[g * og:(g + 1) * og]
+    return dense
 
 
 class _QTensor:
@@ -91,8 +122,10 @@ class _Rewriter:
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
-        name = self.g.points[var]
-        return max(self.p.amax[name], AMAX_FLOOR) / 127.0
+        amax = float(self.p.amax[self.g.points[var]])
+        if not (np.isfinite(amax) and amax > 0):
+            amax = 1.0  # a dead (all-zero) tensor: any positive scale represents it exactly
+        return max(amax, AMAX_FLOOR) / 127.0
 
     def quantized(self, expr) -> _QTensor | None:
         """The int8 version of ``expr`` in the layout its producer wrote, if any."""
@@ -148,10 +181,10 @@ class _Rewriter:
 
     def emit_float(self, binding):
         value = substitute(binding.value, {})
-        args = value.args if isinstance(value, relax.Call) else value.fields if isinstance(value, relax.Tuple) else []
-        vmap = {a: self.float_of(a) for a in args if isinstance(a, relax.Var)}
-        if isinstance(value, relax.TupleGetItem) and isinstance(value.tuple_value, relax.Var):
-            vmap[value.tuple_value] = self.float_of(value.tuple_value)
+        # Every Var the value reads, inside a Tuple argument too (R.concat((a, b))): an int8
+        # producer's output must be dequantized, a float one renamed.  Looking at direct
+        # arguments only left concat's inputs undefined ("Var lv403 is not defined").
+        vmap = {a: self.float_of(a) for a in free_vars(value)}
         new = substitute(value, vmap)
         if isinstance(new, relax.Call) and getattr(new.op, "name", None):
             self.float_ops[new.op.name] += 1
@@ -220,28 +253,44 @@ class _Rewriter:
     def emit_conv2d(self, ly) -> str | None:
         a = ly.call.attrs
         n, c, h, w = static_shape(ly.inputs[0].ty)
-        o, _, kh, kw = ly.weight.shape
-        wl = ConvWorkload.with_activation(
-            "relu" if ly.relu else "none", batch=n, in_channels=c, height=h, width=w, out_channels=o,
-            kernel=(kh, kw), stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
-            dilation=tuple(map(int, a.dilation)), groups=int(a.groups))
+        weight = ly.weight
+        o, _, kh, kw = weight.shape
+        groups = int(a.groups)
+        s_y = self.scale(ly.output)
+        activation, act_min, act_max = int8_clamp(ly, s_y)
+        shape = dict(batch=n, in_channels=c, height=h, width=w, out_channels=o, kernel=(kh, kw),
+                     stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
+                     dilation=tuple(map(int, a.dilation)))
+        wl = ConvWorkload.with_activation(activation, act_min, act_max, groups=groups, **shape)
         impl = registry.select("conv2d", wl, self.p.target, prefer=self.p.choices.get(ly.name))
+        note = ""
+        if impl is None and groups > 1:
+            # Groups no kernel takes as they are (channels per group not a multiple of 4):
+            # the same conv with a block-diagonal weight, groups=1.
+            dense = ConvWorkload.with_activation(activation, act_min, act_max, **shape)
+            impl = registry.select("conv2d", dense, self.p.target, prefer=self.p.choices.get(ly.name))
+            if impl is not None:
+                wl, weight, note = dense, block_diagonal(weight, groups), f" (groups={groups} as block-diagonal)"
         if impl is None:
             return self.no_kernel("conv2d", wl)
         x = self.int8_of(ly.inputs[0], impl.layout)
-        qw, s_w = quantize_weight_per_channel(ly.weight)
-        s_y = self.scale(ly.output)
+        qw, s_w = quantize_weight_per_channel(weight)
         acc_scale = x.scale * s_w.astype(np.float64)
         bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
-        bias_q = np.clip(np.round(bias / acc_scale), -2**31, 2**31 - 1).astype(np.int32)
+        bias_q = np.round(bias / acc_scale)
+        clipped = int(np.count_nonzero(np.abs(bias_q) > 2**31 - 1))
+        bias_q = np.clip(bias_q, -2**31, 2**31 - 1).astype(np.int32)
         mult, shift = quantize_multiplier(acc_scale / s_y)
         args = [x.var] + [relax.const(p) for p in impl.pack_params(wl, qw, bias_q, mult, shift)]
         prim = impl.compute(wl)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, impl.out_shape(wl), "int8")
         self.produce(ly.output, var, s_y, o, impl.layout)
-        self.rows.append(dict(layer=ly.name, kind="conv2d" + ("+bias" if ly.bias is not None else "")
-                              + ("+relu" if ly.relu else ""), kernel=impl.name, dtype="int8",
-                              shape=wl.describe(), in_scale=x.scale, out_scale=s_y))
+        act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
+        row = dict(layer=ly.name, kind="conv2d" + ("+bias" if ly.bias is not None else "") + act,
+                   kernel=impl.name, dtype="int8", shape=wl.describe() + note, in_scale=x.scale, out_scale=s_y)
+        if clipped:  # a bias beyond int32 at scale s_x * s_w: saturated, and the report says so
+            row["bias_saturated"] = clipped
+        self.rows.append(row)
         return None
 
     def emit_max_pool2d(self, ly) -> str | None:
@@ -276,19 +325,42 @@ class _Rewriter:
         qa, qb = (self.int8_of(v, impl.layout) for v in ly.inputs)
         s_y = self.scale(ly.output)
         mult_a, mult_b, shift = add_multipliers(qa.scale, qb.scale, s_y)
+        activation, act_min, act_max = int8_clamp(ly, s_y)
         shape = static_shape(qa.var.ty)
-        prim = impl.compute(AddWorkload(shape, mult_a, mult_b, shift, ly.relu))
+        prim = impl.compute(AddWorkload(shape, mult_a, mult_b, shift, act_min, act_max))
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [qa.var, qb.var], shape, "int8")
         self.produce(ly.output, var, s_y, qa.channels, impl.layout)
-        self.rows.append(dict(layer=ly.name, kind="add" + ("+relu" if ly.relu else ""), kernel=impl.name,
-                              dtype="int8", shape=str(static_shape(ly.output.ty))))
+        act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
+        self.rows.append(dict(layer=ly.name, kind="add" + act, kernel=impl.name, dtype="int8",
+                              shape=str(static_shape(ly.output.ty))))
+        return None
+
+    def emit_concat(self, ly) -> str | None:
+        produced = [self.quantized(v) for v in ly.inputs]
+        layout_name = next((q.layout.name for q in produced if q is not None), None)
+        impl = next(iter(registry.candidates("concat", None, self.p.target, layout=layout_name)), None) \
+            if layout_name else registry.select("concat", None, self.p.target)
+        if impl is None:
+            return self.no_kernel("concat", "these inputs")
+        qs = [self.int8_of(v, impl.layout) for v in ly.inputs]
+        s_y = self.scale(ly.output)
+        mult, shift = quantize_multiplier(np.array([q.scale / s_y for q in qs]))
+        n, c, h, w = static_shape(ly.output.ty)
+        wl = ConcatWorkload((n, h, w), tuple(q.channels for q in qs), tuple(map(int, mult)), tuple(map(int, shift)))
+        prim = impl.compute(wl)
+        layout = registry.layout(impl.layout)
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [q.var for q in qs],
+                        layout.packed_shape((n, c, h, w)), "int8")
+        self.produce(ly.output, var, s_y, c, impl.layout)
+        self.rows.append(dict(layer=ly.name, kind=f"concat x{len(qs)}", kernel=impl.name, dtype="int8",
+                              shape=str((n, c, h, w))))
         return None
 
     def emit_dense(self, ly) -> str | None:
         x = self.float_of(ly.inputs[0])
         n, k = static_shape(x.ty)
         o = ly.weight.shape[0]
-        wl = DenseWorkload(n, ceil4(k), o, ly.relu)
+        wl = DenseWorkload(n, ceil4(k), o, (ly.clip or (0.0, float("inf"))) if ly.relu else None)
         impl = registry.select("dense", wl, self.p.target)
         if impl is None:
             return self.no_kernel("dense", f"{k}->{o}")

@@ -1,0 +1,153 @@
+"""Depthwise int8 conv in NCHW4c (MobileNet, EfficientNet, ShuffleNet): each output channel reads
+one input channel, so the 4 channels of an int8x4 word stay independent and the kernel is
+memory-bound (kh * kw multiply-adds per output byte).  Same fused epilogue as the dense conv:
+int32 accumulate, + bias, fixed-point requantize, clamp to [act_min, act_max] (ReLU6 included).
+
+Read top to bottom: the compute definition (:func:`depthwise_nchw4c_int8`), the NumPy reference,
+the weight packing, and the two schedules (llvm, CUDA).
+
+Layouts: data NCHW4c ``[n, c/4, h, w, 4]``; weight ``[o/4, kh, kw, 4]`` (one filter tap of 4
+output channels is one int8x4 word); bias / mult / shift ``[o/4, 4]``.  A channel multiplier
+``k = out / in`` > 1 (output channel ``o`` reads input channel ``o // k``) is supported; with
+``k = 1`` the compute reads the same (block, lane) it writes, which the schedules rely on for
+vector loads.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import te, tirx
+
+from ..requantize import requantize_ref, requantize_tir
+from ..workload import ConvWorkload
+from .layout import ceil4
+
+KERNEL_NAME = "depthwise_nchw4c_int8"
+THREADS = 128  # CUDA threads per block: one output word (4 channels) each
+
+
+def depthwise_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Compute definition: blocks ``pad``, ``conv`` (int32 reduction over ry, rx), ``requant``."""
+    assert wl.is_depthwise, wl
+    k = wl.out_channels // wl.in_channels
+    icc, occ = ceil4(wl.in_channels) // 4, ceil4(wl.out_channels) // 4
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    A = te.placeholder((wl.batch, icc, wl.height, wl.width, 4), "int8", name="A")
+    W = te.placeholder((occ, kh, kw, 4), "int8", name="W")
+    pad = te.compute(
+        (wl.batch, icc, wl.height + pt + pb, wl.width + pl + pr, 4),
+        lambda n, c, h, w, ci: tirx.if_then_else(
+            tirx.all(h >= pt, h < pt + wl.height, w >= pl, w < pl + wl.width),
+            A[n, c, h - pt, w - pl, ci], tirx.const(0, "int8")),
+        name="pad")
+    ry = te.reduce_axis((0, kh), name="ry")
+    rx = te.reduce_axis((0, kw), name="rx")
+
+    def source(ob, oi):  # the (block, lane) of the input channel output channel ob*4+oi reads
+        if k == 1:
+            return ob, oi
+        c = (ob * 4 + oi) // k
+        return c // 4, c % 4
+
+    conv = te.compute(
+        (wl.batch, occ, wl.out_height, wl.out_width, 4),
+        lambda n, ob, y, x, oi: te.sum(
+            pad[n, source(ob, oi)[0], y * sh + ry * dh, x * sw + rx * dw, source(ob, oi)[1]].astype("int32")
+            * W[ob, ry, rx, oi].astype("int32"), axis=[ry, rx]),
+        name="conv")
+    bias = te.placeholder((occ, 4), "int32", name="Bias")
+    mult = te.placeholder((occ, 4), "int32", name="Mult")
+    shift = te.placeholder((occ, 4), "int32", name="Shift")
+    out = te.compute(
+        conv.shape,
+        lambda n, ob, y, x, oi: requantize_tir(conv[n, ob, y, x, oi].astype("int64") + bias[ob, oi].astype("int64"),
+                                               mult[ob, oi], shift[ob, oi], wl.act_min, wl.act_max),
+        name="requant")
+    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
+        {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def depthwise_nchw4c_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
+    """NumPy int64 reference of :func:`depthwise_nchw4c_int8` (same layouts)."""
+    k = wl.out_channels // wl.in_channels
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow = wl.out_height, wl.out_width
+    n = a.shape[0]
+    x = a.astype(np.int64).transpose(0, 1, 4, 2, 3).reshape(n, -1, wl.height, wl.width)  # NCHW, padded C
+    x = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    o4 = w.shape[0] * 4
+    src = np.minimum(np.arange(o4) // k, x.shape[1] - 1)
+    wk = w.astype(np.int64).transpose(0, 3, 1, 2).reshape(o4, kh, kw)
+    acc = np.zeros((n, o4, oh, ow), np.int64)
+    for y in range(kh):
+        for xx in range(kw):
+            win = x[:, src, y * dh: y * dh + (oh - 1) * sh + 1: sh, xx * dw: xx * dw + (ow - 1) * sw + 1: sw]
+            acc += win * wk[None, :, y, xx, None, None]
+    acc = acc.reshape(n, o4 // 4, 4, oh, ow).transpose(0, 1, 3, 4, 2)
+    return requantize_ref(acc + bias.astype(np.int64)[None, :, None, None, :], mult[None, :, None, None, :],
+                          shift[None, :, None, None, :], wl.act_min, wl.act_max)
+
+
+def pack_depthwise(w: np.ndarray) -> np.ndarray:
+    """[O, 1, KH, KW] -> [O/4, KH, KW, 4], output channels zero-padded."""
+    o, _, kh, kw = w.shape
+    wp = np.zeros((ceil4(o), kh, kw), w.dtype)
+    wp[:o] = w[:, 0]
+    return np.ascontiguousarray(wp.reshape(-1, 4, kh, kw).transpose(0, 2, 3, 1))
+
+
+def _epilogue_to_registers(sch, conv, requant, at) -> None:
+    """Accumulate in registers under ``at``; the epilogue computes from them, and a copy stores
+    int8x4 words (vectorizing the epilogue itself would make 32-byte int64x4 vectors)."""
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, at, preserve_unit_loops=True)
+    store = sch.cache_write(requant, 0, "local")
+    sch.reverse_compute_at(store, at, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(store)[-1])
+
+
+def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
+    """One thread per output word (4 channels), consecutive threads on consecutive columns
+    (coalesced loads and stores); the kh x kw taps unrolled.  With channel multiplier 1 each tap
+    is one int8x4 input word and one int8x4 filter word, loaded as such into registers (the
+    zero padding a predicate on the word); otherwise the input is read byte by byte."""
+    sch = tvm.s_tir.Schedule(func)
+    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
+    n, ob, y, x, oi, ry, rx = sch.get_loops(conv)
+    sch.reorder(n, ob, y, x, ry, rx, oi)
+    bx, tx = sch.split(sch.fuse(n, ob, y, x), [None, THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    _epilogue_to_registers(sch, conv, requant, tx)
+    wl = ConvWorkload.of(func)
+    if wl.out_channels == wl.in_channels:
+        sch.set_scope(pad, 0, "local")
+        sch.compute_at(pad, rx, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(pad)[-1])
+        w_local = sch.cache_read(conv, 1, "local")
+        sch.compute_at(w_local, rx, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(w_local)[-1])
+    else:
+        sch.compute_inline(pad)
+    init = sch.decompose_reduction(conv, ry)
+    for loop in (ry, rx, oi, *sch.get_loops(init)[2:], *sch.get_loops(requant)[2:]):
+        sch.unroll(loop)
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """Output rows in parallel; each output word's 4 channels one vector through the taps."""
+    sch = tvm.s_tir.Schedule(func)
+    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
+    sch.compute_inline(pad)
+    n, ob, y, x, oi, ry, rx = sch.get_loops(conv)
+    sch.reorder(n, ob, y, x, ry, rx, oi)
+    sch.parallel(sch.fuse(n, ob, y))
+    sch.reverse_compute_at(requant, x)
+    init = sch.decompose_reduction(conv, ry)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.unroll(ry)
+    sch.unroll(rx)
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
