@@ -16,6 +16,8 @@ from tvm_qconv.cli_args import positive_int as _positive
 from tvm_qconv.config import CALIBRATIONS, PRESETS
 from tvm_qconv.errors import InputError
 
+EXIT_UNVERIFIED = 3  # built, but its outputs disagree with the float model's (2: bad input)
+
 # The subcommands import what they need when they run: `run` needs the TVM runtime only, so it
 # must not pay for importing torch and the compiler.
 
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
     b.add_argument("--cuda-graph", action="store_true",
                    help="(cuda) capture the kernel launches in a CUDA graph: less launch overhead at small batch")
+    b.add_argument("--no-verify", action="store_true",
+                   help="do not run the built library against the float model on calibration images")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -102,7 +106,7 @@ def cmd_build(args) -> int:
     def build_options(image_size: int) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
-                            debug_dump=args.debug_dump)
+                            debug_dump=args.debug_dump, verify=not args.no_verify)
 
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:
@@ -123,6 +127,10 @@ def cmd_build(args) -> int:
                             ranges=Calibrate(calib_dir=args.calib_dir))
     print(format_report(res.meta))
     print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
+    if res.meta["report"].get("verify", {}).get("status") == "failed":
+        print("error: the built library failed its verification against the float model (see above)",
+              file=sys.stderr)
+        return EXIT_UNVERIFIED
     return 0
 
 

@@ -6,6 +6,7 @@ checkpoint in, the same library out with the learned ranges instead of calibrati
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,12 +15,13 @@ import torch
 import torchvision
 import tvm
 
+from . import verify as verify_mod
 from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
 from .errors import InputError
 from .frontend import load_model
 from .quantize import dump_ir, quantize_module
-from .ranges import LearnedRanges, RangeSource
+from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
@@ -40,6 +42,9 @@ class BuildOptions:
         debug_dump: a folder to write the IR into after each phase (01_imported.py ...).
         kernels: ``{layer: implementation}`` to prefer over the registry's order (e.g.
             ``{"features.0": "conv2d.nchw4c.dp4a"}``); ignored where it does not apply.
+        verify: run the built library on a few calibration images and compare its logits with
+            the float model's (``tvm_qconv/verify.py``); under ``verify_floor_db`` the report
+            names the first layer whose int8 activations diverge.
     """
 
     target: str = "llvm"
@@ -51,6 +56,8 @@ class BuildOptions:
     expose_activations: bool = False
     debug_dump: str | None = None
     kernels: dict = field(default_factory=dict)
+    verify: bool = True
+    verify_floor_db: float = verify_mod.FLOOR_DB
 
     def __post_init__(self):
         if self.batch < 1 or self.image_size < 8:
@@ -93,6 +100,29 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     if isinstance(model, str):
         name, model = name or model, load_model(model)
     name = name or type(model).__name__.lower()
+    q, ex, params, applied, tuned, t1 = _compile(model, tgt, options, config, ranges, progress)
+    t2 = time.time()
+    report = dict(q.report, schedules=applied, tuned=tuned)
+    if options.verify:
+        report["verify"] = _verify(model, tgt, options, config, q, ex, params)
+    cuda_graph = bool(options.cuda_graph and options.target == "cuda")
+    meta = dict(version=ARTIFACT_VERSION, model=name, input_shape=list(options.input_shape),
+                target=str(tgt.kind.name), arch=(options.arch or "sm_90") if options.target == "cuda" else None,
+                config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params], num_outputs=1,
+                report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
+                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=cuda_graph,
+                options=asdict(options))
+    meta.update(extra_meta or {})
+    save_artifact(ex, params, meta, out_path)
+    return BuildResult(out_path, report, meta)
+
+
+def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress: bool):
+    """quantize -> lift params -> tuning database -> default schedules -> tvm.compile.
+
+    Returns:
+        (QuantizedModule, executable, params, schedules applied, tuned kernels, time quantized).
+    """
     q = quantize_module(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
                         choices=options.kernels, expose_activations=options.expose_activations,
                         debug_dump=options.debug_dump, progress=progress)
@@ -109,17 +139,29 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     cuda_graph = bool(options.cuda_graph and options.target == "cuda")
     with tgt, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
         ex = tvm.compile(qmod, target=tgt)
-    t2 = time.time()
-    report = dict(q.report, schedules=sched.applied, tuned=tuned)
-    meta = dict(version=ARTIFACT_VERSION, model=name, input_shape=list(options.input_shape),
-                target=str(tgt.kind.name), arch=(options.arch or "sm_90") if options.target == "cuda" else None,
-                config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in lift.params], num_outputs=1,
-                report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
-                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=cuda_graph,
-                options=asdict(options))
-    meta.update(extra_meta or {})
-    save_artifact(ex, lift.params, meta, out_path)
-    return BuildResult(out_path, report, meta)
+    return q, ex, lift.params, sched.applied, tuned, t1
+
+
+def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
+    """Compare the compiled logits with the float model's on calibration images; under the floor,
+    find the first layer that diverges (``tvm_qconv/verify.py``)."""
+    if q.images is None:
+        return dict(status="skipped", reason="the ranges were not calibrated: no images to check on")
+    if not verify_mod.can_run(tgt):
+        return dict(status="skipped", reason="this machine cannot run a CUDA library (no GPU)")
+    images = q.images[:verify_mod.IMAGES]
+    sqnr = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
+    result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
+                  images=len(images), floor_db=options.verify_floor_db)
+    if sqnr < options.verify_floor_db:
+        # A twin at batch 1 that returns every int8 activation, from the same ranges.
+        debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False)
+        dq, dex, dparams, *_ = _compile(model, tgt, debug, config, GivenRanges(q.amax), progress=False)
+        layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
+        result["layers"] = layers
+        result["first_bad_layer"] = next((ly["layer"] for ly in layers if ly["sqnr_db"] < options.verify_floor_db),
+                                         None)
+    return result
 
 
 def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions | None = None,

@@ -62,14 +62,36 @@ def instrument(graph: Graph) -> tuple[tvm.IRModule, list[str]]:
     return bb.get(), [name for _, name in points]
 
 
-def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, batch_size: int = 8,
-              progress: bool = True) -> dict[str, float]:
+class FloatPoints:
+    """The float graph, run on llvm (conv / matmul in torch), returning its calibration points.
+
+    ``runner(x)`` takes float32 images (any count) and yields ``(images, {point: float array})``
+    per batch of the graph's static batch (the last one padded with repeats, then cut).
+    """
+
+    def __init__(self, graph: Graph):
+        self.batch = int(graph.func.params[0].ty.shape.values[0])
+        mod, self.names = instrument(graph)
+        self.vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target("llvm")), tvm.cpu())
+
+    def __call__(self, images: np.ndarray, progress: bool = False, desc: str = ""):
+        batch = self.batch
+        for i in tqdm(range(0, len(images), batch), desc=desc, disable=not progress, unit="batch"):
+            x = images[i: i + batch]
+            n = len(x)
+            if n < batch:  # the module has a static batch: pad the last batch with repeats
+                x = np.concatenate([x] * (-(-batch // n)))[:batch]
+            outs = self.vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), tvm.cpu()))
+            yield n, {name: t.numpy()[:n] for name, t in zip(self.names, outs)}
+
+
+def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, progress: bool = True) -> dict[str, float]:
     """Ranges (amax of |x|, the int8 scale is amax / 127) of every calibration point.
 
     Args:
         graph: the analysis of the float model (``graph.analyze``).
         images: float32 [N, C, H, W], already preprocessed; its H, W must be the model's.
-        config: picks the observer (max / percentile / entropy).
+        config: picks the observer (max / percentile / entropy / mse).
     Returns:
         ``{point name: amax}``.
     """
@@ -77,20 +99,12 @@ def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, batch_size:
     if images.ndim != 4 or images.shape[1:] != in_shape[1:]:
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
                          "give images of the model's input size")
-    images = images[: config.num_calib_images]
-    mod, names = instrument(graph)
-    vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target("llvm")), tvm.cpu())
-    observers = {n: make_observer(config.calibration, config.percentile) for n in names}
-    batch = in_shape[0]
-    steps = range(0, len(images), batch)
-    for i in tqdm(steps, desc=f"calibrate ({config.calibration})", disable=not progress, unit="batch"):
-        x = images[i: i + batch]
-        if len(x) < batch:  # the module has a static batch: pad the last batch with repeats
-            x = np.concatenate([x, images[: batch - len(x)]])[:batch]
-        outs = vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), tvm.cpu()))
-        for name, t in zip(names, outs):
+    points = FloatPoints(graph)
+    observers = {n: make_observer(config.calibration, config.percentile) for n in points.names}
+    for _, values in points(images[: config.num_calib_images], progress, f"calibrate ({config.calibration})"):
+        for name, value in values.items():
             try:
-                observers[name].update(t.numpy())
+                observers[name].update(value)
             except ValueError as err:
                 raise InputError(f"calibration at {name}: {err}; check the images' normalization and the "
                                  "weights (a NaN weight or an image with NaN pixels)") from err

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 # 2: the activation layout left the scheme; it is the chosen kernel's (tvm_qconv/registry.py).
 CONFIG_VERSION = 2
-CALIBRATIONS = ("max", "percentile", "entropy")
+CALIBRATIONS = ("max", "percentile", "entropy", "mse")
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,8 @@ class QuantConfig:
     """How a float model becomes int8.
 
     Attributes:
-        calibration: activation range observer: ``max``, ``percentile`` or ``entropy`` (KL).
+        calibration: activation range observer: ``max``, ``percentile``, ``entropy`` (KL) or
+            ``mse`` (least squared error of the int8 tensor).
         percentile: the percentile of |x| used when ``calibration == "percentile"``.
         weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
         activation: activation granularity; only ``per_tensor`` (symmetric).
@@ -74,5 +75,6 @@ PRESETS = {
     "int8": QuantConfig(),
     "int8-max": QuantConfig(calibration="max"),
     "int8-entropy": QuantConfig(calibration="entropy"),
+    "int8-mse": QuantConfig(calibration="mse"),
     "int8-float-head": QuantConfig(quantize_dense=False),
 }

@@ -13,6 +13,7 @@ import fnmatch
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import tvm
 
 from .config import QuantConfig
@@ -27,12 +28,16 @@ from .transform import QuantizeInt8
 @dataclass
 class QuantizedModule:
     """``mod``: the int8 module; ``report``: the pass's report plus ``ranges`` (where they came
-    from); ``amax``: the range of every point; ``names``: torch names of conv / linear layers."""
+    from); ``amax``: the range of every point; ``names``: torch names of conv / linear layers;
+    ``graph``: the float graph's analysis at the build shape; ``images``: the calibration images
+    (None when the ranges were not calibrated)."""
 
     mod: tvm.IRModule
     report: dict
     amax: dict
     names: dict
+    graph: Graph | None = None
+    images: np.ndarray | None = None
 
 
 def dump_ir(debug_dump: str | None, step: str, mod) -> None:
@@ -88,8 +93,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         return analyze(simplify(one)["main"], one_names)
 
     ranges = ranges if ranges is not None else Calibrate()
-    amax, ranges_report = ranges.resolve(RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress))
+    ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress)
+    amax, ranges_report = ranges.resolve(ctx)
     qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations)
     qmod = qpass(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
-    return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names)
+    return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names, graph, ctx.images)

@@ -35,6 +35,7 @@ class RangeContext:
     config: QuantConfig
     graph_at_batch1: Callable[[], Graph]
     progress: bool = True
+    images: np.ndarray | None = None  # set by a source that calibrated: the images it used
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,10 @@ class Calibrate:
         images = self.images
         if images is None:
             images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images)
+        images = images[: cfg.num_calib_images]
         amax = calibrate(ctx.graph_at_batch1(), images, cfg, progress=ctx.progress)
-        report = dict(source="calibration", calibration=cfg.calibration,
-                      images=int(min(len(images), cfg.num_calib_images)))
+        ctx.images = images
+        report = dict(source="calibration", calibration=cfg.calibration, images=len(images))
         if cfg.calibration == "percentile":
             report["percentile"] = cfg.percentile
         return amax, report

@@ -27,7 +27,32 @@ def format_report(meta: dict) -> str:
                  + (", ".join(conversions) or "none"))
     if rep.get("tuned"):
         lines.append(f"tuned kernels: {len(rep['tuned'])}; others use their default schedule")
+    lines += format_verification(rep.get("verify"))
     bs = meta.get("build_seconds", {})
     lines.append(f"built in {bs.get('quantize', 0) + bs.get('compile', 0):.1f} s "
                  f"(quantize {bs.get('quantize')} s, compile {bs.get('compile')} s)")
     return "\n".join(lines)
+
+
+def format_verification(v: dict | None) -> list[str]:
+    """The build's self-check, one line when it passed, a loud block when it did not."""
+    if not v:
+        return []
+    if v["status"] == "skipped":
+        return [f"verification: skipped ({v['reason']})"]
+    head = (f"logits SQNR {v['logits_sqnr_db']:.1f} dB vs the float model on {v['images']} calibration images "
+            f"(floor {v['floor_db']:.0f} dB)")
+    if v["status"] == "ok":
+        return ["verification: " + head]
+    lines = ["!" * 78, f"!! VERIFICATION FAILED: {head}",
+             "!! the int8 library does not compute what the float model computes."]
+    if v.get("first_bad_layer"):
+        worst = ", ".join(f"{ly['layer']} {ly['sqnr_db']:.1f} dB" for ly in v["layers"]
+                          if ly["sqnr_db"] < v["floor_db"])[:400]
+        lines.append(f"!! first layer whose int8 activations diverge: {v['first_bad_layer']} (below the floor: {worst})")
+    else:
+        lines.append("!! every int8 layer is above the floor on its own: the loss accumulates; try another "
+                     "--calibration, or --skip the most sensitive layers")
+    lines.append("!! the library was written, marked unverified in its json; do not ship it as is")
+    lines.append("!" * 78)
+    return lines

@@ -1,0 +1,96 @@
+"""The build's own check: does the compiled int8 model agree with the float model?
+
+A compiler that returns wrong numbers without an error is the worst outcome for a user, so
+``compile_model`` runs the library it just compiled on a few calibration images, compares its
+logits with the float PyTorch model's (SQNR), and records the result in the build report.  Under
+``FLOOR_DB`` it builds a debugging twin that returns every int8 activation and names the first
+layer whose activations diverge from the float graph's, which ``deploy.py build`` prints loudly.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import tvm
+from tvm import relax
+
+from . import registry
+from .calibrate import FloatPoints
+from .evaluate import sqnr_db
+from .graph import Graph
+
+# int8 per-tensor activations through a deep network lose 20-40 dB against float (random-init
+# torchvision models: 21-39 dB at 64 px); every fault seen so far gave 0-3 dB.  Under 15 dB the
+# logits are mostly quantization noise.
+FLOOR_DB = 15.0
+IMAGES = 4  # calibration images the check runs
+
+
+def can_run(target: tvm.target.Target) -> bool:
+    """Whether this machine can run a library built for ``target``."""
+    if target.kind.name != "cuda":
+        return True
+    try:
+        return tvm.cuda(0).exist
+    except Exception:
+        return False
+
+
+def _flatten(out) -> list[np.ndarray]:
+    flat = []
+
+    def walk(o):
+        if hasattr(o, "numpy"):
+            flat.append(o.numpy())
+        else:
+            for item in o:
+                walk(item)
+    walk(out)
+    return flat
+
+
+def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images: np.ndarray) -> list[list]:
+    """Every output of ``ex``'s main, per batch of ``batch`` images (the last padded with repeats,
+    outputs cut back to the real images)."""
+    dev = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+    vm = relax.VirtualMachine(ex, dev)
+    args = [tvm.runtime.tensor(a, dev) for _, a in params]
+    results = []
+    for i in range(0, len(images), batch):
+        x = images[i: i + batch]
+        n = len(x)
+        if n < batch:
+            x = np.concatenate([x] * (-(-batch // n)))[:batch]
+        outs = _flatten(vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32), dev), *args))
+        results.append([o[:n] if o.ndim and o.shape[0] == batch else o for o in outs])
+    return results
+
+
+def logits_sqnr(ex, params: list, target, batch: int, model: torch.nn.Module, images: np.ndarray) -> float:
+    """SQNR (dB) of the compiled logits against the float model's on ``images``."""
+    got = np.concatenate([outs[0] for outs in run_batches(ex, params, target, batch, images)])
+    with torch.no_grad():
+        ref = model.eval()(torch.from_numpy(np.ascontiguousarray(images, np.float32))).numpy()
+    return sqnr_db(ref, got)
+
+
+def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, images: np.ndarray) -> list[dict]:
+    """Per int8 layer, in graph order: the SQNR (dB) of its dequantized int8 output against the
+    float graph's tensor at the same point, over ``images``.
+
+    Args:
+        ex, params: a build with ``expose_activations`` at batch ``graph``'s.
+        exposed: its report's ``exposed`` (layer, layout, channels, scale per activation).
+        graph: the float graph's analysis at that batch.
+    """
+    batch = int(graph.func.params[0].ty.shape.values[0])
+    runs = run_batches(ex, params, target, batch, images)
+    signal = np.zeros(len(exposed))
+    noise = np.zeros(len(exposed))
+    for outs, (_, floats) in zip(runs, FloatPoints(graph)(images)):
+        for i, (e, q) in enumerate(zip(exposed, outs[1:])):
+            ref = floats[f"{e['layer']}.out"].astype(np.float64)
+            got = registry.layout(e["layout"]).unpack(q, e["channels"]).astype(np.float64) * e["scale"]
+            signal[i] += (ref ** 2).sum()
+            noise[i] += ((got - ref) ** 2).sum()
+    return [dict(layer=e["layer"], sqnr_db=float("inf") if n == 0 else float(10 * np.log10(s / n)))
+            for e, s, n in zip(exposed, signal, noise)]
