@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--checkpoint: the model a `train.py --qat` checkpoint was trained as, with "
                                    "its learned ranges instead of calibration.")
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="torchvision classifier name, e.g. vgg16, resnet50")
+    src.add_argument("--model", help="torchvision classifier name (vgg16, resnet50, ...) or your own model as "
+                                      "path/to/file.py:factory (a function or class returning the nn.Module)")
     src.add_argument("--checkpoint", metavar="CKPT",
                      help="a checkpoint written by `train.py --qat --out CKPT`: its architecture, weights and "
                           "learned activation ranges (no calibration; --image-size comes from it)")

@@ -176,3 +176,30 @@ class ConcatWorkload:
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class AvgPoolWorkload:
+    """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``)."""
+
+    shape: tuple[int, ...]
+    pool: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    mult: int
+    shift: int
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
+class AffineWorkload:
+    """An int8 per-channel affine (inference BatchNorm) of packed ``shape``, clamped to [act_min, act_max]."""
+
+    shape: tuple[int, ...]
+    act_min: int = -128
+    act_max: int = 127
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()

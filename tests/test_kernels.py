@@ -3,6 +3,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 import tvm
 
 from tvm_qconv.schedules.dense_int8 import dense_int8, dense_int8_ref, quantize_rows
@@ -342,3 +343,35 @@ def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(unpack_nchw4c(ref, 17)[:, 6:14], unpack_nchw4c(xs[1], 8))  # identity branch
     assert not unpack_nchw4c(out, 20)[:, 17:].any()  # padded channels of the last word are 0
+
+
+AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]
+
+
+@pytest.mark.parametrize("pool,stride,pad", AVG_POOLS, ids=["inception_3x3_s1_p1", "densenet_2x2_s2"])
+def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stride, pad):
+    from tvm_qconv.schedules.nchw4c.pool import avg_pool2d_nchw4c_int8, avg_pool2d_nchw4c_int8_ref
+    x = RNG.integers(-128, 128, (2, 3, 9, 7, 4)).astype(np.int8)
+    s_in, s_out = 0.03, 0.02
+    (m,), (s,) = quantize_multiplier(np.array([s_in / (pool[0] * pool[1] * s_out)]))
+    ref = avg_pool2d_nchw4c_int8_ref(x, pool, stride, pad, int(m), int(s))
+    out = run(avg_pool2d_nchw4c_int8(x.shape, pool, stride, pad, int(m), int(s)), x, out_shape=ref.shape,
+              out_dtype="int8")
+    np.testing.assert_array_equal(out, ref)
+    exact = torch.nn.functional.avg_pool2d(torch.from_numpy(unpack_nchw4c(x, 12).astype(np.float64) * s_in), pool,
+                                           stride, pad[:2], count_include_pad=True).numpy() / s_out
+    assert np.abs(unpack_nchw4c(ref, 12) - np.clip(exact, -128, 127)).max() <= 0.5 + 1e-9  # one rounding
+
+
+def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gammas():
+    from tvm_qconv.schedules.nchw4c.affine import (affine_nchw4c_int8, affine_nchw4c_int8_ref, affine_params,
+                                                   pack_affine)
+    x = RNG.integers(-128, 128, (2, 3, 5, 4, 4)).astype(np.int8)
+    a, b = RNG.normal(0, 1, 12), RNG.normal(0, 0.5, 12)
+    a[3] = 0.0  # a dead channel: its output is the bias alone
+    args = pack_affine(*affine_params(a, b, 0.03, 0.05))
+    ref = affine_nchw4c_int8_ref(x, *args, 0, 127)
+    np.testing.assert_array_equal(run(affine_nchw4c_int8(x.shape, 0, 127), x, *args, out_shape=x.shape,
+                                      out_dtype="int8"), ref)
+    exact = np.maximum(a[None, :, None, None] * unpack_nchw4c(x, 12) * 0.03 + b[None, :, None, None], 0) / 0.05
+    assert (a < 0).any() and np.abs(unpack_nchw4c(ref, 12) - np.clip(exact, 0, 127)).max() <= 0.5 + 1e-9

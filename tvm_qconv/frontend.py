@@ -1,6 +1,7 @@
 """torch model in, float Relax module out (torch.export -> relax.frontend.torch)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -19,18 +20,62 @@ def list_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+def load_user_model(spec: str) -> torch.nn.Module:
+    """The model a ``path/to/file.py:factory`` spec names: the file is imported and ``factory()``
+    (a function or an ``nn.Module`` class taking no arguments) is called.
+
+    Raises:
+        InputError: the file, the factory or its result is not usable, with the reason.
+    """
+    path, _, factory = spec.rpartition(":")
+    if not path.endswith(".py") or not factory.isidentifier():
+        raise InputError(f"--model {spec!r}: write a user model as path/to/file.py:factory (a function or class "
+                         "in that file that takes no arguments and returns the torch.nn.Module)")
+    if not os.path.isfile(path):
+        raise InputError(f"--model {spec!r}: {path} does not exist")
+    module_name = "tvm_qconv_user_model_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        raise InputError(f"--model {spec!r}: importing {path} failed: {type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0][:200]}") from err
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise InputError(f"--model {spec!r}: {path} has no function or class {factory!r} (it has {names[:10]})")
+    try:
+        model = fn()
+    except Exception as err:
+        raise InputError(f"--model {spec!r}: {factory}() raised {type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0][:200]}") from err
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"--model {spec!r}: {factory}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def load_model(name: str, weights: str | None = None, num_classes: int | None = None) -> torch.nn.Module:
-    """A torchvision classifier in eval mode.
+    """A torchvision classifier (or a user's model) in eval mode.
 
     Args:
-        name: torchvision model name, e.g. ``vgg16``.
+        name: torchvision model name, e.g. ``vgg16``; or ``path/to/file.py:factory``, a user's own
+            ``nn.Module`` (:func:`load_user_model`).
         weights: None (random init), a path to a state-dict / checkpoint file, or a torchvision
             weight name such as ``DEFAULT`` or ``IMAGENET1K_V1``.
         num_classes: classifier width for random init (default: torchvision's, 1000).
     """
+    if ".py:" in name:
+        if num_classes is not None:
+            raise InputError(f"--num-classes sets the width of a torchvision classifier; {name} builds its own model")
+        model = load_user_model(name)
+        if weights is not None:
+            load_state_dict_file(model, weights)
+        return model.eval()
     if name not in list_models():
         close = [m for m in list_models() if m.startswith(name[:3])][:8]
-        raise InputError(f"unknown model {name!r}: choose a torchvision classifier such as {close or list_models()[:8]}")
+        raise InputError(f"unknown model {name!r}: choose a torchvision classifier such as {close or list_models()[:8]}, "
+                         "or give your own as path/to/file.py:factory")
     kwargs = {} if num_classes is None else {"num_classes": num_classes}
     if weights is None or os.path.exists(weights) or os.sep in weights or weights.endswith((".pt", ".pth")):
         model = torchvision.models.get_model(name, weights=None, **kwargs)
@@ -113,3 +158,4 @@ def simplify(mod):
     for p in seq:
         mod = p(mod)
     return mod
+

@@ -8,7 +8,10 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``dense``: ``matmul(x, W)`` [+ ``add(bias, .)``] [+ ``relu``], x 2-D, W a constant [K, O];
 - ``add``: ``add(a, b)`` of two activations of one shape (residual) [+ ``relu``];
 - ``max_pool2d``: NCHW max pooling;
-- ``concat``: ``concat((a, b, ...), axis=1)`` of 4-D activations (Inception, DenseNet branches).
+- ``concat``: ``concat((a, b, ...), axis=1)`` of 4-D activations (Inception, DenseNet branches);
+- ``avg_pool2d``: NCHW average pooling dividing by the whole window (no padding, or
+  ``count_include_pad``);
+- ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
 
 ``relu`` stands for any activation that is a clamp: ``relu``, and ``clip(x, lo, hi)`` with constant
 bounds (ReLU6, hardtanh), recorded as ``Layer.clip``; the kernel clamps in the integer domain.
@@ -148,6 +151,14 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
             layer = Layer("max_pool2d", name_for("max_pool2d"), [call.args[0]], var, [var], call)
             if call.attrs.layout != "NCHW" or call.attrs.out_layout != "NCHW":
                 layer.reason_float = f"max_pool2d layout {call.attrs.layout}"
+        elif op == "relax.nn.avg_pool2d" and call.attrs.layout == "NCHW" and not call.attrs.ceil_mode \
+                and tuple(map(int, call.attrs.dilation)) == (1, 1) \
+                and (call.attrs.count_include_pad or not any(map(int, call.attrs.padding))):
+            layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call)
+        elif op == "relax.nn.batch_norm" and len(_shape(call.args[0]) or ()) == 4 and not call.attrs.training:
+            layer = _affine_layer(var, call, value, user, uses, name_for)
+            if layer is not None:
+                _absorb_activation(layer, layer.output, value, sole_user)
         elif op == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(_shape(var) or ()) == 4 \
                 and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
             layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
@@ -160,13 +171,31 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         g.consumed.update(layer.vars)
 
     for ly in g.layers:
-        if ly.kind == "max_pool2d":
+        if ly.kind == "max_pool2d":  # max commutes with the quantizer: the output keeps the input's scale
             continue
         for i, x in enumerate(ly.inputs):
             g.points.setdefault(x, f"{ly.name}.in{i}")
         if ly.kind != "dense":
             g.points[ly.output] = f"{ly.name}.out"
     return g
+
+
+def _affine_layer(var, call, value, user, uses, name_for):
+    """An inference batch_norm whose only use is its normalized output (item 0): y = a * x + b."""
+    gamma, beta, mean, var_ = (_const(a) for a in call.args[1:5])
+    users = user.get(var, [])
+    item = users[0] if len(users) == 1 and uses.get(var, 0) == 1 else None
+    getitem = value.get(item) if item is not None else None
+    if (any(c is None for c in (gamma, beta, mean, var_)) or int(call.attrs.axis) != 1
+            or not isinstance(getitem, relax.TupleGetItem) or getitem.index != 0):
+        return None
+    layer = Layer("affine", name_for("affine"), [call.args[0]], item, [var, item], call)
+    a = gamma.astype(np.float64) / np.sqrt(var_.astype(np.float64) + float(call.attrs.epsilon))
+    if not call.attrs.scale:
+        a = 1.0 / np.sqrt(var_.astype(np.float64) + float(call.attrs.epsilon))
+    layer.weight = a
+    layer.bias = (beta.astype(np.float64) if call.attrs.center else 0.0) - mean.astype(np.float64) * a
+    return layer
 
 
 def _clip_bounds(call) -> tuple[float, float] | None:

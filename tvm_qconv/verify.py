@@ -88,9 +88,11 @@ def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, imag
     noise = np.zeros(len(exposed))
     for outs, (_, floats) in zip(runs, FloatPoints(graph)(images)):
         for i, (e, q) in enumerate(zip(exposed, outs[1:])):
-            ref = floats[f"{e['layer']}.out"].astype(np.float64)
+            if e["point"] is None:  # a max-pool's output: no tensor of its own in the float graph
+                continue
+            ref = floats[e["point"]].astype(np.float64)
             got = registry.layout(e["layout"]).unpack(q, e["channels"]).astype(np.float64) * e["scale"]
             signal[i] += (ref ** 2).sum()
             noise[i] += ((got - ref) ** 2).sum()
     return [dict(layer=e["layer"], sqnr_db=float("inf") if n == 0 else float(10 * np.log10(s / n)))
-            for e, s, n in zip(exposed, signal, noise)]
+            for e, s, n in zip(exposed, signal, noise) if e["point"] is not None]

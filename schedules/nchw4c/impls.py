@@ -9,6 +9,8 @@ name                         op           runs
 ``max_pool2d.nchw4c``        max_pool2d   any target (dlight on CUDA)
 ``add.nchw4c``               add          any target (dlight on CUDA)
 ``concat.nchw4c``            concat       any target (dlight on CUDA)
+``avg_pool2d.nchw4c``        avg_pool2d   any target (dlight on CUDA)
+``affine.nchw4c``            affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 ===========================  ===========  =================================================
 """
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernel import KernelImpl
-from ..workload import AddWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
-from . import add, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
+from ..workload import AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
+from . import add, affine, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
 from .layout import LAYOUT, ceil4
 
 
@@ -160,10 +162,44 @@ class Concat(KernelImpl):
         return concat.concat_nchw4c_int8_ref(list(xs), list(wl.channels), wl.mults, wl.shifts)
 
 
+class AvgPool2d(KernelImpl):
+    name = "avg_pool2d.nchw4c"
+    op = "avg_pool2d"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: AvgPoolWorkload):
+        return self.tag(pool.avg_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift), wl)
+
+    def reference(self, wl: AvgPoolWorkload, x):
+        return pool.avg_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift)
+
+
+class Affine(KernelImpl):
+    name = "affine.nchw4c"
+    op = "affine"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: AffineWorkload):
+        return self.tag(affine.affine_nchw4c_int8(wl.shape, wl.act_min, wl.act_max), wl)
+
+    def reference(self, wl: AffineWorkload, x, mult, shift, bias):
+        return affine.affine_nchw4c_int8_ref(x, mult, shift, bias, wl.act_min, wl.act_max)
+
+
 CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_DP4A = Conv2dDp4a()
 CONV2D_CPU = Conv2dCpu()
 MAX_POOL2D = MaxPool2d()
 ADD = Add()
 CONCAT = Concat()
-IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD, CONCAT)
+AVG_POOL2D = AvgPool2d()
+AFFINE = Affine()
+IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD, CONCAT, AVG_POOL2D, AFFINE)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
+from ..requantize import requantize_ref, requantize_tir
+
 
 def max_pool2d_nchw4c_int8(shape, pool, stride, padding, dilation=(1, 1), ceil_mode=False) -> tirx.PrimFunc:
     n, cc, h, w, _ = shape
@@ -47,3 +49,40 @@ def max_pool2d_nchw4c_int8_ref(x: np.ndarray, pool, stride, padding, dilation=(1
                       xx * dilation[1]: xx * dilation[1] + (ow - 1) * stride[1] + 1: stride[1]]
             out = np.maximum(out, win)
     return out
+
+
+def avg_pool2d_nchw4c_int8(shape, pool, stride, padding, mult: int, shift: int) -> tirx.PrimFunc:
+    """int8 average pool (every window divides by the full ``kh * kw``: PyTorch's
+    ``count_include_pad=True``, or no padding), requantized to the output's scale: the window
+    sum times ``mult * 2**-shift`` (= ``s_in / (kh * kw * s_out)``), integer-only."""
+    n, cc, h, w, _ = shape
+    (kh, kw), (sh, sw) = pool, stride
+    pt, pl, pb, pr = padding
+    oh, ow = pool_out_size(h, w, pool, stride, padding)
+    x = te.placeholder(shape, "int8", name="X")
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+
+    def val(b, c, y, xx, ci):
+        iy, ix = y * sh + ry - pt, xx * sw + rx - pl
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        read = x[b, c, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0), ci]
+        return tirx.if_then_else(ok, read.astype("int32"), tirx.const(0, "int32"))
+
+    total = te.compute((n, cc, oh, ow, 4), lambda b, c, y, xx, ci: te.sum(val(b, c, y, xx, ci), axis=[ry, rx]),
+                       name="window_sum")
+    out = te.compute(total.shape, lambda *i: requantize_tir(total(*i), tirx.const(mult, "int32"),
+                                                            tirx.const(shift, "int32"), -128, 127),
+                     name="avg_requant")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "avg_pool2d_nchw4c_int8"})
+
+
+def avg_pool2d_nchw4c_int8_ref(x: np.ndarray, pool, stride, padding, mult: int, shift: int) -> np.ndarray:
+    n, cc, h, w, _ = x.shape
+    oh, ow = pool_out_size(h, w, pool, stride, padding)
+    pt, pl, pb, pr = padding
+    xp = np.pad(x.astype(np.int64), ((0, 0), (0, 0), (pt, pb + stride[0]), (pl, pr + stride[1]), (0, 0)))
+    total = np.zeros((n, cc, oh, ow, 4), np.int64)
+    for y in range(pool[0]):
+        for xx in range(pool[1]):
+            total += xp[:, :, y: y + (oh - 1) * stride[0] + 1: stride[0], xx: xx + (ow - 1) * stride[1] + 1: stride[1]]
+    return requantize_ref(total, np.int64(mult), np.int64(shift), -128, 127)

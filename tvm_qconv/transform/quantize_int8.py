@@ -33,7 +33,9 @@ from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
 from ..schedules.relayout import relayout_int8
 from ..schedules.requantize import add_multipliers, quantize_multiplier
-from ..schedules.workload import AddWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
+from ..schedules.nchw4c.affine import affine_params, pack_affine
+from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload,
+                                  PoolWorkload)
 from ..target import TargetInfo
 
 # Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
@@ -57,6 +59,11 @@ def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
     q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y), -128, 127))
     name = {(0, 127): "relu", (-128, 127): "none"}.get((q_lo, q_hi), "clip")
     return name, q_lo, q_hi
+
+
+def constant(array: np.ndarray) -> relax.Constant:
+    """A Relax constant of ``array``'s own dtype (``relax.const`` turns int64 NumPy data into int32)."""
+    return relax.const(array, str(array.dtype))
 
 
 def block_diagonal(weight: np.ndarray, groups: int) -> np.ndarray:
@@ -214,8 +221,8 @@ class _Rewriter:
                     for ly in self.g.layers:
                         q = self.quantized(ly.output)
                         if q is not None:
-                            exposed.append((dict(layer=ly.name, layout=q.layout.name, channels=q.channels,
-                                                 scale=q.scale), q.var))
+                            exposed.append((dict(layer=ly.name, point=self.g.points.get(ly.output), layout=q.layout.name,
+                                                 channels=q.channels, scale=q.scale), q.var))
                     result = relax.Tuple([result] + [v for _, v in exposed])
                 out = self.bb.emit_output(result)
             self.bb.emit_func_output(out)
@@ -242,8 +249,8 @@ class _Rewriter:
             return "in the skip list"
         if ly.kind == "dense" and not self.p.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind == "max_pool2d" and self.quantized(ly.inputs[0]) is None:
-            return "input is float"
+        if ly.kind in ("max_pool2d", "avg_pool2d", "affine") and self.quantized(ly.inputs[0]) is None:
+            return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         return None
 
     def no_kernel(self, op, wl) -> str:
@@ -281,7 +288,7 @@ class _Rewriter:
         clipped = int(np.count_nonzero(np.abs(bias_q) > 2**31 - 1))
         bias_q = np.clip(bias_q, -2**31, 2**31 - 1).astype(np.int32)
         mult, shift = quantize_multiplier(acc_scale / s_y)
-        args = [x.var] + [relax.const(p) for p in impl.pack_params(wl, qw, bias_q, mult, shift)]
+        args = [x.var] + [constant(p) for p in impl.pack_params(wl, qw, bias_q, mult, shift)]
         prim = impl.compute(wl)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, impl.out_shape(wl), "int8")
         self.produce(ly.output, var, s_y, o, impl.layout)
@@ -309,6 +316,44 @@ class _Rewriter:
         self.produce(ly.output, var, x.scale, x.channels, impl.layout)
         self.rows.append(dict(layer=ly.name, kind="max_pool2d", kernel=impl.name, dtype="int8",
                               shape=f"{wl.pool} s{wl.stride[0]}"))
+        return None
+
+    def emit_avg_pool2d(self, ly) -> str | None:
+        a = ly.call.attrs
+        x = self.quantized(ly.inputs[0])
+        pool = tuple(map(int, a.pool_size))
+        s_y = self.scale(ly.output)
+        mult, shift = quantize_multiplier(np.array([x.scale / (pool[0] * pool[1] * s_y)]))
+        wl = AvgPoolWorkload(static_shape(x.var.ty), pool, tuple(map(int, a.strides)), tuple(map(int, a.padding)),
+                             int(mult[0]), int(shift[0]))
+        impl = registry.select("avg_pool2d", wl, self.p.target, layout=x.layout.name)
+        if impl is None:
+            return self.no_kernel("avg_pool2d", f"{x.layout.name} tensor")
+        n, _, oh, ow = static_shape(ly.output.ty)
+        prim = impl.compute(wl)
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [x.var],
+                        x.layout.packed_shape((n, x.channels, oh, ow)), "int8")
+        self.produce(ly.output, var, s_y, x.channels, impl.layout)
+        self.rows.append(dict(layer=ly.name, kind="avg_pool2d", kernel=impl.name, dtype="int8",
+                              shape=f"{pool} s{wl.stride[0]}"))
+        return None
+
+    def emit_affine(self, ly) -> str | None:
+        x = self.quantized(ly.inputs[0])
+        s_y = self.scale(ly.output)
+        activation, act_min, act_max = int8_clamp(ly, s_y)
+        wl = AffineWorkload(static_shape(x.var.ty), act_min, act_max)
+        impl = registry.select("affine", wl, self.p.target, layout=x.layout.name)
+        if impl is None:
+            return self.no_kernel("affine", f"{x.layout.name} tensor")
+        mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y)
+        prim = impl.compute(wl)
+        args = [x.var] + [constant(p) for p in pack_affine(mult, shift, bias)]
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, static_shape(x.var.ty), "int8")
+        self.produce(ly.output, var, s_y, x.channels, impl.layout)
+        act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
+        self.rows.append(dict(layer=ly.name, kind="batch_norm" + act, kernel=impl.name, dtype="int8",
+                              shape=str(static_shape(ly.output.ty))))
         return None
 
     def emit_add(self, ly) -> str | None:
@@ -370,7 +415,7 @@ class _Rewriter:
         wp = np.zeros((o, ceil4(k)), np.int8)
         wp[:, :k] = qw
         bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
-        args = [xq, relax.const(wp), relax.const((s_x * s_w).astype(np.float32)), relax.const(bias)]
+        args = [xq, constant(wp), constant((s_x * s_w).astype(np.float32)), constant(bias.astype(np.float32))]
         prim = impl.compute(wl)
         self.fenv[ly.output] = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, (n, o), "float32")
         self.rows.append(dict(layer=ly.name, kind="dense" + ("+bias" if ly.bias is not None else "")
