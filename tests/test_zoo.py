@@ -1,0 +1,110 @@
+"""Every torchvision classifier the README promises imports, quantizes, builds and runs, in int8.
+
+CPU, small images (CI), random init: no pretrained weights can be downloaded here.  Each model
+is calibrated on 4 of scikit-image's photos and checked by the build's own verification (logits
+SQNR against the float PyTorch model on those photos).  The floors are the SQNR measured here at
+these sizes minus ~3 dB: random-init networks lose 1-2 dB per dozen layers to int8 noise, and a
+fault of the kind issue 9 found gives 0-6 dB, far below any floor.  The same models at 224 px on
+CUDA: ``test_zoo_on_gpu`` (marked ``gpu``).
+
+(Re-estimating BatchNorm statistics on the photos, which the issue allows, was measured and
+rejected: it makes random networks chaotic -- noise at 35 dB on the input of the *float*
+MobileNet-V2 comes out at -2 dB -- so the comparison would measure the network, not int8.)
+"""
+import pytest
+import torch
+import torchvision
+
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.data import skimage_photos
+from tvm_qconv.ranges import Calibrate
+
+# model -> (image size, int8 layers, all layers, float ops left, logits SQNR floor in dB).  Measured
+# on the 2-core CI box (2026-11-23): alexnet 36.2, vgg16 26.8, resnet18 30.6, resnet50 29.2,
+# wide_resnet50_2 29.2, resnext50_32x4d 27.9, regnet_x_400mf 28.0, mobilenet_v2 23.2,
+# mobilenet_v3_small 24.1, efficientnet_b0 21.1, shufflenet_v2_x1_0 17.6, squeezenet1_0 30.4,
+# googlenet 27.7, inception_v3 21.3, densenet121 31.6, convnext_tiny 30.7 dB.
+# "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms); float ops are
+# what stays float besides them: global average pool + flatten everywhere, and the listed ones.
+ZOO = {
+    "alexnet": (64, 11, 11, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 33.0),
+    "vgg16": (64, 21, 21, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 23.0),
+    "resnet18": (64, 30, 30, {"relax.mean": 1, "relax.reshape": 1}, 27.0),
+    "resnet50": (64, 71, 71, {"relax.mean": 1, "relax.reshape": 1}, 26.0),
+    "wide_resnet50_2": (64, 71, 71, {"relax.mean": 1, "relax.reshape": 1}, 26.0),
+    # grouped convs (32 groups of 4 channels) in int8 on NCHW4c
+    "resnext50_32x4d": (64, 71, 71, {"relax.mean": 1, "relax.reshape": 1}, 24.0),
+    "regnet_x_400mf": (64, 94, 94, {"relax.mean": 1, "relax.reshape": 1}, 25.0),
+    # depthwise convs and ReLU6 (fused as an int8 clamp)
+    "mobilenet_v2": (64, 63, 63, {"relax.mean": 1, "relax.reshape": 1}, 20.0),
+    # hardswish and squeeze-excite (sigmoid / hardsigmoid gates) stay float
+    "mobilenet_v3_small": (64, 60, 60, None, 21.0),
+    # SiLU and squeeze-excite stay float
+    "efficientnet_b0": (64, 91, 91, None, 18.0),
+    # channel split / shuffle (reshape, permute) stay float; max calibration: 17.6 dB against
+    # percentile's 15.7 and entropy's 1.8 (KL clips these small random features hard)
+    "shufflenet_v2_x1_0": (64, 74, 74, None, 15.0),
+    # concatenated branches in int8
+    "squeezenet1_0": (64, 37, 37, {"relax.mean": 1, "relax.reshape": 1}, 27.0),
+    "googlenet": (64, 80, 80, {"relax.mean": 1, "relax.reshape": 1}, 24.0),
+    "inception_v3": (96, 123, 123, {"relax.mean": 1, "relax.reshape": 1}, 18.0),
+    # pre-activation BatchNorm + ReLU in int8 (affine kernel), transition average pools in int8
+    "densenet121": (64, 249, 249, {"relax.mean": 1, "relax.reshape": 1}, 28.0),
+    # LayerNorm and GELU stay float
+    "convnext_tiny": (64, 77, 77, None, 27.0),
+}
+
+
+def zoo_config(name: str, images: int) -> QuantConfig:
+    """The scheme: percentile 99.99 (the default), max calibration for ShuffleNet (see ZOO)."""
+    return QuantConfig(calibration="max" if name == "shufflenet_v2_x1_0" else "percentile", num_calib_images=images)
+
+
+def zoo_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # GoogLeNet's own init (truncated normal, std 0.01) shrinks its features to ~1e-11, so its
+    # logits would be the classifier's bias alone and any comparison vacuous: PyTorch's default
+    # init instead.
+    kwargs = {"init_weights": False, "aux_logits": False} if name == "googlenet" else {}
+    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    # The last layer's bias is the same in float and int8 and, where a random network's features
+    # are small (ShuffleNet, GoogLeNet), it *is* the logits: comparing them would compare two
+    # copies of one bias.  Without it, the logits are what the input made of them.
+    last = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))][-1]
+    if last.bias is not None:
+        torch.nn.init.zeros_(last.bias)
+    return model
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_model_builds_and_runs_in_int8_on_cpu(name, tmp_path, capsys):
+    size, n_int8, n_layers, float_ops, floor = ZOO[name]
+    photos = skimage_photos(size)[:4]
+    res = compile_model(zoo_model(name), str(tmp_path / f"{name}.so"), name=name,
+                        options=BuildOptions(image_size=size), config=zoo_config(name, 4),
+                        ranges=Calibrate(photos), progress=False)
+    rows = res.report["layers"]
+    int8 = sum(r["dtype"] == "int8" for r in rows)
+    check = res.report["verify"]
+    with capsys.disabled():
+        print(f"\n{name} @{size}: int8 {int8}/{len(rows)}, logits SQNR {check['logits_sqnr_db']:.1f} dB, "
+              f"float {res.report['float_ops']}")
+    assert (int8, len(rows)) == (n_int8, n_layers)
+    if float_ops is not None:
+        assert res.report["float_ops"] == float_ops
+    assert check["status"] == "ok" and check["logits_sqnr_db"] >= floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(ZOO))
+def test_zoo_on_gpu(name, tmp_path):
+    from tvm_qconv.target import device_arch
+    size = max(224, ZOO[name][0])
+    res = compile_model(zoo_model(name), str(tmp_path / f"{name}.so"), name=name,
+                        options=BuildOptions(target="cuda", arch=device_arch(), image_size=size),
+                        config=zoo_config(name, 8), ranges=Calibrate(skimage_photos(size)[:8]),
+                        progress=False)
+    assert sum(r["dtype"] == "int8" for r in res.report["layers"]) == ZOO[name][1]
+    # 224 px on the GPU: the same networks, up to 3 dB more noise over the larger feature maps
+    assert res.report["verify"]["logits_sqnr_db"] >= ZOO[name][4] - 3
