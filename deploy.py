@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
     b.add_argument("--cuda-graph", action="store_true",
                    help="(cuda) capture the kernel launches in a CUDA graph: less launch overhead at small batch")
+    b.add_argument("--family", action="append", default=None, metavar="FAMILY",
+                   help="prefer this kernel family (mma: int8 tensor cores, dp4a, cpu); repeatable, in order")
     b.add_argument("--no-verify", action="store_true",
                    help="do not run the built library against the float model on calibration images")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
@@ -107,7 +109,8 @@ def cmd_build(args) -> int:
     def build_options(image_size: int) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
-                            debug_dump=args.debug_dump, verify=not args.no_verify)
+                            debug_dump=args.debug_dump, verify=not args.no_verify,
+                            families=tuple(args.family) if args.family else None)
 
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:

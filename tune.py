@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search space by name (default: each kernel implementation's first); the dp4a family "
                         "has template (the default schedule's structure with its decisions searched) and mlt "
                         "(MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py")
+    p.add_argument("--family", action="append", default=None, metavar="FAMILY",
+                   help="tune only this kernel family (mma: int8 tensor cores, dp4a); repeatable; default: "
+                        "every family that can run a layer, so that the build picks the faster one per layer")
     p.add_argument("--no-seed-default", action="store_true",
                    help="do not measure the default schedule first (by default it seeds the search, "
                         "so the tuned kernel is never slower than the default)")
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
         tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
                    work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
                    max_workers=args.workers, seed=args.seed, only=args.only, peak_tops=args.peak_tops,
-                   space=args.space, seed_default=not args.no_seed_default)
+                   space=args.space, seed_default=not args.no_seed_default, families=args.family)
         if args.prune:
             before, after = prune_database(work_dir)
             print(f"[tune] pruned {work_dir}: {before} -> {after} records")

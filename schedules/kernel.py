@@ -98,9 +98,20 @@ class KernelImpl:
         dlight (CUDA) or unscheduled (llvm)."""
         return None
 
-    def space_generator(self, space: str):
-        """The MetaSchedule space generator named ``space`` (one of :attr:`spaces`)."""
+    def space_generator(self, space: str, func: tirx.PrimFunc, target: tvm.target.Target):
+        """The MetaSchedule space generator named ``space`` (one of :attr:`spaces`) for the
+        task ``func`` on ``target``."""
         raise ValueError(f"{self.name} has no search space {space!r}")
+
+    def tuning_target(self, target: tvm.target.Target) -> tvm.target.Target:
+        """The target its candidates are checked against while tuning (e.g. with the dynamic
+        shared memory limit the kernels opt into); ``target`` by default."""
+        return target
+
+    def compile_options(self) -> dict | None:
+        """What ``tvm.compile`` needs for a module holding these kernels: ``tir_pipeline`` and
+        PassContext ``config`` entries; None when TVM's defaults do."""
+        return None
 
     def seed(self, sch: "tvm.s_tir.Schedule", target: tvm.target.Target) -> None:
         """Schedule ``sch`` with the default decisions *as a trace of the default space*, so

@@ -23,6 +23,7 @@ from tvm_qconv.target import TargetInfo, make_target
 
 LLVM = TargetInfo.from_target(make_target("llvm"))
 SM90 = TargetInfo.from_target(make_target("cuda", "sm_90"))
+SM75 = TargetInfo.from_target(make_target("cuda", "sm_75"))  # Turing: dp4a, no mma.m16n8k32 on s8
 SM52 = TargetInfo.from_target(make_target("cuda", "sm_52"))  # Maxwell: no __dp4a, no int8 tensor cores
 
 
@@ -35,7 +36,8 @@ def test_every_implementation_names_its_op_layout_and_family():
         registry.get("conv2d.nope")
 
 
-TARGETS = {"llvm": (LLVM, "conv2d.nchw4c.cpu"), "sm_90": (SM90, "conv2d.nchw4c.dp4a"), "sm_52": (SM52, None)}
+TARGETS = {"llvm": (LLVM, "conv2d.nchw4c.cpu"), "sm_90": (SM90, "conv2d.nhwc32.mma"),
+           "sm_75": (SM75, "conv2d.nchw4c.dp4a"), "sm_52": (SM52, None)}
 
 
 @pytest.mark.parametrize("target", list(TARGETS), ids=list(TARGETS))
@@ -43,6 +45,14 @@ def test_select_picks_the_family_the_target_has(target):
     info, expected = TARGETS[target]
     impl = registry.select("conv2d", conv_wl(1, 64, 56, 56, 64), info)
     assert (impl.name if impl else None) == expected
+
+
+def test_few_input_channels_go_to_dp4a_and_the_training_conv_never_to_tensor_cores():
+    # VGG's first conv (3 channels) would pad to 32 for the mma K step: 10x the work of dp4a's 4
+    assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 64), SM90).name == "conv2d.nchw4c.dp4a"
+    assert registry.select("conv2d", conv_wl(1, 64, 56, 56, 64, out_dtype="int32"), SM90).name == "conv2d.nchw4c.dp4a"
+    assert [i.name for i in registry.candidates("conv2d", conv_wl(1, 64, 56, 56, 64), SM90)] == [
+        "conv2d.nhwc32.mma", "conv2d.nchw4c.dp4a"]
 
 
 def test_target_info_comes_from_the_target_not_from_constants():
@@ -71,7 +81,7 @@ def test_a_conv_with_no_kernel_on_the_target_stays_float_with_the_reason():
                          for r in convs)
 
 
-@pytest.mark.parametrize("target", ["llvm", "sm_90"])
+@pytest.mark.parametrize("target", ["llvm", "sm_75"])
 def test_no_conversion_between_consecutive_int8_layers_of_one_family(target):
     torch.manual_seed(0)
     info = TARGETS[target][0]
@@ -82,6 +92,19 @@ def test_no_conversion_between_consecutive_int8_layers_of_one_family(target):
     # one quantize at the input, one dequantize before the classifier, nothing between
     assert [c.split()[0] for c in q.report["conversions"]] == ["quantize", "dequantize"]
     assert q.report["relayouts"] == 0 and "relax.layout_transform" not in q.mod["main"].script()
+
+
+def test_two_families_meet_once_in_vgg16_on_hopper():
+    # the first conv (3 channels) on dp4a in NCHW4c, the 12 others and the pools on tensor cores
+    # in NHWC32: exactly one relayout, where the families meet
+    torch.manual_seed(0)
+    q = quantize_module(load_model("vgg16"), (1, 3, 32, 32), SM90, ranges=Calibrate(skimage_photos(32)),
+                        progress=False)
+    kernels = [r["kernel"] for r in q.report["layers"]]
+    assert kernels[0] == "conv2d.nchw4c.dp4a" and kernels.count("conv2d.nhwc32.mma") == 12
+    assert kernels.count("max_pool2d.nhwc32") == 5
+    assert [c.split()[0] for c in q.report["conversions"]] == ["quantize", "relayout", "dequantize"]
+    assert q.report["relayouts"] == 1 and "NCHW4c->NHWC32" in q.report["conversions"][1]
 
 
 class _AltLayout(NCHW4c):

@@ -46,8 +46,12 @@ from tvm_qconv.tuning.database import (RECORD_FILE, WORKLOAD_FILE, canonicalize_
                                        unpack_database)
 from tvm_qconv.tuning.driver import int8_module
 
-CUDA = make_target("cuda", "sm_90")
+# sm_75 (Turing): the dp4a family only (no mma.m16n8k32 on s8), so the small model's kernels are
+# the dp4a template's; the tensor-core family's tuning is tested in test_tensorcore.py.
+ARCH = "sm_75"
+CUDA = make_target("cuda", ARCH)
 CUDA_INFO = TargetInfo.from_target(CUDA)
+SM90 = make_target("cuda", "sm_90")
 SIZE = 32
 # 6 convs, 4 tasks: 16->16 at 32x32 and 32->32 at 16x16 twice each.
 CFG = (16, 16, 16, "M", 32, 32, 32)
@@ -134,7 +138,7 @@ def run_twin(func, wl: W, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_space_tiles_only_with_dp4a():
     assert [type(r).__name__ for r in schedule_rules()] == [
         "MultiLevelTilingWithIntrin", "AutoInline", "ParallelizeVectorizeUnroll", "AutoBind"]
-    ctx = ms.TuneContext(mod=conv2d_nchw4c_int8(W(1, 64, 28, 28, 64)), target=CUDA, task_name="t",
+    ctx = ms.TuneContext(mod=conv2d_nchw4c_int8(W(1, 64, 28, 28, 64)), target=SM90, task_name="t",
                          space_generator=space_generator("mlt"))
     sketches = ctx.generate_design_space()
     assert len(sketches) == 3  # plain + two software-pipelined variants (sm_90)
@@ -290,7 +294,7 @@ def test_apply_schedules_exactly_the_tuned_kernel_and_the_model_builds(small_int
 def test_apply_warns_about_another_arch_and_no_match(small_int8, tuned_db, capsys):
     _, qmod, _ = small_int8
     _, tuned = apply_tuning_database(qmod, str(tuned_db), make_target("cuda", "sm_80"))
-    assert len(tuned) == 1 and "was tuned for sm_90, building for sm_80" in capsys.readouterr().err
+    assert len(tuned) == 1 and "was tuned for sm_75, building for sm_80" in capsys.readouterr().err
     torch.manual_seed(0)
     other = quantize_module(SmallVGG(cfg=(8, "M", 8)), (1, 3, SIZE, SIZE), CUDA_INFO,
                             config=QuantConfig(calibration="max"),
@@ -351,7 +355,7 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
     for name in (WORKLOAD_FILE, RECORD_FILE):
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
     # 2 valid records = 2 trials done: nothing is tuned (no builder or runner is even created)
-    rows = tune_model("small_vgg", 1, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE, model=model,
+    rows = tune_model("small_vgg", 1, arch=ARCH, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE, model=model,
                       only=[tasks[1].name], peak_tops=100.0)
     out = capsys.readouterr().out
     assert "nothing to tune" in out and "16->16 3x3 s1 @32x32 b1" in out
@@ -359,13 +363,13 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
                          best_us=pytest.approx(5.0), tops=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12),
                          pct_peak=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12))]  # of 100 TOPS
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert (cfg["model"], cfg["batch"], cfg["arch"], cfg["image_size"], len(cfg["runs"])) == ("small_vgg", 1, "sm_90",
+    assert (cfg["model"], cfg["batch"], cfg["arch"], cfg["image_size"], len(cfg["runs"])) == ("small_vgg", 1, ARCH,
                                                                                               SIZE, 1)
     assert cfg["tvm_version"] == tvm.__version__
     with pytest.raises(InputError, match="holds tuning logs for batch=1, not 2"):
-        tune_model("small_vgg", 2, work_dir=str(tmp_path), image_size=SIZE, model=model)
+        tune_model("small_vgg", 2, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=model)
     with pytest.raises(InputError, match="unknown task.*has 3to16_3x3s1_32x32_b1"):
-        tune_model("small_vgg", 1, work_dir=str(tmp_path), image_size=SIZE, model=model, only=["64to64"])
+        tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=model, only=["64to64"])
 
 
 def test_cli_errors_are_one_line_and_help_lists_every_flag(capsys, tmp_path):
@@ -414,7 +418,7 @@ def test_tune_model_starts_from_the_default_schedule_and_logs_progress(small_int
     """The real builder (CUDA source, no GPU) and search; only the run times are made up."""
     model, _, tasks = small_int8
     task = tasks[1]
-    rows = tune_model("small_vgg", 1, trials_per_task=2, num_trials_per_iter=1, work_dir=str(tmp_path),
+    rows = tune_model("small_vgg", 1, arch=ARCH, trials_per_task=2, num_trials_per_iter=1, work_dir=str(tmp_path),
                       image_size=SIZE, model=model, only=[task.name], runner=_FakeRunner(), max_workers=1)
     assert rows[0]["trials"] == 2 and rows[0]["best_us"] == pytest.approx(10.0)
     records = [json.loads(line) for line in (tmp_path / RECORD_FILE).read_text().splitlines()]

@@ -15,6 +15,7 @@ import torch
 import torchvision
 import tvm
 
+from . import registry
 from . import verify as verify_mod
 from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
@@ -25,7 +26,8 @@ from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
-from .tuning.apply import apply_tuning_database
+from .tuning.apply import apply_tuning_database, measured_chooser
+from .tuning.database import load_database
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class BuildOptions:
         debug_dump: a folder to write the IR into after each phase (01_imported.py ...).
         kernels: ``{layer: implementation}`` to prefer over the registry's order (e.g.
             ``{"features.0": "conv2d.nchw4c.dp4a"}``); ignored where it does not apply.
+        families: prefer these kernel families, in order (e.g. ``("dp4a",)`` to leave the tensor
+            cores out); a layer none of them runs gets the registry's choice.
         verify: run the built library on a few calibration images and compare its logits with
             the float model's (``tvm_qconv/verify.py``); under ``verify_floor_db`` the report
             names the first layer whose int8 activations diverge.
@@ -56,6 +60,7 @@ class BuildOptions:
     expose_activations: bool = False
     debug_dump: str | None = None
     kernels: dict = field(default_factory=dict)
+    families: tuple[str, ...] | None = None
     verify: bool = True
     verify_floor_db: float = verify_mod.FLOOR_DB
 
@@ -123,23 +128,43 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
     Returns:
         (QuantizedModule, executable, params, schedules applied, tuned kernels, time quantized).
     """
+    db = load_database(options.tuning_log) if options.tuning_log else None
+    chooser = measured_chooser(db, tgt) if db is not None else None
+    if options.families:
+        chooser = _family_chooser(options.families, chooser)
     q = quantize_module(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
-                        choices=options.kernels, expose_activations=options.expose_activations,
+                        choices=options.kernels, chooser=chooser, expose_activations=options.expose_activations,
                         debug_dump=options.debug_dump, progress=progress)
     lift = LiftConstantsToParams()
     qmod = lift(q.mod)
     dump_ir(options.debug_dump, "04_params_lifted", qmod)
     tuned = {}
     if options.tuning_log:
-        qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt)
+        qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db)
     sched = ScheduleInt8Kernels(tgt)
     qmod = sched(qmod)
     dump_ir(options.debug_dump, "05_scheduled", qmod)
     t1 = time.time()
     cuda_graph = bool(options.cuda_graph and options.target == "cuda")
-    with tgt, tvm.transform.PassContext(opt_level=3, config={"relax.backend.use_cuda_graph": cuda_graph}):
-        ex = tvm.compile(qmod, target=tgt)
+    # The compile options of the kernel implementations in the module (e.g. the tensor-core
+    # family's TIR pipeline and asynchronous copies).
+    impls = {registry.of_func(f) for f in qmod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)} - {None}
+    compile_options = registry.compile_options(impls)
+    config = {"relax.backend.use_cuda_graph": cuda_graph, **compile_options["config"]}
+    with tgt, tvm.transform.PassContext(opt_level=3, config=config):
+        ex = tvm.compile(qmod, target=tgt, tir_pipeline=compile_options["tir_pipeline"])
     return q, ex, lift.params, sched.applied, tuned, t1
+
+
+def _family_chooser(families, fallback):
+    """Prefer the first of ``families`` that can run a layer; else ask ``fallback``."""
+    def choose(op, wl, candidates):
+        for family in families:
+            for impl in candidates:
+                if impl.family == family:
+                    return impl.name
+        return fallback(op, wl, candidates) if fallback else None
+    return choose
 
 
 def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:

@@ -65,7 +65,7 @@ def check_skip(graph: Graph, config: QuantConfig) -> None:
 
 def quantize_module(model, input_shape: tuple[int, int, int, int], target: TargetInfo, *,
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
-                    choices: dict | None = None, expose_activations: bool = False,
+                    choices: dict | None = None, chooser=None, expose_activations: bool = False,
                     debug_dump: str | None = None, progress: bool = True) -> QuantizedModule:
     """The int8 Relax module of ``model`` for ``target``.
 
@@ -76,7 +76,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         config: the scheme.
         ranges: where the activation ranges come from; default :class:`Calibrate` on
             scikit-image's photos.
-        choices: ``{layer: implementation}`` preferences (a tuning database's picks).
+        choices: ``{layer: implementation}`` preferences (the user's).
+        chooser: ``(op, workload, candidates) -> implementation name or None`` for the other
+            layers (a tuning database's measured pick, ``tuning.apply.measured_chooser``).
         expose_activations, debug_dump, progress: see ``compile_model``.
     """
     mod, names = export_to_relax(model, input_shape)
@@ -95,7 +97,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     ranges = ranges if ranges is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress)
     amax, ranges_report = ranges.resolve(ctx)
-    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations)
+    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser)
     qmod = qpass(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
     return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names, graph, ctx.images)

@@ -16,17 +16,24 @@ from .schedules import dense_int8
 from .schedules.kernel import KernelImpl, Layout, impl_name
 from .schedules.nchw4c import impls as nchw4c
 from .schedules.nchw4c.layout import LAYOUT as NCHW4C
+from .schedules.tensorcore import impls as tensorcore
+from .schedules.tensorcore.layout import LAYOUT as NHWC32
 from .schedules.training import grad_input, grad_weight
 from .target import TargetInfo
 
-# In priority order per op: select() takes the first that applies, unless told otherwise.
+# In priority order per op: select() takes the first that applies, unless told otherwise (a
+# tuning database's measured pick).  For conv2d: depthwise, then int8 tensor cores (sm_80+, 16+
+# input channels), then dp4a (CUDA), then the CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
-    *nchw4c.IMPLEMENTATIONS,
+    nchw4c.CONV2D_DEPTHWISE,
+    tensorcore.CONV2D_MMA,
+    *(impl for impl in nchw4c.IMPLEMENTATIONS if impl is not nchw4c.CONV2D_DEPTHWISE),
+    *(impl for impl in tensorcore.IMPLEMENTATIONS if impl is not tensorcore.CONV2D_MMA),
     dense_int8.DENSE,
     grad_input.GRAD_INPUT,
     grad_weight.GRAD_WEIGHT,
 )
-LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C}
+LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
 
 _BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
 assert len(_BY_NAME) == len(IMPLEMENTATIONS), "two implementations share a name"
@@ -79,3 +86,19 @@ def layout(name: str) -> Layout:
 def tunable() -> list[KernelImpl]:
     """The implementations that have search spaces."""
     return [impl for impl in IMPLEMENTATIONS if impl.spaces]
+
+
+def compile_options(impls=None) -> dict:
+    """Merged ``tvm.compile`` options of ``impls`` (default: every implementation): the one
+    custom TIR pipeline they need, if any, and their PassContext config entries."""
+    pipeline, config = "default", {}
+    for impl in IMPLEMENTATIONS if impls is None else impls:
+        options = impl.compile_options()
+        if not options:
+            continue
+        if options.get("tir_pipeline", "default") != "default":
+            if pipeline not in ("default", options["tir_pipeline"]):
+                raise ValueError(f"{impl.name} needs TIR pipeline {options['tir_pipeline']}, another needs {pipeline}")
+            pipeline = options["tir_pipeline"]
+        config.update(options.get("config", {}))
+    return dict(tir_pipeline=pipeline, config=config)

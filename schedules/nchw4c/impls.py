@@ -92,7 +92,7 @@ class Conv2dDp4a(_Conv2dNCHW4c):
     def schedule(self, func, target):
         return dp4a.schedule_dp4a(func, target)
 
-    def space_generator(self, space: str):
+    def space_generator(self, space: str, func, target):
         return dp4a_space.space_generator(space)
 
     def seed(self, sch, target) -> None:

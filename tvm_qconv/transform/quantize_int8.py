@@ -94,7 +94,9 @@ class QuantizeInt8:
         target: the build's target; the registry picks each layer's kernel for it.
         names: torch layer names from the frontend (``{"conv2d": [...], "dense": [...]}``).
         choices: ``{layer name: implementation name}`` to prefer over the registry's default
-            order (a tuning database's per-layer pick); ignored where it does not apply.
+            order; ignored where it does not apply.
+        chooser: ``(op, workload, candidates) -> implementation name or None``, asked for a
+            layer ``choices`` does not name (a tuning database's measured pick).
         expose_activations: make main return ``(outputs, *int8 activations)``, in layer order,
             to compare builds layer by layer (the report's ``exposed`` describes each).
     After the pass, ``self.report`` holds one row per layer, the float ops that remain and every
@@ -102,9 +104,10 @@ class QuantizeInt8:
     """
 
     def __init__(self, amax: dict, config: QuantConfig, target: TargetInfo, names: dict | None = None,
-                 choices: dict | None = None, expose_activations: bool = False):
+                 choices: dict | None = None, expose_activations: bool = False, chooser=None):
         self.amax, self.config, self.target, self.names = dict(amax), config, target, names
         self.choices = dict(choices or {})
+        self.chooser = chooser
         self.expose_activations = expose_activations
         self.report: dict = {}
 
@@ -253,6 +256,14 @@ class _Rewriter:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         return None
 
+    def pick(self, op: str, wl, layer: str):
+        """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
+        chooser's (measured), else the registry's first that applies."""
+        prefer = self.p.choices.get(layer)
+        if prefer is None and self.p.chooser is not None:
+            prefer = self.p.chooser(op, wl, registry.candidates(op, wl, self.p.target))
+        return registry.select(op, wl, self.p.target, prefer=prefer)
+
     def no_kernel(self, op, wl) -> str:
         return f"no int8 {op} kernel for {wl.describe() if hasattr(wl, 'describe') else wl} on {self.p.target.kind}" \
                + (f" {self.p.target.arch}" if self.p.target.arch else "")
@@ -269,13 +280,13 @@ class _Rewriter:
                      stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
                      dilation=tuple(map(int, a.dilation)))
         wl = ConvWorkload.with_activation(activation, act_min, act_max, groups=groups, **shape)
-        impl = registry.select("conv2d", wl, self.p.target, prefer=self.p.choices.get(ly.name))
+        impl = self.pick("conv2d", wl, ly.name)
         note = ""
         if impl is None and groups > 1:
             # Groups no kernel takes as they are (channels per group not a multiple of 4):
             # the same conv with a block-diagonal weight, groups=1.
             dense = ConvWorkload.with_activation(activation, act_min, act_max, **shape)
-            impl = registry.select("conv2d", dense, self.p.target, prefer=self.p.choices.get(ly.name))
+            impl = self.pick("conv2d", dense, ly.name)
             if impl is not None:
                 wl, weight, note = dense, block_diagonal(weight, groups), f" (groups={groups} as block-diagonal)"
         if impl is None:

@@ -11,8 +11,35 @@ from .database import corrupt, load_database
 from .tasks import is_tunable, task_func
 
 
-def apply_tuning_database(mod: tvm.IRModule, work_dir: str,
-                          target: tvm.target.Target) -> tuple[tvm.IRModule, dict]:
+def measured_chooser(db, target: tvm.target.Target):
+    """A chooser for the quantize pass: of a layer's candidate implementations, the one whose
+    kernel for that workload the database measured fastest, when every tunable candidate has a
+    measurement; otherwise None (the registry's order decides).
+
+    The layout conversion a family change costs is not counted: a relayout moves the tensor
+    once (a few microseconds for VGG16's 224 px layers), against layer times that differ by
+    multiples between the families.
+    """
+    def best_seconds(impl, wl) -> float | None:
+        mod = tvm.IRModule({"main": task_func(impl.compute(wl))})
+        if not db.has_workload(mod):
+            return None
+        top = db.get_top_k(db.commit_workload(mod), 1)
+        return sum(float(s) for s in top[0].run_secs) / len(top[0].run_secs) if top else None
+
+    def choose(op, wl, candidates) -> str | None:
+        tunable = [impl for impl in candidates if impl.spaces]
+        if len(tunable) < 2:
+            return None
+        times = {impl.name: best_seconds(impl, wl) for impl in tunable}
+        if any(t is None for t in times.values()):
+            return None
+        return min(times, key=times.get)
+    return choose
+
+
+def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.Target,
+                          db=None) -> tuple[tvm.IRModule, dict]:
     """Schedule every tunable kernel the database covers with its best record.
 
     Args:
@@ -20,6 +47,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str,
             ``ScheduleInt8Kernels``).
         work_dir: the database folder written by :func:`tvm_qconv.tuning.tune_model`.
         target: the CUDA target being built for.
+        db: the database already loaded from ``work_dir`` (default: load it).
     Returns:
         (mod, tuned): a copy of ``mod`` whose covered PrimFuncs are scheduled and marked
         ``tir.is_scheduled`` (ScheduleInt8Kernels then reports them "tuned" and gives the rest
@@ -27,7 +55,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str,
     Raises:
         InputError: ``work_dir`` is missing, empty or corrupt.
     """
-    db = load_database(work_dir)
+    db = db if db is not None else load_database(work_dir)
     mod = mod.clone()
     tuned, convs, other_archs = {}, 0, set()
     for gv, func in list(mod.functions.items()):

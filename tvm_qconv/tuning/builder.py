@@ -16,16 +16,23 @@ def _build_function():
     """MetaSchedule's LocalBuilder build function, without its ``import tvm.s_tir.tensor_intrin``.
 
     The stock ``default_build`` imports every tensor intrinsic in each popen worker (~20 s on a
-    16-core GPU host, over a minute on a small box), once per worker.  A candidate reaches the builder already tensorized (the dp4a body
-    is inlined as ``__dp4a`` calls), so the worker needs no intrinsic registry.  Defined in a
-    closure so cloudpickle ships it by value: the worker needs no tvm_qconv on its path.
-    ``with target`` gives nvcc/NVRTC the arch where no GPU can be queried.
+    16-core GPU host, over a minute on a small box), once per worker.  A candidate reaches the
+    builder already tensorized, so the worker needs no intrinsic registry.  Defined in a closure
+    so cloudpickle ships it by value.
+    ``with target`` gives nvcc/NVRTC the arch where no GPU can be queried.  Candidates compile
+    with the pipeline and options every CUDA kernel of the project compiles with
+    (``registry.compile_options``: the tensor-core family's passes, which leave other kernels
+    alone), so the worker imports ``tvm_qconv`` (the repository is on its path, or installed).
     """
     def build(mod, target, _params):
         import tvm
 
-        with target:
-            return tvm.tirx.build(mod, target=target)  # a runtime.Module, as the exporter expects
+        from tvm_qconv import registry  # in the worker: registers the kernels' TIR pipeline
+
+        options = registry.compile_options()
+        with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+            # a runtime.Module, as the exporter expects
+            return tvm.tirx.build(mod, target=target, pipeline=options["tir_pipeline"])
     return build
 
 

@@ -79,7 +79,7 @@ def check_config(work_dir: str, settings: dict) -> dict:
 
 def save_config(work_dir: str, settings: dict, previous: dict) -> None:
     """Write config.json: the latest settings, the first run's date and one entry per run."""
-    run = {k: settings[k] for k in ("date", "trials_per_task", "only", "space", "tvm_version")}
+    run = {k: settings[k] for k in ("date", "trials_per_task", "only", "space", "families", "tvm_version")}
     cfg = dict(settings, created=previous.get("created", settings["date"]), runs=previous.get("runs", []) + [run])
     write_json(os.path.join(work_dir, CONFIG_FILE), cfg, indent=1)
 
@@ -99,7 +99,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                trials_per_task: int = 64, work_dir: str | None = None, image_size: int = 224,
                num_trials_per_iter: int = 32, max_workers: int | None = None, seed: int = 0,
                only: list[str] | None = None, runner=None, builder=None, peak_tops: float | None = None,
-               model=None, space: str | None = None, seed_default: bool = True) -> list[dict]:
+               model=None, space: str | None = None, seed_default: bool = True,
+               families: list[str] | None = None) -> list[dict]:
     """Tune every distinct tunable int8 kernel of a model with MetaSchedule, or continue a previous run.
 
     A task is finished when ``work_dir`` holds ``trials_per_task`` valid measurements of it.
@@ -130,6 +131,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         space: the search space by name (e.g. the dp4a family's ``template`` or ``mlt``);
             default: each implementation's first.
         seed_default: measure the default schedule of each new task first.
+        families: tune only these kernel families (``mma``, ``dp4a``); default every family that
+            can run a layer, so the build can pick the faster one per layer.
     Returns:
         One row per task (see :func:`format_table`), also printed: task, shape, occurrences,
         trials, best_us, tops, and pct_peak when ``peak_tops`` is given.
@@ -147,12 +150,13 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     model = model if model is not None else load_model(model_name)
     work_dir = work_dir or default_work_dir(model_name, batch, arch)
     settings = dict(model=model_name, batch=batch, target=target, arch=arch, image_size=image_size,
-                    trials_per_task=trials_per_task, only=only, space=space, tvm_version=tvm.__version__,
+                    trials_per_task=trials_per_task, only=only, space=space, families=families,
+                    tvm_version=tvm.__version__,
                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
     # Before quantizing (up to a minute): a folder of another model's logs is refused at once.
     previous = check_config(work_dir, settings)
     t0 = time.time()
-    tasks = extract_tasks(int8_module(model, batch, image_size, tgt))
+    tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
     if not tasks:
         raise InputError(f"{model_name} has no tunable int8 kernel")
     for t in tasks:
@@ -219,8 +223,9 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
         return
     schs = []
     for task in new:
-        ctx = ms.TuneContext(mod=task.func, target=tgt, space_generator=task.impl.space_generator(task.impl.spaces[0]),
-                             task_name="seed")
+        target = task.impl.tuning_target(tgt)
+        ctx = ms.TuneContext(mod=task.func, target=target, task_name="seed",
+                             space_generator=task.impl.space_generator(task.impl.spaces[0], task.func, target))
         sch = tvm.s_tir.Schedule(ctx.mod)
         task.impl.seed(sch, tgt)
         if not all(p.apply(sch) for p in ctx.space_generator.postprocs):
@@ -228,7 +233,7 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
             sch = None
         schs.append(sch)
     pairs = [(t, sch) for t, sch in zip(new, schs) if sch is not None]
-    built = builder.build([ms.builder.BuilderInput(sch.mod, tgt) for _, sch in pairs])
+    built = builder.build([ms.builder.BuilderInput(sch.mod, t.impl.tuning_target(tgt)) for t, sch in pairs])
     args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _ in pairs}
     futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, "cuda", args[t.name])])[0]
                if b.error_msg is None else None for (t, _), b in zip(pairs, built)]
@@ -256,8 +261,9 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     loggers = dict(zip([t.name for t, _ in todo],
                        ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t, _ in todo])))
     seeds = ms.utils.fork_seed(seed + len(db), len(todo))
-    contexts = {t.name: ms.TuneContext(mod=t.func, target=tgt,
-                                       space_generator=t.impl.space_generator(space or t.impl.spaces[0]),
+    contexts = {t.name: ms.TuneContext(mod=t.func, target=t.impl.tuning_target(tgt),
+                                       space_generator=t.impl.space_generator(space or t.impl.spaces[0], t.func,
+                                                                              t.impl.tuning_target(tgt)),
                                        search_strategy=ms.search_strategy.EvolutionarySearch(population_size=POPULATION),
                                        task_name=t.name, rand_state=s, logger=loggers[t.name])
                 for (t, _), s in zip(todo, seeds)}

@@ -76,14 +76,18 @@ def task_name(wl: ConvWorkload) -> str:
     return name + {"relu": "", "none": "_norelu"}.get(wl.activation, f"_clip{wl.act_min}_{wl.act_max}")
 
 
-def extract_tasks(mod: tvm.IRModule) -> list[KernelTask]:
+def extract_tasks(mod: tvm.IRModule, target=None, families: list[str] | None = None) -> list[KernelTask]:
     """The distinct tunable kernels an int8 Relax module calls, in graph order.
 
     Args:
         mod: the output of ``quantize_module`` (before or after ``LiftConstantsToParams``).
+        target: a ``TargetInfo``: also every other tunable implementation that could run each
+            of those layers on it (the tensor-core and the dp4a kernel of a conv), so that the
+            database can pick a family per layer by measurement; None: the module's kernels only.
+        families: keep only the tasks of these families (e.g. ``["mma"]``).
     Returns:
-        One KernelTask per structurally distinct tunable PrimFunc called from a Relax function,
-        with ``weight`` = its number of call sites (VGG16 at 224: 13 convs, 9 tasks).
+        One KernelTask per structurally distinct tunable PrimFunc, with ``weight`` = how many
+        layers use it (VGG16 at 224 on one family: 13 convs, 9 tasks).
     """
     call_tir = tvm.ir.Op.get("relax.call_tir")
     calls: Counter = Counter()  # GlobalVar name -> call sites, in first-call order
@@ -97,22 +101,32 @@ def extract_tasks(mod: tvm.IRModule) -> list[KernelTask]:
             relax.analysis.post_order_visit(func.body, visit)
     tasks: list[KernelTask] = []
     by_hash: dict[int, list[KernelTask]] = {}
-    for gv_name, count in calls.items():
-        func = mod[gv_name]
-        if not is_tunable(func):
-            continue
+
+    def add(impl, func, wl, count, family_in_name: bool) -> None:
+        if families is not None and impl.family not in families:
+            return
         canon = task_func(func)
         bucket = by_hash.setdefault(tvm_ffi.structural_hash(canon), [])
         same = next((t for t in bucket if tvm_ffi.structural_equal(t.func, canon)), None)
         if same is not None:
             same.weight += count
-            continue
-        wl = ConvWorkload.of(func)
-        name, taken = task_name(wl), {t.name for t in tasks}
-        suffix = 2
+            return
+        base = task_name(wl) + (f"_{impl.family}" if family_in_name else "")
+        name, taken, suffix = base, {t.name for t in tasks}, 2
         while name in taken:  # same shape, other padding: keep names unique
-            name, suffix = f"{task_name(wl)}_{suffix}", suffix + 1
-        task = KernelTask(name, registry.of_func(func), wl, canon, count)
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        task = KernelTask(name, impl, wl, canon, count)
         bucket.append(task)
         tasks.append(task)
+
+    for gv_name, count in calls.items():
+        func = mod[gv_name]
+        if not is_tunable(func):
+            continue
+        impl, wl = registry.of_func(func), ConvWorkload.of(func)
+        others = [c for c in registry.candidates(impl.op, wl, target) if c.spaces and c is not impl] \
+            if target is not None else []
+        add(impl, func, wl, count, bool(others))  # the family names the task where a layer has two
+        for other in others:
+            add(other, other.compute(wl), wl, count, True)
     return tasks

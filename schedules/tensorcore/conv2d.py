@@ -1,0 +1,137 @@
+"""The fused int8 conv as an implicit GEMM, in NHWC32: the tensor-core family's compute definition.
+
+GEMM view of one conv layer::
+
+    M = N*OH*OW  (rows = output pixels, padded logically to M_p, a multiple of M_ALIGN)
+    N_gemm = O_p (output channels padded to 32)
+    K = KH*KW*C_p (taps x padded input channels, k = (ky*KW + kx)*C_p + c)
+
+Blocks of :func:`conv2d_nhwc_int8`::
+
+    im2col   A[m, k]  int8 [M_p, K]: the gathered input (zero padding; rows m >= M are 0)
+    conv     C[m, o]  int32 [M_p, O_p]: sum_k A[m, k] * W[o, k]
+    requant  Out[n, y, x, o] int8 for m = (n*OH + y)*OW + x < M: + bias, fixed-point multiply,
+             clamp to [act_min, act_max] (``schedules/requantize.py``, as every family)
+
+The schedule (``mma.py``) never materializes ``im2col``: it is gathered into shared memory by the
+copy that feeds the tensor cores.  Layouts: data ``[N, H, W, C_p]`` (``layout.py``), weight
+``[O_p, KH*KW*C_p]`` (packed at build time: exactly the "col" operand of ``mma.row.col``), bias /
+mult / shift ``[O_p]``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..requantize import requantize_ref, requantize_tir
+from ..workload import ConvWorkload
+from .layout import ceil32
+
+KERNEL_NAME = "conv2d_nhwc_int8"
+M_ALIGN = 128  # M_p: a multiple of every block tile's rows (32, 64, 128)
+
+
+def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
+    """(M, M_p, O_p, K) of the implicit GEMM."""
+    m = wl.batch * wl.out_height * wl.out_width
+    return m, (m + M_ALIGN - 1) // M_ALIGN * M_ALIGN, ceil32(wl.out_channels), \
+        wl.kernel[0] * wl.kernel[1] * ceil32(wl.in_channels)
+
+
+def conv2d_nhwc_int8(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)`` (module docstring)."""
+    assert wl.groups == 1 and wl.out_dtype == "int8", wl
+    N, H, W = wl.batch, wl.height, wl.width
+    Cp = ceil32(wl.in_channels)
+    M, MP, Op, K = gemm_shape(wl)
+    OH, OW = wl.out_height, wl.out_width
+    KW = wl.kernel[1]
+    SH, SW = wl.stride
+    DH, DW = wl.dilation
+    PT, PL = wl.padding[0], wl.padding[1]
+    OHW = OH * OW
+    C16, KWC16 = Cp // 16, KW * Cp // 16
+    LO, HI = wl.act_min, wl.act_max
+
+    @T.prim_func(s_tir=True)
+    def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
+             bias: T.Buffer((Op,), "int32"), mult: T.Buffer((Op,), "int32"),
+             shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        with T.sblock("root"):
+            A = T.sblock_alloc_buffer((MP, K), "int8")
+            C = T.sblock_alloc_buffer((MP, Op), "int32")
+            for m, k in T.grid(MP, K):
+                with T.sblock("im2col"):
+                    vm, vk = T.axis.remap("SS", [m, k])
+                    # k = 16*k16 + lane: the tap (ky, kx) and the padding test depend on k16 only,
+                    # so a 16-wide vector (lane) of the gather is one contiguous, uniformly
+                    # predicated int8x16 load (the vectorizer only has to fold
+                    # floordiv(16*a + lane, 16) = a, not prove a ramp does not cross a tap).
+                    k16 = T.meta_var(vk // 16)
+                    lane = T.meta_var(vk % 16)
+                    ky = T.meta_var(k16 // KWC16)
+                    kx = T.meta_var(k16 // C16 % KW)
+                    c = T.meta_var(k16 % C16 * 16 + lane)
+                    h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
+                    w = T.meta_var(vm % OW * SW + kx * DW - PL)
+                    T.reads(data[vm // OHW, h, w, c])
+                    T.writes(A[vm, vk])
+                    A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
+                                               data[vm // OHW, h, w, c], T.int8(0))
+            for m, o, k in T.grid(MP, Op, K):
+                with T.sblock("conv"):
+                    vm, vo, vk = T.axis.remap("SSR", [m, o, k])
+                    T.reads(A[vm, vk], weight[vo, vk])
+                    T.writes(C[vm, vo])
+                    with T.init():
+                        C[vm, vo] = 0
+                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vk]) * T.Cast("int32", weight[vo, vk])
+            for m, o in T.grid(MP, Op):
+                with T.sblock("requant"):
+                    vm, vo = T.axis.remap("SS", [m, o])
+                    T.reads(C[vm, vo], bias[vo], mult[vo], shift[vo])
+                    T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
+                    if vm < M:
+                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = requantize_tir(
+                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI)
+
+    return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def conv2d_nhwc_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> np.ndarray:
+    """NumPy reference on the packed layouts; returns int8 [N, OH, OW, O_p].
+
+    The accumulation runs in float64 through BLAS: every partial sum of int8 x int8 products over
+    K <= 2**20 is an integer below 2**35 < 2**53, so float64 is exact (and far faster than an
+    int64 matmul on big layers); the epilogue is the int64 fixed-point requantization."""
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow = wl.out_height, wl.out_width
+    n, _, _, cp = data.shape
+    op = weight.shape[0]
+    wk = weight.reshape(op, kh, kw, cp).astype(np.float64)
+    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    acc = np.zeros((n, oh, ow, op), np.float64)
+    for y in range(kh):
+        for x in range(kw):
+            win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
+            acc += win.astype(np.float64) @ wk[:, y, x, :].T
+    return requantize_ref(acc.astype(np.int64) + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+
+
+def pack_weight(w: np.ndarray) -> np.ndarray:
+    """OIHW [O, C, KH, KW] -> int8 [O_p, KH*KW*C_p], padded input and output channels 0."""
+    o, c, kh, kw = w.shape
+    out = np.zeros((ceil32(o), kh, kw, ceil32(c)), np.int8)
+    out[:o, :, :, :c] = w.transpose(0, 2, 3, 1)
+    return out.reshape(out.shape[0], -1)
+
+
+def pack_channels(v: np.ndarray, fill=0) -> np.ndarray:
+    """Per-output-channel vector [O] -> [O_p]; padded entries ``fill`` (0 for bias and mult, 1
+    for shift: the smallest legal shift), so padded output channels are exactly 0."""
+    out = np.full(ceil32(v.shape[0]), fill, v.dtype)
+    out[: v.shape[0]] = v
+    return out

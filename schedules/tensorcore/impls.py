@@ -1,0 +1,116 @@
+"""The tensor-core family's kernel implementations, as the registry (``tvm_qconv/registry.py``) sees them.
+
+=========================  ===========  ==================================================
+name                       op           runs
+=========================  ===========  ==================================================
+``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
+``max_pool2d.nhwc32``      max_pool2d   any target (dlight on CUDA)
+``add.nhwc32``             add          any target (dlight on CUDA)
+=========================  ===========  ==================================================
+"""
+from __future__ import annotations
+
+import tvm
+
+from tvm_qconv.target import TargetInfo
+
+from ..kernel import KernelImpl
+from ..workload import AddWorkload, ConvWorkload, PoolWorkload
+from . import conv2d, elementwise, mma, pipeline, space
+from .layout import LAYOUT
+
+# A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
+# for the mma K step (VGG16's first conv, 3 channels, would do 10x the multiply-adds), against 4.
+MIN_IN_CHANNELS = 16
+
+
+class Conv2dMma(KernelImpl):
+    """The fused conv as an implicit GEMM on int8 tensor cores (``conv2d.py``, ``mma.py``)."""
+
+    name = "conv2d.nhwc32.mma"
+    op = "conv2d"
+    layout = LAYOUT.name
+    family = "mma"
+    spaces = space.SPACES
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        return (target.kind == "cuda" and target.has_int8_mma and wl.groups == 1 and wl.out_dtype == "int8"
+                and wl.in_channels >= MIN_IN_CHANNELS)
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(conv2d.conv2d_nhwc_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return conv2d.conv2d_nhwc_int8_ref(wl, *args)
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        return [conv2d.pack_weight(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
+                conv2d.pack_channels(shift, fill=1)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
+
+    def _defaults(self, sch, target):
+        return mma.default_decisions(*mma.gemm_extents(sch), TargetInfo.from_target(target).num_sm)
+
+    def schedule(self, func, target):
+        sch = tvm.s_tir.Schedule(func)
+        decisions, stages = self._defaults(sch, target)
+        mma.apply_mma_schedule(sch, decisions, stages)
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+    def seed(self, sch, target) -> None:
+        decisions, stages = self._defaults(sch, target)
+        mma.apply_mma_schedule(sch, decisions, stages)
+
+    def space_generator(self, space_name: str, func, target):
+        _, stages = self._defaults(tvm.s_tir.Schedule(func), target)
+        return space.space_generator(stages, space_name)
+
+    def tuning_target(self, target):
+        config = dict(target.export())
+        config["max_shared_memory_per_block"] = mma.DYN_SMEM_BUDGET
+        return tvm.target.Target(config, host=target.host)
+
+    def prepare(self) -> None:
+        mma.intrinsics()
+
+    def compile_options(self) -> dict:
+        return pipeline.compile_options()
+
+
+class MaxPool2d(KernelImpl):
+    name = "max_pool2d.nhwc32"
+    op = "max_pool2d"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: PoolWorkload):
+        return self.tag(elementwise.max_pool2d_nhwc_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.dilation,
+                                                         wl.ceil_mode), wl)
+
+    def reference(self, wl: PoolWorkload, x):
+        return elementwise.max_pool2d_nhwc_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.dilation, wl.ceil_mode)
+
+
+class Add(KernelImpl):
+    name = "add.nhwc32"
+    op = "add"
+    layout = LAYOUT.name
+    family = "generic"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl: AddWorkload):
+        return self.tag(elementwise.add_nhwc_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min,
+                                                  wl.act_max), wl)
+
+
+CONV2D_MMA = Conv2dMma()
+MAX_POOL2D = MaxPool2d()
+ADD = Add()
+IMPLEMENTATIONS = (CONV2D_MMA, MAX_POOL2D, ADD)

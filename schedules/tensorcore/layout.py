@@ -1,0 +1,77 @@
+"""The NHWC32 layout of the tensor-core family: int8 activations ``[n, h, w, c]`` with the channels
+zero-padded to a multiple of 32.
+
+Why NHWC: the conv is an implicit GEMM whose reduction runs over (tap, channel); with the
+channels innermost, one tap's 32 channels are one contiguous 32-byte run, so the im2col gather
+is 16-byte vector copies (cp.async) and every ``mma.sync.m16n8k32`` K step stays inside one tap.
+NC/32HW32c would give the same runs but strided pixel rows; NHWC keeps each image contiguous,
+which is what TensorRT and cuDNN use for int8 too.  Why 32: one m16n8k32 K step; the output
+channels are padded to 32 as well, so a layer's output is the next layer's input as it is.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from ..kernel import Layout
+from ..quantize import dequantize_tir, quantize_tir
+
+ALIGN = 32
+
+
+def ceil32(c: int) -> int:
+    return (c + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pack_nhwc32(x: np.ndarray) -> np.ndarray:
+    """[N, C, H, W] -> [N, H, W, ceil32(C)], zero-padding the channels."""
+    n, c, h, w = x.shape
+    out = np.zeros((n, h, w, ceil32(c)), x.dtype)
+    out[..., :c] = x.transpose(0, 2, 3, 1)
+    return out
+
+
+def unpack_nhwc32(x: np.ndarray, channels: int) -> np.ndarray:
+    """[N, H, W, C_p] -> [N, channels, H, W]."""
+    return np.ascontiguousarray(x[..., :channels].transpose(0, 3, 1, 2))
+
+
+class NHWC32(Layout):
+    name = "NHWC32"
+
+    def packed_shape(self, shape):
+        n, c, h, w = shape
+        return (n, h, w, ceil32(c))
+
+    def quantize(self, shape, scale):
+        n, c, h, w = shape
+        x = te.placeholder(shape, "float32", name="X")
+        out = te.compute(
+            (n, h, w, ceil32(c)),
+            lambda b, y, xx, cc: tirx.if_then_else(cc < c, quantize_tir(x[b, tirx.min(cc, c - 1), y, xx], scale),
+                                                   tirx.const(0, "int8")),
+            name="quantize_pack")
+        return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack_nhwc32"})
+
+    def dequantize(self, packed, channels, scale):
+        n, h, w, _ = packed
+        x = te.placeholder(packed, "int8", name="X")
+        out = te.compute((n, channels, h, w), lambda b, c, y, xx: dequantize_tir(x[b, y, xx, c], scale),
+                         name="dequantize_unpack")
+        return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack_nhwc32"})
+
+    def pack(self, x):
+        return pack_nhwc32(x)
+
+    def unpack(self, x, channels):
+        return unpack_nhwc32(x, channels)
+
+    def to_logical(self, index):
+        n, h, w, c = index
+        return n, c, h, w
+
+    def to_packed(self, n, c, h, w):
+        return n, h, w, c
+
+
+LAYOUT = NHWC32()

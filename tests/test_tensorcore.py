@@ -1,0 +1,194 @@
+"""The tensor-core family (``schedules/tensorcore/``) on CPU: compute definition bit-exact against
+NumPy on llvm, the template's CUDA code (mma.sync, ldmatrix, cp.async), the NHWC32 layout and its
+kernels, the search space.  On the GPU: the same kernels bit-exact (marked ``gpu``)."""
+import numpy as np
+import pytest
+import tvm
+from tvm.s_tir import meta_schedule as ms
+
+from tests.workloads import conv_wl
+from tvm_qconv import registry
+from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
+from tvm_qconv.schedules.relayout import relayout_int8
+from tvm_qconv.schedules.requantize import quantize_multiplier
+from tvm_qconv.schedules.tensorcore import conv2d, elementwise, mma, pipeline, space
+from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
+from tvm_qconv.schedules.workload import ConvWorkload
+from tvm_qconv.schedules.quantize import quantize_ref
+from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
+
+RNG = np.random.default_rng(0)
+SM90 = make_target("cuda", "sm_90")
+IMPL = registry.get("conv2d.nhwc32.mma")
+
+# Channels and sizes that divide no tile: C padded to 32 (20, 40), O = 40, M not a multiple of 128
+# (7x7, 9x11), stride 2, 1x1, 5x5, dilation 2, asymmetric padding, no ReLU, a clip.
+WORKLOADS = [
+    conv_wl(2, 20, 7, 7, 40),
+    conv_wl(1, 40, 9, 11, 64, padding=(1, 2, 1, 0), relu=False),
+    conv_wl(2, 16, 14, 14, 32, stride=(2, 2)),
+    conv_wl(1, 64, 7, 7, 40, kernel=(1, 1), padding=(0, 0, 0, 0)),
+    conv_wl(1, 32, 12, 12, 32, dilation=(2, 2), padding=(2, 2, 2, 2)),
+    conv_wl(3, 24, 7, 7, 96, kernel=(5, 5), padding=(2, 2, 2, 2)),
+    ConvWorkload.with_activation("clip", 0, 80, batch=1, in_channels=32, height=8, width=8, out_channels=32),
+]
+IDS = ["20to40_7x7_b2", "40to64_asym_pad_norelu", "s2_b2", "1x1_40out", "dilation2", "5x5_b3", "clip_0_80"]
+
+
+def args_of(wl, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
+    w = rng.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel)).astype(np.int8)
+    bias = rng.integers(-(1 << 14), 1 << 14, wl.out_channels).astype(np.int32)
+    k = wl.in_channels * wl.kernel[0] * wl.kernel[1]
+    mult, shift = quantize_multiplier(100.0 / (128 * 128 * np.sqrt(k) / 3) * rng.uniform(0.5, 2.0, wl.out_channels))
+    return [NHWC32.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
+
+
+def out_shape(wl):
+    return IMPL.out_shape(wl)
+
+
+def run_llvm(func, args, shape, dtype="int8"):
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.tensor(np.full(shape, 77, dtype))
+    lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("wl", WORKLOADS, ids=IDS)
+def test_compute_definition_is_bit_exact_against_numpy(wl):
+    args = args_of(wl)
+    ref = IMPL.reference(wl, *args)
+    assert 0.05 < (ref != 0).mean() and wl.act_min <= ref.min() and ref.max() <= wl.act_max
+    np.testing.assert_array_equal(run_llvm(IMPL.compute(wl), args, out_shape(wl)), ref)
+    assert not ref[..., wl.out_channels:].any()  # padded output channels are 0: the next layer reads them
+
+
+def test_reference_equals_a_float64_convolution():
+    import torch
+    wl = WORKLOADS[1]
+    x = RNG.integers(-128, 128, (1, wl.in_channels, wl.height, wl.width)).astype(np.int8)
+    w = RNG.integers(-127, 128, (wl.out_channels, wl.in_channels, 3, 3)).astype(np.int8)
+    one = np.full(wl.out_channels, 1 << 30, np.int32)  # mult 2**30, shift 30: the identity
+    got = IMPL.reference(wl, NHWC32.pack(x), *IMPL.pack_params(wl, w, np.zeros_like(one), one, one * 0 + 30))
+    pt, pl, pb, pr = wl.padding
+    acc = torch.nn.functional.conv2d(torch.from_numpy(np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr))).astype(np.float64)),
+                                     torch.from_numpy(w.astype(np.float64))).numpy()
+    np.testing.assert_array_equal(NHWC32.unpack(got, wl.out_channels), np.clip(acc, -128, 127))
+
+
+def _cuda(func) -> str:
+    options = pipeline.compile_options()
+    with SM90, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        return cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=SM90, tir_pipeline=options["tir_pipeline"]))
+
+
+def _assert_tensor_core_code(src: str) -> None:
+    body = src[src.index("__global__"):]
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in body
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
+    assert "cp.async.cg.shared.global" in src  # TVM emits the PTX in helpers the kernel calls:
+    assert "cp_async_legacy_cg_16" in body and "cp_async_legacy_pred_cg_16" in body  # weights; im2col predicated
+    assert "__shfl_sync" not in body  # the epilogue reads each lane's own accumulators
+
+
+LAYERS = [conv_wl(1, 64, 56, 56, 64), conv_wl(8, 256, 28, 28, 256), conv_wl(1, 512, 14, 14, 512)]
+
+
+@pytest.mark.parametrize("wl", LAYERS, ids=["64@56_b1", "256@28_b8", "512@14_b1"])
+def test_default_schedule_runs_on_tensor_cores(wl):
+    func = IMPL.schedule(IMPL.compute(wl), SM90)
+    assert func.attrs["tir.is_scheduled"]
+    _assert_tensor_core_code(_cuda(func))
+
+
+def test_template_samples_are_tensor_core_kernels_that_fit_the_gpu():
+    """Random points of the search space: sampled tiles, each checked by the space's postprocessors
+    (VerifyGPUCode against the 96 KB dynamic shared memory budget) and compiled."""
+    wl = conv_wl(2, 128, 28, 28, 128)
+    func = IMPL.compute(wl)
+    target = IMPL.tuning_target(SM90)
+    ctx = ms.TuneContext(mod=func, target=target, task_name="t", rand_state=3,
+                         space_generator=IMPL.space_generator("template", func, target))
+    (sketch,) = ctx.generate_design_space()
+    valid = 0
+    for i in range(8):
+        sch = tvm.s_tir.Schedule(ctx.mod, seed=11 + i)
+        tvm.s_tir.schedule.Trace(sketch.trace.insts, {}).apply_to_schedule(sch, remove_postproc=True)
+        if all(p.apply(sch) for p in ctx.space_generator.postprocs):
+            valid += 1
+            if valid <= 2:  # compiling is the slow part: two suffice to check the code
+                _assert_tensor_core_code(_cuda(sch.mod["main"]))
+    assert valid >= 4  # most samples fit (the rest: too much shared memory for their pipeline)
+
+
+def test_default_is_a_point_of_the_space():
+    wl = conv_wl(1, 64, 56, 56, 64)
+    sch = tvm.s_tir.Schedule(conv2d.conv2d_nhwc_int8(wl))
+    IMPL.seed(sch, SM90)
+    decisions = [[int(x) for x in d] if hasattr(d, "__len__") else int(d) for d in sch.trace.decisions.values()]
+    m, mp, op, k = conv2d.gemm_shape(wl)
+    default, _ = mma.default_decisions(mp, op, k, TargetInfo.from_target(SM90).num_sm)
+    assert default["k"] in decisions and default["m"][1:] in decisions and default["o"][1:] in decisions
+
+
+def test_nhwc32_layout_round_trips_and_converts_to_nchw4c():
+    x = RNG.normal(0, 1, (2, 37, 5, 3)).astype(np.float32)
+    q = run_llvm(NHWC32.quantize(x.shape, 0.02), [x], NHWC32.packed_shape(x.shape))
+    np.testing.assert_array_equal(q, NHWC32.pack(quantize_ref(x, 0.02)))
+    back = run_llvm(NHWC32.dequantize(q.shape, 37, 0.02), [q], x.shape, "float32")
+    np.testing.assert_array_equal(back, NHWC32.unpack(q, 37).astype(np.float32) * np.float32(0.02))
+    # int8 relayout both ways: the same integers, padded channels 0
+    a = NCHW4C.pack(RNG.integers(-128, 128, (2, 37, 5, 3)).astype(np.int8))
+    b = run_llvm(relayout_int8(NCHW4C, NHWC32, (2, 37, 5, 3)), [a], NHWC32.packed_shape((2, 37, 5, 3)))
+    np.testing.assert_array_equal(b, NHWC32.pack(NCHW4C.unpack(a, 37)))
+    c = run_llvm(relayout_int8(NHWC32, NCHW4C, (2, 37, 5, 3)), [b], NCHW4C.packed_shape((2, 37, 5, 3)))
+    np.testing.assert_array_equal(c, a)
+
+
+def test_nhwc32_max_pool_and_add_match_references():
+    x = RNG.integers(-128, 128, (2, 9, 7, 32)).astype(np.int8)
+    for pool, stride, pad in (((2, 2), (2, 2), (0, 0, 0, 0)), ((3, 3), (2, 2), (1, 1, 1, 1))):
+        ref = elementwise.max_pool2d_nhwc_int8_ref(x, pool, stride, pad)
+        np.testing.assert_array_equal(run_llvm(elementwise.max_pool2d_nhwc_int8(x.shape, pool, stride, pad), [x],
+                                               ref.shape), ref)
+    y = RNG.integers(-128, 128, x.shape).astype(np.int8)
+    out = run_llvm(elementwise.add_nhwc_int8(x.shape, 3 << 20, 5 << 19, 22, 0), [x, y], x.shape)
+    v = (x.astype(np.int64) * (3 << 20) + y.astype(np.int64) * (5 << 19) + (1 << 21)) >> 22
+    np.testing.assert_array_equal(out, np.clip(v, 0, 127))
+
+
+def test_tensor_core_build_compiles_with_the_pipeline_and_leaves_dp4a_kernels_alone():
+    # the two extra passes rewrite async copies and warp buffers only: a dp4a kernel compiled
+    # with them is the same CUDA as with TVM's default pipeline
+    from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8
+    from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
+    func = schedule_dp4a(conv2d_nchw4c_int8(conv_wl(1, 64, 28, 28, 64)), SM90)
+    with SM90:
+        plain = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=SM90))
+    assert _cuda(func) == plain
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+GPU_LAYERS = WORKLOADS + [conv_wl(1, 64, 224, 224, 64), conv_wl(4, 512, 14, 14, 512), conv_wl(8, 512, 7, 7, 512)]
+GPU_IDS = IDS + ["vgg_64@224", "512@14_b4", "512@7_b8_m392"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", GPU_LAYERS, ids=GPU_IDS)
+def test_tensor_core_kernel_on_gpu_is_bit_exact(wl):
+    arch = device_arch()
+    if not TargetInfo.from_target(make_target("cuda", arch)).has_int8_mma:
+        pytest.skip(f"{arch} has no int8 mma.m16n8k32")
+    target = make_target("cuda", arch)
+    options = pipeline.compile_options()
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        lib = tvm.compile(tvm.IRModule({"main": IMPL.schedule(IMPL.compute(wl), target)}), target=target,
+                          tir_pipeline=options["tir_pipeline"])
+    dev = tvm.cuda(0)
+    args = args_of(wl, seed=1)
+    out = tvm.runtime.tensor(np.full(out_shape(wl), 77, np.int8), dev)  # poisoned
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
