@@ -6,6 +6,7 @@ import tvm
 
 from tests.test_kernels import CONV_IDS, CONV_WORKLOADS, conv_args, out_shape
 from tests.workloads import conv_wl
+from tvm_qconv import registry
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.models import SmallVGG
@@ -15,7 +16,7 @@ from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8, conv2d_nchw4c_
 from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
 from tvm_qconv.schedules.nchw4c.layout import pack_nchw4c, quantize_pack
 from tvm_qconv.schedules.quantize import quantize_ref
-from tvm_qconv.target import cuda_source, device_arch, make_target
+from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
 pytestmark = pytest.mark.gpu
 ARCH = device_arch() or "sm_90"  # the GPU's own arch (the tests are skipped where there is none)
@@ -46,15 +47,21 @@ def test_cuda_build_equals_cpu_build_on_a_whole_model(tmp_path):
     torch.manual_seed(0)
     model = SmallVGG().eval()
     x = np.random.default_rng(0).normal(0, 1, (8, 3, 32, 32)).astype(np.float32)
-    outs = {}
+    outs, exposed = {}, {}
     for target in ("llvm", "cuda"):
         lib = compile_model(model, str(tmp_path / f"{target}.so"), config=QuantConfig(num_calib_images=8),
                             options=BuildOptions(target=target, arch=ARCH if target == "cuda" else None, batch=8,
                                                  image_size=32, expose_activations=True),
                             ranges=Calibrate(x), progress=False)
         outs[target] = CompiledModel(lib.lib_path).outputs(x)
-    for a, b in zip(outs["llvm"][1:], outs["cuda"][1:]):
-        np.testing.assert_array_equal(a, b)  # integer-only epilogues: identical int8 activations
+        exposed[target] = lib.report["exposed"]
+    # each activation in its library's layout (NCHW4c on the CPU; NHWC32 after the GPU's
+    # tensor-core convs): compared as NCHW, integer for integer
+    if TargetInfo.from_target(make_target("cuda", ARCH)).has_int8_mma:
+        assert "NHWC32" in {e["layout"] for e in exposed["cuda"]}
+    for e_cpu, e_gpu, a, b in zip(exposed["llvm"], exposed["cuda"], outs["llvm"][1:], outs["cuda"][1:]):
+        np.testing.assert_array_equal(registry.layout(e_cpu["layout"]).unpack(a, e_cpu["channels"]),
+                                      registry.layout(e_gpu["layout"]).unpack(b, e_gpu["channels"]))
     np.testing.assert_allclose(outs["llvm"][0], outs["cuda"][0], rtol=1e-5, atol=1e-5)  # float dense epilogue
 
 
