@@ -364,8 +364,8 @@ def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stri
 
 
 def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gammas():
-    from tvm_qconv.schedules.nchw4c.affine import (affine_nchw4c_int8, affine_nchw4c_int8_ref, affine_params,
-                                                   pack_affine)
+    from tvm_qconv.schedules.nchw4c.affine import affine_nchw4c_int8, affine_nchw4c_int8_ref, pack_affine
+    from tvm_qconv.schedules.requantize import affine_params
     x = RNG.integers(-128, 128, (2, 3, 5, 4, 4)).astype(np.int8)
     a, b = RNG.normal(0, 1, 12), RNG.normal(0, 0.5, 12)
     a[3] = 0.0  # a dead channel: its output is the bias alone

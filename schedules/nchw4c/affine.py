@@ -12,21 +12,9 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-from ..requantize import quantize_multiplier
 from .conv2d import pack_channels
 
 KERNEL_NAME = "affine_nchw4c_int8"
-MAX_BIAS = 2 ** 62  # |bias| beyond it saturates the output whatever x is (|q_x * mult| < 2**38)
-
-
-def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float) -> tuple[np.ndarray, ...]:
-    """(mult int32, shift int32, bias int64), each [C], for ``y = a * x + b`` from scale s_x to s_y."""
-    m = np.asarray(a, np.float64) * s_x / s_y
-    mag = np.abs(m)
-    mult, shift = quantize_multiplier(np.where(mag > 0, mag, 1.0))
-    mult = np.where(mag > 0, np.sign(m) * mult.astype(np.int64), 0).astype(np.int32)
-    bias = np.clip(np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)), -MAX_BIAS, MAX_BIAS)
-    return mult, shift, bias.astype(np.int64)
 
 
 def affine_nchw4c_int8(shape: tuple[int, ...], act_min: int = -128, act_max: int = 127):

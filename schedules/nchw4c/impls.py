@@ -193,6 +193,9 @@ class Affine(KernelImpl):
     def reference(self, wl: AffineWorkload, x, mult, shift, bias):
         return affine.affine_nchw4c_int8_ref(x, mult, shift, bias, wl.act_min, wl.act_max)
 
+    def pack_params(self, wl: AffineWorkload, mult, shift, bias) -> list:
+        return affine.pack_affine(mult, shift, bias)
+
 
 CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_DP4A = Conv2dDp4a()

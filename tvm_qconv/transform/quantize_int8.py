@@ -32,8 +32,7 @@ from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
 from ..schedules.relayout import relayout_int8
-from ..schedules.requantize import add_multipliers, quantize_multiplier
-from ..schedules.nchw4c.affine import affine_params, pack_affine
+from ..schedules.requantize import add_multipliers, affine_params, quantize_multiplier
 from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload,
                                   PoolWorkload)
 from ..target import TargetInfo
@@ -359,7 +358,7 @@ class _Rewriter:
             return self.no_kernel("affine", f"{x.layout.name} tensor")
         mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y)
         prim = impl.compute(wl)
-        args = [x.var] + [constant(p) for p in pack_affine(mult, shift, bias)]
+        args = [x.var] + [constant(p) for p in impl.pack_params(wl, mult, shift, bias)]
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, static_shape(x.var.ty), "int8")
         self.produce(ly.output, var, s_y, x.channels, impl.layout)
         act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
