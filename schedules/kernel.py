@@ -12,6 +12,9 @@ on a target, and returns False where it cannot, rather than raising.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from typing import Callable
 
 import numpy as np
@@ -138,3 +141,42 @@ def impl_name(func) -> str | None:
 
 # A schedule function of a family: (PrimFunc, tvm Target) -> scheduled PrimFunc.
 ScheduleFn = Callable[[tirx.PrimFunc, tvm.target.Target], tirx.PrimFunc]
+
+
+def load_tensor_intrin_file(stem: str):
+    """``tvm.s_tir.tensor_intrin.<stem>`` without the package ``__init__``, which builds every
+    target's intrinsics (the whole package takes 20-120 s to import on a small box; one file a
+    few seconds).  The file is loaded under its real module name, so a later import of the whole
+    package reuses it instead of registering the same intrinsics twice (which would raise)."""
+    name = f"tvm.s_tir.tensor_intrin.{stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", f"{stem}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+class GenericKernel(KernelImpl):
+    """An implementation every target runs as it is (dlight schedules it on CUDA, llvm runs it
+    unscheduled): the memory-bound pools, adds, concatenations.  Subclasses give ``compute_fn``
+    (workload -> PrimFunc) and ``reference_fn`` (workload, *arrays -> array)."""
+
+    family = "generic"
+    compute_fn: Callable = None
+    reference_fn: Callable = None
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+    def compute(self, wl):
+        return self.tag(type(self).compute_fn(wl), wl)
+
+    def reference(self, wl, *args):
+        return type(self).reference_fn(wl, *args)

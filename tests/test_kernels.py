@@ -7,7 +7,7 @@ import torch
 import tvm
 
 from tvm_qconv.schedules.dense_int8 import dense_int8, dense_int8_ref, quantize_rows
-from tvm_qconv.schedules.nchw4c.add import add_nchw4c_int8, add_nchw4c_int8_ref
+from tvm_qconv.schedules.add_int8 import add_int8, add_int8_ref
 from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
                                                pack_channels, pack_input_groups, pack_oihw4o4i,
                                                unpack_output_groups)
@@ -236,8 +236,8 @@ def test_residual_add_rescales_to_output_scale(relu):
     s_a, s_b, s_o = 0.03, 0.011, 0.05
     ma, mb, sh = add_multipliers(s_a, s_b, s_o)
     lo = 0 if relu else -128
-    out = run(add_nchw4c_int8(a.shape, ma, mb, sh, lo), a, b, out_shape=a.shape, out_dtype="int8")
-    np.testing.assert_array_equal(out, add_nchw4c_int8_ref(a, b, ma, mb, sh, lo))
+    out = run(add_int8(a.shape, ma, mb, sh, lo), a, b, out_shape=a.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, add_int8_ref(a, b, ma, mb, sh, lo))
     exact = np.clip((a * s_a + b * s_b) / s_o, 0 if relu else -128, 127)
     assert np.abs(out - exact).max() <= 0.5 + 1e-6  # one rounding, in output steps
 

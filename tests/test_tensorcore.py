@@ -11,9 +11,9 @@ from tvm_qconv import registry
 from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
 from tvm_qconv.schedules.relayout import relayout_int8
 from tvm_qconv.schedules.requantize import quantize_multiplier
-from tvm_qconv.schedules.tensorcore import conv2d, elementwise, mma, pipeline, space
+from tvm_qconv.schedules.tensorcore import conv2d, elementwise, mma, pipeline
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
-from tvm_qconv.schedules.workload import ConvWorkload
+from tvm_qconv.schedules.workload import AddWorkload, ConvWorkload
 from tvm_qconv.schedules.quantize import quantize_ref
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
@@ -154,7 +154,8 @@ def test_nhwc32_max_pool_and_add_match_references():
         np.testing.assert_array_equal(run_llvm(elementwise.max_pool2d_nhwc_int8(x.shape, pool, stride, pad), [x],
                                                ref.shape), ref)
     y = RNG.integers(-128, 128, x.shape).astype(np.int8)
-    out = run_llvm(elementwise.add_nhwc_int8(x.shape, 3 << 20, 5 << 19, 22, 0), [x, y], x.shape)
+    add = registry.get("add.nhwc32")
+    out = run_llvm(add.compute(AddWorkload(x.shape, 3 << 20, 5 << 19, 22, 0)), [x, y], x.shape)
     v = (x.astype(np.int64) * (3 << 20) + y.astype(np.int64) * (5 << 19) + (1 << 21)) >> 22
     np.testing.assert_array_equal(out, np.clip(v, 0, 127))
 

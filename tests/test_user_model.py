@@ -8,7 +8,6 @@ import torch
 import deploy
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.data import skimage_photos
-from tvm_qconv.errors import InputError
 from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.frontend import load_model
 from tvm_qconv.ranges import Calibrate

@@ -9,6 +9,20 @@ from .artifact import artifact_paths, read_meta
 from .errors import InputError
 
 
+def flatten(out) -> list[np.ndarray]:
+    """A VM result (a tensor, or nested tuples of them) as a flat list of NumPy arrays."""
+    flat = []
+
+    def walk(o):
+        if hasattr(o, "numpy"):
+            flat.append(o.numpy())
+        else:
+            for item in o:
+                walk(item)
+    walk(out)
+    return flat
+
+
 class CompiledModel:
     """A built int8 model: ``CompiledModel("vgg16.so", "cuda")(x) -> logits``."""
 
@@ -34,17 +48,7 @@ class CompiledModel:
     def outputs(self, x: np.ndarray) -> list:
         """Every output of main as NumPy arrays (the logits first; then, for a library built with
         ``expose_activations``, the int8 activations of ``meta["report"]["exposed"]``)."""
-        out = self.vm["main"](tvm.runtime.tensor(self.check_input(x), self.dev), *self.params)
-        flat = []
-
-        def walk(o):
-            if hasattr(o, "numpy"):
-                flat.append(o.numpy())
-            else:
-                for item in o:
-                    walk(item)
-        walk(out)
-        return flat
+        return flatten(self.vm["main"](tvm.runtime.tensor(self.check_input(x), self.dev), *self.params))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.outputs(x)[0]

@@ -17,6 +17,7 @@ from . import registry
 from .calibrate import FloatPoints
 from .evaluate import sqnr_db
 from .graph import Graph
+from .runtime import flatten
 
 # int8 per-tensor activations through a deep network lose 20-40 dB against float (random-init
 # torchvision models: 21-39 dB at 64 px); every fault seen so far gave 0-3 dB.  Under 15 dB the
@@ -35,19 +36,6 @@ def can_run(target: tvm.target.Target) -> bool:
         return False
 
 
-def _flatten(out) -> list[np.ndarray]:
-    flat = []
-
-    def walk(o):
-        if hasattr(o, "numpy"):
-            flat.append(o.numpy())
-        else:
-            for item in o:
-                walk(item)
-    walk(out)
-    return flat
-
-
 def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images: np.ndarray) -> list[list]:
     """Every output of ``ex``'s main, per batch of ``batch`` images (the last padded with repeats,
     outputs cut back to the real images)."""
@@ -60,7 +48,7 @@ def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images:
         n = len(x)
         if n < batch:
             x = np.concatenate([x] * (-(-batch // n)))[:batch]
-        outs = _flatten(vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32), dev), *args))
+        outs = flatten(vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32), dev), *args))
         results.append([o[:n] if o.ndim and o.shape[0] == batch else o for o in outs])
     return results
 

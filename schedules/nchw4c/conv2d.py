@@ -31,6 +31,18 @@ def group_blocks(wl: ConvWorkload) -> tuple[int, int]:
     return ceil4(wl.group_in) // 4, ceil4(wl.group_out) // 4
 
 
+def zero_pad(A: te.Tensor, wl: ConvWorkload) -> te.Tensor:
+    """Stage ``pad``: the NCHW4c input ``A`` zero-padded by ``wl.padding`` (zero point 0: exact)."""
+    pt, pl, pb, pr = wl.padding
+    n, cc, h, w, _ = A.shape
+    return te.compute(
+        (n, cc, h + pt + pb, w + pl + pr, 4),
+        lambda b, c, y, x, ci: tirx.if_then_else(
+            tirx.all(y >= pt, y < pt + wl.height, x >= pl, x < pl + wl.width),
+            A[b, c, y - pt, x - pl, ci], tirx.const(0, "int8")),
+        name="pad")
+
+
 def conv2d_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     """Compute definition (unscheduled PrimFunc) of the conv for one workload.
 
@@ -47,17 +59,10 @@ def conv2d_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     cgb, ogb = group_blocks(wl)
     icc, occ = wl.groups * cgb, wl.groups * ogb
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
     A = te.placeholder((wl.batch, icc, wl.height, wl.width, 4), "int8", name="A")
     W = te.placeholder((occ, cgb, kh, kw, 4, 4), "int8", name="W")
-    ph, pw = wl.height + pt + pb, wl.width + pl + pr
-    pad = te.compute(
-        (wl.batch, icc, ph, pw, 4),
-        lambda n, c, h, w, ci: tirx.if_then_else(
-            tirx.all(h >= pt, h < pt + wl.height, w >= pl, w < pl + wl.width),
-            A[n, c, h - pt, w - pl, ci], tirx.const(0, "int8")),
-        name="pad")
+    pad = zero_pad(A, wl)
     rc = te.reduce_axis((0, cgb), name="rc")
     ry = te.reduce_axis((0, kh), name="ry")
     rx = te.reduce_axis((0, kw), name="rx")

@@ -20,6 +20,7 @@ from tvm import te, tirx
 
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
+from .conv2d import zero_pad
 from .layout import ceil4
 
 KERNEL_NAME = "depthwise_nchw4c_int8"
@@ -32,15 +33,9 @@ def depthwise_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     k = wl.out_channels // wl.in_channels
     icc, occ = ceil4(wl.in_channels) // 4, ceil4(wl.out_channels) // 4
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    pt, pl, pb, pr = wl.padding
     A = te.placeholder((wl.batch, icc, wl.height, wl.width, 4), "int8", name="A")
     W = te.placeholder((occ, kh, kw, 4), "int8", name="W")
-    pad = te.compute(
-        (wl.batch, icc, wl.height + pt + pb, wl.width + pl + pr, 4),
-        lambda n, c, h, w, ci: tirx.if_then_else(
-            tirx.all(h >= pt, h < pt + wl.height, w >= pl, w < pl + wl.width),
-            A[n, c, h - pt, w - pl, ci], tirx.const(0, "int8")),
-        name="pad")
+    pad = zero_pad(A, wl)
     ry = te.reduce_axis((0, kh), name="ry")
     rx = te.reduce_axis((0, kw), name="rx")
 

@@ -30,9 +30,6 @@ are heuristics for H100/H200-class GPUs, not tuned: MetaSchedule is for that.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 
 import tvm
@@ -41,7 +38,7 @@ from tvm import tirx
 
 from tvm_qconv.target import TargetInfo
 
-from ..kernel import WORKLOAD_ATTR
+from ..kernel import WORKLOAD_ATTR, load_tensor_intrin_file
 from ..workload import ConvWorkload
 from .conv2d import group_blocks
 
@@ -69,26 +66,14 @@ UNROLL_STEPS = [0, 16, 64, 512]  # 1024 (MetaSchedule's largest) made tuning rou
 def _ensure_dp4a_registered() -> None:
     """Register ``dp4a_s8s8s32`` without importing all of ``tvm.s_tir.tensor_intrin``.
 
-    ``import tvm.s_tir.tensor_intrin.<anything>`` first runs the package ``__init__``, which
-    builds every CUDA tensor-core intrinsic (~40-120 s on a small CPU box).  The dp4a
-    intrinsics live in ``dot_product_common.py``, which needs only ``tvm.s_tir``; load that file
-    alone under its real module name, so a later import of the whole package reuses it instead
-    of registering the same intrinsic twice (which would raise).
+    The dp4a intrinsics live in ``dot_product_common.py``, which needs only ``tvm.s_tir``
+    (``load_tensor_intrin_file`` says why not the whole package).
     """
     if tvm.s_tir.TensorIntrin.get(DP4A_INTRIN, allow_missing=True) is not None:
         return
-    name = "tvm.s_tir.tensor_intrin.dot_product_common"
-    if name in sys.modules:  # imported, yet nothing registered: should not happen
-        raise RuntimeError(f"{name} is imported but {DP4A_INTRIN} is not registered")
-    path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", "dot_product_common.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
+    load_tensor_intrin_file("dot_product_common")
+    if tvm.s_tir.TensorIntrin.get(DP4A_INTRIN, allow_missing=True) is None:  # imported before, yet missing
+        raise RuntimeError(f"tvm.s_tir.tensor_intrin.dot_product_common does not register {DP4A_INTRIN}")
 
 
 def _divisor_at_most(n: int, cap: int) -> int:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernel import KernelImpl
-from ..workload import AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload, PoolWorkload
-from . import add, affine, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
+from .. import add_int8
+from ..kernel import GenericKernel, KernelImpl
+from ..workload import AffineWorkload, ConvWorkload
+from . import affine, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
 from .layout import LAYOUT, ceil4
 
 
@@ -113,85 +114,53 @@ class Conv2dCpu(_Conv2dNCHW4c):
         return cpu.schedule_cpu(func)
 
 
-class MaxPool2d(KernelImpl):
+class MaxPool2d(GenericKernel):
     name = "max_pool2d.nchw4c"
     op = "max_pool2d"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: PoolWorkload):
-        return self.tag(pool.max_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.dilation,
-                                                    wl.ceil_mode), wl)
-
-    def reference(self, wl: PoolWorkload, x):
-        return pool.max_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.dilation, wl.ceil_mode)
+    compute_fn = lambda wl: pool.max_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                         wl.dilation, wl.ceil_mode)
+    reference_fn = lambda wl, x: pool.max_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                                  wl.dilation, wl.ceil_mode)
 
 
-class Add(KernelImpl):
+class Add(GenericKernel):
     name = "add.nchw4c"
     op = "add"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: AddWorkload):
-        return self.tag(add.add_nchw4c_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max), wl)
-
-    def reference(self, wl: AddWorkload, a, b):
-        return add.add_nchw4c_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max)
+    compute_fn = lambda wl: add_int8.add_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min,  # noqa: E731
+                                              wl.act_max, "add_nchw4c_int8")
+    reference_fn = lambda wl, a, b: add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift,  # noqa: E731
+                                                          wl.act_min, wl.act_max)
 
 
-class Concat(KernelImpl):
+class Concat(GenericKernel):
     name = "concat.nchw4c"
     op = "concat"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: ConcatWorkload):
-        return self.tag(concat.concat_nchw4c_int8(wl.shape, list(wl.channels), list(wl.mults), list(wl.shifts)), wl)
-
-    def reference(self, wl: ConcatWorkload, *xs):
-        return concat.concat_nchw4c_int8_ref(list(xs), list(wl.channels), wl.mults, wl.shifts)
+    compute_fn = lambda wl: concat.concat_nchw4c_int8(wl.shape, list(wl.channels), list(wl.mults),  # noqa: E731
+                                                       list(wl.shifts))
+    reference_fn = lambda wl, *xs: concat.concat_nchw4c_int8_ref(list(xs), list(wl.channels), wl.mults,  # noqa: E731
+                                                                  wl.shifts)
 
 
-class AvgPool2d(KernelImpl):
+class AvgPool2d(GenericKernel):
     name = "avg_pool2d.nchw4c"
     op = "avg_pool2d"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: AvgPoolWorkload):
-        return self.tag(pool.avg_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift), wl)
-
-    def reference(self, wl: AvgPoolWorkload, x):
-        return pool.avg_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift)
+    compute_fn = lambda wl: pool.avg_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                         wl.mult, wl.shift)
+    reference_fn = lambda wl, x: pool.avg_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                                  wl.mult, wl.shift)
 
 
-class Affine(KernelImpl):
+class Affine(GenericKernel):
     name = "affine.nchw4c"
     op = "affine"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: AffineWorkload):
-        return self.tag(affine.affine_nchw4c_int8(wl.shape, wl.act_min, wl.act_max), wl)
-
-    def reference(self, wl: AffineWorkload, x, mult, shift, bias):
-        return affine.affine_nchw4c_int8_ref(x, mult, shift, bias, wl.act_min, wl.act_max)
+    compute_fn = lambda wl: affine.affine_nchw4c_int8(wl.shape, wl.act_min, wl.act_max)  # noqa: E731
+    reference_fn = lambda wl, x, mult, shift, bias: affine.affine_nchw4c_int8_ref(  # noqa: E731
+        x, mult, shift, bias, wl.act_min, wl.act_max)
 
     def pack_params(self, wl: AffineWorkload, mult, shift, bias) -> list:
         return affine.pack_affine(mult, shift, bias)

@@ -1,12 +1,11 @@
-"""The int8 max-pool and residual add of the NHWC32 layout, so that a network of tensor-core convs
-(VGG's pools, ResNet's adds) stays in one layout between them.  Same arithmetic as the NCHW4c
-ones (``nchw4c/pool.py``, ``nchw4c/add.py``); memory-bound, scheduled by dlight on CUDA."""
+"""The int8 max-pool of the NHWC32 layout, so that a network of tensor-core convs (VGG's pools)
+stays in one layout between them; the residual add is elementwise (``schedules/add_int8.py``).
+Same arithmetic as the NCHW4c max-pool (``nchw4c/pool.py``); memory-bound, dlight on CUDA."""
 from __future__ import annotations
 
 import numpy as np
 from tvm import te, tirx
 
-from ..requantize import requantize_tir
 from ..nchw4c.pool import max_pool2d_nchw4c_int8_ref, pool_out_size
 
 
@@ -27,20 +26,6 @@ def max_pool2d_nhwc_int8(shape, pool, stride, padding, dilation=(1, 1), ceil_mod
 
     out = te.compute((n, oh, ow, c), lambda b, y, xx, cc: te.max(val(b, y, xx, cc), axis=[ry, rx]), name="max_pool")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "max_pool2d_nhwc_int8"})
-
-
-def add_nhwc_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = -128, act_max: int = 127):
-    """``clamp((a * mult_a + b * mult_b) >> shift, act_min, act_max)``, elementwise."""
-    a = te.placeholder(shape, "int8", name="A")
-    b = te.placeholder(shape, "int8", name="B")
-    one = tirx.const(1, "int32")
-
-    def body(*i):
-        v = a(*i).astype("int64") * tirx.const(mult_a, "int64") + b(*i).astype("int64") * tirx.const(mult_b, "int64")
-        return requantize_tir(v, one, tirx.const(shift, "int32"), act_min, act_max)
-
-    out = te.compute(shape, body, name="add_requant")
-    return te.create_prim_func([a, b, out]).with_attr({"tvm_qconv.kernel": "add_nhwc_int8"})
 
 
 def max_pool2d_nhwc_int8_ref(x: np.ndarray, pool, stride, padding, dilation=(1, 1), ceil_mode=False):

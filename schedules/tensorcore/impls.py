@@ -14,8 +14,9 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
-from ..kernel import KernelImpl
-from ..workload import AddWorkload, ConvWorkload, PoolWorkload
+from .. import add_int8
+from ..kernel import GenericKernel, KernelImpl
+from ..workload import ConvWorkload
 from . import conv2d, elementwise, mma, pipeline, space
 from .layout import LAYOUT
 
@@ -79,35 +80,24 @@ class Conv2dMma(KernelImpl):
         return pipeline.compile_options()
 
 
-class MaxPool2d(KernelImpl):
+class MaxPool2d(GenericKernel):
     name = "max_pool2d.nhwc32"
     op = "max_pool2d"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: PoolWorkload):
-        return self.tag(elementwise.max_pool2d_nhwc_int8(wl.shape, wl.pool, wl.stride, wl.padding, wl.dilation,
-                                                         wl.ceil_mode), wl)
-
-    def reference(self, wl: PoolWorkload, x):
-        return elementwise.max_pool2d_nhwc_int8_ref(x, wl.pool, wl.stride, wl.padding, wl.dilation, wl.ceil_mode)
+    compute_fn = lambda wl: elementwise.max_pool2d_nhwc_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                              wl.dilation, wl.ceil_mode)
+    reference_fn = lambda wl, x: elementwise.max_pool2d_nhwc_int8_ref(x, wl.pool, wl.stride,  # noqa: E731
+                                                                       wl.padding, wl.dilation, wl.ceil_mode)
 
 
-class Add(KernelImpl):
+class Add(GenericKernel):
     name = "add.nhwc32"
     op = "add"
     layout = LAYOUT.name
-    family = "generic"
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl: AddWorkload):
-        return self.tag(elementwise.add_nhwc_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min,
-                                                  wl.act_max), wl)
+    compute_fn = lambda wl: add_int8.add_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min,  # noqa: E731
+                                              wl.act_max, "add_nhwc_int8")
+    reference_fn = lambda wl, a, b: add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift,  # noqa: E731
+                                                          wl.act_min, wl.act_max)
 
 
 CONV2D_MMA = Conv2dMma()

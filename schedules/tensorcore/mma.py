@@ -33,37 +33,16 @@ stages do not fit the shared memory is rejected by VerifyGPUCode.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
-import sys
 
 import tvm
 
-def _cuda_intrin_module():
-    """``tvm.s_tir.tensor_intrin.cuda`` without the package ``__init__`` (which also builds the
-    arm/x86/rocm/hexagon/riscv intrinsics: ~25 s here instead of ~4 s).  The file is loaded under
-    its real name, so a later ``import tvm.s_tir.tensor_intrin`` reuses it instead of registering
-    the same intrinsics twice."""
-    name = "tvm.s_tir.tensor_intrin.cuda"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", "cuda.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
+from ..kernel import load_tensor_intrin_file
 
 @functools.lru_cache(None)
 def intrinsics() -> dict:
     """Names of the tensor intrinsics the template uses (registering the missing ones: TVM has
     int8 ldmatrix intrinsics for plain ``shared`` only)."""
-    cu = _cuda_intrin_module()
+    cu = load_tensor_intrin_file("cuda")
     # int8 ldmatrix from dynamic shared memory: TVM registers only the "shared" variants
     dyn = {"ldmatrix_a_dyn": ("mma_ldmatrix_i8_a_dyn", "A", False),
            "ldmatrix_b_dyn": ("mma_ldmatrix_i8_b_trans_dyn", "B", True)}

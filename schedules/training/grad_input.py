@@ -194,27 +194,38 @@ def schedule_grad_input_cuda(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
-class GradInput(KernelImpl):
-    """``dx`` of the training path's int8 conv; scheduled on CUDA, unscheduled on llvm (tests)."""
+class SimtGradKernel(KernelImpl):
+    """A gradient kernel of the training path: scheduled on CUDA (``SCHEDULES``), unscheduled on
+    llvm (the CPU tests).  Subclasses give ``compute_fn`` and ``reference_fn``."""
 
-    name = "conv2d_grad_input.nchw.simt"
-    op = "conv2d_grad_input"
     layout = "NCHW"
     family = "simt"
-    SCHEDULES = {"cuda": schedule_grad_input_cuda}  # target kind -> schedule; others run unscheduled
+    SCHEDULES: dict = {}  # target kind -> schedule; other kinds run unscheduled
+    compute_fn = None
+    reference_fn = None
 
     def applies(self, wl, target) -> bool:
         return target.kind in ("cuda", "llvm")
 
     def compute(self, wl: ConvWorkload):
-        return self.tag(conv2d_grad_input_int8(wl), wl)
+        return self.tag(type(self).compute_fn(wl), wl)
 
-    def reference(self, wl: ConvWorkload, grad, w, w_scale):
-        return conv2d_grad_input_int8_ref(grad, w, w_scale, wl)
+    def reference(self, wl: ConvWorkload, *args):
+        return type(self).reference_fn(*args, wl)
 
     def schedule(self, func, target):
         rule = self.SCHEDULES.get(target.kind.name)
         return rule(func, target) if rule else None
+
+
+class GradInput(SimtGradKernel):
+    """``dx`` of the training path's int8 conv."""
+
+    name = "conv2d_grad_input.nchw.simt"
+    op = "conv2d_grad_input"
+    SCHEDULES = {"cuda": schedule_grad_input_cuda}
+    compute_fn = conv2d_grad_input_int8
+    reference_fn = conv2d_grad_input_int8_ref
 
 
 GRAD_INPUT = GradInput()

@@ -30,10 +30,9 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from ..kernel import KernelImpl
 from ..nchw4c.dp4a import _divisor_at_most, _loops_under
 from ..workload import ConvWorkload
-from .grad_input import cooperative_fetch
+from .grad_input import SimtGradKernel, cooperative_fetch
 
 KERNEL_NAME = "conv2d_grad_weight_int8"
 
@@ -185,27 +184,14 @@ def schedule_grad_weight_cuda(func: tirx.PrimFunc, target: tvm.target.Target) ->
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
-class GradWeight(KernelImpl):
+class GradWeight(SimtGradKernel):
     """``dw`` (split-K partial sums) of the training path's int8 conv."""
 
     name = "conv2d_grad_weight.nchw.simt"
     op = "conv2d_grad_weight"
-    layout = "NCHW"
-    family = "simt"
-    SCHEDULES = {"cuda": schedule_grad_weight_cuda}  # target kind -> schedule; others run unscheduled
-
-    def applies(self, wl, target) -> bool:
-        return target.kind in ("cuda", "llvm")
-
-    def compute(self, wl: ConvWorkload):
-        return self.tag(conv2d_grad_weight_int8(wl), wl)
-
-    def reference(self, wl: ConvWorkload, grad, x, x_scale):
-        return conv2d_grad_weight_int8_ref(grad, x, x_scale, wl)
-
-    def schedule(self, func, target):
-        rule = self.SCHEDULES.get(target.kind.name)
-        return rule(func, target) if rule else None
+    SCHEDULES = {"cuda": schedule_grad_weight_cuda}
+    compute_fn = conv2d_grad_weight_int8
+    reference_fn = conv2d_grad_weight_int8_ref
 
 
 GRAD_WEIGHT = GradWeight()
