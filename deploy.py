@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefer this kernel family (mma: int8 tensor cores, dp4a, cpu); repeatable, in order")
     b.add_argument("--no-verify", action="store_true",
                    help="do not run the built library against the float model on calibration images")
+    b.add_argument("--verify-floor-db", type=float, default=None, metavar="DB",
+                   help="fail the build when its logits' SQNR against the float model is under DB, and then "
+                        "print each layer's SQNR (default 15)")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -110,8 +113,13 @@ def cmd_build(args) -> int:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
-                            families=tuple(args.family) if args.family else None)
+                            families=tuple(args.family) if args.family else None, **floor)
 
+    floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
+
+    if args.no_verify and args.verify_floor_db is not None:
+        raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
+                         "drop one of them")
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:
         given = [flag for key, flag in _MODEL_ONLY_FLAGS.items() if getattr(args, key) is not None]

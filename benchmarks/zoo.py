@@ -3,6 +3,7 @@ logits SQNR against float PyTorch per calibration method, build time; on a GPU a
 of the int8 library (batch 1 and 64, Relax CUDA graphs) beside PyTorch fp16 with CUDA graphs.
 
     python benchmarks/zoo.py --size 64 --calibrations percentile max entropy mse --out results/
+    python benchmarks/zoo.py --models mobilenet_v2 --per-layer --out results/          # where it is lost
     python benchmarks/zoo.py --target cuda --size 224 --batches 1 64 --out results/      # on the GPU
 
 The models are the zoo test's (``tests/test_zoo.py``: random init, last layer's bias zeroed,
@@ -46,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--arch", default=None)
     ap.add_argument("--calibrations", nargs="+", default=["percentile"])
     ap.add_argument("--images", type=int, default=4, help="calibration images")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="also record each int8 layer's SQNR against float (the verification's report)")
     ap.add_argument("--batches", type=int, nargs="+", default=[], help="(cuda) also time these batch sizes")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
@@ -53,6 +56,8 @@ def main(argv=None):
     if args.target == "cuda" and args.arch is None:
         major, minor = torch.cuda.get_device_capability(0)
         args.arch = f"sm_{major}{minor}"
+    # a floor no build reaches makes the verification report every layer's SQNR
+    floor = dict(verify_floor_db=float("inf")) if args.per_layer else {}
     rows = []
     for name in args.models:
         size = max(args.size, 96) if name == "inception_v3" else args.size
@@ -61,7 +66,8 @@ def main(argv=None):
         for calibration in args.calibrations:
             t = time.time()
             res = compile_model(zoo_model(name), f"/tmp/tvm_qconv_zoo/{name}.so", name=name, progress=False,
-                                options=BuildOptions(target=args.target, arch=args.arch, image_size=size),
+                                options=BuildOptions(target=args.target, arch=args.arch, image_size=size,
+                                                     **floor),
                                 config=QuantConfig(calibration=calibration, num_calib_images=args.images),
                                 ranges=Calibrate(photos))
             row.setdefault("build_s", round(time.time() - t, 1))
@@ -69,6 +75,8 @@ def main(argv=None):
             row["int8_layers"] = f"{sum(r['dtype'] == 'int8' for r in layers)}/{len(layers)}"
             row["float_ops"] = res.report["float_ops"]
             row[f"sqnr_{calibration}"] = res.report["verify"].get("logits_sqnr_db")
+            if args.per_layer:
+                row[f"layers_{calibration}"] = {r["layer"]: round(r["sqnr_db"], 1) for r in res.report["verify"]["layers"]}
         for bs in args.batches:
             photos_b = np.concatenate([skimage_photos(size)] * (-(-bs // 15)))[:bs]
             lib = compile_model(zoo_model(name), f"/tmp/tvm_qconv_zoo/{name}_b{bs}.so", name=name, progress=False,

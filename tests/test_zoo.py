@@ -9,7 +9,8 @@ CUDA: ``test_zoo_on_gpu`` (marked ``gpu``).
 
 (Re-estimating BatchNorm statistics on the photos, which the issue allows, was measured and
 rejected: it makes random networks chaotic -- noise at 35 dB on the input of the *float*
-MobileNet-V2 comes out at -2 dB -- so the comparison would measure the network, not int8.)
+MobileNet-V2 comes out at -2 dB (``benchmarks/noise_gain.py``) -- so the comparison would
+measure the network, not int8.)
 """
 import pytest
 import torch
