@@ -4,5 +4,5 @@ Installed as ``tvm_qconv.schedules``.  One folder per kernel family (``nchw4c/``
 the llvm schedule), ``training/`` for the training path's gradients, and the pieces every
 family shares: ``kernel.py`` (the interface an implementation fills in), ``workload.py`` (the
 conv workload), ``requantize.py`` (the fixed-point epilogue), ``quantize.py`` (float -> int8
-rounding), ``dense_int8.py``.
+rounding), ``sched_utils.py`` (divisor tiles, loops under a compute_at), ``dense_int8.py``.
 """

@@ -13,13 +13,10 @@ import numpy as np
 from tvm import te, tirx
 
 from .kernel import KernelImpl
+from .nchw4c.layout import ceil4  # K is padded to 4 as the NCHW4c channels are
 from .quantize import quantize_tir
 
 KERNEL_NAME = "dense_int8"
-
-
-def ceil4(k: int) -> int:
-    return (k + 3) // 4 * 4
 
 
 def quantize_rows(shape: tuple[int, int], scale: float) -> tirx.PrimFunc:

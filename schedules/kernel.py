@@ -116,9 +116,13 @@ class KernelImpl:
         PassContext ``config`` entries; None when TVM's defaults do."""
         return None
 
-    def seed(self, sch: "tvm.s_tir.Schedule", target: tvm.target.Target) -> None:
+    def seed(self, sch: "tvm.s_tir.Schedule", target: tvm.target.Target, wl=None) -> None:
         """Schedule ``sch`` with the default decisions *as a trace of the default space*, so
-        that tuning can start from the default schedule."""
+        that tuning can start from the default schedule.
+
+        ``wl`` is the task's workload: the tuner's function has no ``tvm_qconv.*`` attributes
+        (``tvm_qconv/tuning/tasks.py``), so what the loops do not show (groups) comes from it;
+        None: read it off the function's attributes, where it has them."""
         raise NotImplementedError(f"{self.name} has no tuning seed")
 
     def prepare(self) -> None:
@@ -137,10 +141,6 @@ def impl_name(func) -> str | None:
     if not isinstance(func, tirx.PrimFunc) or func.attrs is None or IMPL_ATTR not in func.attrs:
         return None
     return str(func.attrs[IMPL_ATTR])
-
-
-# A schedule function of a family: (PrimFunc, tvm Target) -> scheduled PrimFunc.
-ScheduleFn = Callable[[tirx.PrimFunc, tvm.target.Target], tirx.PrimFunc]
 
 
 def load_tensor_intrin_file(stem: str):

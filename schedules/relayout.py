@@ -7,7 +7,6 @@ channels of the destination are 0).  Written from the layouts' index maps
 """
 from __future__ import annotations
 
-import numpy as np
 from tvm import te, tirx
 
 from .kernel import Layout
@@ -28,8 +27,3 @@ def relayout_int8(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) ->
     out = te.compute(dst.packed_shape(shape), body, name="relayout")
     return te.create_prim_func([x, out]).with_attr(
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.relayout": f"{src.name}->{dst.name}"})
-
-
-def relayout_ref(src: Layout, dst: Layout, x: np.ndarray, channels: int) -> np.ndarray:
-    """NumPy twin of :func:`relayout_int8`."""
-    return dst.pack(src.unpack(x, channels))

@@ -39,20 +39,27 @@ def quantize_multiplier(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mult.astype(np.int32), shift.astype(np.int32)
 
 
-def requantize_tir(acc, mult, shift, lo: int, hi: int = 127):
-    """TIR expression: clip(round_half_up(acc * mult * 2**-shift), lo, hi) as int8.
+def requantize_tir(acc, mult, shift, lo: int, hi: int = 127, offset=None):
+    """TIR expression: clip(round_half_up((acc * mult + offset) * 2**-shift), lo, hi) as int8.
 
-    ``acc`` is an int32 or int64 expression; ``mult`` and ``shift`` int32 expressions.
+    ``acc`` is an int8, int32 or int64 expression; ``mult`` and ``shift`` int32 expressions;
+    ``offset`` (None: 0) an int64 expression added to the product, at its scale ``2**shift``
+    (the affine kernel's bias, ``affine_params``).
     """
     v = acc.astype("int64") * mult.astype("int64")
+    if offset is not None:
+        v = v + offset
     s = shift.astype("int64")
     v = tirx.shift_right(v + tirx.shift_left(tirx.const(1, "int64"), s - 1), s)
     return tirx.max(tirx.min(v, tirx.const(hi, "int64")), tirx.const(lo, "int64")).astype("int8")
 
 
-def requantize_ref(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int, hi: int = 127) -> np.ndarray:
-    """NumPy twin of :func:`requantize_tir` (broadcasting mult/shift against acc)."""
+def requantize_ref(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int, hi: int = 127,
+                   offset: np.ndarray | None = None) -> np.ndarray:
+    """NumPy twin of :func:`requantize_tir` (broadcasting mult/shift/offset against acc)."""
     v = acc.astype(np.int64) * mult.astype(np.int64)
+    if offset is not None:
+        v = v + offset.astype(np.int64)
     s = shift.astype(np.int64)
     v = (v + (np.int64(1) << (s - 1))) >> s
     return np.clip(v, lo, hi).astype(np.int8)

@@ -53,14 +53,20 @@ class ConvWorkload:
     out_dtype: str = "int8"
 
     def __post_init__(self):
+        # ValueError, not InputError: a workload is built by the passes and the training
+        # wrapper from a model that PyTorch already validated, so a bad one is a bug here.
         for name in ("batch", "in_channels", "height", "width", "out_channels", "groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ConvWorkload.{name} must be >= 1, got {getattr(self, name)}")
+        for name, length, least in (("kernel", 2, 1), ("stride", 2, 1), ("dilation", 2, 1), ("padding", 4, 0)):
+            value = getattr(self, name)
+            if not isinstance(value, (tuple, list)) or len(value) != length:
+                raise ValueError(f"ConvWorkload.{name} must be a tuple of {length} ints, got {value!r}")
+            if min(value) < least:
+                raise ValueError(f"ConvWorkload.{name} must be >= {least} in every entry, got {value}")
         if self.in_channels % self.groups or self.out_channels % self.groups:
-            raise ValueError(f"groups={self.groups} must divide in_channels={self.in_channels} "
+            raise ValueError(f"ConvWorkload.groups={self.groups} must divide in_channels={self.in_channels} "
                              f"and out_channels={self.out_channels}")
-        if min(self.padding) < 0:
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.out_dtype not in OUT_DTYPES:

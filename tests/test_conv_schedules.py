@@ -154,6 +154,21 @@ def test_dp4a_schedule_builds_cuda_source_calling_dp4a(wl):
     assert 0 < smem <= 48 * 1024
 
 
+# ResNeXt-50's and RegNetX-400MF's grouped 3x3 convs at batch 1 (32 groups of 32 channels, 25
+# of 16): their default blocks once took part of a group over several threads, and TVM sized the
+# shared input tile for every group (241 KB and 93 KB: ptxas refused the library).
+_GROUPED_B1 = [W(1, 1024, 14, 14, 1024, stride=(2, 2), groups=32), W(1, 1024, 7, 7, 1024, groups=32),
+               W(1, 400, 14, 14, 400, stride=(2, 2), groups=25), W(1, 400, 7, 7, 400, groups=25)]
+
+
+@pytest.mark.parametrize("wl", _GROUPED_B1, ids=["resnext_1024_s2", "resnext_1024", "regnet_400_s2", "regnet_400"])
+def test_dp4a_default_of_a_grouped_conv_stays_in_static_shared_memory(wl):
+    body = _cuda_source(schedule_dp4a(conv2d_nchw4c_int8(wl), CUDA_TARGET))
+    smem = sum(int(n) * (4 if t == "int" else 1) for t, n in
+               re.findall(r"__shared__ alignas\(\d+\) (int|signed char) \w+\[(\d+)\]", body))
+    assert 0 < smem <= 48 * 1024  # CUDA's static shared memory per block
+
+
 def test_dp4a_cuda_source_compiles_with_nvcc():
     src = _cuda_source(schedule_dp4a(conv2d_nchw4c_int8(DP4A_WORKLOADS[-2]), CUDA_TARGET))
     if shutil.which("nvcc") is None:

@@ -39,7 +39,7 @@ from tvm_qconv.schedules.training.grad_input import (conv2d_grad_input_int8, con
 from tvm_qconv.schedules.training.grad_weight import (conv2d_grad_weight_int8, conv2d_grad_weight_int8_ref,
                                                       schedule_grad_weight_cuda, weight_grad_splits)
 from tvm_qconv.schedules.workload import ConvWorkload
-from tvm_qconv.target import cuda_source, make_target
+from tvm_qconv.target import TargetInfo, cuda_source, make_target
 
 
 def GW(batch, in_channels, height, width, out_channels, kernel=(3, 3), stride=(1, 1), padding=(1, 1, 1, 1),
@@ -153,6 +153,14 @@ def test_grad_weight_kernel_and_its_cuda_schedule_match_numpy(wl):
         func = conv2d_grad_weight_int8(wl, splits)
         assert_close_f32(_dw(func, wl, g, x, x_scale), ref)
         assert_close_f32(_dw(cpu_twin(schedule_grad_weight_cuda(func, CUDA)), wl, g, x, x_scale), ref)
+
+
+def test_weight_grad_splits_aim_at_four_blocks_per_sm_of_the_target():
+    wl = GW(32, 64, 224, 224, 64)  # 2 x 2 blocks per split; 7168 gradient rows = 2**10 * 7
+    plan = {n: weight_grad_splits(wl, TargetInfo(kind="cuda", arch="sm_80", num_sm=n)) for n in (16, 108, 132)}
+    # the largest divisor of 7168 up to 4 * num_sm / 4 blocks: 16, 64 (of <= 108), 128 (of <= 132)
+    assert plan == {16: 16, 108: 64, 132: 128}
+    assert weight_grad_splits(wl) == plan[132]  # no target: an sm_90 of 132 SMs (DEFAULT_TARGET)
 
 
 def test_weight_grad_splits_divide_the_rows_and_bound_the_partials():

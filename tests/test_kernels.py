@@ -1,4 +1,5 @@
 """Every int8 kernel, unscheduled on llvm, against its NumPy reference: bit-exact for int8 outputs."""
+import re
 import shutil
 
 import numpy as np
@@ -12,7 +13,7 @@ from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c
                                                pack_channels, pack_input_groups, pack_oihw4o4i,
                                                unpack_output_groups)
 from tvm_qconv.schedules.nchw4c.layout import ceil4, dequantize_unpack, pack_nchw4c, quantize_pack, unpack_nchw4c
-from tvm_qconv.schedules.nchw4c.pool import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref
+from tvm_qconv.schedules.nchw4c.pool import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref, pool_out_size
 from tvm_qconv.schedules.quantize import quantize_ref
 from tvm_qconv.schedules.requantize import add_multipliers, quantize_multiplier, requantize_ref
 from tvm_qconv.schedules.workload import ConvWorkload
@@ -217,16 +218,51 @@ def test_quantize_cuda_source_rounds_half_to_even_after_an_ieee_division():
 
 
 POOLS = [((2, 2), (2, 2), (0, 0, 0, 0), False), ((3, 3), (2, 2), (1, 1, 1, 1), False),
-         ((3, 3), (2, 2), (0, 0, 0, 0), True)]
+         ((3, 3), (2, 2), (0, 0, 0, 0), True), ((2, 2), (2, 2), (1, 1, 1, 1), True)]
 
 
-@pytest.mark.parametrize("pool,stride,pad,ceil", POOLS, ids=["vgg_2x2", "resnet_3x3_s2_p1", "ceil_mode"])
+@pytest.mark.parametrize("pool,stride,pad,ceil", POOLS,
+                         ids=["vgg_2x2", "resnet_3x3_s2_p1", "ceil_mode", "ceil_mode_last_window_dropped"])
 def test_max_pool_int8_matches_reference(pool, stride, pad, ceil):
     x = RNG.integers(-128, 128, (2, 3, 9, 7, 4)).astype(np.int8)
     ref = max_pool2d_nchw4c_int8_ref(x, pool, stride, pad, (1, 1), ceil)
     out = run(max_pool2d_nchw4c_int8(x.shape, pool, stride, pad, (1, 1), ceil), x, out_shape=ref.shape,
               out_dtype="int8")
     np.testing.assert_array_equal(out, ref)
+
+
+# (size, kernel, stride, pad, dilation): every pad PyTorch accepts (at most half the kernel).
+POOL_GRID = [(size, k, s, p, d) for size in (4, 5, 6, 7) for k in (1, 2, 3) for s in (1, 2, 3)
+             for p in range(k // 2 + 1) for d in (1, 2) if (k - 1) * d + 1 <= size + 2 * p]
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
+def test_max_pool_output_size_and_values_are_pytorchs(ceil_mode):
+    """Output size by PyTorch's rule, including ceil_mode's: a last window that would start in
+    the trailing padding is dropped (size 5, kernel 2, stride 2, pad 1: 3 outputs, not 4)."""
+    assert pool_out_size(5, 5, (2, 2), (2, 2), (1, 1, 1, 1), ceil_mode=ceil_mode) == (3, 3)
+    for size, k, s, p, d in POOL_GRID:
+        x = RNG.integers(-128, 128, (1, 1, size, size + 1, 4)).astype(np.int8)  # H != W: both axes
+        want = torch.nn.functional.max_pool2d(torch.from_numpy(unpack_nchw4c(x, 4)).float(), k, s, p, d, ceil_mode)
+        case = dict(size=size, kernel=k, stride=s, pad=p, dilation=d)
+        got = pool_out_size(size, size + 1, (k, k), (s, s), (p, p, p, p), (d, d), ceil_mode)
+        assert got == tuple(want.shape[2:]), case
+        ref = max_pool2d_nchw4c_int8_ref(x, (k, k), (s, s), (p, p, p, p), (d, d), ceil_mode)
+        # exact: max of the same integers (the -128 padding never wins: every window holds an input)
+        np.testing.assert_array_equal(unpack_nchw4c(ref, 4), want.numpy().astype(np.int8), err_msg=str(case))
+
+
+# One bad field each; the message names the field and the value it got.
+BAD_CONV_FIELDS = [("kernel", (0, 3)), ("kernel", (3,)), ("stride", (1, 0)), ("stride", 2), ("dilation", (0, 1)),
+                   ("padding", (1, 1, 1)), ("padding", (0, -1, 0, 0)), ("groups", 3), ("groups", 0)]
+
+
+@pytest.mark.parametrize("field,value", BAD_CONV_FIELDS, ids=[f"{f}={v}" for f, v in BAD_CONV_FIELDS])
+def test_conv_workload_rejects_bad_geometry_naming_the_field(field, value):
+    good = dict(batch=1, in_channels=8, height=8, width=8, out_channels=8)
+    ConvWorkload(**good)
+    with pytest.raises(ValueError, match=rf"ConvWorkload\.{field}\b.*{re.escape(str(value))}"):
+        ConvWorkload(**good, **{field: value})
 
 
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "norelu"])
@@ -343,6 +379,21 @@ def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(unpack_nchw4c(ref, 17)[:, 6:14], unpack_nchw4c(xs[1], 8))  # identity branch
     assert not unpack_nchw4c(out, 20)[:, 17:].any()  # padded channels of the last word are 0
+
+
+def test_nhwc32_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_32():
+    """The tensor-core layout's concat (SqueezeNet's and Inception's branches on the GPU)."""
+    from tvm_qconv.schedules.tensorcore.elementwise import concat_nhwc32_int8, concat_nhwc32_int8_ref
+    from tvm_qconv.schedules.tensorcore.layout import pack_nhwc32, unpack_nhwc32
+    channels = [48, 32, 5]  # offsets 0, 48, 80: the second branch starts mid-group of 32
+    xs = [pack_nhwc32(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
+    m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
+    out = run(concat_nhwc32_int8((2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 3, 5, 96),
+              out_dtype="int8")
+    ref = concat_nhwc32_int8_ref(xs, channels, m, s)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(unpack_nhwc32(ref, 85)[:, 48:80], unpack_nhwc32(xs[1], 32))  # identity branch
+    assert not out[..., 85:].any()  # padded channels are 0
 
 
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]

@@ -30,8 +30,8 @@ from tvm_qconv.errors import InputError
 from tvm_qconv.models import SmallVGG
 from tvm_qconv.quantize import quantize_module
 from tvm_qconv.ranges import Calibrate
-from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, pack_channels,
-                                               pack_oihw4o4i)
+from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
+                                               pack_channels, pack_oihw4o4i)
 from tvm_qconv.schedules.nchw4c.dp4a import (UNROLL_STEPS, _ensure_dp4a_registered, apply_dp4a_schedule,
                                              default_tiles, schedule_dp4a)
 from tvm_qconv.schedules.nchw4c.dp4a_space import SPACES, schedule_rules, space_generator
@@ -181,6 +181,26 @@ def test_default_schedule_is_the_template_with_the_heuristic_decisions():
 def _postprocessed(sch):
     ms.postproc.RewriteParallelVectorizeUnroll().apply(sch)
     return sch.mod
+
+
+def test_seed_of_a_grouped_task_keeps_each_block_inside_one_group():
+    """The tuner's function has no workload attribute (task_func strips it), so the seed takes the
+    task's workload: a grouped conv's default block covers one group's output channels, as its
+    default schedule's does, and passes the space's GPU checks."""
+    wl = W(32, 32, 16, 16, 32, groups=2)  # 2 groups x 4 oc blocks; planned as one group, a block spans both
+    impl = registry.get("conv2d.nchw4c.dp4a")
+    func = task_func(impl.compute(wl))
+    ctx = ms.TuneContext(mod=func, target=CUDA, task_name="seed",
+                         space_generator=impl.space_generator(impl.spaces[0], func, CUDA))
+    sch = tvm.s_tir.Schedule(ctx.mod)
+    impl.seed(sch, CUDA, wl)
+    oc_tile = [int(v) for v in next(sch.trace.decisions[i] for i in sch.trace.insts
+                                    if i.kind.name == "SamplePerfectTile")]  # the first tiled axis: oc
+    ogb = group_blocks(wl)[1]
+    assert ogb % (oc_tile[1] * oc_tile[2]) == 0, oc_tile
+    tiles = default_tiles(impl.compute(wl), CUDA)  # the build's default, read off the attribute
+    assert oc_tile == [2 * ogb // (tiles.oct * tiles.ocr), tiles.oct, tiles.ocr]
+    assert all(p.apply(sch) for p in ctx.space_generator.postprocs)
 
 
 # The first VGG16 conv (3 channels, padded to 4) and a 3x3 64->64 layer, at test sizes.

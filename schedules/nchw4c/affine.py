@@ -10,8 +10,9 @@ and ``bias[c] = round(b[c] / s_y * 2**shift[c])`` in int64.  Memory-bound; dligh
 from __future__ import annotations
 
 import numpy as np
-from tvm import te, tirx
+from tvm import te
 
+from ..requantize import requantize_ref, requantize_tir
 from .conv2d import pack_channels
 
 KERNEL_NAME = "affine_nchw4c_int8"
@@ -25,11 +26,8 @@ def affine_nchw4c_int8(shape: tuple[int, ...], act_min: int = -128, act_max: int
     shift = te.placeholder((cc, 4), "int32", name="Shift")
     bias = te.placeholder((cc, 4), "int64", name="Bias")
 
-    def body(n, c, y, w, ci):
-        s = shift[c, ci].astype("int64")
-        v = x[n, c, y, w, ci].astype("int64") * mult[c, ci].astype("int64") + bias[c, ci]
-        v = tirx.shift_right(v + tirx.shift_left(tirx.const(1, "int64"), s - 1), s)
-        return tirx.max(tirx.min(v, tirx.const(act_max, "int64")), tirx.const(act_min, "int64")).astype("int8")
+    def body(n, c, y, w, ci):  # the conv epilogue's arithmetic, the bias added at the product's scale
+        return requantize_tir(x[n, c, y, w, ci], mult[c, ci], shift[c, ci], act_min, act_max, offset=bias[c, ci])
 
     out = te.compute(shape, body, name="affine")
     return te.create_prim_func([x, mult, shift, bias, out]).with_attr({"tvm_qconv.kernel": KERNEL_NAME})
@@ -37,9 +35,8 @@ def affine_nchw4c_int8(shape: tuple[int, ...], act_min: int = -128, act_max: int
 
 def affine_nchw4c_int8_ref(x, mult, shift, bias, act_min=-128, act_max=127) -> np.ndarray:
     """NumPy twin of :func:`affine_nchw4c_int8` (per-channel vectors packed [C/4, 4])."""
-    s = shift.astype(np.int64)[None, :, None, None, :]
-    v = x.astype(np.int64) * mult.astype(np.int64)[None, :, None, None, :] + bias[None, :, None, None, :]
-    return np.clip((v + (np.int64(1) << (s - 1))) >> s, act_min, act_max).astype(np.int8)
+    per_channel = (slice(None), None, None, slice(None))  # [C/4, 4] -> [C/4, 1, 1, 4]
+    return requantize_ref(x, mult[per_channel], shift[per_channel], act_min, act_max, offset=bias[per_channel])
 
 
 def pack_affine(mult, shift, bias) -> list[np.ndarray]:

@@ -39,6 +39,7 @@ from tvm import tirx
 from tvm_qconv.target import TargetInfo
 
 from ..kernel import WORKLOAD_ATTR, load_tensor_intrin_file
+from ..sched_utils import divisor_at_most, loops_under
 from ..workload import ConvWorkload
 from .conv2d import group_blocks
 
@@ -76,13 +77,8 @@ def _ensure_dp4a_registered() -> None:
         raise RuntimeError(f"tvm.s_tir.tensor_intrin.dot_product_common does not register {DP4A_INTRIN}")
 
 
-def _divisor_at_most(n: int, cap: int) -> int:
-    """Largest d <= cap dividing n (>= 1; a cap below 1 counts as 1)."""
-    return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
-
-
 def _next_smaller_divisor(n: int, d: int) -> int:
-    return _divisor_at_most(n, d - 1) if d > 1 else 1
+    return divisor_at_most(n, d - 1) if d > 1 else 1
 
 
 @dataclass
@@ -126,11 +122,11 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
     3. RC: the largest divisor of ic_outer whose shared tiles fit SMEM_TARGET.
     """
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
-    yr = _divisor_at_most(oh, MAX_Y_REG)
+    yr = divisor_at_most(oh, MAX_Y_REG)
     # Grouped convs: a block's output channels stay inside one group (``oc_group`` blocks of 4),
     # so its shared input tile holds one group's channels, not the span of several.
     oc_span = oc_group or occ
-    ocr = _divisor_at_most(oc_span, MAX_OC_REG)
+    ocr = divisor_at_most(oc_span, MAX_OC_REG)
     while batch * occ * oh * ow < num_sm * THREADS_PER_SM * ocr * yr and ocr * yr > 1:
         if ocr > 2 or (yr == 1 and ocr > 1):
             ocr = _next_smaller_divisor(oc_span, ocr)
@@ -144,11 +140,16 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
         warp_eff = q.threads / (32 * -(-q.threads // 32))
         return (round(balance * warp_eff * min(q.threads, 128) / 128, 2), q.threads, q.xt, q.yt)
 
+    # Grouped convs: a block of several threads' output channels must span exactly one group
+    # (or be one thread's channels): for a part of a group split over threads, TVM's region
+    # analysis cannot prove the block reads one group's input channels and sizes the shared
+    # input tile for all of them (ResNeXt-50's 1024-channel layer at batch 1: 241 KB, past the
+    # 48 KB of static shared memory; ptxas refuses it).
     cands = [Dp4aTiles(ocr, o, yr, y, x, 1)
              for o in _divisors(oc_span // ocr, MAX_OC_THREADS)
              for y in _divisors(oh // yr, MAX_YT)
              for x in _divisors(ow, MAX_XT)
-             if o * y * x <= max_threads]
+             if o * y * x <= max_threads and (oc_group is None or o == 1 or o * ocr == oc_span)]
     fits = [q for q in cands if _smem_bytes(q, kh, kw, sh, sw, dh, dw) <= smem_max]
     if not fits:
         raise ValueError(f"no dp4a tile fits {smem_max} B of shared memory (kernel {kernel}, dilation {dilation})")
@@ -160,18 +161,11 @@ def _plan(batch, occ, oh, ow, icc, kernel, stride, dilation, smem_max, max_threa
     return p
 
 
-def _loops_under(sch, block, loop) -> list:
-    """The loops of ``block`` nested inside ``loop`` (those compute_at / decompose made)."""
-    loops = sch.get_loops(block)
-    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(loop))][0]
-    return list(loops[at + 1:])
-
-
 def _cooperative_fetch(sch, block, at_loop, thread_factors, nvec: int) -> None:
     """Spread a cache block's copy (placed under ``at_loop`` with unit loops kept) over the
     block's threads: the copy loops but the last ``nvec`` (4 wide each, one vector load) are
     fused and split by the thread tile factors, whose fused product is threadIdx.x."""
-    own = _loops_under(sch, block, at_loop)
+    own = loops_under(sch, block, at_loop)
     inner = sch.fuse(*own[-nvec:]) if nvec > 1 else own[-1]
     split = sch.split(sch.fuse(*own[:-nvec]), [None, *thread_factors])
     sch.bind(sch.fuse(*split[1:]), "threadIdx.x")
@@ -239,16 +233,26 @@ def apply_dp4a_schedule(sch: tvm.s_tir.Schedule, tiles: Dp4aTiles | None = None)
     init = sch.decompose_reduction(conv, rc_o)
     sch.tensorize(rci, DP4A_INTRIN)
     # Unroll every loop over the accumulators so they stay in registers (constant indices).
-    for loop in ([oc_r, y_r, x_r, oci] + _loops_under(sch, init, tx) + _loops_under(sch, requant, tx)
-                 + _loops_under(sch, store, tx)[:-1]):
+    for loop in ([oc_r, y_r, x_r, oci] + loops_under(sch, init, tx) + loops_under(sch, requant, tx)
+                 + loops_under(sch, store, tx)[:-1]):
         sch.unroll(loop)
-    sch.vectorize(_loops_under(sch, store, tx)[-1])
+    sch.vectorize(loops_under(sch, store, tx)[-1])
     # The reduction loops (rc_i, ry, rx) are unrolled up to the sampled depth.
     sch.annotate(sch.get_sblock("root"), "meta_schedule.unroll_explicit", unroll)
 
 
-def default_tiles(func: tirx.PrimFunc, target: tvm.target.Target) -> Dp4aTiles:
-    """The heuristic tile sizes (``_plan``) of :func:`conv2d_nchw4c_int8`'s PrimFunc on ``target``."""
+def default_tiles(func: tirx.PrimFunc, target: tvm.target.Target, wl: ConvWorkload | None = None) -> Dp4aTiles:
+    """The heuristic tile sizes (``_plan``) of :func:`conv2d_nchw4c_int8`'s PrimFunc on ``target``.
+
+    Args:
+        func: the unscheduled PrimFunc.
+        target: the CUDA target.
+        wl: the conv's workload; default: the PrimFunc's ``tvm_qconv.workload`` attribute.  The
+            loops give every extent but the group size, so a function without that attribute
+            (the tuner's :func:`~tvm_qconv.tuning.tasks.task_func` form) and no ``wl`` is
+            planned as one group: a grouped conv then gets blocks spanning two groups, whose
+            shared input tile holds both groups' channels.
+    """
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
     info = TargetInfo.from_target(target)
     sch = tvm.s_tir.Schedule(func)
@@ -256,7 +260,8 @@ def default_tiles(func: tirx.PrimFunc, target: tvm.target.Target) -> Dp4aTiles:
     n, oc, y, x, _, rc, ry, rx, _ = sch.get_loops(conv)
     batch, occ, oh, ow, icc, kh, kw = (int(sch.get(l).extent) for l in (n, oc, y, x, rc, ry, rx))
     stride, dilation = _stride_dilation(sch, conv)
-    wl = ConvWorkload.of(func) if func.attrs is not None and WORKLOAD_ATTR in func.attrs else None
+    if wl is None and func.attrs is not None and WORKLOAD_ATTR in func.attrs:
+        wl = ConvWorkload.of(func)
     oc_group = group_blocks(wl)[1] if wl is not None and wl.groups > 1 else None
     return _plan(batch, occ, oh, ow, icc, (kh, kw), stride, dilation, info.max_shared_memory_per_block,
                  info.max_threads_per_block, info.num_sm, oc_group)

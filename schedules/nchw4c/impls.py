@@ -96,8 +96,10 @@ class Conv2dDp4a(_Conv2dNCHW4c):
     def space_generator(self, space: str, func, target):
         return dp4a_space.space_generator(space)
 
-    def seed(self, sch, target) -> None:
-        dp4a.apply_dp4a_schedule(sch, dp4a.default_tiles(sch.mod["main"], target))
+    def seed(self, sch, target, wl: ConvWorkload | None = None) -> None:
+        # The tuner's task function carries no workload attribute: ``wl`` gives grouped convs
+        # their group-aware tiles (default_tiles).
+        dp4a.apply_dp4a_schedule(sch, dp4a.default_tiles(sch.mod["main"], target, wl))
 
     def prepare(self) -> None:
         dp4a._ensure_dp4a_registered()

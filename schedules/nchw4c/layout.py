@@ -34,13 +34,13 @@ def unpack_nchw4c(x: np.ndarray, channels: int) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 1, 4, 2, 3).reshape(n, cc * 4, h, w)[:, :channels])
 
 
-def quantize_pack(shape: tuple[int, int, int, int], scale: float, lo: int = -128, hi: int = 127) -> tirx.PrimFunc:
+def quantize_pack(shape: tuple[int, int, int, int], scale: float) -> tirx.PrimFunc:
     n, c, h, w = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
         (n, ceil4(c) // 4, h, w, 4),
         lambda b, cc, y, xx, ci: tirx.if_then_else(
-            cc * 4 + ci < c, quantize_tir(x[b, tirx.min(cc * 4 + ci, c - 1), y, xx], scale, lo, hi),
+            cc * 4 + ci < c, quantize_tir(x[b, tirx.min(cc * 4 + ci, c - 1), y, xx], scale),
             tirx.const(0, "int8")),
         name="quantize_pack")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack"})

@@ -28,9 +28,15 @@ def max_pool2d_nchw4c_int8(shape, pool, stride, padding, dilation=(1, 1), ceil_m
 
 
 def pool_out_size(h, w, pool, stride, padding, dilation=(1, 1), ceil_mode=False):
+    """(OH, OW) of a pool, by PyTorch's rule (``pooling_output_shape``): with ``ceil_mode`` the
+    last window may run past the padded input, but must start inside the input or its leading
+    padding, else it is dropped (size 5, kernel 2, stride 2, pad 1: 3 windows, not 4)."""
     def one(size, k, s, p0, p1, d):
         span = size + p0 + p1 - ((k - 1) * d + 1)
-        return (-(-span // s) if ceil_mode else span // s) + 1
+        if not ceil_mode:
+            return span // s + 1
+        out = -(-span // s) + 1
+        return out - 1 if (out - 1) * s >= size + p0 else out
     return (one(h, pool[0], stride[0], padding[0], padding[2], dilation[0]),
             one(w, pool[1], stride[1], padding[1], padding[3], dilation[1]))
 

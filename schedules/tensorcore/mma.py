@@ -37,6 +37,8 @@ import functools
 import tvm
 
 from ..kernel import load_tensor_intrin_file
+from ..sched_utils import loops_under
+
 
 @functools.lru_cache(None)
 def intrinsics() -> dict:
@@ -75,16 +77,6 @@ class InvalidDecisions(ValueError):
 def smem_bytes(d: dict) -> int:
     bm, bn, bk = 16 * d["m"][1] * d["m"][2], 16 * d["o"][1] * d["o"][2], 32 * d["k"][1]
     return d["stages"] * (bm + bn) * (bk + SMEM_PAD)
-
-
-def threads(d: dict) -> int:
-    return 32 * d["m"][1] * d["o"][1]
-
-
-def _loops_under(sch, block, loop):
-    loops = sch.get_loops(block)
-    at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(loop))][0]
-    return list(loops[at + 1:])
 
 
 def apply_mma_schedule(sch: tvm.s_tir.Schedule, decisions: dict | None = None, stages: int = 3) -> dict:
@@ -196,7 +188,7 @@ def apply_mma_schedule(sch: tvm.s_tir.Schedule, decisions: dict | None = None, s
 
     # Unroll everything that indexes the accumulator / fragment arrays (constant register
     # indices), and the short k1 loop.
-    init_loops = _loops_under(sch, init, ty)
+    init_loops = loops_under(sch, init, ty)
     for loop in [k1, m2, o2, a_i0, a_j0, b_i0, b_j0, r_a, r_b, r_local] + init_loops:
         sch.unroll(loop)
 

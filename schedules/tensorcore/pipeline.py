@@ -36,13 +36,11 @@ PIPELINE = "qconv_mma"  # the name the pipeline is registered under
 # InjectPTXAsyncCopy, rewrites the int8 form into the same predicated ``cp_async_raw`` call the
 # pass would have emitted for floats.
 
-_ASYNC_COPY_PASS = "s_tir.InjectPTXAsyncCopy"
-
 
 def _rewrite_int8_predicated_copies(body):
     ite = tvm.ir.Op.get("prim.if_then_else")
     cp_async = tvm.ir.Op.get("tirx.s_tir.cp_async_raw")
-    state = {"async": 0, "count": 0}
+    state = {"async": 0}
 
     def on_attr(node, mutator):
         if node.attr_key != "async_scope":
@@ -78,21 +76,17 @@ def _rewrite_int8_predicated_copies(body):
             return node  # merged shared.dyn byte buffers: leave to InjectPTXAsyncCopy
         if isinstance(cond, tvm.tirx.Broadcast):
             cond = cond.value
-        state["count"] += 1
         call = tvm.ir.Call(cp_async, [node.buffer.data, dst.base, load.source.data, src.base,
                                       tvm.tirx.IntImm("int32", nbytes), cond],
                            ret_ty=str(node.buffer.dtype))
         return tvm.tirx.Evaluate(call)
 
-    new_body = tvm_ffi.structural_mutate(
-        body, [(tvm.tirx.AttrStmt, on_attr), (tvm.tirx.BufferStore, on_store)])
-    return new_body, state["count"]
+    return tvm_ffi.structural_mutate(body, [(tvm.tirx.AttrStmt, on_attr), (tvm.tirx.BufferStore, on_store)])
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="qconv.PredicatedInt8AsyncCopy")
 def predicated_int8_async_copy(func, mod, ctx):
-    body, _ = _rewrite_int8_predicated_copies(func.body)
-    return func.with_body(body)
+    return func.with_body(_rewrite_int8_predicated_copies(func.body))
 
 
 # LowerWarpMemory (finalize_device_passes) lowers the epilogue's per-lane reads of the "warp"

@@ -34,7 +34,7 @@ import tvm
 from tvm import te, tirx
 
 from ..kernel import KernelImpl
-from ..nchw4c.dp4a import _divisor_at_most, _loops_under
+from ..sched_utils import divisor_at_most, loops_under
 from ..workload import ConvWorkload
 
 KERNEL_NAME = "conv2d_grad_input_int8"
@@ -98,7 +98,7 @@ def conv2d_grad_input_int8_ref(grad, w, w_scale, wl: ConvWorkload) -> np.ndarray
         wg = w[gi * og:(gi + 1) * og].astype(np.float64)
         for r in range(kh):
             for s in range(kw):
-                contrib = np.einsum("noyx,oc->ncyx", gg, wg[:, :, r, s])
+                contrib = np.einsum("noyx,oc->ncyx", gg, wg[:, :, r, s], optimize=True)  # to BLAS
                 dxp[:, gi * cg:(gi + 1) * cg, r * dh:r * dh + (oh - 1) * sh + 1:sh,
                     s * dw:s * dw + (ow - 1) * sw + 1:sw] += contrib
     return dxp[:, :, pt:pt + wl.height, pl:pl + wl.width]
@@ -118,7 +118,7 @@ SMEM_TARGET = 24 * 1024
 def cooperative_fetch(sch, block, at_loop, nthreads: int) -> None:
     """Spread a shared-memory staging block (placed under ``at_loop``) over the block's threads:
     its copy loops fused, split by ``nthreads``, consecutive threads on consecutive elements."""
-    own = _loops_under(sch, block, at_loop)
+    own = loops_under(sch, block, at_loop)
     if not own:
         return
     fused = sch.fuse(*own) if len(own) > 1 else own[0]
@@ -158,15 +158,15 @@ def schedule_grad_input_cuda(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     cg, h, w, og, kh, kw = (int(sch.get(l).extent) for l in (c, y, x, ro, rr, rs))
     dh, dw = ConvWorkload.of(func).dilation
 
-    xt = _divisor_at_most(w, MAX_XT)
-    yr = _divisor_at_most(h, MAX_Y_REG)
-    cr = _divisor_at_most(cg, MAX_C_REG)
-    yt = _divisor_at_most(h // yr, max(1, 128 // xt))
-    ct = _divisor_at_most(cg // cr, max(1, max_threads // (xt * yt)))
+    xt = divisor_at_most(w, MAX_XT)
+    yr = divisor_at_most(h, MAX_Y_REG)
+    cr = divisor_at_most(cg, MAX_C_REG)
+    yt = divisor_at_most(h // yr, max(1, 128 // xt))
+    ct = divisor_at_most(cg // cr, max(1, max_threads // (xt * yt)))
     threads = ct * yt * xt
     rows, cols = yt * yr + (kh - 1) * dh, xt + (kw - 1) * dw
     per_ro = 4 * rows * cols + ct * cr * kh * kw
-    ro_tile = _divisor_at_most(og, min(MAX_RO, max(1, smem_max // per_ro)))
+    ro_tile = divisor_at_most(og, min(MAX_RO, max(1, smem_max // per_ro)))
 
     c_b, c_t, c_r = sch.split(c, [None, ct, cr])
     y_b, y_t, y_r = sch.split(y, [None, yt, yr])
@@ -189,7 +189,7 @@ def schedule_grad_input_cuda(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     cooperative_fetch(sch, w_sh, ro_o, threads)
 
     init = sch.decompose_reduction(dx, ro_o)
-    for loop in [rr, rs, c_r, y_r] + _loops_under(sch, init, tx) + _loops_under(sch, acc, tx):
+    for loop in [rr, rs, c_r, y_r] + loops_under(sch, init, tx) + loops_under(sch, acc, tx):
         sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 

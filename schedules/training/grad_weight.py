@@ -30,15 +30,24 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from ..nchw4c.dp4a import _divisor_at_most, _loops_under
+from tvm_qconv.target import TYPICAL_SM_COUNT, TargetInfo
+
+from ..sched_utils import divisor_at_most, loops_under
 from ..workload import ConvWorkload
 from .grad_input import SimtGradKernel, cooperative_fetch
 
 KERNEL_NAME = "conv2d_grad_weight_int8"
 
 # Split-K plan (see weight_grad_splits).
-TARGET_BLOCKS = 4 * 132          # ~4 blocks per SM of an H100/H200
+BLOCKS_PER_SM = 4                # the grid aims at ~4 blocks per SM
 MAX_PARTIAL_FLOATS = 16 * 2**20  # 64 MiB of partial sums at most
+# The GPU a split is planned for when the caller names none: an sm_90 of the typical SM count
+# (H100 SXM / H200), not the local device.  The split count is the shape of the kernel's Part
+# argument, which the caller allocates, and the kernel cache (``tvm_qconv/nn/tvm_kernels.py``)
+# is keyed by arch: a plan following the local SM count would let two sm_90 GPUs (H100 PCIe:
+# 114 SMs, SXM: 132) share a cached kernel of the wrong Part shape.  A caller that keys its
+# kernels by the plan passes the device's TargetInfo.
+DEFAULT_TARGET = TargetInfo(kind="cuda", arch="sm_90", num_sm=TYPICAL_SM_COUNT["sm_90"])
 
 # Heuristic tile caps (H100/H200-class; not tuned).
 MAX_O_REG = 2      # output channels per thread (registers), x KH*KW taps each
@@ -48,20 +57,26 @@ MAX_CT = 16        # threads along input channels
 MAX_XB = 32        # gradient columns staged per shared tile
 
 
-def weight_grad_splits(wl: ConvWorkload) -> int:
+def weight_grad_splits(wl: ConvWorkload, target: TargetInfo | None = None) -> int:
     """How many chunks ``S`` the reduction over the ``N * OH`` gradient rows is split into.
 
     The largest divisor of ``N * OH`` (whole rows per chunk: a staged tile never crosses an
-    image) that brings the grid to about TARGET_BLOCKS, keeping the partial sums below
-    MAX_PARTIAL_FLOATS.  A divisor because a chunk of rows must not run past the tensor.
+    image) that brings the grid to about BLOCKS_PER_SM x ``target.num_sm`` blocks, keeping the
+    partial sums below MAX_PARTIAL_FLOATS.  A divisor because a chunk of rows must not run past
+    the tensor.
+
+    Args:
+        wl: the conv.
+        target: the GPU; default :data:`DEFAULT_TARGET` (its comment says why not the local one).
     """
+    target_blocks = BLOCKS_PER_SM * (target or DEFAULT_TARGET).num_sm
     rows = wl.batch * wl.out_height
     o_blocks = -(-wl.group_out // (MAX_O_REG * MAX_OT))
     c_blocks = -(-wl.group_in // (MAX_C_REG * MAX_CT))
     blocks = wl.groups * o_blocks * c_blocks
     weights = wl.out_channels * wl.group_in * wl.kernel[0] * wl.kernel[1]
-    want = max(1, min(TARGET_BLOCKS // blocks, MAX_PARTIAL_FLOATS // weights))
-    return _divisor_at_most(rows, want)
+    want = max(1, min(target_blocks // blocks, MAX_PARTIAL_FLOATS // weights))
+    return divisor_at_most(rows, want)
 
 
 # ----------------------------------------------------------------------------- compute
@@ -120,7 +135,9 @@ def conv2d_grad_weight_int8_ref(grad, x, x_scale: float, wl: ConvWorkload) -> np
             for s in range(kw):
                 win = xp[:, gi * cg:(gi + 1) * cg, r * dh:r * dh + (oh - 1) * sh + 1:sh,
                          s * dw:s * dw + (ow - 1) * sw + 1:sw]
-                out[gi * og:(gi + 1) * og, :, r, s] = np.einsum("noyx,ncyx->oc", g64[:, gi * og:(gi + 1) * og], win)
+                # optimize=True: the contraction goes to BLAS (tensordot), not einsum's C loops
+                out[gi * og:(gi + 1) * og, :, r, s] = np.einsum("noyx,ncyx->oc", g64[:, gi * og:(gi + 1) * og], win,
+                                                                optimize=True)
     return out * float(x_scale)
 
 
@@ -156,10 +173,10 @@ def schedule_grad_weight_cuda(func: tirx.PrimFunc, target: tvm.target.Target) ->
     dw_blk = sch.get_sblock("dw")
     s, g, o, c, r, q, rj, rx = sch.get_loops(dw_blk)
     og, cg, ow = (int(sch.get(l).extent) for l in (o, c, rx))
-    orr, crr = _divisor_at_most(og, MAX_O_REG), _divisor_at_most(cg, MAX_C_REG)
-    ct = _divisor_at_most(cg // crr, MAX_CT)
-    ot = _divisor_at_most(og // orr, min(MAX_OT, max(1, max_threads // ct)))
-    xb = _divisor_at_most(ow, MAX_XB)
+    orr, crr = divisor_at_most(og, MAX_O_REG), divisor_at_most(cg, MAX_C_REG)
+    ct = divisor_at_most(cg // crr, MAX_CT)
+    ot = divisor_at_most(og // orr, min(MAX_OT, max(1, max_threads // ct)))
+    xb = divisor_at_most(ow, MAX_XB)
 
     o_b, o_t, o_r = sch.split(o, [None, ot, orr])
     c_b, c_t, c_r = sch.split(c, [None, ct, crr])
@@ -179,7 +196,7 @@ def schedule_grad_weight_cuda(func: tirx.PrimFunc, target: tvm.target.Target) ->
         cooperative_fetch(sch, stage, rx_o, ot * ct)
 
     init = sch.decompose_reduction(dw_blk, rj)
-    for loop in [o_r, c_r, r, q] + _loops_under(sch, init, tx) + _loops_under(sch, acc, tx):
+    for loop in [o_r, c_r, r, q] + loops_under(sch, init, tx) + loops_under(sch, acc, tx):
         sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 

@@ -227,7 +227,7 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
         ctx = ms.TuneContext(mod=task.func, target=target, task_name="seed",
                              space_generator=task.impl.space_generator(task.impl.spaces[0], task.func, target))
         sch = tvm.s_tir.Schedule(ctx.mod)
-        task.impl.seed(sch, tgt)
+        task.impl.seed(sch, tgt, task.workload)  # task.func has no workload attribute (task_func)
         if not all(p.apply(sch) for p in ctx.space_generator.postprocs):
             print(f"[tune] {task.name}: the default schedule fails the GPU checks; not seeded", file=sys.stderr)
             sch = None
