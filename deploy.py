@@ -109,7 +109,7 @@ def cmd_build(args) -> int:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
     cfg = dataclasses.replace(cfg, **over)
 
-    def build_options(image_size: int) -> BuildOptions:
+    def build_options(image_size: int | None) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
@@ -128,8 +128,7 @@ def cmd_build(args) -> int:
                              "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
         print(f"[build] {args.checkpoint} -> {args.output}: {target} size={args.image_size or 'as trained'} "
               f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
-        options = None if args.image_size is None else build_options(args.image_size)
-        res = compile_checkpoint(args.checkpoint, args.output, options=options, config=cfg)
+        res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg)
     else:
         size = args.image_size or 224
         print(f"[build] {args.model} -> {args.output}: {target} size={size} "

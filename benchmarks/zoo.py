@@ -4,7 +4,7 @@ of the int8 library (batch 1 and 64, Relax CUDA graphs) beside PyTorch fp16 with
 
     python benchmarks/zoo.py --size 64 --calibrations percentile max entropy mse --out results/
     python benchmarks/zoo.py --models mobilenet_v2 --per-layer --out results/          # where it is lost
-    python benchmarks/zoo.py --target cuda --size 224 --batches 1 64 --out results/      # on the GPU
+    python benchmarks/zoo.py --target cuda --size 224 --batches 1 64 --jobs 8 --out results/   # on the GPU
 
 The models are the zoo test's (``tests/test_zoo.py``: random init, last layer's bias zeroed,
 GoogLeNet with PyTorch's default init), calibrated on scikit-image's photos; SQNR is the build's
@@ -14,7 +14,9 @@ prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -39,6 +41,42 @@ def torch_fp16_graph_ms(model, x) -> float:
                          graphs=True)
 
 
+def _size(name: str, size: int) -> int:
+    return max(size, 96) if name == "inception_v3" else size
+
+
+def _build(arg) -> dict:
+    """One build in a worker process: ("verify", ...) is the calibrated build with its verification,
+    ("time", ..., batch) the CUDA-graph library that the parent process times."""
+    (kind, name, calibration, bs, floor), target, arch, size, images = arg
+    size = _size(name, size)
+    photos = skimage_photos(size)[:images]
+    if kind == "verify":
+        options = BuildOptions(target=target, arch=arch, image_size=size, **floor)
+        lib = f"/tmp/tvm_qconv_zoo/{name}_{calibration}.so"
+    else:
+        options = BuildOptions(target="cuda", arch=arch, image_size=size, batch=bs, cuda_graph=True, verify=False)
+        lib = f"/tmp/tvm_qconv_zoo/{name}_b{bs}.so"
+    t = time.time()
+    res = compile_model(zoo_model(name), lib, name=name, progress=False, options=options,
+                        config=QuantConfig(calibration=calibration, num_calib_images=images),
+                        ranges=Calibrate(photos))
+    layers = res.report["layers"]
+    return dict(build_s=round(time.time() - t, 1), lib_path=res.lib_path, verify=res.report.get("verify", {}),
+                int8_layers=f"{sum(r['dtype'] == 'int8' for r in layers)}/{len(layers)}",
+                float_ops=res.report["float_ops"])
+
+
+def _save(args, rows) -> list:
+    """Write what has been measured so far (a run cut short keeps its rows)."""
+    rows = [r for r in (rows.values() if isinstance(rows, dict) else rows) if len(r) > 2]
+    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
+               target=args.target, arch=args.arch, rows=rows)
+    with open(os.path.join(args.out, f"zoo_{args.target}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(ZOO))
@@ -50,6 +88,11 @@ def main(argv=None):
     ap.add_argument("--per-layer", action="store_true",
                     help="also record each int8 layer's SQNR against float (the verification's report)")
     ap.add_argument("--batches", type=int, nargs="+", default=[], help="(cuda) also time these batch sizes")
+    ap.add_argument("--jobs", type=int, default=1, help="builds in parallel (timings always run alone)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds for all builds; then time what was built and drop the rest")
+    ap.add_argument("--no-verify-builds", action="store_true",
+                    help="(cuda) only the timed libraries: skip the calibration-method builds and their SQNR")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -58,46 +101,68 @@ def main(argv=None):
         args.arch = f"sm_{major}{minor}"
     # a floor no build reaches makes the verification report every layer's SQNR
     floor = dict(verify_floor_db=float("inf")) if args.per_layer else {}
-    rows = []
-    for name in args.models:
-        size = max(args.size, 96) if name == "inception_v3" else args.size
-        photos = skimage_photos(size)[:args.images]
-        row = dict(model=name, size=size)
-        for calibration in args.calibrations:
-            t = time.time()
-            res = compile_model(zoo_model(name), f"/tmp/tvm_qconv_zoo/{name}.so", name=name, progress=False,
-                                options=BuildOptions(target=args.target, arch=args.arch, image_size=size,
-                                                     **floor),
-                                config=QuantConfig(calibration=calibration, num_calib_images=args.images),
-                                ranges=Calibrate(photos))
-            row.setdefault("build_s", round(time.time() - t, 1))
-            layers = res.report["layers"]
-            row["int8_layers"] = f"{sum(r['dtype'] == 'int8' for r in layers)}/{len(layers)}"
-            row["float_ops"] = res.report["float_ops"]
-            row[f"sqnr_{calibration}"] = res.report["verify"].get("logits_sqnr_db")
+    jobs = [("verify", name, calibration, None, floor) for name in args.models for calibration in args.calibrations]
+    if args.target == "cuda" and args.no_verify_builds:
+        jobs = []
+    jobs += [("time", name, "percentile", bs, {}) for name in args.models for bs in args.batches]
+    # builds run in parallel worker processes; every timing runs afterwards, alone on the GPU
+    rows = {name: dict(model=name, size=_size(name, args.size)) for name in args.models}
+    built = {}
+    start = time.time()
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = {pool.submit(_build, (job, args.target, args.arch, args.size, args.images)): i
+               for i, job in enumerate(jobs)}
+    try:
+        for fut in concurrent.futures.as_completed(futures, timeout=args.deadline):
+            try:
+                built[futures[fut]] = fut.result()
+            except Exception as err:  # noqa: BLE001 - one model's failure is a result, not the end of the run
+                text = str(err)
+                log_path = os.path.join(args.out, f"error_{'_'.join(map(str, jobs[futures[fut]][1:4]))}.txt")
+                with open(log_path, "w") as f:
+                    f.write(text)
+                rows[jobs[futures[fut]][1]].setdefault("errors", []).append(
+                    f"{jobs[futures[fut]][0]} b{jobs[futures[fut]][3]}: {type(err).__name__}: {text[:300]}")
+                print(f"FAILED {jobs[futures[fut]][:4]}: {type(err).__name__} (log: {log_path})", flush=True)
+                continue
+            print(f"built {jobs[futures[fut]][:4]} in {built[futures[fut]]['build_s']} s", flush=True)
+    except concurrent.futures.TimeoutError:
+        print(f"deadline: {len(jobs) - len(built)} builds not done after {time.time() - start:.0f} s; "
+              "timing what was built", flush=True)
+        processes = list((pool._processes or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            proc.kill()  # the builds still running: their results would come too late
+    pool.shutdown(wait=False)
+    for i, (kind, name, calibration, bs, _) in enumerate(jobs):
+        if i not in built:
+            continue
+        res, row = built[i], rows[name]
+        if kind == "verify":
+            row.setdefault("build_s", res["build_s"])
+            row["int8_layers"], row["float_ops"] = res["int8_layers"], res["float_ops"]
+            row[f"sqnr_{calibration}"] = res["verify"].get("logits_sqnr_db")
             if args.per_layer:
-                row[f"layers_{calibration}"] = {r["layer"]: round(r["sqnr_db"], 1) for r in res.report["verify"]["layers"]}
-        for bs in args.batches:
-            photos_b = np.concatenate([skimage_photos(size)] * (-(-bs // 15)))[:bs]
-            lib = compile_model(zoo_model(name), f"/tmp/tvm_qconv_zoo/{name}_b{bs}.so", name=name, progress=False,
-                                options=BuildOptions(target="cuda", arch=args.arch, image_size=size, batch=bs,
-                                                     cuda_graph=True, verify=False),
-                                config=QuantConfig(num_calib_images=args.images), ranges=Calibrate(photos))
-            row[f"int8_b{bs}_ms"] = CompiledModel(lib.lib_path).benchmark(photos_b, number=10 if bs == 1 else 3,
-                                                                          repeat=10)["median_ms"]
-            row[f"torch_fp16_graph_b{bs}_ms"] = torch_fp16_graph_ms(zoo_model(name), photos_b)
-        rows.append(row)
+                row[f"layers_{calibration}"] = {r["layer"]: round(r["sqnr_db"], 1) for r in res["verify"]["layers"]}
+            continue
+        row.setdefault("int8_layers", res["int8_layers"])
+        row[f"build_b{bs}_s"] = res["build_s"]
+        size = row["size"]
+        photos_b = np.concatenate([skimage_photos(size)] * (-(-bs // 15)))[:bs]
+        row[f"int8_b{bs}_ms"] = CompiledModel(res["lib_path"]).benchmark(photos_b, number=10 if bs == 1 else 3,
+                                                                         repeat=10)["median_ms"]
+        row[f"torch_fp16_graph_b{bs}_ms"] = torch_fp16_graph_ms(zoo_model(name), photos_b)
         print(json.dumps(row), flush=True)
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
-               target=args.target, arch=args.arch, rows=rows)
-    with open(os.path.join(args.out, f"zoo_{args.target}.json"), "w") as f:
-        json.dump(out, f, indent=1)
+        _save(args, rows)
+    rows = _save(args, rows)
+    if not rows:
+        return
     cols = [k for k in rows[0] if k.startswith(("sqnr_", "int8_b", "torch_"))]
     print("| model | size | int8 layers | float ops | build s | " + " | ".join(cols) + " |")
     print("|---" * (5 + len(cols)) + "|")
     for r in rows:
-        fl = ", ".join(f"{k.removeprefix('relax.')} x{v}" for k, v in sorted(r["float_ops"].items()))
-        print(f"| {r['model']} | {r['size']} | {r['int8_layers']} | {fl} | {r['build_s']} | "
+        fl = ", ".join(f"{k.removeprefix('relax.')} x{v}" for k, v in sorted(r.get("float_ops", {}).items()))
+        print(f"| {r['model']} | {r['size']} | {r.get('int8_layers')} | {fl} | {r.get('build_s', r.get('build_b1_s'))} | "
               + " | ".join(f"{r[c]:.1f}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols) + " |")
 
 

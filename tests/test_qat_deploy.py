@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deploy
-from tvm_qconv.build import compile_checkpoint
+from tvm_qconv.build import BuildOptions, compile_checkpoint
 from tvm_qconv.errors import InputError
 from tvm_qconv.evaluate import evaluate_library
 from tvm_qconv.models import SmallVGG
@@ -161,3 +161,13 @@ def test_build_needs_a_model_or_a_checkpoint(capsys):
     with pytest.raises(SystemExit):
         deploy.main(["build", "-o", "m.so"])
     assert "one of the arguments --model --checkpoint is required" in capsys.readouterr().err
+
+
+def test_checkpoint_build_keeps_the_given_options_and_takes_the_trained_size(qat_lib, tmp_path):
+    """Options without an image size: the checkpoint's size, and every other option kept (a build
+    once fell back to the default options when no size was given)."""
+    ckpt, _ = qat_lib
+    res = compile_checkpoint(ckpt, str(tmp_path / "m.so"), progress=False,
+                             options=BuildOptions(batch=2, verify=False, families=("cpu",)))
+    assert res.meta["input_shape"] == [2, 3, QAT_CONFIG.image_size, QAT_CONFIG.image_size]
+    assert tuple(res.meta["options"]["families"]) == ("cpu",) and "verify" not in res.report

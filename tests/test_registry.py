@@ -12,6 +12,7 @@ from tvm_qconv import registry
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import CONFIG_VERSION, PRESETS, QuantConfig
 from tvm_qconv.data import skimage_photos
+from tvm_qconv.errors import InputError
 from tvm_qconv.frontend import load_model
 from tvm_qconv.models import SmallVGG
 from tvm_qconv.quantize import quantize_module
@@ -203,3 +204,28 @@ def test_relax_module_kernels_carry_their_implementation():
     impls = sorted({registry.of_func(f).name for f in q.mod.functions.values()
                     if not isinstance(f, relax.Function) and registry.of_func(f) is not None})
     assert impls == ["conv2d.nchw4c.dp4a", "dense.rows.generic", "max_pool2d.nchw4c"]
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(families=("tensorcore",)), "unknown kernel family tensorcore: choose from"),
+    (dict(kernels={"features.0": "conv2d.dp4a"}), "unknown kernel implementation conv2d.dp4a"),
+    (dict(image_size=4), "image size >= 8")])
+def test_build_options_name_a_bad_value(options, message):
+    with pytest.raises(InputError, match=message):
+        BuildOptions(**options)
+
+
+def test_calibrating_on_no_images_is_refused_with_the_reason():
+    with pytest.raises(InputError, match="N >= 1"):
+        compile_model(SmallVGG(num_classes=10, image_size=16), "/nonexistent/m.so", progress=False,
+                      options=BuildOptions(image_size=16),
+                      ranges=Calibrate(np.zeros((0, 3, 16, 16), np.float32)))
+
+
+def test_a_gemm_of_one_fragment_stays_off_the_tensor_cores():
+    """A GEMM of one 16-row fragment (M = 16: ConvNeXt's 4x4 map at batch 1, 64 px) is not
+    given to the tensor-core conv, whose epilogue placement TVM refuses (reverse_compute_at)."""
+    sm90 = TargetInfo.from_target(make_target("cuda", "sm_90"))
+    mma = registry.get("conv2d.nhwc32.mma")
+    assert not mma.applies(conv_wl(1, 64, 4, 4, 64, kernel=(1, 1), padding=(0, 0, 0, 0)), sm90)
+    assert mma.applies(conv_wl(2, 64, 4, 4, 64, kernel=(1, 1), padding=(0, 0, 0, 0)), sm90)

@@ -14,8 +14,15 @@ from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
 
 MODEL_FILE = '''
+import dataclasses
+
 import torch
 from torch import nn
+
+
+@dataclasses.dataclass
+class Widths:  # a dataclass looks its module up in sys.modules while it is defined
+    hidden: int = 12
 
 
 class Net(nn.Module):
@@ -36,6 +43,10 @@ def make():
 
 def broken():
     raise RuntimeError("no weights here")
+
+
+def silent():
+    raise RuntimeError()
 '''
 
 
@@ -67,10 +78,12 @@ def test_users_module_builds_from_the_cli(tmp_path, model_file, capsys):
 
 
 BAD_SPECS = [("missing.py:make", "does not exist"), ("{}:nope", "has no function or class 'nope'"),
-             ("{}:broken", "broken() raised RuntimeError: no weights here"), ("{}", "path/to/file.py:factory")]
+             ("{}:broken", "broken() raised RuntimeError: no weights here"), ("{}", "path/to/file.py:factory"),
+             ("{}:silent", "silent() raised RuntimeError: RuntimeError")]
 
 
-@pytest.mark.parametrize("spec,message", BAD_SPECS, ids=["no_file", "no_factory", "factory_raises", "no_factory_given"])
+@pytest.mark.parametrize("spec,message", BAD_SPECS, ids=["no_file", "no_factory", "factory_raises", "no_factory_given",
+                                                        "factory_raises_without_message"])
 def test_a_bad_user_model_spec_is_one_clear_line(tmp_path, model_file, capsys, spec, message):
     assert deploy.main(["build", "--model", spec.format(model_file), "-o", str(tmp_path / "m.so")]) == 2
     err = capsys.readouterr().err.strip()

@@ -36,7 +36,8 @@ class BuildOptions:
 
     Attributes:
         target: ``llvm`` or ``cuda``; arch: the CUDA arch (``sm_90``; default sm_90).
-        batch, image_size: the static input shape (batch, 3, image_size, image_size).
+        batch, image_size: the static input shape (batch, 3, image_size, image_size); no
+            image_size: 224, or a checkpoint's training size (:func:`compile_checkpoint`).
         tuning_log: a MetaSchedule database folder to take tuned schedules from.
         cuda_graph: (cuda) let Relax capture the kernel launches after the input into a CUDA
             graph (RewriteCUDAGraph), replayed on later calls: less launch overhead at batch 1.
@@ -54,7 +55,7 @@ class BuildOptions:
     target: str = "llvm"
     arch: str | None = None
     batch: int = 1
-    image_size: int = 224
+    image_size: int | None = None
     tuning_log: str | None = None
     cuda_graph: bool = False
     expose_activations: bool = False
@@ -65,13 +66,23 @@ class BuildOptions:
     verify_floor_db: float = verify_mod.FLOOR_DB
 
     def __post_init__(self):
-        if self.batch < 1 or self.image_size < 8:
+        if self.batch < 1 or (self.image_size is not None and self.image_size < 8):
             raise InputError(f"batch must be >= 1 and image size >= 8, got batch {self.batch}, "
                              f"size {self.image_size}")
+        families = sorted({impl.family for impl in registry.IMPLEMENTATIONS})
+        unknown = [f for f in self.families or () if f not in families]
+        if unknown:
+            raise InputError(f"unknown kernel famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}: "
+                             f"choose from {', '.join(families)}")
+        names = sorted(impl.name for impl in registry.IMPLEMENTATIONS)
+        unknown = sorted({k for k in self.kernels.values() if k not in names})
+        if unknown:
+            raise InputError(f"unknown kernel implementation {', '.join(unknown)}: choose from {', '.join(names)}")
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, 3, self.image_size, self.image_size)
+        size = self.image_size or 224
+        return (self.batch, 3, size, size)
 
 
 @dataclass
@@ -172,15 +183,19 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
     find the first layer that diverges (``tvm_qconv/verify.py``)."""
     if q.images is None:
         return dict(status="skipped", reason="the ranges were not calibrated: no images to check on")
-    if not verify_mod.can_run(tgt):
-        return dict(status="skipped", reason="this machine cannot run a CUDA library (no GPU)")
+    reason = verify_mod.cannot_run(tgt)
+    if reason:
+        return dict(status="skipped", reason=reason)
     images = q.images[:verify_mod.IMAGES]
     sqnr = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
                   images=len(images), floor_db=options.verify_floor_db)
     if sqnr < options.verify_floor_db:
-        # A twin at batch 1 that returns every int8 activation, from the same ranges.
-        debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False)
+        # A twin at batch 1 that returns every int8 activation, from the same ranges and with the
+        # same kernel per layer (a tuning database's chooser could pick others at batch 1).
+        kernels = {r["layer"]: r["kernel"] for r in q.report["layers"] if r["dtype"] == "int8"}
+        debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
+                                    kernels={**kernels, **options.kernels})
         dq, dex, dparams, *_ = _compile(model, tgt, debug, config, GivenRanges(q.amax), progress=False)
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
         result["layers"] = layers
@@ -215,7 +230,9 @@ def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions 
     """
     model, ckpt, train_config = load_float_model(checkpoint, require_qat=True)
     size = train_config.image_size
-    options = options or BuildOptions(image_size=size)
+    options = options or BuildOptions()
+    if options.image_size is None:
+        options = dataclasses.replace(options, image_size=size)
     if options.image_size != size:
         raise InputError(f"image size {options.image_size}: {checkpoint} was trained at {size}x{size}, and its "
                          "learned ranges (and the classifier's width) hold at that size only; build at its size")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 import torchvision
@@ -18,6 +19,11 @@ _LINEAR_TARGETS = {"aten.linear.default"}
 def list_models() -> list[str]:
     """torchvision classification model names (``vgg16``, ``resnet50``, ...)."""
     return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def _first_line(err: Exception, limit: int = 200) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
 
 
 def load_user_model(spec: str) -> torch.nn.Module:
@@ -36,11 +42,14 @@ def load_user_model(spec: str) -> torch.nn.Module:
     module_name = "tvm_qconv_user_model_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
+    # registered before it runs, as a normal import is: dataclasses and pickling look it up there
+    sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as err:
+        del sys.modules[module_name]
         raise InputError(f"--model {spec!r}: importing {path} failed: {type(err).__name__}: "
-                         f"{(str(err).splitlines() or [''])[0][:200]}") from err
+                         f"{_first_line(err)}") from err
     fn = getattr(module, factory, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -49,7 +58,7 @@ def load_user_model(spec: str) -> torch.nn.Module:
         model = fn()
     except Exception as err:
         raise InputError(f"--model {spec!r}: {factory}() raised {type(err).__name__}: "
-                         f"{(str(err).splitlines() or [''])[0][:200]}") from err
+                         f"{_first_line(err)}") from err
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"--model {spec!r}: {factory}() returned a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -133,12 +142,12 @@ def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, in
             ep = torch.export.export(model, (example,))
     except Exception as err:
         raise InputError(f"torch.export failed for input shape {input_shape}: {type(err).__name__}: "
-                         f"{str(err).splitlines()[0]}") from err
+                         f"{_first_line(err)}") from err
     try:
         mod = from_exported_program(ep)
     except Exception as err:
         raise InputError(f"the Relax importer does not support this model: {type(err).__name__}: "
-                         f"{str(err).splitlines()[0]}") from err
+                         f"{_first_line(err)}") from err
     names = {"conv2d": [], "dense": []}
     for node in ep.graph_module.graph.nodes:
         target = str(node.target)

@@ -246,7 +246,7 @@ def _conv_layer(var, call, value, sole_user, name):
     elif attrs.data_layout != "NCHW" or attrs.kernel_layout != "OIHW" or attrs.out_layout not in ("NCHW", ""):
         layer.reason_float = f"layout {attrs.data_layout}/{attrs.kernel_layout}"
     elif str(call.ty.dtype) != "float32":
-        layer.reason_float = f"dtype {call.struct_info.dtype}"
+        layer.reason_float = f"dtype {call.ty.dtype}"
     else:
         layer.weight = w.astype(np.float32)
     _absorb_bias_relu(layer, var, value, sole_user,

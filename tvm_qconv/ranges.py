@@ -52,6 +52,9 @@ class Calibrate:
         if images is None:
             images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images)
         images = images[: cfg.num_calib_images]
+        if len(images) == 0 or np.asarray(images).ndim != 4:
+            raise InputError(f"calibration needs images of shape [N, 3, H, W] with N >= 1, got shape "
+                             f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
         amax = calibrate(ctx.graph_at_batch1(), images, cfg, progress=ctx.progress)
         ctx.images = images
         report = dict(source="calibration", calibration=cfg.calibration, images=len(images))

@@ -26,14 +26,21 @@ FLOOR_DB = 15.0
 IMAGES = 4  # calibration images the check runs
 
 
-def can_run(target: tvm.target.Target) -> bool:
-    """Whether this machine can run a library built for ``target``."""
+def cannot_run(target: tvm.target.Target) -> str | None:
+    """Why this machine cannot run a library built for ``target`` (None: it can)."""
     if target.kind.name != "cuda":
-        return True
-    try:
-        return tvm.cuda(0).exist
-    except Exception:
-        return False
+        return None
+    from .target import device_arch
+    have = device_arch()
+    if have is None:
+        return "this machine cannot run a CUDA library (no GPU)"
+    want = str(target.attrs.get("arch", ""))
+    # a cubin runs on its own major architecture, at its minor version or later
+    if want.startswith("sm_") and have.startswith("sm_"):
+        (w_major, w_minor), (h_major, h_minor) = (divmod(int(a[3:].rstrip("a")), 10) for a in (want, have))
+        if w_major != h_major or h_minor < w_minor:
+            return f"the library is built for {want}, this machine's GPU is {have}"
+    return None
 
 
 def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images: np.ndarray) -> list[list]:
