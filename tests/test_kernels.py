@@ -369,13 +369,14 @@ def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl):
 
 
 def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4():
-    from tvm_qconv.schedules.nchw4c.concat import concat_nchw4c_int8, concat_nchw4c_int8_ref
+    from tvm_qconv.schedules.concat_int8 import concat_int8, concat_int8_ref
+    from tvm_qconv.schedules.nchw4c.layout import LAYOUT
     channels = [6, 8, 3]  # offsets 0, 6, 14: two branches start mid-word
     xs = [pack_nchw4c(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
     m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
-    out = run(concat_nchw4c_int8((2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 5, 3, 5, 4),
+    out = run(concat_int8(LAYOUT, (2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 5, 3, 5, 4),
               out_dtype="int8")
-    ref = concat_nchw4c_int8_ref(xs, channels, m, s)
+    ref = concat_int8_ref(LAYOUT, xs, channels, m, s)
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(unpack_nchw4c(ref, 17)[:, 6:14], unpack_nchw4c(xs[1], 8))  # identity branch
     assert not unpack_nchw4c(out, 20)[:, 17:].any()  # padded channels of the last word are 0
@@ -383,14 +384,14 @@ def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4
 
 def test_nhwc32_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_32():
     """The tensor-core layout's concat (SqueezeNet's and Inception's branches on the GPU)."""
-    from tvm_qconv.schedules.tensorcore.elementwise import concat_nhwc32_int8, concat_nhwc32_int8_ref
-    from tvm_qconv.schedules.tensorcore.layout import pack_nhwc32, unpack_nhwc32
+    from tvm_qconv.schedules.concat_int8 import concat_int8, concat_int8_ref
+    from tvm_qconv.schedules.tensorcore.layout import LAYOUT, pack_nhwc32, unpack_nhwc32
     channels = [48, 32, 5]  # offsets 0, 48, 80: the second branch starts mid-group of 32
     xs = [pack_nhwc32(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
     m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
-    out = run(concat_nhwc32_int8((2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 3, 5, 96),
+    out = run(concat_int8(LAYOUT, (2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 3, 5, 96),
               out_dtype="int8")
-    ref = concat_nhwc32_int8_ref(xs, channels, m, s)
+    ref = concat_int8_ref(LAYOUT, xs, channels, m, s)
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(unpack_nhwc32(ref, 85)[:, 48:80], unpack_nhwc32(xs[1], 32))  # identity branch
     assert not out[..., 85:].any()  # padded channels are 0

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import add_int8
+from .. import add_int8, concat_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import AffineWorkload, ConvWorkload
-from . import affine, concat, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
+from . import affine, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
 from .layout import LAYOUT, ceil4
 
 
@@ -140,10 +140,10 @@ class Concat(GenericKernel):
     name = "concat.nchw4c"
     op = "concat"
     layout = LAYOUT.name
-    compute_fn = lambda wl: concat.concat_nchw4c_int8(wl.shape, list(wl.channels), list(wl.mults),  # noqa: E731
-                                                       list(wl.shifts))
-    reference_fn = lambda wl, *xs: concat.concat_nchw4c_int8_ref(list(xs), list(wl.channels), wl.mults,  # noqa: E731
-                                                                  wl.shifts)
+    compute_fn = lambda wl: concat_int8.concat_int8(LAYOUT, wl.shape, list(wl.channels),  # noqa: E731
+                                                     list(wl.mults), list(wl.shifts))
+    reference_fn = lambda wl, *xs: concat_int8.concat_int8_ref(LAYOUT, list(xs), list(wl.channels),  # noqa: E731
+                                                                wl.mults, wl.shifts)
 
 
 class AvgPool2d(GenericKernel):

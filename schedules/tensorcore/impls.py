@@ -15,7 +15,7 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
-from .. import add_int8
+from .. import add_int8, concat_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import ConvWorkload
 from . import conv2d, elementwise, mma, pipeline, space
@@ -108,10 +108,10 @@ class Concat(GenericKernel):
     name = "concat.nhwc32"
     op = "concat"
     layout = LAYOUT.name
-    compute_fn = lambda wl: elementwise.concat_nhwc32_int8(wl.shape, list(wl.channels), list(wl.mults),  # noqa: E731
-                                                            list(wl.shifts))
-    reference_fn = lambda wl, *xs: elementwise.concat_nhwc32_int8_ref(list(xs), list(wl.channels),  # noqa: E731
-                                                                       wl.mults, wl.shifts)
+    compute_fn = lambda wl: concat_int8.concat_int8(LAYOUT, wl.shape, list(wl.channels),  # noqa: E731
+                                                     list(wl.mults), list(wl.shifts))
+    reference_fn = lambda wl, *xs: concat_int8.concat_int8_ref(LAYOUT, list(xs), list(wl.channels),  # noqa: E731
+                                                                wl.mults, wl.shifts)
 
 
 CONV2D_MMA = Conv2dMma()

@@ -1,0 +1,48 @@
+"""int8 channel concatenation in any activation layout (Inception, DenseNet, GoogLeNet, SqueezeNet
+branches): each input is requantized from its own scale to the output's (integer-only, as every
+epilogue) and placed at its channel offset.  Any channel counts: a branch whose channels are not
+a multiple of the layout's channel group (ShuffleNet's 58 in NCHW4c, 48 in NHWC32) starts
+mid-group, so the kernel reads by logical channel through the layout's index maps.
+Memory-bound; dlight schedules it on CUDA."""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from .kernel import Layout
+from .requantize import requantize_ref, requantize_tir
+
+
+def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int], mults: list[int],
+                shifts: list[int]) -> tirx.PrimFunc:
+    """Kernel: int8 inputs of ``channels[i]`` channels in ``layout`` -> their concatenation in it.
+
+    Args:
+        layout: the activation layout of the inputs and the output.
+        shape: (N, H, W).
+        channels: the real channel count of each input.
+        mults, shifts: each input's fixed-point multiplier to the output scale.
+    """
+    n, h, w = shape
+    ins = [te.placeholder(layout.packed_shape((n, c, h, w)), "int8", name=f"X{i}") for i, c in enumerate(channels)]
+    offsets = np.cumsum([0] + list(channels)).tolist()
+
+    def body(*index):
+        b, c, y, x = layout.to_logical(index)
+        value = tirx.const(0, "int8")
+        for i in reversed(range(len(ins))):
+            local = tirx.max(tirx.min(c - offsets[i], channels[i] - 1), 0)
+            v = requantize_tir(ins[i][layout.to_packed(b, local, y, x)].astype("int64"),
+                               tirx.const(mults[i], "int32"), tirx.const(shifts[i], "int32"), -128, 127)
+            value = tirx.if_then_else(c < offsets[i + 1], v, value)
+        return tirx.if_then_else(c < offsets[-1], value, tirx.const(0, "int8"))  # padded channels: 0
+
+    out = te.compute(layout.packed_shape((n, offsets[-1], h, w)), body, name="concat")
+    return te.create_prim_func([*ins, out]).with_attr({"tvm_qconv.kernel": f"concat_{layout.name.lower()}_int8"})
+
+
+def concat_int8_ref(layout: Layout, xs: list[np.ndarray], channels: list[int], mults, shifts) -> np.ndarray:
+    """NumPy twin of :func:`concat_int8`."""
+    parts = [requantize_ref(layout.unpack(x, c).astype(np.int64), np.int64(m), np.int64(s), -128, 127)
+             for x, c, m, s in zip(xs, channels, mults, shifts)]
+    return layout.pack(np.concatenate(parts, axis=1))
