@@ -49,7 +49,12 @@ def dense_int8(n: int, k4: int, o: int, clip: tuple[float, float] | None = None)
         return tirx.max(v, tirx.const(lo, "float32")) if np.isfinite(lo) else v
 
     out = te.compute((n, o), epi, name="dequant")
-    return te.create_prim_func([x, w, scale, bias, out]).with_attr({"tvm_qconv.kernel": KERNEL_NAME})
+    # On CUDA this kernel is left to dlight.  Its int8 tensor-core rule (wmma, taken when every
+    # GEMM dimension exceeds 64: ConvNeXt's token-wise Linear layers, a classifier past batch 64)
+    # fails in TVM 0.27's InjectSoftwarePipeline ("fragment_info_" check); dlight's SIMT matmul
+    # rule is what it gets instead.
+    return te.create_prim_func([x, w, scale, bias, out]).with_attr(
+        {"tvm_qconv.kernel": KERNEL_NAME, "dlight.do_not_tensorize": True})
 
 
 def dense_int8_ref(x, w, scale, bias, clip=None) -> np.ndarray:

@@ -289,6 +289,23 @@ def test_dense_int8_matches_reference():
         np.testing.assert_allclose(out, dense_int8_ref(x, w, scale, bias, clip), rtol=1e-6, atol=1e-6)
 
 
+
+def test_dense_of_a_large_gemm_builds_for_cuda():
+    """ConvNeXt's token-wise Linear at 64 px (256 tokens x 96 -> 384) failed ``tvm.compile`` for
+    CUDA: dlight's int8 wmma rule, taken when every GEMM dimension exceeds 64, dies in TVM 0.27's
+    InjectSoftwarePipeline.  The kernel opts out of it (``dlight.do_not_tensorize``)."""
+    from tvm.s_tir import dlight as dl
+
+    from tvm_qconv.target import cuda_source, make_target
+
+    target = make_target("cuda", "sm_90")
+    with target:  # the rules the Relax CUDA pipeline applies to unscheduled kernels
+        mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                      dl.gpu.GeneralReduction(), dl.gpu.Fallback())(
+            tvm.IRModule({"main": dense_int8(256, 96, 384)}))
+        src = cuda_source(tvm.compile(mod, target=target))
+    assert "__global__" in src and "wmma" not in src
+
 SCALES = [0.02, 1 / 127, 3.7e-9, 2.5e-17, 6.0e12]
 
 
