@@ -39,6 +39,10 @@ class Layout:
         """The int8 buffer shape of a float NCHW tensor of ``shape``."""
         raise NotImplementedError
 
+    def logical_shape(self, packed: tuple[int, ...]) -> tuple[int, int, int, int]:
+        """The NCHW shape of a packed buffer, its channels counted with the padding."""
+        raise NotImplementedError
+
     def quantize(self, shape: tuple[int, int, int, int], scale: float) -> tirx.PrimFunc:
         """Kernel: float NCHW of ``shape`` -> int8 in this layout (round half to even, clamp)."""
         raise NotImplementedError

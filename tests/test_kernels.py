@@ -13,7 +13,10 @@ from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c
                                                pack_channels, pack_input_groups, pack_oihw4o4i,
                                                unpack_output_groups)
 from tvm_qconv.schedules.nchw4c.layout import ceil4, dequantize_unpack, pack_nchw4c, quantize_pack, unpack_nchw4c
-from tvm_qconv.schedules.nchw4c.pool import max_pool2d_nchw4c_int8, max_pool2d_nchw4c_int8_ref, pool_out_size
+from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
+from tvm_qconv.schedules.pool_int8 import (avg_pool2d_int8, avg_pool2d_int8_ref, max_pool2d_int8, max_pool2d_int8_ref,
+                                           pool_out_size)
+from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.quantize import quantize_ref
 from tvm_qconv.schedules.requantize import add_multipliers, quantize_multiplier, requantize_ref
 from tvm_qconv.schedules.workload import ConvWorkload
@@ -221,12 +224,21 @@ POOLS = [((2, 2), (2, 2), (0, 0, 0, 0), False), ((3, 3), (2, 2), (1, 1, 1, 1), F
          ((3, 3), (2, 2), (0, 0, 0, 0), True), ((2, 2), (2, 2), (1, 1, 1, 1), True)]
 
 
+# Both activation layouts, 12 real channels: NCHW4c's 3 groups of 4, NHWC32's one padded group of 32.
+LAYOUTS = [NCHW4C, NHWC32]
+
+
+def packed_input(layout, shape=(2, 12, 9, 7)):
+    return layout.pack(RNG.integers(-128, 128, shape).astype(np.int8))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
 @pytest.mark.parametrize("pool,stride,pad,ceil", POOLS,
                          ids=["vgg_2x2", "resnet_3x3_s2_p1", "ceil_mode", "ceil_mode_last_window_dropped"])
-def test_max_pool_int8_matches_reference(pool, stride, pad, ceil):
-    x = RNG.integers(-128, 128, (2, 3, 9, 7, 4)).astype(np.int8)
-    ref = max_pool2d_nchw4c_int8_ref(x, pool, stride, pad, (1, 1), ceil)
-    out = run(max_pool2d_nchw4c_int8(x.shape, pool, stride, pad, (1, 1), ceil), x, out_shape=ref.shape,
+def test_max_pool_int8_matches_reference(pool, stride, pad, ceil, layout):
+    x = packed_input(layout)
+    ref = max_pool2d_int8_ref(layout, x, pool, stride, pad, (1, 1), ceil)
+    out = run(max_pool2d_int8(layout, x.shape, pool, stride, pad, (1, 1), ceil), x, out_shape=ref.shape,
               out_dtype="int8")
     np.testing.assert_array_equal(out, ref)
 
@@ -247,7 +259,7 @@ def test_max_pool_output_size_and_values_are_pytorchs(ceil_mode):
         case = dict(size=size, kernel=k, stride=s, pad=p, dilation=d)
         got = pool_out_size(size, size + 1, (k, k), (s, s), (p, p, p, p), (d, d), ceil_mode)
         assert got == tuple(want.shape[2:]), case
-        ref = max_pool2d_nchw4c_int8_ref(x, (k, k), (s, s), (p, p, p, p), (d, d), ceil_mode)
+        ref = max_pool2d_int8_ref(NCHW4C, x, (k, k), (s, s), (p, p, p, p), (d, d), ceil_mode)
         # exact: max of the same integers (the -128 padding never wins: every window holds an input)
         np.testing.assert_array_equal(unpack_nchw4c(ref, 4), want.numpy().astype(np.int8), err_msg=str(case))
 
@@ -417,19 +429,20 @@ def test_nhwc32_concat_requantizes_each_branch_and_handles_channels_not_a_multip
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
 @pytest.mark.parametrize("pool,stride,pad", AVG_POOLS, ids=["inception_3x3_s1_p1", "densenet_2x2_s2"])
-def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stride, pad):
-    from tvm_qconv.schedules.nchw4c.pool import avg_pool2d_nchw4c_int8, avg_pool2d_nchw4c_int8_ref
-    x = RNG.integers(-128, 128, (2, 3, 9, 7, 4)).astype(np.int8)
+def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stride, pad, layout):
+    x = packed_input(layout)
     s_in, s_out = 0.03, 0.02
     (m,), (s,) = quantize_multiplier(np.array([s_in / (pool[0] * pool[1] * s_out)]))
-    ref = avg_pool2d_nchw4c_int8_ref(x, pool, stride, pad, int(m), int(s))
-    out = run(avg_pool2d_nchw4c_int8(x.shape, pool, stride, pad, int(m), int(s)), x, out_shape=ref.shape,
+    ref = avg_pool2d_int8_ref(layout, x, pool, stride, pad, int(m), int(s))
+    out = run(avg_pool2d_int8(layout, x.shape, pool, stride, pad, int(m), int(s)), x, out_shape=ref.shape,
               out_dtype="int8")
     np.testing.assert_array_equal(out, ref)
-    exact = torch.nn.functional.avg_pool2d(torch.from_numpy(unpack_nchw4c(x, 12).astype(np.float64) * s_in), pool,
+    exact = torch.nn.functional.avg_pool2d(torch.from_numpy(layout.unpack(x, 12).astype(np.float64) * s_in), pool,
                                            stride, pad[:2], count_include_pad=True).numpy() / s_out
-    assert np.abs(unpack_nchw4c(ref, 12) - np.clip(exact, -128, 127)).max() <= 0.5 + 1e-9  # one rounding
+    assert np.abs(layout.unpack(ref, 12) - np.clip(exact, -128, 127)).max() <= 0.5 + 1e-9  # one rounding
+    assert not layout.unpack(out, layout.logical_shape(out.shape)[1])[:, 12:].any()  # padded channels stay 0
 
 
 def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gammas():

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import add_int8, concat_int8
+from .. import add_int8, concat_int8, pool_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import AffineWorkload, ConvWorkload
-from . import affine, conv2d, cpu, depthwise, dp4a, dp4a_space, pool
+from . import affine, conv2d, cpu, depthwise, dp4a, dp4a_space
 from .layout import LAYOUT, ceil4
 
 
@@ -120,10 +120,10 @@ class MaxPool2d(GenericKernel):
     name = "max_pool2d.nchw4c"
     op = "max_pool2d"
     layout = LAYOUT.name
-    compute_fn = lambda wl: pool.max_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                         wl.dilation, wl.ceil_mode)
-    reference_fn = lambda wl, x: pool.max_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                                  wl.dilation, wl.ceil_mode)
+    compute_fn = lambda wl: pool_int8.max_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                      wl.dilation, wl.ceil_mode)
+    reference_fn = lambda wl, x: pool_int8.max_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                               wl.dilation, wl.ceil_mode)
 
 
 class Add(GenericKernel):
@@ -150,10 +150,10 @@ class AvgPool2d(GenericKernel):
     name = "avg_pool2d.nchw4c"
     op = "avg_pool2d"
     layout = LAYOUT.name
-    compute_fn = lambda wl: pool.avg_pool2d_nchw4c_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                         wl.mult, wl.shift)
-    reference_fn = lambda wl, x: pool.avg_pool2d_nchw4c_int8_ref(x, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                                  wl.mult, wl.shift)
+    compute_fn = lambda wl: pool_int8.avg_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                      wl.mult, wl.shift)
+    reference_fn = lambda wl, x: pool_int8.avg_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                               wl.mult, wl.shift)
 
 
 class Affine(GenericKernel):

@@ -63,6 +63,10 @@ class NCHW4c(Layout):
         n, c, h, w = shape
         return (n, ceil4(c) // 4, h, w, 4)
 
+    def logical_shape(self, packed):
+        n, cb, h, w, _ = packed
+        return (n, cb * 4, h, w)
+
     def quantize(self, shape, scale):
         return quantize_pack(shape, scale)
 

@@ -7,6 +7,7 @@ name                       op           runs
 ``max_pool2d.nhwc32``      max_pool2d   any target (dlight on CUDA)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
+``avg_pool2d.nhwc32``      avg_pool2d   any target (dlight on CUDA)
 =========================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -15,10 +16,10 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
-from .. import add_int8, concat_int8
+from .. import add_int8, concat_int8, pool_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import ConvWorkload
-from . import conv2d, elementwise, mma, pipeline, space
+from . import conv2d, mma, pipeline, space
 from .layout import LAYOUT
 
 # A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
@@ -88,10 +89,20 @@ class MaxPool2d(GenericKernel):
     name = "max_pool2d.nhwc32"
     op = "max_pool2d"
     layout = LAYOUT.name
-    compute_fn = lambda wl: elementwise.max_pool2d_nhwc_int8(wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                              wl.dilation, wl.ceil_mode)
-    reference_fn = lambda wl, x: elementwise.max_pool2d_nhwc_int8_ref(x, wl.pool, wl.stride,  # noqa: E731
-                                                                       wl.padding, wl.dilation, wl.ceil_mode)
+    compute_fn = lambda wl: pool_int8.max_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                      wl.dilation, wl.ceil_mode)
+    reference_fn = lambda wl, x: pool_int8.max_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                               wl.dilation, wl.ceil_mode)
+
+
+class AvgPool2d(GenericKernel):
+    name = "avg_pool2d.nhwc32"
+    op = "avg_pool2d"
+    layout = LAYOUT.name
+    compute_fn = lambda wl: pool_int8.avg_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                      wl.mult, wl.shift)
+    reference_fn = lambda wl, x: pool_int8.avg_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
+                                                               wl.mult, wl.shift)
 
 
 class Add(GenericKernel):
@@ -118,4 +129,5 @@ CONV2D_MMA = Conv2dMma()
 MAX_POOL2D = MaxPool2d()
 ADD = Add()
 CONCAT = Concat()
-IMPLEMENTATIONS = (CONV2D_MMA, MAX_POOL2D, ADD, CONCAT)
+AVG_POOL2D = AvgPool2d()
+IMPLEMENTATIONS = (CONV2D_MMA, MAX_POOL2D, ADD, CONCAT, AVG_POOL2D)

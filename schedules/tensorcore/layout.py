@@ -43,6 +43,10 @@ class NHWC32(Layout):
         n, c, h, w = shape
         return (n, h, w, ceil32(c))
 
+    def logical_shape(self, packed):
+        n, h, w, c = packed
+        return (n, c, h, w)
+
     def quantize(self, shape, scale):
         n, c, h, w = shape
         x = te.placeholder(shape, "float32", name="X")

@@ -1,0 +1,101 @@
+"""int8 max and average pools in any activation layout: the NCHW4c family's and the NHWC32
+(tensor-core) family's, so that a network stays in whichever layout its convs use (VGG's and
+ResNet's max-pools, Inception's 3x3 average pools in its branches, DenseNet's transitions).
+
+The kernels compute on the logical ``(n, c, y, x)`` index through the layout's index maps, as
+the concat does (``concat_int8.py``); padded channels pool zeros to zeros.
+
+- Max-pool: max commutes with the (monotonic) quantizer, so pooling int8 values at an unchanged
+  scale is exact; padding reads as -128, the int8 minimum.
+- Average pool: every window divides by the full ``kh * kw`` (PyTorch's ``count_include_pad=True``,
+  or no padding); the int32 window sum is requantized to the output's scale by
+  ``mult * 2**-shift`` (= ``s_in / (kh * kw * s_out)``), integer-only.
+
+Memory-bound; dlight schedules them on CUDA.
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from .kernel import Layout
+from .requantize import requantize_ref, requantize_tir
+
+
+def pool_out_size(h, w, pool, stride, padding, dilation=(1, 1), ceil_mode=False):
+    """(OH, OW) of a pool, by PyTorch's rule (``pooling_output_shape``): with ``ceil_mode`` the
+    last window may run past the padded input, but must start inside the input or its leading
+    padding, else it is dropped (size 5, kernel 2, stride 2, pad 1: 3 windows, not 4)."""
+    def one(size, k, s, p0, p1, d):
+        span = size + p0 + p1 - ((k - 1) * d + 1)
+        if not ceil_mode:
+            return span // s + 1
+        out = -(-span // s) + 1
+        return out - 1 if (out - 1) * s >= size + p0 else out
+    return (one(h, pool[0], stride[0], padding[0], padding[2], dilation[0]),
+            one(w, pool[1], stride[1], padding[1], padding[3], dilation[1]))
+
+
+def _window(layout: Layout, shape, pool, stride, padding, dilation, ceil_mode, name, combine, pad_value: int,
+            dtype: str):
+    """X (packed ``shape``) and the pooled tensor in ``layout``: ``combine`` (te.max / te.sum) of
+    each window in ``dtype``, positions outside the input reading ``pad_value``."""
+    n, c, h, w = layout.logical_shape(shape)
+    (kh, kw), (sh, sw), (dh, dw) = pool, stride, dilation
+    pt, pl = padding[0], padding[1]
+    oh, ow = pool_out_size(h, w, pool, stride, padding, dilation, ceil_mode)
+    x = te.placeholder(shape, "int8", name="X")
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+
+    def body(*index):
+        b, cc, y, xx = layout.to_logical(index)
+        iy, ix = y * sh + ry * dh - pt, xx * sw + rx * dw - pl
+        ok = tirx.all(iy >= 0, iy < h, ix >= 0, ix < w)
+        read = x[layout.to_packed(b, cc, tirx.max(tirx.min(iy, h - 1), 0), tirx.max(tirx.min(ix, w - 1), 0))]
+        return combine(tirx.if_then_else(ok, read.astype(dtype), tirx.const(pad_value, dtype)), axis=[ry, rx])
+
+    return x, te.compute(layout.packed_shape((n, c, oh, ow)), body, name=name)
+
+
+def max_pool2d_int8(layout: Layout, shape, pool, stride, padding, dilation=(1, 1), ceil_mode=False) -> tirx.PrimFunc:
+    """Kernel: int8 max-pool of a tensor of packed ``shape`` in ``layout``."""
+    x, out = _window(layout, shape, pool, stride, padding, dilation, ceil_mode, "max_pool", te.max, -128, "int8")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": f"max_pool2d_{layout.name.lower()}_int8"})
+
+
+def avg_pool2d_int8(layout: Layout, shape, pool, stride, padding, mult: int, shift: int) -> tirx.PrimFunc:
+    """Kernel: int8 average pool (``count_include_pad=True``) of packed ``shape`` in ``layout``,
+    requantized by (``mult``, ``shift``)."""
+    x, total = _window(layout, shape, pool, stride, padding, (1, 1), False, "window_sum", te.sum, 0, "int32")
+    out = te.compute(total.shape, lambda *i: requantize_tir(total(*i), tirx.const(mult, "int32"),
+                                                            tirx.const(shift, "int32"), -128, 127),
+                     name="avg_requant")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": f"avg_pool2d_{layout.name.lower()}_int8"})
+
+
+def _windows_ref(x: np.ndarray, pool, stride, padding, dilation, ceil_mode, pad_value):
+    """NCHW ``x`` -> (every window position's [N, C, OH, OW] slice, in turn)."""
+    n, c, h, w = x.shape
+    oh, ow = pool_out_size(h, w, pool, stride, padding, dilation, ceil_mode)
+    pt, pl = padding[0], padding[1]
+    big = np.full((n, c, h + pt + padding[2] + pool[0] * dilation[0] + stride[0],
+                   w + pl + padding[3] + pool[1] * dilation[1] + stride[1]), pad_value, x.dtype)
+    big[:, :, pt:pt + h, pl:pl + w] = x
+    for y in range(pool[0]):
+        for xx in range(pool[1]):
+            yield big[:, :, y * dilation[0]: y * dilation[0] + (oh - 1) * stride[0] + 1: stride[0],
+                      xx * dilation[1]: xx * dilation[1] + (ow - 1) * stride[1] + 1: stride[1]]
+
+
+def max_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, dilation=(1, 1),
+                        ceil_mode=False) -> np.ndarray:
+    """NumPy twin of :func:`max_pool2d_int8` (packed in, packed out)."""
+    logical = layout.unpack(x, layout.logical_shape(x.shape)[1])
+    return layout.pack(np.maximum.reduce(list(_windows_ref(logical, pool, stride, padding, dilation, ceil_mode, -128))))
+
+
+def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mult: int, shift: int) -> np.ndarray:
+    """NumPy twin of :func:`avg_pool2d_int8` (packed in, packed out)."""
+    logical = layout.unpack(x, layout.logical_shape(x.shape)[1]).astype(np.int64)
+    total = sum(_windows_ref(logical, pool, stride, padding, (1, 1), False, 0))
+    return layout.pack(requantize_ref(total, np.int64(mult), np.int64(shift), -128, 127).astype(np.int8))
