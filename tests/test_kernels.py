@@ -445,15 +445,17 @@ def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stri
     assert not layout.unpack(out, layout.logical_shape(out.shape)[1])[:, 12:].any()  # padded channels stay 0
 
 
-def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gammas():
-    from tvm_qconv.schedules.nchw4c.affine import affine_nchw4c_int8, affine_nchw4c_int8_ref, pack_affine
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gammas(layout):
+    from tvm_qconv.schedules.affine_int8 import affine_int8, affine_int8_ref, pack_affine
     from tvm_qconv.schedules.requantize import affine_params
-    x = RNG.integers(-128, 128, (2, 3, 5, 4, 4)).astype(np.int8)
+    x = packed_input(layout, (2, 12, 5, 4))
     a, b = RNG.normal(0, 1, 12), RNG.normal(0, 0.5, 12)
     a[3] = 0.0  # a dead channel: its output is the bias alone
-    args = pack_affine(*affine_params(a, b, 0.03, 0.05))
-    ref = affine_nchw4c_int8_ref(x, *args, 0, 127)
-    np.testing.assert_array_equal(run(affine_nchw4c_int8(x.shape, 0, 127), x, *args, out_shape=x.shape,
-                                      out_dtype="int8"), ref)
-    exact = np.maximum(a[None, :, None, None] * unpack_nchw4c(x, 12) * 0.03 + b[None, :, None, None], 0) / 0.05
-    assert (a < 0).any() and np.abs(unpack_nchw4c(ref, 12) - np.clip(exact, 0, 127)).max() <= 0.5 + 1e-9
+    args = pack_affine(layout, x.shape, *affine_params(a, b, 0.03, 0.05))
+    ref = affine_int8_ref(layout, x, *args, 0, 127)
+    out = run(affine_int8(layout, x.shape, 0, 127), x, *args, out_shape=x.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, ref)
+    exact = np.maximum(a[None, :, None, None] * layout.unpack(x, 12) * 0.03 + b[None, :, None, None], 0) / 0.05
+    assert (a < 0).any() and np.abs(layout.unpack(ref, 12) - np.clip(exact, 0, 127)).max() <= 0.5 + 1e-9
+    assert not layout.unpack(out, layout.logical_shape(out.shape)[1])[:, 12:].any()  # padded channels stay 0

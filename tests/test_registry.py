@@ -109,6 +109,42 @@ def test_two_families_meet_once_in_vgg16_on_hopper():
     assert q.report["relayouts"] == 1 and "NCHW4c->NHWC32" in q.report["conversions"][1]
 
 
+
+class _DenseBlock(torch.nn.Module):
+    """DenseNet's structure: every layer reads the concat of all earlier features through
+    BatchNorm -> ReLU -> 1x1 conv -> 3x3 conv; the stem (3 channels) runs on dp4a in NCHW4c,
+    the layers on tensor cores in NHWC32."""
+
+    def __init__(self, layers=3, growth=32):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.BatchNorm2d(16 + i * growth), torch.nn.ReLU(),
+                                torch.nn.Conv2d(16 + i * growth, 64, 1), torch.nn.Conv2d(64, growth, 3, padding=1))
+            for i in range(layers))
+
+    def forward(self, x):
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+def test_a_dense_block_concatenates_in_the_layout_most_of_its_channels_are_in():
+    # Concatenating in the first input's layout (the stem's NCHW4c) cost two relayouts per layer
+    # (the new features to NCHW4c, the batch-normed concat back to NHWC32).
+    # In the layout of most channels: the stem's features once to NHWC32 (kept for every later
+    # concat) and the first layer's input, which is the stem's alone.
+    torch.manual_seed(0)
+    model = _DenseBlock().eval()
+    x = np.random.default_rng(0).normal(0, 1, (2, 3, 12, 12)).astype(np.float32)
+    q = quantize_module(model, (1, 3, 12, 12), SM90, ranges=Calibrate(x), progress=False)
+    kernels = [r["kernel"] for r in q.report["layers"]]
+    assert all(r["dtype"] == "int8" for r in q.report["layers"])
+    assert kernels[0] == "conv2d.nchw4c.dp4a" and kernels.count("conv2d.nhwc32.mma") == 6
+    assert kernels.count("affine.nhwc32") == 2 and kernels.count("concat.nhwc32") == 3
+    assert q.report["relayouts"] == 2, q.report["conversions"]
+
 class _AltLayout(NCHW4c):
     """NCHW4c under another name: a stand-in for a second family's layout."""
 

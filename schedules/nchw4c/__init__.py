@@ -3,6 +3,6 @@
 Read in this order: ``layout.py`` (the layout and its float boundary kernels), ``conv2d.py``
 (the fused conv's compute definition and NumPy reference), ``dp4a.py`` (its CUDA schedule on
 ``__dp4a``), ``dp4a_space.py`` (MetaSchedule spaces), ``cpu.py`` (its llvm schedule),
-``depthwise.py`` and ``affine.py`` (depthwise conv, stand-alone batch norm), ``impls.py`` (what the
-registry sees).  The pools, adds and concats of every layout are one file each in ``schedules/``.
+``depthwise.py`` (depthwise conv), ``impls.py`` (what the registry sees).  The pools, adds,
+concats and stand-alone batch norms of every layout are one file each in ``schedules/``.
 """

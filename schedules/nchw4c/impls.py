@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import add_int8, concat_int8, pool_int8
+from .. import add_int8, affine_int8, concat_int8, pool_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import AffineWorkload, ConvWorkload
-from . import affine, conv2d, cpu, depthwise, dp4a, dp4a_space
+from . import conv2d, cpu, depthwise, dp4a, dp4a_space
 from .layout import LAYOUT, ceil4
 
 
@@ -160,12 +160,12 @@ class Affine(GenericKernel):
     name = "affine.nchw4c"
     op = "affine"
     layout = LAYOUT.name
-    compute_fn = lambda wl: affine.affine_nchw4c_int8(wl.shape, wl.act_min, wl.act_max)  # noqa: E731
-    reference_fn = lambda wl, x, mult, shift, bias: affine.affine_nchw4c_int8_ref(  # noqa: E731
-        x, mult, shift, bias, wl.act_min, wl.act_max)
+    compute_fn = lambda wl: affine_int8.affine_int8(LAYOUT, wl.shape, wl.act_min, wl.act_max)  # noqa: E731
+    reference_fn = lambda wl, x, mult, shift, bias: affine_int8.affine_int8_ref(  # noqa: E731
+        LAYOUT, x, mult, shift, bias, wl.act_min, wl.act_max)
 
     def pack_params(self, wl: AffineWorkload, mult, shift, bias) -> list:
-        return affine.pack_affine(mult, shift, bias)
+        return affine_int8.pack_affine(LAYOUT, wl.shape, mult, shift, bias)
 
 
 CONV2D_DEPTHWISE = Conv2dDepthwise()

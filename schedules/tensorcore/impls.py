@@ -8,6 +8,7 @@ name                       op           runs
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
 ``avg_pool2d.nhwc32``      avg_pool2d   any target (dlight on CUDA)
+``affine.nhwc32``          affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 =========================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
-from .. import add_int8, concat_int8, pool_int8
+from .. import add_int8, affine_int8, concat_int8, pool_int8
 from ..kernel import GenericKernel, KernelImpl
 from ..workload import ConvWorkload
 from . import conv2d, mma, pipeline, space
@@ -125,9 +126,22 @@ class Concat(GenericKernel):
                                                                 wl.mults, wl.shifts)
 
 
+class Affine(GenericKernel):
+    name = "affine.nhwc32"
+    op = "affine"
+    layout = LAYOUT.name
+    compute_fn = lambda wl: affine_int8.affine_int8(LAYOUT, wl.shape, wl.act_min, wl.act_max)  # noqa: E731
+    reference_fn = lambda wl, x, mult, shift, bias: affine_int8.affine_int8_ref(  # noqa: E731
+        LAYOUT, x, mult, shift, bias, wl.act_min, wl.act_max)
+
+    def pack_params(self, wl, mult, shift, bias) -> list:
+        return affine_int8.pack_affine(LAYOUT, wl.shape, mult, shift, bias)
+
+
 CONV2D_MMA = Conv2dMma()
 MAX_POOL2D = MaxPool2d()
 ADD = Add()
 CONCAT = Concat()
 AVG_POOL2D = AvgPool2d()
-IMPLEMENTATIONS = (CONV2D_MMA, MAX_POOL2D, ADD, CONCAT, AVG_POOL2D)
+AFFINE = Affine()
+IMPLEMENTATIONS = (CONV2D_MMA, MAX_POOL2D, ADD, CONCAT, AVG_POOL2D, AFFINE)

@@ -368,8 +368,14 @@ class _Rewriter:
 
     def emit_add(self, ly) -> str | None:
         # The inputs' layout: the first int8 one's (a float input is quantized into it).
-        produced = [self.quantized(v) for v in ly.inputs]
-        layout_name = next((q.layout.name for q in produced if q is not None), None)
+        # The layout most of the input channels are in (ties: the latest input's), so that the
+        # fewest relayouts run: DenseNet concatenates a dp4a stem's NCHW4c features with every
+        # tensor-core layer's NHWC32 ones, and each input is relayouted once (``int8_of`` keeps it).
+        weight: dict[str, int] = {}
+        for q in (self.quantized(v) for v in ly.inputs):
+            if q is not None:
+                weight[q.layout.name] = weight.pop(q.layout.name, 0) + q.channels  # re-insert: latest last
+        layout_name = max(reversed(weight), key=weight.get) if weight else None
         for name in ([layout_name] if layout_name else list(registry.LAYOUTS)):
             impls = registry.candidates("add", None, self.p.target, layout=name)
             if impls:
@@ -391,8 +397,14 @@ class _Rewriter:
         return None
 
     def emit_concat(self, ly) -> str | None:
-        produced = [self.quantized(v) for v in ly.inputs]
-        layout_name = next((q.layout.name for q in produced if q is not None), None)
+        # The layout most of the input channels are in (ties: the latest input's), so that the
+        # fewest relayouts run: DenseNet concatenates a dp4a stem's NCHW4c features with every
+        # tensor-core layer's NHWC32 ones, and each input is relayouted once (``int8_of`` keeps it).
+        weight: dict[str, int] = {}
+        for q in (self.quantized(v) for v in ly.inputs):
+            if q is not None:
+                weight[q.layout.name] = weight.pop(q.layout.name, 0) + q.channels  # re-insert: latest last
+        layout_name = max(reversed(weight), key=weight.get) if weight else None
         impl = next(iter(registry.candidates("concat", None, self.p.target, layout=layout_name)), None) \
             if layout_name else registry.select("concat", None, self.p.target)
         if impl is None:
