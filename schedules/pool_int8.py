@@ -11,14 +11,17 @@ the concat does (``concat_int8.py``); padded channels pool zeros to zeros.
   or no padding); the int32 window sum is requantized to the output's scale by
   ``mult * 2**-shift`` (= ``s_in / (kh * kw * s_out)``), integer-only.
 
-Memory-bound; dlight schedules them on CUDA.
+Memory-bound.  On CUDA each thread computes one output from its window (``schedule_pool``):
+dlight's reduction rules gave a 3x3 window a block-wide cross-thread reduction, and Inception-V3's
+branch average pools took 53 of its 60 ms at batch 64 on an H100 (``benchmarks/kernel_profile.py``).
 """
 from __future__ import annotations
 
 import numpy as np
+import tvm
 from tvm import te, tirx
 
-from .kernel import Layout
+from .kernel import GenericKernel, Layout
 from .requantize import requantize_ref, requantize_tir
 
 
@@ -99,3 +102,35 @@ def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mu
     logical = layout.unpack(x, layout.logical_shape(x.shape)[1]).astype(np.int64)
     total = sum(_windows_ref(logical, pool, stride, padding, (1, 1), False, 0))
     return layout.pack(requantize_ref(total, np.int64(mult), np.int64(shift), -128, 127).astype(np.int8))
+
+
+THREADS = 256  # outputs per thread block (one per thread)
+
+
+def schedule_pool(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """CUDA: one thread per output element, the window summed (or maxed) in a register, the
+    average's requantize in the same thread; consecutive threads take consecutive elements of
+    the packed layout (its innermost axis is channels in both layouts), so loads coalesce.
+    None elsewhere (llvm runs the compute definition as it is)."""
+    if target.kind.name != "cuda":
+        return None
+    sch = tvm.s_tir.Schedule(func)
+    is_max = str(func.attrs["tvm_qconv.kernel"]).startswith("max_pool")
+    window = sch.get_sblock("max_pool" if is_max else "window_sum")
+    loops = sch.get_loops(window)
+    bx, tx = sch.split(sch.fuse(*loops[:-2]), [None, THREADS])  # the last two: the window
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    if is_max:  # accumulate in a register, one store
+        sch.reverse_compute_at(sch.cache_write(window, 0, "local"), tx)
+    else:       # the window sum in a register, requantized by the same thread
+        sch.reverse_compute_at(sch.get_sblock("avg_requant"), tx)
+        sch.set_scope(window, 0, "local")
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+class PoolKernel(GenericKernel):
+    """A pool implementation: the compute definitions above, :func:`schedule_pool` on CUDA."""
+
+    def schedule(self, func, target):
+        return schedule_pool(func, target)

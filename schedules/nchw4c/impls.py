@@ -6,10 +6,10 @@ name                         op           runs
 ``conv2d.nchw4c.depthwise``  conv2d       depthwise convs, CUDA and llvm (memory-bound)
 ``conv2d.nchw4c.dp4a``       conv2d       CUDA (sm_61+), ``__dp4a``; default + 2 spaces
 ``conv2d.nchw4c.cpu``        conv2d       llvm, vectorized over output channels
-``max_pool2d.nchw4c``        max_pool2d   any target (dlight on CUDA)
+``max_pool2d.nchw4c``        max_pool2d   any target (one thread per output on CUDA)
 ``add.nchw4c``               add          any target (dlight on CUDA)
 ``concat.nchw4c``            concat       any target (dlight on CUDA)
-``avg_pool2d.nchw4c``        avg_pool2d   any target (dlight on CUDA)
+``avg_pool2d.nchw4c``        avg_pool2d   any target (one thread per output on CUDA)
 ``affine.nchw4c``            affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 ===========================  ===========  =================================================
 """
@@ -116,7 +116,7 @@ class Conv2dCpu(_Conv2dNCHW4c):
         return cpu.schedule_cpu(func)
 
 
-class MaxPool2d(GenericKernel):
+class MaxPool2d(pool_int8.PoolKernel):
     name = "max_pool2d.nchw4c"
     op = "max_pool2d"
     layout = LAYOUT.name
@@ -146,7 +146,7 @@ class Concat(GenericKernel):
                                                                 wl.mults, wl.shifts)
 
 
-class AvgPool2d(GenericKernel):
+class AvgPool2d(pool_int8.PoolKernel):
     name = "avg_pool2d.nchw4c"
     op = "avg_pool2d"
     layout = LAYOUT.name

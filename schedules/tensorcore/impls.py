@@ -4,10 +4,10 @@
 name                       op           runs
 =========================  ===========  ==================================================
 ``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
-``max_pool2d.nhwc32``      max_pool2d   any target (dlight on CUDA)
+``max_pool2d.nhwc32``      max_pool2d   any target (one thread per output on CUDA)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
-``avg_pool2d.nhwc32``      avg_pool2d   any target (dlight on CUDA)
+``avg_pool2d.nhwc32``      avg_pool2d   any target (one thread per output on CUDA)
 ``affine.nhwc32``          affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 =========================  ===========  ==================================================
 """
@@ -86,7 +86,7 @@ class Conv2dMma(KernelImpl):
         return pipeline.compile_options()
 
 
-class MaxPool2d(GenericKernel):
+class MaxPool2d(pool_int8.PoolKernel):
     name = "max_pool2d.nhwc32"
     op = "max_pool2d"
     layout = LAYOUT.name
@@ -96,7 +96,7 @@ class MaxPool2d(GenericKernel):
                                                                wl.dilation, wl.ceil_mode)
 
 
-class AvgPool2d(GenericKernel):
+class AvgPool2d(pool_int8.PoolKernel):
     name = "avg_pool2d.nhwc32"
     op = "avg_pool2d"
     layout = LAYOUT.name
