@@ -84,6 +84,11 @@ class BuildOptions:
         size = self.image_size or 224
         return (self.batch, 3, size, size)
 
+    @property
+    def uses_cuda_graph(self) -> bool:
+        """CUDA graphs exist for CUDA builds only (``cuda_graph`` is ignored on llvm)."""
+        return self.cuda_graph and self.target == "cuda"
+
 
 @dataclass
 class BuildResult:
@@ -121,12 +126,11 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     report = dict(q.report, schedules=applied, tuned=tuned)
     if options.verify:
         report["verify"] = _verify(model, tgt, options, config, q, ex, params)
-    cuda_graph = bool(options.cuda_graph and options.target == "cuda")
     meta = dict(version=ARTIFACT_VERSION, model=name, input_shape=list(options.input_shape),
-                target=str(tgt.kind.name), arch=(options.arch or "sm_90") if options.target == "cuda" else None,
-                config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params], num_outputs=1,
+                target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
+                config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
                 report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
-                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=cuda_graph,
+                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=options.uses_cuda_graph,
                 options=asdict(options))
     meta.update(extra_meta or {})
     save_artifact(ex, params, meta, out_path)
@@ -156,12 +160,11 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
     qmod = sched(qmod)
     dump_ir(options.debug_dump, "05_scheduled", qmod)
     t1 = time.time()
-    cuda_graph = bool(options.cuda_graph and options.target == "cuda")
     # The compile options of the kernel implementations in the module (e.g. the tensor-core
     # family's TIR pipeline and asynchronous copies).
     impls = {registry.of_func(f) for f in qmod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)} - {None}
     compile_options = registry.compile_options(impls)
-    config = {"relax.backend.use_cuda_graph": cuda_graph, **compile_options["config"]}
+    config = {"relax.backend.use_cuda_graph": options.uses_cuda_graph, **compile_options["config"]}
     with tgt, tvm.transform.PassContext(opt_level=3, config=config):
         ex = tvm.compile(qmod, target=tgt, tir_pipeline=compile_options["tir_pipeline"])
     return q, ex, lift.params, sched.applied, tuned, t1

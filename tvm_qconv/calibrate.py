@@ -17,6 +17,7 @@ from tqdm import tqdm
 from tvm import relax
 
 from .config import QuantConfig
+from .data import static_batches
 from .errors import InputError
 from .graph import Graph
 from .observers import make_observer
@@ -75,13 +76,10 @@ class FloatPoints:
         self.vm = relax.VirtualMachine(tvm.compile(mod, target=tvm.target.Target("llvm")), tvm.cpu())
 
     def __call__(self, images: np.ndarray, progress: bool = False, desc: str = ""):
-        batch = self.batch
-        for i in tqdm(range(0, len(images), batch), desc=desc, disable=not progress, unit="batch"):
-            x = images[i: i + batch]
-            n = len(x)
-            if n < batch:  # the module has a static batch: pad the last batch with repeats
-                x = np.concatenate([x] * (-(-batch // n)))[:batch]
-            outs = self.vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), tvm.cpu()))
+        total = -(-len(images) // self.batch)
+        for n, x in tqdm(static_batches(images, self.batch), total=total, desc=desc, disable=not progress,
+                         unit="batch"):
+            outs = self.vm["main"](tvm.runtime.tensor(x, tvm.cpu()))
             yield n, {name: t.numpy()[:n] for name, t in zip(self.names, outs)}
 
 

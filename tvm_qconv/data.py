@@ -249,3 +249,15 @@ def digits_dataset(
         x, y, test_size=0.2, random_state=seed, stratify=y
     )
     return (x_train, y_train), (x_test, y_test)
+
+
+def static_batches(images: np.ndarray, batch: int):
+    """``(real images, float32 batch of exactly batch)`` over ``images``, in order: a compiled
+    module has a static batch, so the last batch is padded with repeats of its own images (the
+    caller keeps the first ``real`` rows of each output)."""
+    for i in range(0, len(images), batch):
+        x = images[i: i + batch]
+        n = len(x)
+        if n < batch:
+            x = np.concatenate([x] * (-(-batch // n)))[:batch]
+        yield n, np.ascontiguousarray(x, np.float32)

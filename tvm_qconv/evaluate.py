@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .data import digits_dataset
+from .data import digits_dataset, static_batches
 from .runtime import CompiledModel
 
 
@@ -36,10 +36,8 @@ def evaluate_library(lib_path: str, seed: int | None = None, device: str | None 
     n, _, size, _ = lib.input_shape
     _, (x, y) = digits_dataset(size, seed=seed)
     pred = []
-    for i in range(0, len(x), n):  # the library has a static batch: pad the last one with its last image
-        xb = x[i: i + n]
-        padded = np.concatenate([xb, np.repeat(xb[-1:], n - len(xb), axis=0)])
-        pred.append(lib(padded)[: len(xb)].argmax(1))
+    for real, xb in static_batches(x, n):
+        pred.append(lib(xb)[:real].argmax(1))
     correct = int((np.concatenate(pred) == y).sum())
     return {"accuracy": 100.0 * correct / len(y), "correct": correct, "total": len(y), "seed": seed,
             "device": str(lib.dev), "recorded": dict((lib.meta.get("checkpoint") or {}).get("accuracy") or {})}

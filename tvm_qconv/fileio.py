@@ -44,12 +44,6 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         raise
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(data)
-
-
 def write_json(path: str, obj, **kwargs) -> None:
     """Replace ``path`` by ``obj`` as JSON, atomically (``kwargs`` go to ``json.dump``)."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:

@@ -76,10 +76,6 @@ class TargetInfo:
     has_int8_mma: bool = False
     has_wgmma: bool = False
 
-    @property
-    def sm(self) -> int | None:
-        return _arch_number(self.arch) if self.arch else None
-
     @classmethod
     def from_target(cls, target: tvm.target.Target) -> "TargetInfo":
         """The facts of ``target``; the SM count from the local GPU when it has the target's arch."""

@@ -15,6 +15,7 @@ from tvm import relax
 
 from . import registry
 from .calibrate import FloatPoints
+from .data import static_batches
 from .evaluate import sqnr_db
 from .graph import Graph
 from .runtime import flatten
@@ -50,12 +51,8 @@ def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images:
     vm = relax.VirtualMachine(ex, dev)
     args = [tvm.runtime.tensor(a, dev) for _, a in params]
     results = []
-    for i in range(0, len(images), batch):
-        x = images[i: i + batch]
-        n = len(x)
-        if n < batch:
-            x = np.concatenate([x] * (-(-batch // n)))[:batch]
-        outs = flatten(vm["main"](tvm.runtime.tensor(np.ascontiguousarray(x, np.float32), dev), *args))
+    for n, x in static_batches(images, batch):
+        outs = flatten(vm["main"](tvm.runtime.tensor(x, dev), *args))
         results.append([o[:n] if o.ndim and o.shape[0] == batch else o for o in outs])
     return results
 
