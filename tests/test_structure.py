@@ -103,3 +103,19 @@ def test_passes_tuner_and_training_kernels_name_no_kernel_family(rel):
     words = _code_words(os.path.join(ROOT, "tvm_qconv", rel))
     named = sorted(w for w in words if any(f in w.lower() for f in FAMILY_WORDS))
     assert not named, f"{rel} names {named}: ask tvm_qconv.registry instead"
+
+
+def test_every_source_folder_is_an_installed_package():
+    """A folder of modules that pyproject.toml does not list (or that has no __init__.py) imports
+    in an editable install only: a wheel leaves it out (schedules/tensorcore/ once did)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    for package, folder in PACKAGES.items():
+        for d, _, files in os.walk(os.path.join(ROOT, folder)):
+            if "__pycache__" in d or not any(f.endswith(".py") for f in files):
+                continue
+            rel = os.path.relpath(d, os.path.join(ROOT, folder))
+            name = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
+            assert name in listed, f"{name} ({d}) is not in pyproject.toml's packages"
+            assert "__init__.py" in files, f"{d} has no __init__.py"
