@@ -481,6 +481,19 @@ def test_committed_vgg16_databases_cover_every_vgg16_kernel(batch):
         assert db.query_schedule(func, CUDA, "main") is not None
 
 
+
+def test_a_database_covering_some_kernels_names_those_left_on_their_default(capsys):
+    """The committed VGG16 databases hold dp4a records; a build on sm_90 puts 12 of VGG16's 13
+    convs on tensor cores, whose kernels they do not cover: the build says so, by implementation."""
+    from tvm_qconv.tuning.apply import apply_tuning_database
+    dp4a, mma = registry.get("conv2d.nchw4c.dp4a"), registry.get("conv2d.nhwc32.mma")
+    mod = tvm.IRModule({"conv1": dp4a.compute(W(1, 3, 224, 224, 64)), "conv2": mma.compute(W(1, 64, 224, 224, 64))})
+    _, tuned = apply_tuning_database(mod, os.path.join(os.path.dirname(__file__), "..", "tuning_logs",
+                                                       "vgg16-b1-sm_90"), CUDA)
+    assert list(tuned) == ["conv1"]
+    err = capsys.readouterr().err
+    assert "covers 1 of this model's 2 tunable kernels; 1 conv2d.nhwc32.mma get the default schedule" in err
+
 def test_resuming_an_old_database_rewrites_its_workloads_in_canonical_form(tmp_path):
     import shutil
     work_dir = tmp_path / "db"

@@ -2,10 +2,12 @@
 schedule; the others keep their implementation's default (``ScheduleInt8Kernels``)."""
 from __future__ import annotations
 
+import collections
 import sys
 
 import tvm
 
+from ..schedules.kernel import IMPL_ATTR
 from ..schedules.workload import ConvWorkload
 from .database import corrupt, load_database
 from .tasks import is_tunable, task_func
@@ -58,6 +60,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
     db = db if db is not None else load_database(work_dir)
     mod = mod.clone()
     tuned, convs, other_archs = {}, 0, set()
+    uncovered = collections.Counter()  # implementation -> kernels the database has no record of
     for gv, func in list(mod.functions.items()):
         if not is_tunable(func):
             continue
@@ -65,6 +68,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         workload = tvm.IRModule({"main": task_func(func)})
         # has_workload first: a query of an unknown workload would add it to the database.
         if not db.has_workload(workload):
+            uncovered[str(func.attrs[IMPL_ATTR])] += 1
             continue
         try:
             record = db.query_tuning_record(workload, target, "main")
@@ -81,6 +85,11 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
     if convs and not tuned:
         print(f"warning: tuning log {work_dir} covers none of this model's {convs} tunable kernels (tuned for "
               f"another model, batch or image size?); they get the default schedule", file=sys.stderr)
+    elif uncovered:  # e.g. a database tuned with --family dp4a, the build choosing mma for most layers
+        print(f"warning: tuning log {work_dir} covers {len(tuned)} of this model's {convs} tunable kernels; "
+              f"{', '.join(f'{n} {name}' for name, n in sorted(uncovered.items()))} get the default schedule "
+              f"(tune them: tune.py with the same model, batch, image size and arch, or build with "
+              f"--family to keep to the tuned family)", file=sys.stderr)
     if other_archs:
         print(f"warning: tuning log {work_dir} was tuned for {', '.join(sorted(other_archs))}, building for "
               f"{target.attrs.get('arch')}: the schedules run, but were not measured on this GPU", file=sys.stderr)
