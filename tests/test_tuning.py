@@ -452,6 +452,22 @@ def test_tune_model_starts_from_the_default_schedule_and_logs_progress(small_int
     assert [p["model_conv_us"] for p in progress] == [pytest.approx(40.0), pytest.approx(20.0)]  # x2 occurrences
 
 
+def test_rerunning_a_pruned_tuning_command_tunes_nothing_more(small_int8, tmp_path, capsys):
+    """tune.py --prune keeps one record per workload; the trials it dropped still count, so the
+    same command run again (the README's resume) finds every task finished, not 1 of 2 trials."""
+    model, _, tasks = small_int8
+    task = tasks[1]
+    args = dict(arch=ARCH, trials_per_task=2, num_trials_per_iter=1, work_dir=str(tmp_path), image_size=SIZE,
+                model=model, only=[task.name], runner=_FakeRunner(), max_workers=1)
+    tune_model("small_vgg", 1, **args)
+    assert prune_database(str(tmp_path)) == (2, 1)
+    capsys.readouterr()
+    rows = tune_model("small_vgg", 1, **args)
+    out = capsys.readouterr().out
+    assert "2/2 valid trials in the database" in out and "task(s) to tune" not in out
+    assert rows[0]["trials"] == 2 and rows[0]["best_us"] == pytest.approx(10.0)
+
+
 def test_a_truncated_packed_database_is_reported_not_unpacked(tuned_db, tmp_path):
     for name in (WORKLOAD_FILE, RECORD_FILE):
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())

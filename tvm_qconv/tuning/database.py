@@ -22,11 +22,12 @@ import sys
 import time
 
 import tvm
+import tvm_ffi.structural
 from tvm.s_tir import meta_schedule as ms
 
 from .. import registry
 from ..errors import InputError
-from ..fileio import atomic_path
+from ..fileio import atomic_path, write_json
 from .tasks import task_func
 
 WORKLOAD_FILE = "database_workload.json"
@@ -240,12 +241,40 @@ def prune_database(work_dir: str) -> tuple[int, int]:
         if secs is not None and (obj[0] not in best or secs < best[obj[0]][0]):
             best[obj[0]] = (secs, i)
     keep = sorted(i for _, i in best.values())
-    workloads = parse_lines(os.path.join(work_dir, WORKLOAD_FILE))[0]
+    workloads, workload_objs, _ = parse_lines(os.path.join(work_dir, WORKLOAD_FILE))
+    _count_pruned_trials(work_dir, parsed, workload_objs)
     _atomic_write_lines(os.path.join(work_dir, WORKLOAD_FILE + ".gz"), workloads)
     _atomic_write_lines(os.path.join(work_dir, RECORD_FILE + ".gz"), [lines[i] for i in keep])
     for name in (WORKLOAD_FILE, RECORD_FILE):
         os.remove(os.path.join(work_dir, name))
     return len(lines), len(keep)
+
+
+def workload_key(mod: tvm.IRModule) -> str:
+    """A workload's key in ``config.json``'s ``pruned_trials``: its structural hash (the one
+    MetaSchedule's database matches on; the hashes written in older workload files differ)."""
+    return str(tvm_ffi.structural.structural_hash(mod))
+
+
+def _count_pruned_trials(work_dir: str, records: list, workloads: list) -> None:
+    """Add the valid records a prune drops, per workload, to ``config.json``'s ``pruned_trials``:
+    a resumed run counts them as trials done (``driver._measured``), so re-running a pruned
+    tuning command does not start over.  A folder without config.json (copied in) keeps none."""
+    path = os.path.join(work_dir, CONFIG_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        cfg = json.load(f)
+    valid: dict[int, int] = {}
+    for obj in records:
+        if record_secs(obj) is not None:
+            valid[obj[0]] = valid.get(obj[0], 0) + 1
+    pruned = cfg.get("pruned_trials", {})
+    for index, n in valid.items():
+        key = workload_key(ms.database.Workload.from_json(workloads[index]).mod)
+        pruned[key] = pruned.get(key, 0) + n - 1  # all but the one kept
+    cfg["pruned_trials"] = pruned
+    write_json(path, cfg, indent=1)
 
 
 def canonicalize_database(work_dir: str) -> None:

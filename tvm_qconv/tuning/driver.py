@@ -34,7 +34,7 @@ from ..target import TargetInfo, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
 from .database import (CONFIG_FILE, canonicalize_database, prepare_implementations, repair_database,
-                       unpack_database)
+                       unpack_database, workload_key)
 from .progress import Progress, format_table, valid_secs
 from .tasks import KernelTask, extract_tasks
 
@@ -80,19 +80,22 @@ def check_config(work_dir: str, settings: dict) -> dict:
 def save_config(work_dir: str, settings: dict, previous: dict) -> None:
     """Write config.json: the latest settings, the first run's date and one entry per run."""
     run = {k: settings[k] for k in ("date", "trials_per_task", "only", "space", "families", "tvm_version")}
-    cfg = dict(settings, created=previous.get("created", settings["date"]), runs=previous.get("runs", []) + [run])
+    cfg = dict(settings, created=previous.get("created", settings["date"]), runs=previous.get("runs", []) + [run],
+               pruned_trials=previous.get("pruned_trials", {}))
     write_json(os.path.join(work_dir, CONFIG_FILE), cfg, indent=1)
 
 
-def _measured(db: ms.database.Database, task: KernelTask, limit: int) -> tuple[int, float | None]:
-    """(valid records of the task, up to ``limit``; best mean run time in s or None)."""
+def _measured(db: ms.database.Database, task: KernelTask, limit: int, pruned: dict) -> tuple[int, float | None]:
+    """(valid trials of the task, up to ``limit``: its records and those a prune dropped
+    (``pruned``: config.json's ``pruned_trials``); best mean run time in s or None)."""
     mod = tvm.IRModule({"main": task.func})
     if not db.has_workload(mod):
         return 0, None
     top = db.get_top_k(db.commit_workload(mod), limit)  # valid records only, best first
     if not top:
         return 0, None
-    return len(top), sum(float(s) for s in top[0].run_secs) / len(top[0].run_secs)
+    done = min(limit, len(top) + pruned.get(workload_key(mod), 0))
+    return done, sum(float(s) for s in top[0].run_secs) / len(top[0].run_secs)
 
 
 def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str = "sm_90",
@@ -179,7 +182,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     canonicalize_database(work_dir)
     prepare_implementations()  # loading the records parses traces that name tensor intrinsics
     db = ms.database.JSONDatabase(work_dir=work_dir)
-    measured = {t.name: _measured(db, t, trials_per_task) for t in tasks}
+    measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
     todo = [(t, trials_per_task - measured[t.name][0]) for t in tasks if measured[t.name][0] < trials_per_task]
     for t in tasks:
         print(f"[tune]   {t.name:<28} {t.workload.describe():<30} x{t.weight}  "
@@ -201,7 +204,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         print(f"[tune] every task has {trials_per_task} valid trials already: nothing to tune", flush=True)
     rows = []
     for t in tasks:
-        trials, secs = _measured(db, t, 1 << 30)
+        trials, secs = _measured(db, t, 1 << 30, previous.get("pruned_trials", {}))
         row = dict(task=t.name, shape=t.workload.describe(), occurrences=t.weight, trials=trials,
                    best_us=secs * 1e6 if secs else None, tops=t.workload.ops / secs / 1e12 if secs else None)
         if peak_tops:
@@ -257,9 +260,20 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     """
     # MetaSchedule gives its console handler this logger's level (DEBUG once configured): keep
     # the console to warnings and Progress's lines; logs/ gets everything regardless.
-    ms.logging.get_logger("tvm.s_tir.meta_schedule").setLevel(logging.WARNING)
-    loggers = dict(zip([t.name for t, _ in todo],
-                       ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t, _ in todo])))
+    ms_logger = ms.logging.get_logger("tvm.s_tir.meta_schedule")
+    ms_logger.setLevel(logging.WARNING)
+    # MetaSchedule re-lists that logger's handlers by name in each run's logging config and
+    # crashes on an unnamed one (pytest's log capture attaches two, a user may attach more):
+    # set them aside while it configures, then put them back.
+    unnamed = [h for h in ms_logger.handlers if h.get_name() is None]
+    for h in unnamed:
+        ms_logger.removeHandler(h)
+    try:
+        loggers = dict(zip([t.name for t, _ in todo],
+                           ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t, _ in todo])))
+    finally:
+        for h in unnamed:
+            ms_logger.addHandler(h)
     seeds = ms.utils.fork_seed(seed + len(db), len(todo))
     contexts = {t.name: ms.TuneContext(mod=t.func, target=t.impl.tuning_target(tgt),
                                        space_generator=t.impl.space_generator(space or t.impl.spaces[0], t.func,
