@@ -310,7 +310,8 @@ def test_kernel_is_built_once_and_then_loaded_from_disk(tvm_on_cpu, monkeypatch)
     assert tvm_kernels.get_kernel("forward", SMALL, cpu) is fn  # memory
     path = tvm_kernels.cache_path("forward", SMALL, "llvm")
     assert os.path.dirname(path) == str(tvm_on_cpu) and os.path.exists(path)
-    assert [f for f in os.listdir(tvm_on_cpu) if f.startswith(".tmp")] == []
+    from tvm_qconv.fileio import TEMP_PREFIX
+    assert [f for f in os.listdir(tvm_on_cpu) if f.startswith(TEMP_PREFIX)] == []
     _fresh_memory(monkeypatch)
     monkeypatch.setattr(tvm_kernels, "_build", lambda *a: pytest.fail("rebuilt a cached kernel"))
     tvm_kernels.get_kernel("forward", SMALL, cpu)  # disk

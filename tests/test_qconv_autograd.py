@@ -512,3 +512,12 @@ def test_quantized_linear_matches_twin_and_reference():
     assert_matches_reference(xa.grad, g.double() @ (w_q.double() * s_w.double()[:, None]))
     assert_matches_reference(ours.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
     assert_matches_reference(ours.bias.grad, g.double().sum(0))
+
+
+def test_padding4_keeps_a_four_sided_padding_and_refuses_other_lengths():
+    # (top, left, bottom, right) is the project's own convention: it was cut to its first pair
+    assert padding4((1, 2, 3, 4), 3, 1) == (1, 2, 3, 4)
+    assert padding4((1, 2), 3, 1) == (1, 2, 1, 2) and padding4(1, 3, 1) == (1, 1, 1, 1)
+    assert padding4("same", 4, 1) == (1, 1, 2, 2)  # the odd total's extra row at the bottom, as PyTorch
+    with pytest.raises(ValueError, match=r"got \(1, 2, 3\)"):
+        padding4((1, 2, 3), 3, 1)

@@ -407,11 +407,16 @@ class QuantizedConv2dFunction(torch.autograd.Function):
 
 
 def _pair(v) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+    if isinstance(v, int):
+        return (int(v), int(v))
+    if len(v) != 2:
+        raise ValueError(f"expected an int or a pair, got {tuple(v)!r}")
+    return (int(v[0]), int(v[1]))
 
 
 def padding4(padding, kernel_size, dilation) -> Padding4:
-    """Normalize ``nn.Conv2d`` padding (int, (h, w), ``'valid'``, ``'same'``) to (top, left, bottom, right).
+    """Normalize ``nn.Conv2d`` padding (int, (h, w), ``'valid'``, ``'same'``) or this project's
+    (top, left, bottom, right) to (top, left, bottom, right).
 
     ``'same'`` splits an odd total as PyTorch does: the extra row/column goes to the bottom/right.
     """
@@ -424,6 +429,11 @@ def padding4(padding, kernel_size, dilation) -> Padding4:
         return (th // 2, tw // 2, th - th // 2, tw - tw // 2)
     if isinstance(padding, str):
         raise ValueError(f"padding must be an int, a pair, 'valid' or 'same'; got {padding!r}")
+    if not isinstance(padding, int) and len(padding) == 4:
+        return tuple(int(p) for p in padding)
+    if not isinstance(padding, int) and len(padding) != 2:
+        raise ValueError(f"padding must be an int, (h, w), (top, left, bottom, right), 'valid' or 'same'; "
+                         f"got {tuple(padding)!r}")
     ph, pw = _pair(padding)
     return (ph, pw, ph, pw)
 
