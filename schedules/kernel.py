@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Callable
 
 import numpy as np
 import tvm
@@ -165,22 +164,3 @@ def load_tensor_intrin_file(stem: str):
         del sys.modules[name]
         raise
     return module
-
-
-class GenericKernel(KernelImpl):
-    """An implementation every target runs as it is (dlight schedules it on CUDA, llvm runs it
-    unscheduled): the memory-bound pools, adds, concatenations.  Subclasses give ``compute_fn``
-    (workload -> PrimFunc) and ``reference_fn`` (workload, *arrays -> array)."""
-
-    family = "generic"
-    compute_fn: Callable = None
-    reference_fn: Callable = None
-
-    def applies(self, wl, target) -> bool:
-        return True
-
-    def compute(self, wl):
-        return self.tag(type(self).compute_fn(wl), wl)
-
-    def reference(self, wl, *args):
-        return type(self).reference_fn(wl, *args)

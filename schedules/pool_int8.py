@@ -21,7 +21,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
-from .kernel import GenericKernel, Layout
+from .kernel import Layout
 from .requantize import requantize_ref, requantize_tir
 
 
@@ -127,10 +127,3 @@ def schedule_pool(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFu
         sch.reverse_compute_at(sch.get_sblock("avg_requant"), tx)
         sch.set_scope(window, 0, "local")
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
-
-
-class PoolKernel(GenericKernel):
-    """A pool implementation: the compute definitions above, :func:`schedule_pool` on CUDA."""
-
-    def schedule(self, func, target):
-        return schedule_pool(func, target)

@@ -4,5 +4,6 @@ Read in this order: ``layout.py`` (the layout and its float boundary kernels), `
 (the fused conv's compute definition and NumPy reference), ``dp4a.py`` (its CUDA schedule on
 ``__dp4a``), ``dp4a_space.py`` (MetaSchedule spaces), ``cpu.py`` (its llvm schedule),
 ``depthwise.py`` (depthwise conv), ``impls.py`` (what the registry sees).  The pools, adds,
-concats and stand-alone batch norms of every layout are one file each in ``schedules/``.
+concats and stand-alone batch norms of every layout are one file each in ``schedules/``
+(``layout_kernels.py`` instantiates them per layout).
 """

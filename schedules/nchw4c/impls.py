@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import add_int8, affine_int8, concat_int8, pool_int8
-from ..kernel import GenericKernel, KernelImpl
-from ..workload import AffineWorkload, ConvWorkload
+from ..kernel import KernelImpl
+from ..layout_kernels import layout_kernels
+from ..workload import ConvWorkload
 from . import conv2d, cpu, depthwise, dp4a, dp4a_space
 from .layout import LAYOUT, ceil4
 
@@ -116,64 +116,7 @@ class Conv2dCpu(_Conv2dNCHW4c):
         return cpu.schedule_cpu(func)
 
 
-class MaxPool2d(pool_int8.PoolKernel):
-    name = "max_pool2d.nchw4c"
-    op = "max_pool2d"
-    layout = LAYOUT.name
-    compute_fn = lambda wl: pool_int8.max_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                      wl.dilation, wl.ceil_mode)
-    reference_fn = lambda wl, x: pool_int8.max_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                               wl.dilation, wl.ceil_mode)
-
-
-class Add(GenericKernel):
-    name = "add.nchw4c"
-    op = "add"
-    layout = LAYOUT.name
-    compute_fn = lambda wl: add_int8.add_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min,  # noqa: E731
-                                              wl.act_max, "add_nchw4c_int8")
-    reference_fn = lambda wl, a, b: add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift,  # noqa: E731
-                                                          wl.act_min, wl.act_max)
-
-
-class Concat(GenericKernel):
-    name = "concat.nchw4c"
-    op = "concat"
-    layout = LAYOUT.name
-    compute_fn = lambda wl: concat_int8.concat_int8(LAYOUT, wl.shape, list(wl.channels),  # noqa: E731
-                                                     list(wl.mults), list(wl.shifts))
-    reference_fn = lambda wl, *xs: concat_int8.concat_int8_ref(LAYOUT, list(xs), list(wl.channels),  # noqa: E731
-                                                                wl.mults, wl.shifts)
-
-
-class AvgPool2d(pool_int8.PoolKernel):
-    name = "avg_pool2d.nchw4c"
-    op = "avg_pool2d"
-    layout = LAYOUT.name
-    compute_fn = lambda wl: pool_int8.avg_pool2d_int8(LAYOUT, wl.shape, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                      wl.mult, wl.shift)
-    reference_fn = lambda wl, x: pool_int8.avg_pool2d_int8_ref(LAYOUT, x, wl.pool, wl.stride, wl.padding,  # noqa: E731
-                                                               wl.mult, wl.shift)
-
-
-class Affine(GenericKernel):
-    name = "affine.nchw4c"
-    op = "affine"
-    layout = LAYOUT.name
-    compute_fn = lambda wl: affine_int8.affine_int8(LAYOUT, wl.shape, wl.act_min, wl.act_max)  # noqa: E731
-    reference_fn = lambda wl, x, mult, shift, bias: affine_int8.affine_int8_ref(  # noqa: E731
-        LAYOUT, x, mult, shift, bias, wl.act_min, wl.act_max)
-
-    def pack_params(self, wl: AffineWorkload, mult, shift, bias) -> list:
-        return affine_int8.pack_affine(LAYOUT, wl.shape, mult, shift, bias)
-
-
 CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_DP4A = Conv2dDp4a()
 CONV2D_CPU = Conv2dCpu()
-MAX_POOL2D = MaxPool2d()
-ADD = Add()
-CONCAT = Concat()
-AVG_POOL2D = AvgPool2d()
-AFFINE = Affine()
-IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, MAX_POOL2D, ADD, CONCAT, AVG_POOL2D, AFFINE)
+IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, *layout_kernels(LAYOUT))

@@ -1,0 +1,95 @@
+"""The memory-bound int8 kernels every activation layout has: max- and average pool, residual
+add, concat and stand-alone BatchNorm.  Their compute definitions are layout-generic
+(``pool_int8.py``, ``add_int8.py``, ``concat_int8.py``, ``affine_int8.py``), so each is one
+implementation class here, instantiated once per layout by :func:`layout_kernels` and named
+``<op>.<layout>`` (``max_pool2d.nchw4c``, ``add.nhwc32``); a family's ``impls.py`` lists the
+instances of its layout.  Family ``generic``: every target runs them; on CUDA the pools have
+their own schedule (``pool_int8.schedule_pool``), the others are left to dlight.
+"""
+from __future__ import annotations
+
+from . import add_int8, affine_int8, concat_int8, pool_int8
+from .kernel import KernelImpl, Layout
+
+
+class LayoutKernel(KernelImpl):
+    """One memory-bound op in one layout (``packing``: the Layout object; ``layout``: its name)."""
+
+    family = "generic"
+
+    def __init__(self, packing: Layout):
+        self.packing = packing
+        self.layout = packing.name
+        self.name = f"{self.op}.{packing.name.lower()}"
+
+    def applies(self, wl, target) -> bool:
+        return True
+
+
+class MaxPool2d(LayoutKernel):
+    op = "max_pool2d"
+
+    def compute(self, wl):
+        return self.tag(pool_int8.max_pool2d_int8(self.packing, wl.shape, wl.pool, wl.stride, wl.padding,
+                                                  wl.dilation, wl.ceil_mode), wl)
+
+    def reference(self, wl, x):
+        return pool_int8.max_pool2d_int8_ref(self.packing, x, wl.pool, wl.stride, wl.padding, wl.dilation,
+                                             wl.ceil_mode)
+
+    def schedule(self, func, target):
+        return pool_int8.schedule_pool(func, target)
+
+
+class AvgPool2d(LayoutKernel):
+    op = "avg_pool2d"
+
+    def compute(self, wl):
+        return self.tag(pool_int8.avg_pool2d_int8(self.packing, wl.shape, wl.pool, wl.stride, wl.padding,
+                                                  wl.mult, wl.shift), wl)
+
+    def reference(self, wl, x):
+        return pool_int8.avg_pool2d_int8_ref(self.packing, x, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift)
+
+    def schedule(self, func, target):
+        return pool_int8.schedule_pool(func, target)
+
+
+class Add(LayoutKernel):
+    op = "add"
+
+    def compute(self, wl):
+        return self.tag(add_int8.add_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max,
+                                          f"add_{self.layout.lower()}_int8"), wl)
+
+    def reference(self, wl, a, b):
+        return add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max)
+
+
+class Concat(LayoutKernel):
+    op = "concat"
+
+    def compute(self, wl):
+        return self.tag(concat_int8.concat_int8(self.packing, wl.shape, list(wl.channels), list(wl.mults),
+                                                list(wl.shifts)), wl)
+
+    def reference(self, wl, *xs):
+        return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts)
+
+
+class Affine(LayoutKernel):
+    op = "affine"
+
+    def compute(self, wl):
+        return self.tag(affine_int8.affine_int8(self.packing, wl.shape, wl.act_min, wl.act_max), wl)
+
+    def reference(self, wl, x, mult, shift, bias):
+        return affine_int8.affine_int8_ref(self.packing, x, mult, shift, bias, wl.act_min, wl.act_max)
+
+    def pack_params(self, wl, mult, shift, bias) -> list:
+        return affine_int8.pack_affine(self.packing, wl.shape, mult, shift, bias)
+
+
+def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
+    """The max-pool, add, concat, average pool and affine implementations of ``packing``."""
+    return MaxPool2d(packing), Add(packing), Concat(packing), AvgPool2d(packing), Affine(packing)
