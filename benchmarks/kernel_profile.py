@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tvm_qconv.errors import InputError  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
 
 
@@ -75,8 +76,15 @@ def main(argv=None):
     if not (args.model or args.lib):
         ap.error("give --model NAME (a zoo model) or --lib PATH (a built library)")
     os.makedirs(args.out, exist_ok=True)
-    lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out)
-    res = profile(lib, args.runs)
+    if args.model:
+        from tests.test_zoo import ZOO
+        if args.model not in ZOO:
+            ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(ZOO)}, or give --lib")
+    try:
+        lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out)
+        res = profile(lib, args.runs)
+    except InputError as err:
+        sys.exit(f"error: {err}")
     total = sum(us for us, _ in res["kernels"].values())
     rows = sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])
     name = args.model or os.path.splitext(os.path.basename(lib))[0]
