@@ -1,6 +1,9 @@
 """The tensor-core family (``schedules/tensorcore/``) on CPU: compute definition bit-exact against
 NumPy on llvm, the template's CUDA code (mma.sync, ldmatrix, cp.async), the NHWC32 layout and its
 kernels, the search space.  On the GPU: the same kernels bit-exact (marked ``gpu``)."""
+import itertools
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -88,9 +91,19 @@ def _assert_tensor_core_code(src: str) -> None:
     body = src[src.index("__global__"):]
     assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in body
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in body
-    assert "cp.async.cg.shared.global" in src  # TVM emits the PTX in helpers the kernel calls:
-    assert "cp_async_legacy_cg_16" in body and "cp_async_legacy_pred_cg_16" in body  # weights; im2col predicated
+    # the PTX sits in helpers the kernel calls: weights through L2 only (cp.async.cg), the
+    # predicated im2col gather through L1 (cp.async.ca: the taps re-read its rows)
+    assert "cp_async_legacy_cg_16" in body and "cp.async.cg.shared.global" in src
+    assert "qconv_cp_async_ca_pred_16" in body and "@p cp.async.ca.shared.global" in src
+    assert "cp_async_legacy_pred_cg_16" not in body
     assert "__shfl_sync" not in body  # the epilogue reads each lane's own accumulators
+
+
+def _main_loop_order(src: str) -> list[str]:
+    """The ldmatrix / mma sequence of the k0 loop's body (the steady state of the pipeline)."""
+    body = src[src.index("for (int k_0_0 = 0;"):]
+    body = body[: body.index("cp_async_wait_group", body.index("mma.sync"))]
+    return re.findall(r"ldmatrix\.sync|mma\.sync", body)
 
 
 LAYERS = [conv_wl(1, 64, 56, 56, 64), conv_wl(8, 256, 28, 28, 256), conv_wl(1, 512, 14, 14, 512)]
@@ -101,6 +114,21 @@ def test_default_schedule_runs_on_tensor_cores(wl):
     func = IMPL.schedule(IMPL.compute(wl), SM90)
     assert func.attrs["tir.is_scheduled"]
     _assert_tensor_core_code(_cuda(func))
+
+
+def test_ldmatrix_of_the_next_k_step_is_issued_before_the_mma_of_this_one():
+    # 256->256 @28, batch 8: 128 x 128 block tile, 2 x 2 warps of 4 x 4 fragments, BK = 128 (4 k1
+    # steps): each k1 step loads 4 A + 4 B fragments (one ldmatrix.x4 each) and issues 4 x 4 x 2
+    # mma.sync; the k1 pipeline loads step k1 + 1's fragments before step k1's mma
+    wl = conv_wl(8, 256, 28, 28, 256)
+    m, mp, op, k = conv2d.gemm_shape(wl)
+    assert mma.default_decisions(mp, op, k, 132) == ({"m": [mp // 128, 2, 4], "o": [2, 2, 4], "k": [18, 4]}, 2)
+    order = _main_loop_order(_cuda(IMPL.schedule(IMPL.compute(wl), SM90)))
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(order)]
+    # steps 0 and 1 loaded, step 0 computed, step 2 loaded, step 1 computed, step 3 loaded,
+    # steps 2 and 3 computed: unrolled, so every fragment index is a constant (registers)
+    assert runs == [("ldmatrix.sync", 16), ("mma.sync", 32), ("ldmatrix.sync", 8), ("mma.sync", 32),
+                    ("ldmatrix.sync", 8), ("mma.sync", 64)]
 
 
 def test_template_samples_are_tensor_core_kernels_that_fit_the_gpu():

@@ -1,0 +1,141 @@
+"""Per-layer speed of each conv kernel family on VGG16's convs, against the instruction peaks.
+
+    python benchmarks/int8_peaks.py --out results/
+    python benchmarks/conv_layers.py --batches 1 64 --peaks results/int8_peaks.json --out results/
+
+For every distinct 3x3 conv of VGG16 (224 px) at each batch size, builds every kernel
+implementation of the registry that applies on this GPU (its default, untuned schedule: dp4a in
+NCHW4c, mma.sync tensor cores in NHWC32), builds in parallel, then on the GPU: checks the output
+(batch 1: bit-exact against the implementation's NumPy reference; larger batches: the families
+bit-identical to each other), times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
+and reports ms, TOPS and % of the peak of the kernel's instruction (``--peaks``, the JSON of
+``int8_peaks.py``).  Writes ``<out>/conv_layers.json`` and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# VGG16's convs (in, out, size); 3x3, stride 1, pad 1, ReLU; repeated layers listed once
+VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
+               (256, 512, 28), (512, 512, 28), (512, 512, 14)]
+PEAK_OF_FAMILY = {"dp4a": "dp4a", "mma": "mma.sync"}  # family -> int8_peaks.py path
+
+
+def workload(layer, batch):
+    from tvm_qconv.schedules.workload import ConvWorkload
+    cin, cout, size = layer
+    return ConvWorkload.with_activation("relu", batch=batch, in_channels=cin, height=size, width=size,
+                                        out_channels=cout)
+
+
+def implementations(wl, arch):
+    from tvm_qconv import registry
+    from tvm_qconv.target import TargetInfo, make_target
+    return [i for i in registry.candidates("conv2d", wl, TargetInfo.from_target(make_target("cuda", arch)))]
+
+
+def build(job) -> float:
+    """Build one (layer, batch, implementation) to ``path``; returns the build seconds."""
+    layer, batch, name, arch, path = job
+    import tvm
+    from tvm_qconv import registry
+    from tvm_qconv.target import make_target
+    target = make_target("cuda", arch)
+    impl, wl = registry.get(name), workload(layer, batch)
+    options = registry.compile_options([impl])
+    t = time.time()
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        lib = tvm.compile(tvm.IRModule({"main": impl.schedule(impl.compute(wl), target)}), target=target,
+                          tir_pipeline=options["tir_pipeline"])
+    lib.export_library(path)
+    return time.time() - t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--peaks", help="int8_peaks.json of this GPU (for the %% of peak columns)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    import tvm
+    from tvm_qconv import registry
+    from tvm_qconv.schedules.requantize import quantize_multiplier
+    from tvm_qconv.target import device_arch
+
+    arch = device_arch()
+    peaks = {}
+    if args.peaks:
+        with open(args.peaks) as f:
+            peaks = {p["path"]: p["tops"] for p in json.load(f)["peaks"] if "tops" in p}
+    libdir = os.path.join(args.out, "conv_layers_libs")
+    os.makedirs(libdir, exist_ok=True)
+    jobs = [(layer, b, impl.name, arch, os.path.join(libdir, f"{impl.name}_{layer[0]}_{layer[1]}_{layer[2]}_b{b}.so"))
+            for b in args.batches for layer in VGG16_CONVS for impl in implementations(workload(layer, b), arch)]
+    t0 = time.time()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        build_s = list(pool.map(build, jobs))
+    print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", flush=True)
+
+    dev = tvm.cuda(0)
+    rows = []
+    for (layer, b, name, _, path), secs_build in zip(jobs, build_s):
+        impl, wl = registry.get(name), workload(layer, b)
+        rng = np.random.default_rng(0)  # the same layer data for every implementation
+        x = rng.integers(-128, 128, (b, layer[0], layer[2], layer[2])).astype(np.int8)
+        w = rng.integers(-127, 128, (layer[1], layer[0], 3, 3)).astype(np.int8)
+        bias = rng.integers(-5000, 5000, layer[1]).astype(np.int32)
+        # outputs spread over ~40 int8 steps (accumulator std ~ 128*127/3 * sqrt(K))
+        mult, shift = quantize_multiplier(40 / (128 * 127 / 3 * np.sqrt(9 * layer[0])) * rng.uniform(0.5, 2, layer[1]))
+        layout = registry.layout(impl.layout)
+        params = impl.pack_params(wl, w, bias, mult, shift)
+        inputs = [layout.pack(x), *params]
+        lib = tvm.runtime.load_module(path)
+        out = np.full(impl.out_shape(wl), 77, np.int8)  # poisoned
+        tensors = [tvm.runtime.tensor(a, dev) for a in [*inputs, out]]
+        lib["main"](*tensors)
+        got = tensors[-1].numpy()
+        logical = layout.unpack(got, layer[1])
+        if b == 1:
+            exact = bool(np.array_equal(got, impl.reference(wl, *inputs)))
+        else:  # the first family of this layer is the yardstick of the others
+            first = next((r for r in rows if r["layer"] == layer and r["batch"] == b), None)
+            exact = first is None or bool(np.array_equal(logical, first.pop("_logical")))
+        secs = lib.time_evaluator("main", dev, number=10, repeat=7, min_repeat_ms=40)(*tensors).median
+        tops = wl.ops / secs / 1e12
+        peak = peaks.get(PEAK_OF_FAMILY.get(impl.family))
+        row = dict(layer=layer, batch=b, impl=name, family=impl.family, ms=secs * 1e3, tops=tops,
+                   pct_of_peak=100 * tops / peak if peak else None, exact=exact, build_s=secs_build)
+        if b > 1 and not any(r["layer"] == layer and r["batch"] == b for r in rows):
+            row["_logical"] = logical
+        rows.append(row)
+        print(f"{layer[0]:>3}->{layer[1]:<3} @{layer[2]:<3} b{b:<3} {name:>20}: {row['ms']:8.4f} ms "
+              f"{tops:7.1f} TOPS" + (f" ({row['pct_of_peak']:.0f} % of {PEAK_OF_FAMILY[impl.family]})" if peak else "")
+              + ("" if exact else "  MISMATCH"), flush=True)
+    for r in rows:
+        r.pop("_logical", None)
+    res = dict(device=dev.device_name, arch=arch, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               peaks=peaks, rows=rows)
+    with open(os.path.join(args.out, "conv_layers.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n| conv | batch | family | ms | TOPS | % of its peak | exact |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        pct = f"{r['pct_of_peak']:.0f}" if r["pct_of_peak"] else "-"
+        print(f"| {r['layer'][0]}->{r['layer'][1]} @{r['layer'][2]} | {r['batch']} | {r['family']} | "
+              f"{r['ms']:.4f} | {r['tops']:.0f} | {pct} | {r['exact']} |")
+    if not all(r["exact"] for r in rows):
+        sys.exit("error: some kernels disagree with the reference (MISMATCH above)")
+    return res
+
+
+if __name__ == "__main__":
+    main()
