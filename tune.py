@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
 from tvm_qconv.errors import InputError
-from tvm_qconv.tuning import default_work_dir, prune_database, tune_model
+from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks, tune_model
 
 
 def _arch(text: str) -> str:
@@ -56,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     p.add_argument("--only", nargs="+", default=None, metavar="TASK",
                    help="tune only these tasks (names as printed in the table, e.g. 64to64_3x3s1_224x224_b1)")
-    p.add_argument("--peak-tops", type=_positive_float, default=None,
-                   help="the GPU's dp4a peak in TOPS, to print each task's %% of it")
+    p.add_argument("--peaks", metavar="FILE", default=None,
+                   help="int8_peaks.json of this GPU (python benchmarks/int8_peaks.py --out DIR), to print "
+                        "each task's %% of the peak of its kernel's instruction (dp4a or mma.sync)")
     p.add_argument("--prune", action="store_true",
                    help="afterwards keep only the best record per task (small enough to commit)")
     return p
@@ -70,9 +70,10 @@ def main(argv=None) -> int:
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
           f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     try:
+        peaks = read_peaks(args.peaks) if args.peaks else None
         tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
                    work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
-                   max_workers=args.workers, seed=args.seed, only=args.only, peak_tops=args.peak_tops,
+                   max_workers=args.workers, seed=args.seed, only=args.only, peaks=peaks,
                    space=args.space, seed_default=not args.no_seed_default, families=args.family)
         if args.prune:
             before, after = prune_database(work_dir)

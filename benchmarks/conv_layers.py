@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # VGG16's convs (in, out, size); 3x3, stride 1, pad 1, ReLU; repeated layers listed once
 VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
                (256, 512, 28), (512, 512, 28), (512, 512, 14)]
-PEAK_OF_FAMILY = {"dp4a": "dp4a", "mma": "mma.sync"}  # family -> int8_peaks.py path
 
 
 def workload(layer, batch):
@@ -71,12 +70,10 @@ def main(argv=None):
     from tvm_qconv import registry
     from tvm_qconv.schedules.requantize import quantize_multiplier
     from tvm_qconv.target import device_arch
+    from tvm_qconv.tuning import read_peaks
 
     arch = device_arch()
-    peaks = {}
-    if args.peaks:
-        with open(args.peaks) as f:
-            peaks = {p["path"]: p["tops"] for p in json.load(f)["peaks"] if "tops" in p}
+    peaks = read_peaks(args.peaks) if args.peaks else {}
     libdir = os.path.join(args.out, "conv_layers_libs")
     os.makedirs(libdir, exist_ok=True)
     jobs = [(layer, b, impl.name, arch, os.path.join(libdir, f"{impl.name}_{layer[0]}_{layer[1]}_{layer[2]}_b{b}.so"))
@@ -112,14 +109,14 @@ def main(argv=None):
             exact = first is None or bool(np.array_equal(logical, first.pop("_logical")))
         secs = lib.time_evaluator("main", dev, number=10, repeat=7, min_repeat_ms=40)(*tensors).median
         tops = wl.ops / secs / 1e12
-        peak = peaks.get(PEAK_OF_FAMILY.get(impl.family))
+        peak = peaks.get(impl.instruction)
         row = dict(layer=layer, batch=b, impl=name, family=impl.family, ms=secs * 1e3, tops=tops,
                    pct_of_peak=100 * tops / peak if peak else None, exact=exact, build_s=secs_build)
         if b > 1 and not any(r["layer"] == layer and r["batch"] == b for r in rows):
             row["_logical"] = logical
         rows.append(row)
         print(f"{layer[0]:>3}->{layer[1]:<3} @{layer[2]:<3} b{b:<3} {name:>20}: {row['ms']:8.4f} ms "
-              f"{tops:7.1f} TOPS" + (f" ({row['pct_of_peak']:.0f} % of {PEAK_OF_FAMILY[impl.family]})" if peak else "")
+              f"{tops:7.1f} TOPS" + (f" ({row['pct_of_peak']:.0f} % of {impl.instruction})" if peak else "")
               + ("" if exact else "  MISMATCH"), flush=True)
     for r in rows:
         r.pop("_logical", None)

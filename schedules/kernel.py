@@ -79,6 +79,9 @@ class KernelImpl:
         family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
             unscheduled on llvm).
         spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
+        instruction: the int8 instruction its math runs on, as ``benchmarks/int8_peaks.py``
+            names the paths it measures (``dp4a``, ``mma.sync``): the peak that its "% of
+            peak" figures refer to; empty = none measured.
     """
 
     name: str = ""
@@ -86,6 +89,7 @@ class KernelImpl:
     layout: str = ""
     family: str = ""
     spaces: tuple[str, ...] = ()
+    instruction: str = ""
 
     def applies(self, wl, target) -> bool:
         """Whether this implementation runs ``wl`` on ``target`` (a ``TargetInfo``)."""

@@ -376,12 +376,12 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
     # 2 valid records = 2 trials done: nothing is tuned (no builder or runner is even created)
     rows = tune_model("small_vgg", 1, arch=ARCH, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE, model=model,
-                      only=[tasks[1].name], peak_tops=100.0)
+                      only=[tasks[1].name], peaks={"dp4a": 100.0})
     out = capsys.readouterr().out
     assert "nothing to tune" in out and "16->16 3x3 s1 @32x32 b1" in out
     assert rows == [dict(task=tasks[1].name, shape="16->16 3x3 s1 @32x32 b1", occurrences=2, trials=2,
                          best_us=pytest.approx(5.0), tops=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12),
-                         pct_peak=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12))]  # of 100 TOPS
+                         pct_peak=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12))]  # of dp4a's 100 TOPS
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert (cfg["model"], cfg["batch"], cfg["arch"], cfg["image_size"], len(cfg["runs"])) == ("small_vgg", 1, ARCH,
                                                                                               SIZE, 1)
@@ -397,16 +397,25 @@ def test_cli_errors_are_one_line_and_help_lists_every_flag(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown model 'vgg17'") and "\n" not in err
     assert not (tmp_path / "t").exists()
-    for bad in (["--batch", "0"], ["--arch", "90"], ["--peak-tops", "-1"]):
+    for bad in (["--batch", "0"], ["--arch", "90"]):
         with pytest.raises(SystemExit) as exc:
             tune.main(["--model", "vgg16", *bad])
         assert exc.value.code == 2
+    capsys.readouterr()
+    (tmp_path / "peaks.json").write_text('{"device": "x"}')  # not int8_peaks.py's JSON: refused before any work
+    for peaks, message in ((tmp_path / "none.json", "cannot read the peaks file"),
+                           (tmp_path / "peaks.json", "is not the JSON of benchmarks/int8_peaks.py")):
+        assert tune.main(["--model", "vgg16", "--peaks", str(peaks), "--work-dir", str(tmp_path / "t")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err
+        assert not (tmp_path / "t").exists()
     with pytest.raises(SystemExit) as exc:
         tune.main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--model", "--batch", "--target", "--arch", "--trials", "--work-dir", "--image-size", "--workers",
-                 "--trials-per-iter", "--seed", "--only", "--peak-tops", "--prune", "--space", "--no-seed-default"):
+                 "--trials-per-iter", "--seed", "--only", "--peaks", "--prune", "--space", "--no-seed-default",
+                 "--family"):
         assert flag in text
 
 

@@ -86,6 +86,7 @@ class Conv2dDp4a(_Conv2dNCHW4c):
     name = "conv2d.nchw4c.dp4a"
     family = "dp4a"
     spaces = dp4a_space.SPACES
+    instruction = "dp4a"
 
     def applies(self, wl, target) -> bool:
         return target.kind == "cuda" and target.has_dp4a and super().applies(wl, target)

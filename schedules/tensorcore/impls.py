@@ -36,6 +36,7 @@ class Conv2dMma(KernelImpl):
     layout = LAYOUT.name
     family = "mma"
     spaces = space.SPACES
+    instruction = "mma.sync"
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # A GEMM of exactly one 16-row fragment (M = batch x out_h x out_w = 16: ConvNeXt's

@@ -9,9 +9,9 @@
 """
 from .apply import apply_tuning_database
 from .database import load_database, prune_database
-from .driver import default_work_dir, tune_model
+from .driver import default_work_dir, read_peaks, tune_model
 from .progress import format_table
 from .tasks import KernelTask, extract_tasks, task_func
 
 __all__ = ["KernelTask", "apply_tuning_database", "default_work_dir", "extract_tasks", "format_table",
-           "load_database", "prune_database", "task_func", "tune_model"]
+           "load_database", "prune_database", "read_peaks", "task_func", "tune_model"]

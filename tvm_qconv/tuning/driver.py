@@ -101,7 +101,7 @@ def _measured(db: ms.database.Database, task: KernelTask, limit: int, pruned: di
 def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str = "sm_90",
                trials_per_task: int = 64, work_dir: str | None = None, image_size: int = 224,
                num_trials_per_iter: int = 32, max_workers: int | None = None, seed: int = 0,
-               only: list[str] | None = None, runner=None, builder=None, peak_tops: float | None = None,
+               only: list[str] | None = None, runner=None, builder=None, peaks: dict[str, float] | None = None,
                model=None, space: str | None = None, seed_default: bool = True,
                families: list[str] | None = None) -> list[dict]:
     """Tune every distinct tunable int8 kernel of a model with MetaSchedule, or continue a previous run.
@@ -130,7 +130,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             replay the first run's samples).
         only: task names (as printed) to tune; default all.
         runner, builder: MetaSchedule Runner / Builder replacing the local ones (tests, RPC).
-        peak_tops: the GPU's peak of the kernels' instruction, to print each task's % of it.
+        peaks: the GPU's int8 peaks in TOPS by instruction (:func:`read_peaks`), to print each
+            task's % of the peak of its kernel's instruction (``KernelImpl.instruction``).
         space: the search space by name (e.g. the dp4a family's ``template`` or ``mlt``);
             default: each implementation's first.
         seed_default: measure the default schedule of each new task first.
@@ -138,7 +139,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             can run a layer, so the build can pick the faster one per layer.
     Returns:
         One row per task (see :func:`format_table`), also printed: task, shape, occurrences,
-        trials, best_us, tops, and pct_peak when ``peak_tops`` is given.
+        trials, best_us, tops, and pct_peak when ``peaks`` has the task's instruction.
     Raises:
         InputError: bad arguments, an unknown task name, or a work_dir holding other logs.
     """
@@ -207,11 +208,30 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         trials, secs = _measured(db, t, 1 << 30, previous.get("pruned_trials", {}))
         row = dict(task=t.name, shape=t.workload.describe(), occurrences=t.weight, trials=trials,
                    best_us=secs * 1e6 if secs else None, tops=t.workload.ops / secs / 1e12 if secs else None)
-        if peak_tops:
-            row["pct_peak"] = 100.0 * row["tops"] / peak_tops if secs else None
+        peak = (peaks or {}).get(t.impl.instruction)
+        if peak:
+            row["pct_peak"] = 100.0 * row["tops"] / peak if secs else None
         rows.append(row)
     print(format_table(rows))
     return rows
+
+
+def read_peaks(path: str) -> dict[str, float]:
+    """{instruction: TOPS} from the JSON ``benchmarks/int8_peaks.py`` writes (paths it skipped
+    are left out).
+
+    Raises:
+        InputError: the file is missing or is not such a JSON.
+    """
+    try:
+        with open(path) as f:
+            peaks = {p["path"]: float(p["tops"]) for p in json.load(f)["peaks"] if "tops" in p}
+    except OSError as err:
+        raise InputError(f"cannot read the peaks file {path!r}: {err.strerror}") from err
+    except (ValueError, KeyError, TypeError) as err:
+        raise InputError(f"{path!r} is not the JSON of benchmarks/int8_peaks.py ({err!r}): "
+                         "write it with python benchmarks/int8_peaks.py --out DIR") from err
+    return peaks
 
 
 def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress) -> None:
