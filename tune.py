@@ -4,8 +4,10 @@
     python deploy.py build --model vgg16 --batch 1 --target cuda --arch sm_90 \\
         --tuning-log tuning_logs/vgg16-b1-sm_90 -o build/vgg16_tuned.so
 
-Every distinct conv layer is one task, tuned until it has --trials valid measurements on this
-machine's GPU in a MetaSchedule database under tuning_logs/<model>-b<batch>-<arch>/ (logs/
+Every distinct conv layer is one task per kernel family that can run it (on sm_80+: int8 tensor
+cores and dp4a, so that the build picks the faster per layer; --family limits it), tuned until
+it has --trials valid measurements on this machine's GPU in a MetaSchedule database under
+tuning_logs/<model>-b<batch>-<arch>/ (logs/
 holds MetaSchedule's full per-task logs).  Run the same command again to continue an
 interrupted run: records already in the database count, finished tasks are skipped.  Tune with
 the batch size and image size you will build with: the database matches kernels by their exact
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
     p.add_argument("--batch", type=_positive, default=1, help="batch size to tune for (default 1)")
     p.add_argument("--target", choices=["cuda"], default="cuda",
-                   help="only cuda: the kernels are tuned on the dp4a search space")
+                   help="only cuda (the tuned kernels are the CUDA families': mma and dp4a)")
     p.add_argument("--arch", type=_arch, default="sm_90", help="CUDA arch of the GPU (default sm_90)")
     p.add_argument("--trials", type=_positive, default=64,
                    help="valid measurements per task, counting those already in the database (default 64)")
@@ -43,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials-per-iter", type=_positive, default=32,
                    help="candidates built and measured per round (default 32)")
     p.add_argument("--space", default=None,
-                   help="search space by name (default: each kernel implementation's first); the dp4a family "
-                        "has template (the default schedule's structure with its decisions searched) and mlt "
-                        "(MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py")
+                   help="search space by name (default: each kernel implementation's first); both families "
+                        "have template (the default schedule's structure with its decisions searched); dp4a also "
+                        "has mlt (MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py "
+                        "and schedules/tensorcore/space.py")
     p.add_argument("--family", action="append", default=None, metavar="FAMILY",
                    help="tune only this kernel family (mma: int8 tensor cores, dp4a); repeatable; default: "
                         "every family that can run a layer, so that the build picks the faster one per layer")

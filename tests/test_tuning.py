@@ -390,6 +390,15 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
         tune_model("small_vgg", 2, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=model)
     with pytest.raises(InputError, match="unknown task.*has 3to16_3x3s1_32x32_b1"):
         tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=model, only=["64to64"])
+    # a misspelt family is named before any work (it used to leave no task: "has no tunable kernel")
+    with pytest.raises(InputError, match="unknown kernel family 'tensorcore': the tunable families are dp4a, mma"):
+        tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path / "f"), model=model, families=["tensorcore"])
+    assert not (tmp_path / "f").exists()
+    # on sm_90 each 16+ channel conv has a tensor-core task too, which has no "mlt" space: the
+    # space is checked on the tasks --only leaves, and the message says how to leave them out
+    with pytest.raises(InputError, match="'mlt' is not one of 16to16_3x3s1_32x32_b1_mma.*--family or --only"):
+        tune_model("small_vgg", 1, arch="sm_90", work_dir=str(tmp_path / "s"), image_size=SIZE, model=model,
+                   space="mlt", only=["16to16_3x3s1_32x32_b1_mma"])
 
 
 def test_cli_errors_are_one_line_and_help_lists_every_flag(capsys, tmp_path):

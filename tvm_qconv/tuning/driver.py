@@ -23,6 +23,7 @@ import time
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
+from .. import registry
 from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
@@ -150,6 +151,11 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                          ("batch", batch), ("workers", max_workers), ("image size", image_size)):
         if value is not None and value < 1:
             raise InputError(f"{label} must be >= 1, got {value}")
+    known = sorted({impl.family for impl in registry.tunable()})
+    unknown = [f for f in families or [] if f not in known]
+    if unknown:
+        raise InputError(f"unknown kernel family {', '.join(map(repr, unknown))}: the tunable families are "
+                         f"{', '.join(known)}")
     tgt = make_target("cuda", arch)
     model = model if model is not None else load_model(model_name)
     work_dir = work_dir or default_work_dir(model_name, batch, arch)
@@ -163,10 +169,6 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
     if not tasks:
         raise InputError(f"{model_name} has no tunable int8 kernel")
-    for t in tasks:
-        if space is not None and space not in t.impl.spaces:
-            raise InputError(f"search space {space!r} is not one of {t.name}'s ({t.impl.name}: "
-                             f"{', '.join(t.impl.spaces)})")
     if only:
         names = [t.name for t in tasks]
         unknown = [n for n in only if n not in names]
@@ -174,6 +176,10 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             raise InputError(f"unknown task(s) {', '.join(unknown)}: {model_name} at batch {batch}, "
                              f"{image_size}x{image_size} has {', '.join(names)}")
         tasks = [t for t in tasks if t.name in only]
+    for t in tasks:  # after --only: a space one family lacks may still name the other's tasks
+        if space is not None and space not in t.impl.spaces:
+            raise InputError(f"search space {space!r} is not one of {t.name}'s ({t.impl.name}: "
+                             f"{', '.join(t.impl.spaces)}); --family or --only can leave that task out")
     print(f"[tune] {len(tasks)} task(s) of {model_name} (batch {batch}, {image_size}x{image_size}) "
           f"in {time.time() - t0:.0f} s; database {work_dir}", flush=True)
     os.makedirs(work_dir, exist_ok=True)  # JSONDatabase does not create it
