@@ -43,7 +43,7 @@ from tvm_qconv.target import cuda_source as build_cuda_source
 from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
 from tvm_qconv.tuning import apply_tuning_database, extract_tasks, prune_database, task_func, tune_model
 from tvm_qconv.tuning.database import (RECORD_FILE, WORKLOAD_FILE, canonicalize_database, load_database, repair_database,
-                                       unpack_database)
+                                       tune_command, unpack_database)
 from tvm_qconv.tuning.driver import int8_module
 
 # sm_75 (Turing): the dp4a family only (no mma.m16n8k32 on s8), so the small model's kernels are
@@ -541,3 +541,13 @@ def test_resuming_an_old_database_rewrites_its_workloads_in_canonical_form(tmp_p
     canonicalize_database(str(work_dir))
     db = ms.database.JSONDatabase(work_dir=str(work_dir))  # what tune_model opens to resume
     assert len(db) == 9 and db.has_workload(func) and db.get_top_k(db.commit_workload(func), 1)
+
+
+def test_the_suggested_tune_command_recreates_the_folder_with_its_settings(tmp_path):
+    # error messages tell the user this command; it must tune what the folder held
+    (tmp_path / "config.json").write_text(json.dumps(dict(model="resnet50", batch=16, arch="sm_80", image_size=96,
+                                                          families=["mma"], space="template")))
+    assert tune_command(str(tmp_path)) == (f"python tune.py --model resnet50 --batch 16 --arch sm_80 --image-size 96 "
+                                           f"--family mma --space template --work-dir {tmp_path}")
+    new = tmp_path / "new"  # no config.json: placeholders
+    assert tune_command(str(new)) == f"python tune.py --model MODEL --batch N --arch sm_90 --work-dir {new}"

@@ -164,8 +164,15 @@ def tune_command(work_dir: str) -> str:
             cfg = json.load(f)
     except (OSError, ValueError):
         pass
+    extra = ""
+    if cfg.get("image_size", 224) != 224:
+        extra += f" --image-size {cfg['image_size']}"
+    for family in cfg.get("families") or []:
+        extra += f" --family {family}"
+    if cfg.get("space"):
+        extra += f" --space {cfg['space']}"
     return (f"python tune.py --model {cfg.get('model', 'MODEL')} --batch {cfg.get('batch', 'N')} "
-            f"--arch {cfg.get('arch', 'sm_90')} --work-dir {work_dir}")
+            f"--arch {cfg.get('arch', 'sm_90')}{extra} --work-dir {work_dir}")
 
 
 def load_database(work_dir: str) -> ms.database.MemoryDatabase:
