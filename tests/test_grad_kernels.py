@@ -366,6 +366,16 @@ def test_source_hash_changes_when_any_kernel_source_file_changes(tmp_path):
     helper = tree / "nchw4c" / "dp4a.py"  # a loop helper the gradient kernels import too
     helper.write_text(helper.read_text() + "\n# edited\n")
     assert tvm_kernels.source_hash(str(tree)) != base
+    # the modules that select and target the kernels count too
+    package = tmp_path / "tvm_qconv"
+    for rel in tvm_kernels._PACKAGE_SOURCES:
+        (package / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(tvm_kernels._PACKAGE_DIR, rel), package / rel)
+    base = tvm_kernels.source_hash(str(tree), str(package))
+    for rel in ("registry.py", "target.py"):
+        (package / rel).write_text((package / rel).read_text() + "\n# edited\n")
+        assert tvm_kernels.source_hash(str(tree), str(package)) != base
+        base = tvm_kernels.source_hash(str(tree), str(package))
 
 
 def test_importing_the_training_layers_does_not_import_tvm():

@@ -77,6 +77,8 @@ from .functional import register_conv_grad_kernels, register_int8_conv_kernel
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 ALIGNMENT = 64  # bytes; TVM's kAllocAlignment, which its kernels assume for every argument
 _SCHEDULES_DIR = os.path.dirname(os.path.abspath(schedules.__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_SOURCES = ("nn/tvm_kernels.py", "registry.py", "target.py")  # beside schedules/: what picks and targets
 
 # The registry op each kind of kernel is.
 OPS = {"forward": "conv2d", "grad_input": "conv2d_grad_input", "grad_weight": "conv2d_grad_weight"}
@@ -97,17 +99,19 @@ def cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tvm_qconv", "kernels")
 
 
-def source_hash(schedules_dir: str = _SCHEDULES_DIR) -> str:
-    """A hash of every ``.py`` file under ``schedules_dir`` and of this module: the text that
-    defines the kernels (a changed schedule, helper or compute definition rebuilds them)."""
+def source_hash(schedules_dir: str = _SCHEDULES_DIR, package_dir: str = _PACKAGE_DIR) -> str:
+    """A hash of every ``.py`` file under ``schedules_dir``, of this module and of the modules that
+    pick and target the kernels (``registry.py``, ``target.py``): the text that defines them (a
+    changed schedule, helper, compute definition, selection or target description rebuilds them)."""
     h = hashlib.sha256()
     files = sorted(os.path.relpath(os.path.join(d, f), schedules_dir)
                    for d, _, names in os.walk(schedules_dir) for f in names if f.endswith(".py"))
     for rel in files:
         with open(os.path.join(schedules_dir, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())
-    with open(os.path.abspath(__file__), "rb") as f:
-        h.update(b"tvm_kernels.py\0" + f.read())
+    for rel in _PACKAGE_SOURCES:
+        with open(os.path.join(package_dir, rel), "rb") as f:
+            h.update(rel.encode() + b"\0" + f.read())
     return h.hexdigest()[:16]
 
 
