@@ -43,6 +43,14 @@ def test_weights_of_another_model(capsys, tmp_path):
     assert "does not fit this model" in err
 
 
+def test_a_tuning_database_on_a_cpu_build_is_refused_before_any_work(capsys, tmp_path):
+    # it used to be applied and fail deep in TVM ("Unknown device id") after calibration
+    err = cli_error(capsys, "build", "--model", "vgg11", "--target", "llvm", "--tuning-log", "tuning_logs/vgg16-b1-sm_90",
+                    "-o", str(tmp_path / "m.so"))
+    assert "a tuning database holds CUDA schedules; a llvm build cannot use it" in err
+    assert not os.listdir(tmp_path)
+
+
 def test_empty_calibration_folder(capsys, tmp_path):
     (tmp_path / "calib").mkdir()
     err = cli_error(capsys, "build", "--model", "vgg11", "--image-size", "32", "--calib-dir",

@@ -78,6 +78,9 @@ class BuildOptions:
         unknown = sorted({k for k in self.kernels.values() if k not in names})
         if unknown:
             raise InputError(f"unknown kernel implementation {', '.join(unknown)}: choose from {', '.join(names)}")
+        if self.tuning_log and self.target != "cuda":
+            raise InputError(f"a tuning database holds CUDA schedules; a {self.target} build cannot use it: "
+                             "build with --target cuda, or leave --tuning-log out")
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
