@@ -4,7 +4,8 @@
                               implementation's search space, into tuning_logs/vgg16-b1-sm_90/:
                               MetaSchedule's JSON database, config.json and logs/; run it again
                               to continue where it stopped
-    compile_model(..., options=BuildOptions(tuning_log="tuning_logs/vgg16-b1-sm_90"))
+    compile_model(..., options=BuildOptions(target="cuda", arch="sm_90",
+                                            tuning_log="tuning_logs/vgg16-b1-sm_90"))
                               -> apply.apply_tuning_database: each kernel the database covers
                               gets its best schedule, the others their default
     prune_database(work_dir)  keeps the best record per workload (small enough to commit)
