@@ -127,11 +127,11 @@ def main(argv=None):
     for bs in args.batches:
         row = dict(batch=bs)
         x = np.concatenate([photos] * (-(-bs // len(photos))))[:bs]
-        variants = {"int8_mma_graph": dict(), "int8_dp4a_graph": dict(families=("dp4a",))}
+        variants = {"int8_mma_graph": dict(), "int8_dp4a_graph": dict(families=("dp4a", "generic"))}
         log = args.tuning_logs and os.path.join(args.tuning_logs, f"{args.model}-b{bs}-sm_90")
         if log and os.path.isdir(log):
             variants["int8_tuned_graph"] = dict(tuning_log=log)
-            variants["int8_dp4a_tuned_graph"] = dict(tuning_log=log, families=("dp4a",))
+            variants["int8_dp4a_tuned_graph"] = dict(tuning_log=log, families=("dp4a", "generic"))
         reference = None
         for tag, kw in variants.items():
             lib, secs = build(f"cuda_b{bs}_{tag}", target="cuda", arch=arch, batch=bs, cuda_graph=True, **kw)

@@ -19,12 +19,13 @@ from .quantize import quantize_tir
 KERNEL_NAME = "dense_int8"
 
 
-def quantize_rows(shape: tuple[int, int], scale: float) -> tirx.PrimFunc:
-    """float [N, K] -> int8 [N, ceil(K/4)*4] (zero-padded), the input of an int8 dense layer."""
+def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None) -> tirx.PrimFunc:
+    """float [N, K] -> int8 [N, k_padded] (zero-padded; default ceil(K/4)*4), the input of an int8
+    dense layer (``k_padded``: the dense implementation's, ``in_features_padded``)."""
     n, k = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
-        (n, ceil4(k)),
+        (n, k_padded or ceil4(k)),
         lambda b, i: tirx.if_then_else(i < k, quantize_tir(x[b, tirx.min(i, k - 1)], scale), tirx.const(0, "int8")),
         name="quantize_rows")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
@@ -65,10 +66,11 @@ def dense_int8_ref(x, w, scale, bias, clip=None) -> np.ndarray:
 
 @dataclass(frozen=True)
 class DenseWorkload:
-    """int8 [batch, k4] x int8 [out_features, k4] (K padded to 4) -> float [batch, out_features]."""
+    """int8 [batch, in_features] x int8 [out_features, in_features] -> float [batch, out_features];
+    each implementation pads K (and O) as its kernel needs (``in_features_padded``, ``pack_params``)."""
 
     batch: int
-    k4: int
+    in_features: int
     out_features: int
     clip: tuple[float, float] | None = None  # the activation's (lo, hi); ReLU is (0, inf)
 
@@ -77,6 +79,8 @@ class DenseWorkload:
 
 
 class Dense(KernelImpl):
+    """Any target: K padded to 4; on CUDA scheduled by dlight (its SIMT matmul / GEMV rules)."""
+
     name = "dense.rows.generic"
     op = "dense"
     layout = "rows"
@@ -85,8 +89,18 @@ class Dense(KernelImpl):
     def applies(self, wl, target) -> bool:
         return True
 
+    def in_features_padded(self, wl: DenseWorkload) -> int:
+        """The K of the quantized input rows this kernel reads."""
+        return ceil4(wl.in_features)
+
+    def pack_params(self, wl: DenseWorkload, weight, scale, bias) -> list[np.ndarray]:
+        """int8 [O, K] weight, float [O] scale (s_x * s_w) and bias -> the kernel's constants."""
+        w = np.zeros((wl.out_features, ceil4(wl.in_features)), np.int8)
+        w[:, :wl.in_features] = weight
+        return [w, np.asarray(scale, np.float32), np.asarray(bias, np.float32)]
+
     def compute(self, wl: DenseWorkload):
-        return self.tag(dense_int8(wl.batch, wl.k4, wl.out_features, wl.clip), wl)
+        return self.tag(dense_int8(wl.batch, ceil4(wl.in_features), wl.out_features, wl.clip), wl)
 
     def reference(self, wl: DenseWorkload, x, w, scale, bias):
         return dense_int8_ref(x, w, scale, bias, wl.clip)

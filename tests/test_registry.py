@@ -109,6 +109,18 @@ def test_two_families_meet_once_in_vgg16_on_hopper():
     assert q.report["relayouts"] == 1 and "NCHW4c->NHWC32" in q.report["conversions"][1]
 
 
+@pytest.mark.parametrize("batch, kernel", [(1, "dense.rows.generic"), (32, "dense.rows.mma")])
+def test_linear_layers_go_to_tensor_cores_from_32_rows(batch, kernel):
+    # below 32 rows a linear layer is a weight-streaming GEMV (dlight's); from 32 rows a GEMM on
+    # the tensor cores.  On a GPU without int8 mma (sm_75's m16n8k32 is sm_80+) always generic.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 10))
+    x = np.random.default_rng(0).normal(size=(4, 3, 4, 4)).astype(np.float32)
+    for target, want in ((SM90, kernel), (TargetInfo.from_target(make_target("cuda", "sm_75")), "dense.rows.generic")):
+        q = quantize_module(model, (batch, 3, 4, 4), target, ranges=Calibrate(x), progress=False)
+        assert [r["kernel"] for r in q.report["layers"] if r["kind"].startswith("dense")] == [want, want]
+
+
 
 class _DenseBlock(torch.nn.Module):
     """DenseNet's structure: every layer reads the concat of all earlier features through

@@ -16,6 +16,7 @@ from tvm_qconv.schedules.relayout import relayout_int8
 from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.tensorcore import conv2d, mma, pipeline
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
+from tvm_qconv.schedules.dense_int8 import DenseWorkload
 from tvm_qconv.schedules.workload import AddWorkload, ConvWorkload
 from tvm_qconv.schedules.quantize import quantize_ref
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
@@ -131,6 +132,16 @@ def test_ldmatrix_of_the_next_k_step_is_issued_before_the_mma_of_this_one():
                     ("ldmatrix.sync", 8), ("mma.sync", 64)]
 
 
+@pytest.mark.parametrize("kt, want", [
+    (72, (4, 2)),   # 512->512 3x3: BK = 128 (18 K steps) with 2 stages: measured the faster
+    (18, (2, 4)),   # 64-channel 3x3: 4 does not divide 18 -> BK = 64 with 4 stages
+    (8, (4, 2)),    # 256-channel 1x1: 2 K steps of 128; 3 stages would need 110 KB
+    (2, (2, 2)),    # 64-channel 1x1: one K step of 64 (a 2-deep pipeline needs >= 1 step)
+])
+def test_k_tile_is_the_largest_then_the_pipeline_the_deepest_that_fits(kt, want):
+    assert mma._k_choice(kt, 128, 128) == want
+
+
 def test_template_samples_are_tensor_core_kernels_that_fit_the_gpu():
     """Random points of the search space: sampled tiles, each checked by the space's postprocessors
     (VerifyGPUCode against the 96 KB dynamic shared memory budget) and compiled."""
@@ -196,25 +207,68 @@ def test_tensor_core_build_compiles_with_the_pipeline_and_leaves_dp4a_kernels_al
     assert _cuda(func) == plain
 
 
+DENSE = registry.get("dense.rows.mma")
+# rows, K and O that divide no tile (M_p = 128, K_p and O_p padded to 32); ReLU, a clip, none
+DENSE_WLS = [DenseWorkload(40, 100, 70, (0.0, float("inf"))), DenseWorkload(33, 64, 32, None),
+             DenseWorkload(130, 96, 50, (-1.0, 2.0))]
+
+
+def dense_args(wl, seed=0):
+    rng = np.random.default_rng(seed)
+    x = np.zeros((wl.batch, DENSE.in_features_padded(wl)), np.int8)  # quantize_rows' zero padding
+    x[:, :wl.in_features] = rng.integers(-128, 128, (wl.batch, wl.in_features))
+    w = rng.integers(-127, 128, (wl.out_features, wl.in_features)).astype(np.int8)
+    scale = rng.uniform(1e-4, 1e-3, wl.out_features).astype(np.float32)
+    return [x] + DENSE.pack_params(wl, w, scale, rng.normal(size=wl.out_features).astype(np.float32))
+
+
+@pytest.mark.parametrize("wl", DENSE_WLS, ids=["relu", "none", "clip_m130"])
+def test_dense_on_the_conv_template_equals_numpy(wl):
+    # float out: int32 sums exact, then float32(acc) * scale + bias, the reference's own operations
+    args = dense_args(wl)
+    out = run_llvm(DENSE.compute(wl), args, (wl.batch, wl.out_features), "float32")
+    np.testing.assert_array_equal(out, DENSE.reference(wl, *args))
+    _assert_tensor_core_code(_cuda(DENSE.schedule(DENSE.compute(wl), SM90)))
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 GPU_LAYERS = WORKLOADS + [conv_wl(1, 64, 224, 224, 64), conv_wl(4, 512, 14, 14, 512), conv_wl(8, 512, 7, 7, 512)]
 GPU_IDS = IDS + ["vgg_64@224", "512@14_b4", "512@7_b8_m392"]
 
 
+def gpu_build(impl, wl):
+    """``impl``'s default kernel for ``wl`` built for this machine's GPU (skips without int8 mma)."""
+    arch = device_arch()
+    target = make_target("cuda", arch)
+    if not TargetInfo.from_target(target).has_int8_mma:
+        pytest.skip(f"{arch} has no int8 mma.m16n8k32")
+    options = pipeline.compile_options()
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        return tvm.compile(tvm.IRModule({"main": impl.schedule(impl.compute(wl), target)}), target=target,
+                           tir_pipeline=options["tir_pipeline"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("wl", GPU_LAYERS, ids=GPU_IDS)
 def test_tensor_core_kernel_on_gpu_is_bit_exact(wl):
-    arch = device_arch()
-    if not TargetInfo.from_target(make_target("cuda", arch)).has_int8_mma:
-        pytest.skip(f"{arch} has no int8 mma.m16n8k32")
-    target = make_target("cuda", arch)
-    options = pipeline.compile_options()
-    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        lib = tvm.compile(tvm.IRModule({"main": IMPL.schedule(IMPL.compute(wl), target)}), target=target,
-                          tir_pipeline=options["tir_pipeline"])
+    lib = gpu_build(IMPL, wl)
     dev = tvm.cuda(0)
     args = args_of(wl, seed=1)
     out = tvm.runtime.tensor(np.full(out_shape(wl), 77, np.int8), dev)  # poisoned
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", DENSE_WLS, ids=["relu", "none", "clip_m130"])
+def test_dense_on_tensor_cores_on_gpu_equals_numpy(wl):
+    lib = gpu_build(DENSE, wl)
+    dev = tvm.cuda(0)
+    args = dense_args(wl, seed=1)
+    out = tvm.runtime.tensor(np.full((wl.batch, wl.out_features), np.nan, np.float32), dev)  # poisoned
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    # nvcc may contract acc * scale + bias into one fma (one rounding instead of two): within an
+    # ulp of the float32 result, never more
+    ref = DENSE.reference(wl, *args)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=2 ** -23, atol=np.abs(ref).max() * 2 ** -23)

@@ -4,6 +4,7 @@
 name                       op           runs
 =========================  ===========  ==================================================
 ``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
+``dense.rows.mma``         dense        CUDA sm_80+, 32+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``      max_pool2d   any target (one thread per output on CUDA)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
@@ -18,14 +19,27 @@ import tvm
 from tvm_qconv.target import TargetInfo
 
 from ..kernel import KernelImpl
+from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, mma, pipeline, space
+from . import conv2d, dense, mma, pipeline, space
 from .layout import LAYOUT
 
 # A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
 # for the mma K step (VGG16's first conv, 3 channels, would do 10x the multiply-adds), against 4.
 MIN_IN_CHANNELS = 16
+
+
+def _defaults(sch, target):
+    return mma.default_decisions(*mma.gemm_extents(sch), TargetInfo.from_target(target).num_sm)
+
+
+def _default_schedule(func, target):
+    """The template with its default decisions (``mma.default_decisions``)."""
+    sch = tvm.s_tir.Schedule(func)
+    decisions, stages = _defaults(sch, target)
+    mma.apply_mma_schedule(sch, decisions, stages)
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
 class Conv2dMma(KernelImpl):
@@ -59,13 +73,10 @@ class Conv2dMma(KernelImpl):
         return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
 
     def _defaults(self, sch, target):
-        return mma.default_decisions(*mma.gemm_extents(sch), TargetInfo.from_target(target).num_sm)
+        return _defaults(sch, target)
 
     def schedule(self, func, target):
-        sch = tvm.s_tir.Schedule(func)
-        decisions, stages = self._defaults(sch, target)
-        mma.apply_mma_schedule(sch, decisions, stages)
-        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+        return _default_schedule(func, target)
 
     def seed(self, sch, target, wl: ConvWorkload | None = None) -> None:  # the GEMM extents are all it needs
         decisions, stages = self._defaults(sch, target)
@@ -87,5 +98,46 @@ class Conv2dMma(KernelImpl):
         return pipeline.compile_options()
 
 
+# Fewer rows than this and a linear layer is a weight-streaming GEMV (a classifier at small
+# batch): the mma GEMM would pad the rows to 128 and split the weight over few blocks; dlight's
+# GEMV rule reads the weight once (a reasoned threshold, not a measured one).
+MIN_DENSE_ROWS = 32
+
+
+class DenseMma(KernelImpl):
+    """The int8 linear layer as a GEMM on int8 tensor cores (``dense.py``: the conv template)."""
+
+    name = "dense.rows.mma"
+    op = "dense"
+    layout = "rows"
+    family = "mma"
+    instruction = "mma.sync"
+
+    def applies(self, wl: DenseWorkload, target) -> bool:
+        return target.kind == "cuda" and target.has_int8_mma and wl.batch >= MIN_DENSE_ROWS
+
+    def in_features_padded(self, wl: DenseWorkload) -> int:
+        return dense.gemm_shape(wl)[2]
+
+    def pack_params(self, wl: DenseWorkload, weight, scale, bias):
+        return dense.pack_params(wl, weight, scale, bias)
+
+    def compute(self, wl: DenseWorkload):
+        return self.tag(dense.dense_mma_int8(wl), wl)
+
+    def reference(self, wl: DenseWorkload, *args):
+        return dense.dense_mma_int8_ref(wl, *args)
+
+    def schedule(self, func, target):
+        return _default_schedule(func, target)
+
+    def prepare(self) -> None:
+        mma.intrinsics()
+
+    def compile_options(self) -> dict:
+        return pipeline.compile_options()
+
+
 CONV2D_MMA = Conv2dMma()
-IMPLEMENTATIONS = (CONV2D_MMA, *layout_kernels(LAYOUT))
+DENSE_MMA = DenseMma()
+IMPLEMENTATIONS = (CONV2D_MMA, DENSE_MMA, *layout_kernels(LAYOUT))

@@ -30,7 +30,7 @@ from ..config import QuantConfig
 from ..graph import Graph, analyze, static_shape
 from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, free_vars, substitute
-from ..schedules.dense_int8 import DenseWorkload, ceil4, quantize_rows
+from ..schedules.dense_int8 import DenseWorkload, quantize_rows
 from ..schedules.relayout import relayout_int8
 from ..schedules.requantize import add_multipliers, affine_params, quantize_multiplier
 from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload,
@@ -427,17 +427,16 @@ class _Rewriter:
         x = self.float_of(ly.inputs[0])
         n, k = static_shape(x.ty)
         o = ly.weight.shape[0]
-        wl = DenseWorkload(n, ceil4(k), o, (ly.clip or (0.0, float("inf"))) if ly.relu else None)
+        wl = DenseWorkload(n, k, o, (ly.clip or (0.0, float("inf"))) if ly.relu else None)
         impl = registry.select("dense", wl, self.p.target)
         if impl is None:
             return self.no_kernel("dense", f"{k}->{o}")
         s_x = self.scale(ly.inputs[0])
-        xq = self.call(quantize_rows((n, k), s_x), "quantize_rows", [x], (n, ceil4(k)), "int8")
+        kp = impl.in_features_padded(wl)
+        xq = self.call(quantize_rows((n, k), s_x, kp), "quantize_rows", [x], (n, kp), "int8")
         qw, s_w = quantize_weight_per_channel(ly.weight)
-        wp = np.zeros((o, ceil4(k)), np.int8)
-        wp[:, :k] = qw
         bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
-        args = [xq, constant(wp), constant((s_x * s_w).astype(np.float32)), constant(bias.astype(np.float32))]
+        args = [xq, *map(constant, impl.pack_params(wl, qw, (s_x * s_w).astype(np.float32), bias.astype(np.float32)))]
         prim = impl.compute(wl)
         self.fenv[ly.output] = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, (n, o), "float32")
         self.rows.append(dict(layer=ly.name, kind="dense" + ("+bias" if ly.bias is not None else "")
