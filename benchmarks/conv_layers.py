@@ -7,7 +7,8 @@ For every distinct 3x3 conv of VGG16 (224 px) at each batch size, builds every k
 implementation of the registry that applies on this GPU (its default, untuned schedule: dp4a in
 NCHW4c, mma.sync tensor cores in NHWC32), builds in parallel, then on the GPU: checks the output
 (batch 1: bit-exact against the implementation's NumPy reference; larger batches: the families
-bit-identical to each other), times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
+bit-identical to each other; a layer only one family runs is not checked there: "exact" None),
+times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
 and reports ms, TOPS and % of the peak of the kernel's instruction (``--peaks``, the JSON of
 ``int8_peaks.py``).  Writes ``<out>/conv_layers.json`` and prints a markdown table.
 """
@@ -106,7 +107,7 @@ def main(argv=None):
             exact = bool(np.array_equal(got, impl.reference(wl, *inputs)))
         else:  # the first family of this layer is the yardstick of the others
             first = next((r for r in rows if r["layer"] == layer and r["batch"] == b), None)
-            exact = first is None or bool(np.array_equal(logical, first.pop("_logical")))
+            exact = None if first is None else bool(np.array_equal(logical, first["_logical"]))
         secs = lib.time_evaluator("main", dev, number=10, repeat=7, min_repeat_ms=40)(*tensors).median
         tops = wl.ops / secs / 1e12
         peak = peaks.get(impl.instruction)
@@ -117,7 +118,7 @@ def main(argv=None):
         rows.append(row)
         print(f"{layer[0]:>3}->{layer[1]:<3} @{layer[2]:<3} b{b:<3} {name:>20}: {row['ms']:8.4f} ms "
               f"{tops:7.1f} TOPS" + (f" ({row['pct_of_peak']:.0f} % of {impl.instruction})" if peak else "")
-              + ("" if exact else "  MISMATCH"), flush=True)
+              + ("  MISMATCH" if exact is False else ""), flush=True)
     for r in rows:
         r.pop("_logical", None)
     res = dict(device=dev.device_name, arch=arch, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -129,7 +130,7 @@ def main(argv=None):
         pct = f"{r['pct_of_peak']:.0f}" if r["pct_of_peak"] else "-"
         print(f"| {r['layer'][0]}->{r['layer'][1]} @{r['layer'][2]} | {r['batch']} | {r['family']} | "
               f"{r['ms']:.4f} | {r['tops']:.0f} | {pct} | {r['exact']} |")
-    if not all(r["exact"] for r in rows):
+    if any(r["exact"] is False for r in rows):
         sys.exit("error: some kernels disagree with the reference (MISMATCH above)")
     return res
 

@@ -9,9 +9,10 @@
   warpgroup MMA with both operands read from shared memory through matrix descriptors (64*128*32
   multiply-adds per warpgroup instruction): the path a wgmma kernel family would use.
 
-Each kernel loops on registers (and, for wgmma, a shared-memory tile that never changes) with
-several independent accumulators, on enough blocks to fill every SM many times; no global memory
-traffic but the final store.  Ops count 2 per multiply-add.  Needs CuPy (on the GPU machine's
+Each kernel loops on registers (dp4a, mma.sync: several independent accumulator chains) or, for
+wgmma, on a shared-memory tile that never changes (one accumulator chain per warpgroup, several
+wgmmas in flight), on enough blocks to fill every SM many times; no global memory traffic but
+the final store.  Ops count 2 per multiply-add.  Needs CuPy (on the GPU machine's
 image); writes ``<out>/int8_peaks.json``.
 """
 from __future__ import annotations
@@ -88,6 +89,7 @@ __device__ __forceinline__ unsigned long long desc(const void* smem) {
 extern "C" __global__ void __launch_bounds__(128) peak(const int* __restrict__ seed, int* __restrict__ out, int iters) {
     __shared__ __align__(128) signed char tile[8192];
     for (int i = threadIdx.x; i < 8192 / 4; i += blockDim.x) ((int*)tile)[i] = seed[i & 31];
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma's reads
     __syncthreads();
     unsigned long long da = desc(tile), db = desc(tile + 2048);
     int d[REGS];

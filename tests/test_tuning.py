@@ -41,7 +41,7 @@ from tvm_qconv.schedules.workload import ConvWorkload
 from tvm_qconv.target import TargetInfo, make_target
 from tvm_qconv.target import cuda_source as build_cuda_source
 from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
-from tvm_qconv.tuning import apply_tuning_database, extract_tasks, prune_database, task_func, tune_model
+from tvm_qconv.tuning import apply_tuning_database, extract_tasks, prune_database, read_peaks, task_func, tune_model
 from tvm_qconv.tuning.database import (RECORD_FILE, WORKLOAD_FILE, canonicalize_database, load_database, repair_database,
                                        tune_command, unpack_database)
 from tvm_qconv.tuning.driver import int8_module
@@ -551,3 +551,14 @@ def test_the_suggested_tune_command_recreates_the_folder_with_its_settings(tmp_p
                                            f"--family mma --space template --work-dir {tmp_path}")
     new = tmp_path / "new"  # no config.json: placeholders
     assert tune_command(str(new)) == f"python tune.py --model MODEL --batch N --arch sm_90 --work-dir {new}"
+
+
+def test_peaks_are_read_per_instruction_and_bad_files_refused(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    peaks = read_peaks(os.path.join(root, "docs", "results", "int8_peaks_h100.json"))  # the committed H100 run
+    assert set(peaks) == {"dp4a", "mma.sync", "wgmma"} and 100 < peaks["dp4a"] < peaks["mma.sync"] < peaks["wgmma"]
+    assert {impl.instruction for impl in registry.tunable()} <= set(peaks)  # every tuned family finds its peak
+    for text in ('{"peaks": []}', '{"peaks": [{"path": "dp4a", "tops": 0}]}'):
+        (tmp_path / "p.json").write_text(text)
+        with pytest.raises(InputError, match="holds no usable peak"):
+            read_peaks(str(tmp_path / "p.json"))

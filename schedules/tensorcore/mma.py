@@ -218,9 +218,12 @@ DEFAULT_TILES = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64),
 
 def _k_choice(kt: int, bm: int, bn: int, budget: int = DYN_SMEM_BUDGET):
     """(k1, stages): the largest K tile BK (up to 128) whose pipeline fits ``budget``, then the
-    deepest pipeline; the pipeline needs at least `stages - 1` k0 iterations.  BK first: on the
-    H100 at batch 64, BK = 128 with 2 stages ran VGG16's 112/56/28 px convs 7-19 % faster than
-    BK = 64 with 4 (``docs/tensorcore.md``): longer k1 steps keep the ldmatrix pipeline full."""
+    deepest pipeline; the pipeline needs at least `stages - 1` k0 iterations.  BK before depth:
+    with the k1 pipeline, BK = 128 x 2 stages ran VGG16's convs at batch 64 1.00-1.13x faster
+    than BK = 64 x 4 (longer k1 steps keep the ldmatrix pipeline full; ``docs/benchmarks.md``).
+    Those convs have >= 18 K steps of 32.  Where K is short (ResNet's 1x1 convs: 2-8 steps) this
+    leaves 1-2 K steps per block, so a block's copies barely overlap its math (the other block
+    on the SM hides some of it): not measured per layer yet (open in docs/benchmarks.md)."""
     best = None
     for kk in (1, 2, 4):
         if kt % kk:

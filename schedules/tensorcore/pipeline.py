@@ -232,7 +232,9 @@ def _inline_lets_in_warp_calls(func):
 # shifted by one pixel, C_p / BK pipeline steps later, so ``.ca`` lets those reads hit in L1
 # instead of going to L2 each time (H100, batch 64, VGG16's convs: 1.06-1.29x faster; ncu on
 # 256->256 @56: L1 hit rate 15 -> 42 %, L2 throughput 83 -> 63 %; docs/tensorcore.md).  The
-# predicated 16-byte copies are exactly the gathers (the weight copies are never predicated);
+# predicated 16-byte int8 copies are the gathers (of the conv's im2col, the dense layer's rows;
+# weight copies are never predicated, and no other kernel of this project makes such copies: a
+# test checks that the dp4a kernels compile to the same CUDA with and without these passes);
 # the pass, run after shared memory is merged, prints them with ``.ca`` (a legal size for it)
 # and leaves every other copy as TVM emits it.
 
@@ -253,8 +255,12 @@ __forceinline__ __device__ void {_CA_PRED_16}(void* dst, int dst_off, void* src,
 
 
 def _byte_pointer(ptr) -> bool:
+    """A pointer to scalar bytes (the helper's offsets are byte offsets)."""
     et = getattr(getattr(ptr, "ty", None), "element_type", None)
-    return et is not None and tvm.DataType(str(getattr(et, "dtype", "void"))).bits == 8
+    if et is None:
+        return False
+    dtype = tvm.DataType(str(getattr(et, "dtype", "void")))
+    return dtype.bits == 8 and dtype.lanes == 1
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="qconv.GatherThroughL1")
@@ -267,7 +273,8 @@ def gather_through_l1(func, mod, ctx):
         node = mutator.default_mutate(node)
         if (isinstance(node, tvm.ir.Call) and node.op.same_as(cp_async) and len(node.args) == 6
                 and isinstance(node.args[4], tvm.tirx.IntImm) and int(node.args[4]) == 16
-                and _byte_pointer(node.args[0]) and _byte_pointer(node.args[2])):
+                and _byte_pointer(node.args[0]) and _byte_pointer(node.args[2])
+                and not (isinstance(node.args[5], tvm.tirx.IntImm) and int(node.args[5]) == -1)):  # -1: no predicate
             dst, dst_off, src, src_off, _, pred = node.args
             return cuda_func_call(_CA_PRED_16, dst, dst_off, src, src_off, pred, source_code=_CA_PRED_16_SRC)
         return node

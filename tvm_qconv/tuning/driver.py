@@ -230,14 +230,17 @@ def read_peaks(path: str) -> dict[str, float]:
     Raises:
         InputError: the file is missing or is not such a JSON.
     """
+    how = "write it with python benchmarks/int8_peaks.py --out DIR"
     try:
         with open(path) as f:
             peaks = {p["path"]: float(p["tops"]) for p in json.load(f)["peaks"] if "tops" in p}
     except OSError as err:
         raise InputError(f"cannot read the peaks file {path!r}: {err.strerror}") from err
     except (ValueError, KeyError, TypeError) as err:
-        raise InputError(f"{path!r} is not the JSON of benchmarks/int8_peaks.py ({err!r}): "
-                         "write it with python benchmarks/int8_peaks.py --out DIR") from err
+        raise InputError(f"{path!r} is not the JSON of benchmarks/int8_peaks.py ({err!r}): {how}") from err
+    bad = {k: v for k, v in peaks.items() if not v > 0}
+    if not peaks or bad:
+        raise InputError(f"{path!r} holds no usable peak ({bad or 'none measured'}): {how}")
     return peaks
 
 
