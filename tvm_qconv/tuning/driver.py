@@ -164,7 +164,12 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                     trials_per_task=trials_per_task, only=only, space=space, families=families,
                     tvm_version=tvm.__version__,
                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
-    # Before quantizing (up to a minute): a folder of another model's logs is refused at once.
+    # Before quantizing (up to a minute): a folder of another model's logs, or a path that cannot
+    # be a folder, is refused at once.
+    blocker = next((p for p in _ancestors(work_dir) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise InputError(f"the tuning folder {work_dir} cannot be created: {blocker} is a file; "
+                         "give --work-dir a folder path")
     previous = check_config(work_dir, settings)
     t0 = time.time()
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
@@ -221,6 +226,17 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         rows.append(row)
     print(format_table(rows))
     return rows
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every folder above it, innermost first."""
+    out, p = [], os.path.abspath(path)
+    while True:
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            return out
+        p = parent
 
 
 def read_peaks(path: str) -> dict[str, float]:
