@@ -197,7 +197,7 @@ def load_database(work_dir: str) -> ms.database.MemoryDatabase:
         _, records, _ = parse_lines(paths[1])
     except (OSError, EOFError) as err:  # unreadable, or a truncated / not-gzip .gz
         raise corrupt(work_dir, err) from err
-    # A truncated last line (interrupted run) is skipped, as _repair_database would drop it.
+    # A truncated last line (interrupted run) is skipped, as repair_database would drop it.
     workloads = workloads[:-1] if workloads and workloads[-1] is None else workloads
     records = [r for r in records if is_record(r, len(workloads)) and record_secs(r) is not None]
     if not records:
