@@ -51,6 +51,21 @@ def test_a_tuning_database_on_a_cpu_build_is_refused_before_any_work(capsys, tmp
     assert not os.listdir(tmp_path)
 
 
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path):
+    # these failed after calibration and compilation (IsADirectoryError, NotADirectoryError)
+    (tmp_path / "afile").write_text("x")
+    for out, message in ((tmp_path, "is a folder: give a file path"),
+                         (tmp_path / "afile" / "m.so", f"{tmp_path / 'afile'} is a file, not a folder")):
+        err = cli_error(capsys, "build", "--model", "vgg11", "--image-size", "32", "-o", str(out))
+        assert message in err
+    assert sorted(os.listdir(tmp_path)) == ["afile"]
+    import train
+    capsys.readouterr()
+    assert train.main(["--model", "small_vgg", "--epochs", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: checkpoint") and "is a folder" in err and "\n" not in err
+
+
 def test_empty_calibration_folder(capsys, tmp_path):
     (tmp_path / "calib").mkdir()
     err = cli_error(capsys, "build", "--model", "vgg11", "--image-size", "32", "--calib-dir",

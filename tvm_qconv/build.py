@@ -20,6 +20,7 @@ from . import verify as verify_mod
 from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
 from .errors import InputError
+from .fileio import check_output_file
 from .frontend import load_model
 from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
@@ -119,6 +120,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     Example:
         >>> compile_model("vgg16", "vgg16.so", options=BuildOptions(target="cuda", arch="sm_90"))
     """
+    check_output_file(out_path, "library")
     tgt = make_target(options.target, options.arch)
     t0 = time.time()
     if isinstance(model, str):

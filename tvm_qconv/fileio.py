@@ -11,6 +11,27 @@ from typing import Iterator
 TEMP_PREFIX = ".tvm_qconv-"  # every temporary this project writes starts so (tests look for leftovers)
 
 
+def check_output_file(path: str, what: str = "output") -> None:
+    """Refuse, before any work, a file path that cannot be written: an existing folder, a path
+    under a file, or a folder this user cannot write into.
+
+    Raises:
+        InputError: naming the problem and what to do.
+    """
+    from .errors import InputError
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise InputError(f"{what} {path} is a folder: give a file path (e.g. {os.path.join(path, 'model.so')})")
+    folder = os.path.dirname(full)
+    while not os.path.exists(folder):  # the nearest existing folder is where it would be created
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise InputError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {path} cannot be written: no write permission in {folder}; "
+                         "choose another folder")
+
+
 def _default_mode() -> int:
     umask = os.umask(0)
     os.umask(umask)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..data import digits_dataset
+from ..fileio import check_output_file
 from ..nn import learned_amax
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, build_model
@@ -113,6 +114,8 @@ def run_training(config: TrainConfig, out: str | None = None, baseline: bool = T
     Returns:
         ``{"accuracy": {...}, "amax": {...}, "model": the trained model, "seconds": {...}}``.
     """
+    if out is not None:
+        check_output_file(out, "checkpoint")
     train, test = load_digits(config)
     accuracy, seconds, trained = {}, {}, None
     if baseline or not config.qat:
