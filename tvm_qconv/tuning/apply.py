@@ -9,7 +9,7 @@ import tvm
 
 from ..schedules.kernel import IMPL_ATTR
 from ..schedules.workload import ConvWorkload
-from .database import corrupt, load_database
+from .database import corrupt, load_database, mean_secs
 from .tasks import is_tunable, task_func
 
 
@@ -27,7 +27,7 @@ def measured_chooser(db, target: tvm.target.Target):
         if not db.has_workload(mod):
             return None
         top = db.get_top_k(db.commit_workload(mod), 1)
-        return sum(float(s) for s in top[0].run_secs) / len(top[0].run_secs) if top else None
+        return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
         tunable = [impl for impl in candidates if impl.spaces]

@@ -106,12 +106,17 @@ def is_record(obj, num_workloads: int) -> bool:
             and 0 <= obj[0] < num_workloads and isinstance(obj[1], list) and len(obj[1]) >= 2)
 
 
+def mean_secs(run_secs) -> float:
+    """The mean of a measurement's run times (MetaSchedule's ``run_secs``: FloatImms or floats)."""
+    return sum(float(s) for s in run_secs) / len(run_secs)
+
+
 def record_secs(obj) -> float | None:
     """Mean run time of a record line, None if the candidate failed to build or run."""
     secs = obj[1][1]
     if not secs or max(secs) >= FAILED_RUN_SECS:
         return None
-    return sum(secs) / len(secs)
+    return mean_secs(secs)
 
 
 def repair_database(work_dir: str) -> int:

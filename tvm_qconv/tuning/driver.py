@@ -35,7 +35,7 @@ from ..ranges import Calibrate
 from ..target import TargetInfo, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
-from .database import (CONFIG_FILE, canonicalize_database, prepare_implementations, repair_database,
+from .database import (CONFIG_FILE, canonicalize_database, mean_secs, prepare_implementations, repair_database,
                        unpack_database, workload_key)
 from .progress import Progress, format_table, valid_secs
 from .tasks import KernelTask, extract_tasks
@@ -97,7 +97,7 @@ def _measured(db: ms.database.Database, task: KernelTask, limit: int, pruned: di
     if not top:
         return 0, None
     done = min(limit, len(top) + pruned.get(workload_key(mod), 0))
-    return done, sum(float(s) for s in top[0].run_secs) / len(top[0].run_secs)
+    return done, mean_secs(top[0].run_secs)
 
 
 def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str = "sm_90",

@@ -8,6 +8,8 @@ import time
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from .database import mean_secs
+
 from .database import FAILED_RUN_SECS
 from .tasks import KernelTask
 
@@ -48,7 +50,7 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 
 def valid_secs(builder_results, runner_results) -> list[float]:
     """Mean run time (s) of each candidate that built and ran."""
-    ok = [sum(float(s) for s in r.run_secs) / len(r.run_secs) for b, r in zip(builder_results, runner_results)
+    ok = [mean_secs(r.run_secs) for b, r in zip(builder_results, runner_results)
           if b.error_msg is None and r.error_msg is None and r.run_secs]
     return [s for s in ok if s < FAILED_RUN_SECS]
 
