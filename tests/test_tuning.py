@@ -492,7 +492,7 @@ def test_rerunning_a_pruned_tuning_command_tunes_nothing_more(small_int8, tmp_pa
     assert rows[0]["trials"] == 2 and rows[0]["best_us"] == pytest.approx(10.0)
 
 
-def test_a_truncated_packed_database_is_reported_not_unpacked(tuned_db, tmp_path):
+def test_a_truncated_packed_database_is_reported_not_unpacked(small_int8, tuned_db, tmp_path):
     for name in (WORKLOAD_FILE, RECORD_FILE):
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
     prune_database(str(tmp_path))
@@ -502,6 +502,9 @@ def test_a_truncated_packed_database_is_reported_not_unpacked(tuned_db, tmp_path
         load_database(str(tmp_path))
     with pytest.raises(InputError, match="is corrupt"):
         unpack_database(str(tmp_path))
+    # a tuning run on it is refused before it records itself in config.json
+    with pytest.raises(InputError, match="is corrupt"):
+        tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=small_int8[0])
     assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".gz", WORKLOAD_FILE + ".gz"]  # left as it was
 
 

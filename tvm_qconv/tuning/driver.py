@@ -189,10 +189,10 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     print(f"[tune] {len(tasks)} task(s) of {model_name} (batch {batch}, {image_size}x{image_size}) "
           f"in {time.time() - t0:.0f} s; database {work_dir}", flush=True)
     os.makedirs(work_dir, exist_ok=True)  # JSONDatabase does not create it
-    save_config(work_dir, settings, previous)
     unpack_database(work_dir)
     repair_database(work_dir)
     canonicalize_database(work_dir)
+    save_config(work_dir, settings, previous)  # after the database is readable: a refused run is not recorded
     prepare_implementations()  # loading the records parses traces that name tensor intrinsics
     db = ms.database.JSONDatabase(work_dir=work_dir)
     measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
