@@ -46,17 +46,10 @@ def implementations(wl, arch):
 def build(job) -> float:
     """Build one (layer, batch, implementation) to ``path``; returns the build seconds."""
     layer, batch, name, arch, path = job
-    import tvm
     from tvm_qconv import registry
     from tvm_qconv.target import make_target
-    target = make_target("cuda", arch)
-    impl, wl = registry.get(name), workload(layer, batch)
-    options = registry.compile_options([impl])
     t = time.time()
-    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        lib = tvm.compile(tvm.IRModule({"main": impl.schedule(impl.compute(wl), target)}), target=target,
-                          tir_pipeline=options["tir_pipeline"])
-    lib.export_library(path)
+    registry.compile_kernel(registry.get(name), workload(layer, batch), make_target("cuda", arch)).export_library(path)
     return time.time() - t
 
 

@@ -36,10 +36,7 @@ def main(argv=None):
     wl = ConvWorkload.with_activation("relu", batch=args.batch, in_channels=args.cin, height=args.size,
                                       width=args.size, out_channels=args.cout)
     impl = next(i for i in registry.candidates("conv2d", wl, TargetInfo.from_target(target)) if i.family == args.family)
-    options = registry.compile_options([impl])
-    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        lib = tvm.compile(tvm.IRModule({"main": impl.schedule(impl.compute(wl), target)}), target=target,
-                          tir_pipeline=options["tir_pipeline"])
+    lib = registry.compile_kernel(impl, wl, target)
     dev = tvm.cuda(0)
     rng = np.random.default_rng(0)
     x = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)

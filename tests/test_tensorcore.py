@@ -228,7 +228,7 @@ def test_dense_on_the_conv_template_equals_numpy(wl):
     args = dense_args(wl)
     out = run_llvm(DENSE.compute(wl), args, (wl.batch, wl.out_features), "float32")
     np.testing.assert_array_equal(out, DENSE.reference(wl, *args))
-    _assert_tensor_core_code(_cuda(DENSE.schedule(DENSE.compute(wl), SM90)))
+    _assert_tensor_core_code(cuda_source(registry.compile_kernel(DENSE, wl, SM90)))
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -243,10 +243,7 @@ def gpu_build(impl, wl):
     target = make_target("cuda", arch)
     if not TargetInfo.from_target(target).has_int8_mma:
         pytest.skip(f"{arch} has no int8 mma.m16n8k32")
-    options = pipeline.compile_options()
-    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        return tvm.compile(tvm.IRModule({"main": impl.schedule(impl.compute(wl), target)}), target=target,
-                           tir_pipeline=options["tir_pipeline"])
+    return registry.compile_kernel(impl, wl, target)
 
 
 @pytest.mark.gpu

@@ -102,3 +102,15 @@ def compile_options(impls=None) -> dict:
             pipeline = options["tir_pipeline"]
         config.update(options.get("config", {}))
     return dict(tir_pipeline=pipeline, config=config)
+
+
+def compile_kernel(impl: KernelImpl, wl, target):
+    """One kernel on its own: ``impl``'s compute for ``wl`` with its default schedule, compiled for
+    ``target`` (a ``tvm.target.Target``) with the options it needs; returns the runtime module
+    (``main``).  For benchmarks and tests: models are built by ``tvm_qconv.build``."""
+    import tvm
+    options = compile_options([impl])
+    func = impl.compute(wl)
+    func = impl.schedule(func, target) or func
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline=options["tir_pipeline"])
