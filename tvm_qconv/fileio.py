@@ -19,16 +19,27 @@ def check_output_file(path: str, what: str = "output") -> None:
         InputError: naming the problem and what to do.
     """
     from .errors import InputError
-    full = os.path.abspath(path)
-    if os.path.isdir(full):
+    if os.path.isdir(path):
         raise InputError(f"{what} {path} is a folder: give a file path (e.g. {os.path.join(path, 'model.so')})")
-    folder = os.path.dirname(full)
-    while not os.path.exists(folder):  # the nearest existing folder is where it would be created
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        raise InputError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"{what} {path} cannot be written: no write permission in {folder}; "
+    check_output_folder(os.path.dirname(os.path.abspath(path)), what, path)
+
+
+def check_output_folder(folder: str, what: str = "output folder", shown: str | None = None) -> None:
+    """Refuse, before any work, a folder that cannot be created or written into: it (or a path
+    above it) is a file, or the nearest existing folder is not writable.
+
+    Raises:
+        InputError: naming the problem and what to do (``shown``: the path the user gave).
+    """
+    from .errors import InputError
+    shown = shown or folder
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):  # the nearest existing path is where it would be created
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InputError(f"{what} {shown} cannot be written: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {shown} cannot be written: no write permission in {existing}; "
                          "choose another folder")
 
 

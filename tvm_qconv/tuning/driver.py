@@ -28,7 +28,7 @@ from .. import registry
 from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
-from ..fileio import write_json
+from ..fileio import check_output_folder, write_json
 from ..frontend import load_model
 from ..quantize import quantize_module
 from ..ranges import Calibrate
@@ -166,10 +166,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                     date=time.strftime("%Y-%m-%d %H:%M:%S"))
     # Before quantizing (up to a minute): a folder of another model's logs, or a path that cannot
     # be a folder, is refused at once.
-    blocker = next((p for p in _ancestors(work_dir) if os.path.exists(p) and not os.path.isdir(p)), None)
-    if blocker is not None:
-        raise InputError(f"the tuning folder {work_dir} cannot be created: {blocker} is a file; "
-                         "give --work-dir a folder path")
+    check_output_folder(work_dir, "the tuning folder (--work-dir)")
     previous = check_config(work_dir, settings)
     t0 = time.time()
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
@@ -226,17 +223,6 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         rows.append(row)
     print(format_table(rows))
     return rows
-
-
-def _ancestors(path: str) -> list[str]:
-    """``path`` and every folder above it, innermost first."""
-    out, p = [], os.path.abspath(path)
-    while True:
-        out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            return out
-        p = parent
 
 
 def read_peaks(path: str) -> dict[str, float]:
