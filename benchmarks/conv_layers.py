@@ -5,7 +5,7 @@
 
 For every distinct 3x3 conv of VGG16 (224 px) at each batch size, builds every kernel
 implementation of the registry that applies on this GPU (its default, untuned schedule: dp4a in
-NCHW4c, mma.sync tensor cores in NHWC32), builds in parallel, then on the GPU: checks the output
+NCHW4c, mma.sync tensor cores and, on an H100 / H200, wgmma in NHWC32), builds in parallel, then on the GPU: checks the output
 (batch 1: bit-exact against the implementation's NumPy reference; larger batches: the families
 bit-identical to each other; a layer only one family runs is not checked there: "exact" None),
 times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
@@ -59,6 +59,8 @@ def main(argv=None):
     ap.add_argument("--peaks", help="int8_peaks.json of this GPU (for the %% of peak columns)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="results")
+    ap.add_argument("--arch", default=None,
+                    help="default: this GPU's, as sm_90a on an sm_90 GPU (the wgmma family needs it)")
     args = ap.parse_args(argv)
     import tvm
     from tvm_qconv import registry
@@ -66,7 +68,8 @@ def main(argv=None):
     from tvm_qconv.target import device_arch
     from tvm_qconv.tuning import read_peaks
 
-    arch = device_arch()
+    arch = args.arch or device_arch()
+    arch = "sm_90a" if arch == "sm_90" and args.arch is None else arch
     peaks = read_peaks(args.peaks) if args.peaks else {}
     libdir = os.path.join(args.out, "conv_layers_libs")
     os.makedirs(libdir, exist_ok=True)

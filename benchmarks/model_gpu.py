@@ -8,9 +8,10 @@ PyTorch, and the CUDA build's agreement with the CPU build.
 2. Builds the int8 library for llvm and for cuda (the registry's default: tensor cores where
    they apply) at batch 1 with every int8 activation exposed, runs both on the same photo and
    compares every int8 tensor element by element (they must be bit-identical).
-3. At each batch size builds and times (TVM time_evaluator, median; Relax CUDA graphs): the
-   default build (``mma``: tensor cores, dp4a for the few-channel first conv), the dp4a-only
-   build, and with ``--tuning-logs`` each tuned (the database picks the family per layer); beside
+3. At each batch size builds and times (TVM time_evaluator, median; Relax CUDA graphs) the
+   ``--variants``: the default build (the registry's order: wgmma with ``--arch sm_90a``, else
+   mma.sync tensor cores; dp4a for the few-channel first conv), mma.sync preferred, dp4a only;
+   and with ``--tuning-logs`` each tuned (the database picks the family per layer); beside
    PyTorch fp16 and fp32 (channels_last, cudnn.benchmark, eager and CUDA graphs) and, with
    ``--compile``, ``torch.compile(mode="max-autotune")`` fp16.  Every int8 variant is checked
    to give the default build's exact logits.
@@ -61,6 +62,11 @@ def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
         return cuda_median_ms(fn, iters)
 
 
+# The int8 builds a run can time (``--variants``): the kernel families each prefers.
+VARIANTS = {"default": {}, "mma": dict(families=("mma", "dp4a", "generic")),
+            "dp4a": dict(families=("dp4a", "generic"))}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="vgg16")
@@ -70,6 +76,9 @@ def main(argv=None):
     ap.add_argument("--out", default="results")
     ap.add_argument("--lib-dir", default="/tmp/tvm_qconv_libs", help="where the built libraries go")
     ap.add_argument("--skip-agreement", action="store_true")
+    ap.add_argument("--variants", nargs="+", default=["default", "dp4a"], choices=sorted(VARIANTS),
+                    help="int8 builds to time: default (the registry's order: wgmma on sm_90a, else mma.sync), "
+                         "mma (mma.sync preferred), dp4a (dp4a only)")
     ap.add_argument("--tuning-logs", default=None,
                     help="folder holding <model>-b<N>-<arch>/ databases: adds the tuned builds")
     ap.add_argument("--compile", action="store_true", help="also torch.compile(mode='max-autotune') fp16")
@@ -127,7 +136,7 @@ def main(argv=None):
     for bs in args.batches:
         row = dict(batch=bs)
         x = np.concatenate([photos] * (-(-bs // len(photos))))[:bs]
-        variants = {"int8_mma_graph": dict(), "int8_dp4a_graph": dict(families=("dp4a", "generic"))}
+        variants = {f"int8_{name}_graph": VARIANTS[name] for name in args.variants}
         log = args.tuning_logs and os.path.join(args.tuning_logs, f"{args.model}-b{bs}-sm_90")
         if log and os.path.isdir(log):
             variants["int8_tuned_graph"] = dict(tuning_log=log)
@@ -142,7 +151,7 @@ def main(argv=None):
             row[f"{tag}_same_logits"] = bool(np.array_equal(logits, reference) and np.array_equal(cm(x), logits))
             row[f"{tag}_build_s"] = round(secs, 1)
             row[f"{tag}_families"] = sorted({r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")})
-            if bs == 1 and tag == "int8_mma_graph":
+            if bs == 1 and tag == next(iter(variants)):
                 ref = model(torch.from_numpy(photos)).detach().numpy()
                 got = np.concatenate([cm(photos[i:i + 1]) for i in range(len(photos))])
                 row["sqnr_db"] = sqnr_db(ref, got)

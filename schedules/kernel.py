@@ -23,6 +23,7 @@ from tvm import tirx
 IMPL_ATTR = "tvm_qconv.impl"          # PrimFunc attribute: the registry name of the implementation
 KERNEL_ATTR = "tvm_qconv.kernel"      # PrimFunc attribute: the compute definition's name
 WORKLOAD_ATTR = "tvm_qconv.workload"  # PrimFunc attribute: the workload (a dict literal)
+TIRX_ATTR = "tvm_qconv.tirx"          # PrimFunc attribute: a hand-written TIRx kernel (lowered first)
 
 
 class Layout:

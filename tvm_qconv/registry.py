@@ -19,13 +19,15 @@ from .schedules.nchw4c.layout import LAYOUT as NCHW4C
 from .schedules.tensorcore import impls as tensorcore
 from .schedules.tensorcore.layout import LAYOUT as NHWC32
 from .schedules.training import grad_input, grad_weight
+from .schedules.wgmma import impls as wgmma
 from .target import TargetInfo
 
 # In priority order per op: select() takes the first that applies, unless told otherwise (a
-# tuning database's measured pick).  For conv2d: depthwise, then int8 tensor cores (sm_80+, 16+
-# input channels), then dp4a (CUDA), then the CPU kernel.
+# tuning database's measured pick).  For conv2d: depthwise, then Hopper's wgmma (sm_90a), then
+# int8 tensor cores (sm_80+, 16+ input channels), then dp4a (CUDA), then the CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     nchw4c.CONV2D_DEPTHWISE,
+    wgmma.CONV2D_WGMMA,
     tensorcore.CONV2D_MMA,
     *(impl for impl in nchw4c.IMPLEMENTATIONS if impl is not nchw4c.CONV2D_DEPTHWISE),
     *(impl for impl in tensorcore.IMPLEMENTATIONS if impl is not tensorcore.CONV2D_MMA),

@@ -13,6 +13,12 @@ messages are in ``docs/tensorcore.md``):
 and one that is not a workaround: ``qconv.GatherThroughL1`` prints the im2col gather as
 ``cp.async.ca`` (TVM prints every 16-byte cp.async as ``.cg``, bypassing L1).
 
+The same pipeline compiles the hand-written TIRx kernels of the wgmma family
+(``schedules/wgmma``), marked ``tvm_qconv.tirx``: TVM's ``tirx`` pipeline fails on S-TIR
+functions and the S-TIR pipeline on TIRx ones, so :func:`lower_tirx_kernels` first lowers the
+marked functions' TIRx constructs (``LowerTIRx``, ``LowerTIRxOpaque``), after which the S-TIR
+pipeline takes every function of the module.
+
 :func:`compile_options` is what a build of a module holding these kernels passes to
 ``tvm.compile``: the registered pipeline and ``tirx.use_async_copy``.  The passes touch only
 async-scope shared stores and "warp" buffers, so the other kernels of the module compile as
@@ -282,6 +288,23 @@ def gather_through_l1(func, mod, ctx):
     return func.with_body(tvm_ffi.structural_mutate(func.body, [(tvm.ir.Call, on_call)]))
 
 
+@tvm.transform.module_pass(opt_level=0, name="qconv.LowerTIRxKernels")
+def lower_tirx_kernels(mod, ctx):
+    """Lower the TIRx constructs of the functions marked ``tvm_qconv.tirx``; the others as they are."""
+    from tvm import tirx
+    from ..kernel import TIRX_ATTR
+    marked = {gv: f for gv, f in mod.functions.items()
+              if isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(TIRX_ATTR, False)}
+    if not marked:
+        return mod
+    lowered = tvm.ir.transform.Sequential([tirx.transform.LowerTIRx(), tirx.transform.LowerTIRxOpaque()])(
+        tvm.IRModule(marked, attrs=mod.attrs))
+    mod = mod.clone()
+    for gv, func in lowered.functions.items():
+        mod.update_func(mod.get_global_var(gv.name_hint), func)
+    return mod
+
+
 # (pass name, pass to insert, insert "before" or "after" it)
 _EXTRA_PASSES = [
     ("s_tir.InjectPTXAsyncCopy", predicated_int8_async_copy, "before"),
@@ -324,6 +347,7 @@ def _register_pipeline() -> str:
 
         @tvm.transform.module_pass(opt_level=0, name="qconv_mma.pipeline")
         def _pipeline(mod, ctx):
+            mod = lower_tirx_kernels(mod)
             return _with_extra_passes(lambda: pipeline(mod))
 
         return _pipeline, finalize_host, (lambda: _with_extra_passes(finalize_device))

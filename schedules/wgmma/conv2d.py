@@ -1,0 +1,278 @@
+"""The fused int8 conv on Hopper's warpgroup MMA: a hand-written TIRx kernel.
+
+Same layer, layouts and arguments as the ``mma.sync`` family (``schedules/tensorcore/conv2d.py``):
+data ``[N, H, W, C_p]`` int8 (NHWC32), weight ``[O_p, KH*KW*C_p]`` (``k = (ky*KW + kx)*C_p + c``),
+bias / mult / shift ``[O_p]``, out ``[N, OH, OW, O_p]`` int8; the implicit GEMM is
+``M = N*OH*OW`` rows x ``O_p`` columns x ``K`` and the epilogue is the project's integer
+requantization, so the result is bit-identical to every other family.
+
+Why hand-written: TVM 0.27 has no wgmma tensor intrinsic, so neither ``sch.tensorize`` nor
+MetaSchedule reaches it (``docs/wgmma.md``).  The kernel is a TIRx PrimFunc; its decisions are the
+fields of :class:`Config`.
+
+The kernel (one CTA per SM, persistent; 3 warpgroups of 128 threads)::
+
+    warpgroup 0  producer   one thread: for each of the CTA's tiles, for each K step, wait for a
+                            free ring stage (``empty``), then two TMA loads into it, completing
+                            on ``full``: A = the im2col rows of BM output pixels for one tap and
+                            BK channels (TMA im2col mode: padding and the M tail become zeros in
+                            hardware), B = the weight tile [BN, BK] (TMA tiled)
+    warpgroups 1, 2   consumers, ping-pong: they take the CTA's tiles in turn.  One runs its K
+                            loop of ``wgmma.mma_async m64nWNk32`` from the ring (BM/64 x BN/WN
+                            accumulator blocks, ``wait_group(1)``: one K step in flight) while
+                            the other runs its epilogue; an ``order`` mbarrier pair hands the
+                            ring from one to the other (an mbarrier waiter may be one phase
+                            ahead of the barrier, never more, so the second may not start
+                            waiting on its stages before the first has taken all of its own)
+
+    stage s of the ring: A [BM, BK] and B [BN, BK], both K-major with the swizzle of one BK-byte
+    row (128B for BK = 128), as wgmma's shared-memory descriptors read them
+
+Epilogue: accumulator register i of thread t in its m64 x WN block holds row
+``16*(t/32) + (t%32)/4 + 8*((i/2)%2)``, column ``8*(i/4) + 2*(t%4) + i%2``; two adjacent columns
+are requantized and stored as one 16-bit word.
+
+Measured on an H100 (``docs/benchmarks.md``, "The wgmma family"): VGG16's 3x3 convs at batch 64
+run 1.4-2.6x faster than the mma.sync family.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..requantize import requantize_tir
+from ..tensorcore.conv2d import gemm_shape
+from ..workload import ConvWorkload
+from ..tensorcore.layout import ceil32
+from .tensormap import ENCODE_IM2COL
+
+KERNEL_NAME = "conv2d_nhwc_int8_wgmma"
+SMEM_BUDGET = 200 * 1024     # the ring's bytes; the H100's opt-in limit is 227 KB per block
+MAX_STAGES = 6               # more buys nothing measurable (6 vs 4: 1.0-1.1x, docs/benchmarks.md)
+MAX_ACC = 128                # accumulator registers per consumer thread (of the 232 it gets)
+PRODUCER_REGS, CONSUMER_REGS = 40, 232   # setmaxnreg: 128*40 + 256*232 <= 64K registers per SM
+# wgmma's s8 shapes: m64nNk32 with N a multiple of 8 up to 32, of 16 up to 224 (PTX ISA 8.x)
+WGMMA_N = (8, 16, 24, 32, *range(48, 225, 16))
+# TMA im2col limits (CUDA driver, cuTensorMapEncodeIm2col, 4-D tensors): corners in [-128, 127],
+# traversal strides <= 8, channels per pixel <= 256
+MAX_CORNER, MAX_STRIDE = 127, 8
+
+FENCE_SRC = ('__device__ __forceinline__ void qconv_wg_fence(uint32_t& r) '
+             '{ asm volatile("" : "+r"(r) :: "memory"); }')
+TMA_IM2COL = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+TMA_TILE = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The decisions of one kernel.
+
+    Attributes:
+        bm: rows (output pixels) of a consumer's tile: 64 or 128 (one or two m64 blocks).
+        bn: columns (output channels) of a tile; a wgmma N, or 256 as two n128 blocks.
+        stages: depth of the TMA ring.
+    """
+
+    bm: int = 128
+    bn: int = 128
+    stages: int = 6
+
+    @property
+    def wn(self) -> int:
+        """N of one wgmma."""
+        return min(self.bn, 128) if self.bn == 256 else self.bn
+
+    def accumulators(self) -> int:
+        return self.bm // 64 * self.bn // 2
+
+
+def k_tile(channels_padded: int) -> int:
+    """BK: the bytes of one tap's channels a K step takes (a power of two dividing C_p), which is
+    also the swizzle span of the shared-memory rows."""
+    return 128 if channels_padded % 128 == 0 else 64 if channels_padded % 64 == 0 else 32
+
+
+def supports(wl: ConvWorkload) -> bool:
+    """Whether TMA im2col can gather this conv (and the layer is one this kernel computes)."""
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    corners = (pt, pl, pb - (kh - 1) * dh, pr - (kw - 1) * dw)
+    return (wl.groups == 1 and wl.out_dtype == "int8" and max(sh, sw) <= MAX_STRIDE
+            and all(-MAX_CORNER - 1 <= -c <= MAX_CORNER for c in corners[:2])
+            and all(-MAX_CORNER - 1 <= c <= MAX_CORNER for c in corners[2:])
+            and (kh - 1) * dh <= MAX_CORNER and (kw - 1) * dw <= MAX_CORNER)
+
+
+def default_config(wl: ConvWorkload) -> Config:
+    """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x 128 with a
+    6-deep ring; 64 x 256 (two n128 blocks, 5 stages) for the long-K layers whose columns come
+    in 256s (512 channels: 1.09-1.12x over 128 x 128, equal at 256)."""
+    _, _, op, k = gemm_shape(wl)
+    bk = k_tile(ceil32(wl.in_channels))
+    if op % 256 == 0 and k >= 4608:
+        bm, bn = 64, 256
+    else:
+        bn = max(n for n in WGMMA_N if n <= 128 and op % n == 0)
+        if op <= 224 and op in WGMMA_N:      # one block across all columns
+            bn = op
+        bm = 128 if bn <= 128 else 64
+    stages = max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk)))
+    return Config(bm, bn, stages)
+
+
+def tiles(wl: ConvWorkload, config: Config) -> int:
+    """Output tiles of ``wl`` under ``config``: the work items of the persistent grid."""
+    m, _, op, _ = gemm_shape(wl)
+    return (m + config.bm - 1) // config.bm * (op // config.bn)
+
+
+def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc:
+    """The kernel ``(data, weight, bias, mult, shift, out)`` of ``wl`` (module docstring), for a
+    GPU of ``num_sm`` SMs (the persistent grid)."""
+    assert supports(wl), wl
+    N, H, W = wl.batch, wl.height, wl.width
+    CP = ceil32(wl.in_channels)
+    M, _, OP, K = gemm_shape(wl)
+    OH, OW = wl.out_height, wl.out_width
+    (KH, KW), (SH, SW), (DH, DW) = wl.kernel, wl.stride, wl.dilation
+    PT, PL, PB, PR = wl.padding
+    LO, HI = wl.act_min, wl.act_max
+    BM, BN, STAGES, WN = config.bm, config.bn, config.stages, config.wn
+    assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
+    assert config.accumulators() <= MAX_ACC, config
+    BK = k_tile(CP)
+    SWIZZLE = {32: 1, 64: 2, 128: 3}[BK]      # CUtensorMapSwizzle / wgmma layout: 32B, 64B, 128B
+    SBO = (8 * BK) >> 4                        # descriptor: 8-row swizzle atom, in 16-byte units
+    CBLK = CP // BK
+    KT = KH * KW * CBLK                        # K steps per tile
+    MW, NW = BM // 64, BN // WN                # m64 and nWN blocks per tile
+    ACC = 64 * WN // 128                       # registers of one m64nWN block per thread
+    NACC = MW * NW * ACC
+    A_ST, B_ST = BM * BK, BN * BK              # bytes per stage
+    NB = OP // BN
+    NT = tiles(wl, config)                     # tiles, column-block fastest (A shared in L2)
+    G = min(num_sm, NT)
+    WGMMA = f"wgmma.mma_async.sync.aligned.m64n{WN}k32.s32.s8.s8"
+    A_BLOCK, B_BLOCK = (64 * BK) >> 4, (WN * BK) >> 4     # descriptor step to the next m64 / nWN block
+    OHW = OH * OW
+
+    @T.prim_func(private=True)
+    def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
+             bias: T.Buffer((OP,), "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
+             out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
+        T.func_attr({"tirx.noalias": True})
+        A_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed(ENCODE_IM2COL, A_map, data.data, N, H, W, CP, -PT, -PL,
+                      PB - (KH - 1) * DH, PR - (KW - 1) * DW, BK, BM, SH, SW, SWIZZLE)
+        B_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
+        T.tensormap_encode_tiled(B_map, weight.data, K, OP, K, BK, BN, 1, 1,
+                                 descriptor_dtype="int8", rank=2, swizzle=SWIZZLE)
+        T.device_entry()
+        cta = T.cta_id([G])
+        wg = T.warpgroup_id([3])
+        tid = T.thread_id_in_wg([128])
+        ring = T.alloc_buffer((STAGES * (A_ST + B_ST),), "uint8", scope="shared.dyn", align=1024)
+        A_s = T.decl_buffer((STAGES, BM, BK), "int8", data=ring.data, scope="shared.dyn")
+        B_s = T.decl_buffer((STAGES, BN, BK), "int8", data=ring.data, elem_offset=STAGES * A_ST,
+                            scope="shared.dyn")
+        out16 = T.decl_buffer((M * OP // 2,), "int16", data=out.data)
+        full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
+        empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
+        order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
+        ntiles = T.meta_var((NT - cta + G - 1) // G)          # this CTA's tiles: cta, cta + G, ...
+        if wg == 0 and tid == 0:
+            for s in T.unroll(STAGES):
+                T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(empty.ptr_to([s]), T.uint32(1))
+            for s in T.unroll(2):
+                T.ptx.mbarrier.init.shared.b64(order.ptr_to([s]), T.uint32(1))
+            T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if wg == 0:                                           # ---- producer
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
+            if tid == 0:
+                for j in T.serial(ntiles):
+                    t = T.meta_var(cta + j * G)
+                    m0 = T.meta_var(t // NB * BM)
+                    img = T.meta_var(m0 // OHW)
+                    oh = T.meta_var(m0 // OW % OH)
+                    ow = T.meta_var(m0 % OW)
+                    for kt in T.serial(KT):
+                        g = T.meta_var(j * KT + kt)           # the ring's step count
+                        st = T.meta_var(g % STAGES)
+                        tap = T.meta_var(kt // CBLK)
+                        T.cuda.mbarrier_wait(empty.ptr_to([st]), (g // STAGES + 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(A_ST + B_ST))
+                        T.ptx[TMA_IM2COL](A_s.ptr_to([st, 0, 0]), T.address_of(A_map),
+                                          kt % CBLK * BK, ow * SW - PL, oh * SH - PT, img, full.ptr_to([st]),
+                                          T.Cast("uint16", tap % KW * DW), T.Cast("uint16", tap // KW * DH))
+                        T.ptx[TMA_TILE](B_s.ptr_to([st, 0, 0]), T.address_of(B_map), kt * BK, t % NB * BN,
+                                        full.ptr_to([st]))
+        else:                                                 # ---- consumers
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
+            acc = T.alloc_buffer((NACC,), "int32", scope="local")
+            acc_u = acc.view("uint32")
+            dA = T.alloc_buffer((1,), "uint64", scope="local")
+            dB = T.alloc_buffer((1,), "uint64", scope="local")
+            for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
+                j = T.meta_var(jj * 2 + (wg - 1))             # consumer 1 takes tiles 0, 2, ...
+                t = T.meta_var(cta + j * G)
+                for i in T.unroll(NACC):
+                    acc[i] = 0
+                if wg == 1:
+                    if jj > 0:
+                        T.cuda.mbarrier_wait(order.ptr_to([0]), (jj - 1) % 2)
+                else:
+                    T.cuda.mbarrier_wait(order.ptr_to([1]), jj % 2)
+                for kt in T.serial(KT):
+                    g = T.meta_var(j * KT + kt)
+                    st = T.meta_var(g % STAGES)
+                    T.cuda.mbarrier_wait(full.ptr_to([st]), g // STAGES % 2)
+                    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dA[0]), A_s.ptr_to([st, 0, 0]), 1, SBO,
+                                                          SWIZZLE)
+                    T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dB[0]), B_s.ptr_to([st, 0, 0]), 1, SBO,
+                                                          SWIZZLE)
+                    for i in T.unroll(NACC):
+                        T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    for kk in T.unroll(BK // 32):             # +32 bytes along K = +2 in the address field
+                        for mw in T.unroll(MW):
+                            for nw in T.unroll(NW):
+                                T.ptx[WGMMA](*[acc_u[(mw * NW + nw) * ACC + i] for i in range(ACC)],
+                                             dA[0] + T.uint64(kk * 2 + mw * A_BLOCK),
+                                             dB[0] + T.uint64(kk * 2 + nw * B_BLOCK), True)
+                    T.ptx.wgmma.commit_group.sync.aligned()
+                    T.ptx.wgmma.wait_group.sync.aligned(1)    # the previous step's wgmmas are done
+                    for i in T.unroll(NACC):
+                        T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
+                    if kt > 0 and tid == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(g + STAGES - 1) % STAGES]), T.uint32(1))
+                if tid == 0:                                  # the other consumer may take the ring
+                    T.ptx.mbarrier.arrive.shared.b64(order.ptr_to([2 - wg]), T.uint32(1))
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                for i in T.unroll(NACC):
+                    T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
+                if tid == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(j * KT + KT - 1) % STAGES]), T.uint32(1))
+                for mw in T.unroll(MW):
+                    for nw in T.unroll(NW):
+                        for i in T.unroll(ACC // 4):
+                            for h in T.unroll(2):
+                                row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4 + 8 * h)
+                                col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
+                                reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
+                                q0 = T.meta_var(_requant(acc[reg], bias[col], mult[col], shift[col], LO, HI))
+                                q1 = T.meta_var(_requant(acc[reg + 1], bias[col + 1], mult[col + 1], shift[col + 1],
+                                                         LO, HI))
+                                if row < M:
+                                    out16[(row * OP + col) // 2] = T.Cast("int16", T.bitwise_or(
+                                        T.bitwise_and(q0, 255), T.shift_left(q1, 8)))
+
+    return main
+
+
+def _requant(acc, bias, mult, shift, lo: int, hi: int):
+    """``requantize_tir`` (``schedules/requantize.py``) on ``acc + bias``, as an int32."""
+    return requantize_tir(acc.astype("int64") + bias.astype("int64"), mult, shift, lo, hi).astype("int32")

@@ -1,0 +1,130 @@
+"""The wgmma family (``schedules/wgmma/``) on CPU: which layers it takes, its tile decisions, its
+CUDA code (wgmma, TMA im2col, warp specialization) and a module mixing it with S-TIR kernels.
+On an H100 / H200 (marked ``gpu``): the kernels bit-exact against NumPy."""
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+
+from tests.test_tensorcore import IDS, WORKLOADS, args_of
+from tests.workloads import conv_wl
+from tvm_qconv import registry
+from tvm_qconv.schedules.tensorcore.conv2d import gemm_shape
+from tvm_qconv.schedules.tensorcore.layout import ceil32
+from tvm_qconv.schedules.wgmma import conv2d
+from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
+
+SM90A = make_target("cuda", "sm_90a")
+IMPL = registry.get("conv2d.nhwc32.wgmma")
+
+
+def test_registry_takes_wgmma_on_sm_90a_only():
+    wl = conv_wl(8, 64, 56, 56, 64)          # 196 tiles of 128 x 64: every SM busy
+    pick = lambda arch, w=wl: registry.select("conv2d", w, TargetInfo.from_target(make_target("cuda", arch))).name
+    assert pick("sm_90a") == "conv2d.nhwc32.wgmma"
+    assert pick("sm_90") == "conv2d.nhwc32.mma"          # plain sm_90 code cannot hold wgmma
+    assert pick("sm_90a", conv_wl(8, 3, 56, 56, 64)) == "conv2d.nchw4c.dp4a"    # 3 channels: dp4a
+    assert pick("sm_90a", conv_wl(8, 64, 56, 56, 64, groups=2)) != "conv2d.nhwc32.wgmma"
+
+
+def test_layers_of_fewer_tiles_than_sms_stay_on_mma():
+    # VGG16 at batch 1: the 224 px layer fills the H100's 132 SMs (392 tiles), the 14 px ones
+    # (8 tiles) do not (schedules/wgmma/impls.py: measured end to end, 0.318 vs 0.292 ms)
+    h100 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
+    pick = lambda w: registry.select("conv2d", w, h100).name
+    assert pick(conv_wl(1, 64, 224, 224, 64)) == "conv2d.nhwc32.wgmma"
+    assert pick(conv_wl(1, 512, 14, 14, 512)) == "conv2d.nhwc32.mma"
+    assert pick(conv_wl(64, 512, 14, 14, 512)) == "conv2d.nhwc32.wgmma"
+
+
+def test_supports_only_what_tma_im2col_can_gather():
+    assert conv2d.supports(conv_wl(1, 64, 28, 28, 64, stride=(2, 2)))
+    assert not conv2d.supports(conv_wl(1, 64, 64, 64, 64, kernel=(9, 9), stride=(9, 9), padding=(0, 0, 0, 0)))
+    assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, padding=(130, 130, 130, 130)))
+    assert not conv2d.supports(conv_wl(1, 64, 28, 28, 64, out_dtype="int32"))
+
+
+@pytest.mark.parametrize("cin", [16, 32, 48, 64, 96, 128, 160, 256, 512, 1024])
+@pytest.mark.parametrize("cout", [32, 40, 64, 96, 128, 160, 192, 256, 320, 384, 512, 1000, 2048])
+def test_default_tile_is_a_legal_kernel(cin, cout):
+    # every decision a kernel asserts on: N a wgmma shape dividing O_p, at most 128 accumulator
+    # registers per consumer thread, the ring inside the shared-memory budget, 2+ stages
+    wl = conv_wl(8, cin, 14, 14, cout)
+    c = conv2d.default_config(wl)
+    op = gemm_shape(wl)[2]
+    assert op % c.bn == 0 and c.wn in conv2d.WGMMA_N and c.bn % c.wn == 0
+    assert c.bm in (64, 128) and c.accumulators() <= conv2d.MAX_ACC
+    assert 2 <= c.stages <= conv2d.MAX_STAGES
+    assert c.stages * (c.bm + c.bn) * conv2d.k_tile(ceil32(cin)) <= conv2d.SMEM_BUDGET
+
+
+def test_long_k_layers_of_512_columns_take_the_64x256_tile():
+    # measured: 1.09-1.12x over 128 x 128 on VGG16's 512->512 convs (docs/benchmarks.md)
+    assert conv2d.default_config(conv_wl(64, 512, 14, 14, 512)) == conv2d.Config(64, 256, 5)
+    assert conv2d.default_config(conv_wl(64, 256, 56, 56, 256)) == conv2d.Config(128, 128, 6)
+
+
+WGMMA_WLS = WORKLOADS + [conv_wl(16, 128, 28, 28, 256), conv_wl(8, 512, 14, 14, 512)]
+WGMMA_IDS = IDS + ["ping_pong_392_tiles", "64x256_tile"]
+
+
+@pytest.mark.parametrize("wl", WGMMA_WLS, ids=WGMMA_IDS)
+def test_cuda_code_is_a_warp_specialized_wgmma_kernel_fed_by_tma(wl):
+    src = cuda_source(registry.compile_kernel(IMPL, wl, SM90A))
+    c = conv2d.default_config(wl)
+    assert f"wgmma.mma_async.sync.aligned.m64n{c.wn}k32.s32.s8.s8" in src
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.im2col" in src       # A: TMA im2col
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global" in src              # B: TMA tiled
+    assert "setmaxnreg.dec.sync.aligned.u32" in src and "setmaxnreg.inc.sync.aligned.u32" in src
+    assert "mma.sync" not in src and "__dp4a" not in src
+
+
+def test_cuda_code_compiles_for_sm_90a_without_spills(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: CUDA source built, not compiled")
+    for i, wl in enumerate((conv_wl(64, 256, 56, 56, 256), conv_wl(64, 512, 14, 14, 512))):
+        cu = tmp_path / f"k{i}.cu"
+        cu.write_text(cuda_source(registry.compile_kernel(IMPL, wl, SM90A)))
+        done = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"k{i}.cubin"), str(cu),
+                               "-Xptxas", "-v", "-diag-suppress", "177"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        # ptxas: the 128 accumulators of a consumer stay in registers.  A few address registers
+        # of the 256->256 layer spill (24 bytes, at the 168-register launch bound of 384
+        # threads; its measured speed includes them); an accumulator set would be >= 256 bytes.
+        log = done.stdout + done.stderr
+        spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", log)]
+        assert spills and max(spills) <= 32, log[-2000:]
+
+
+def test_a_module_of_wgmma_and_s_tir_kernels_compiles():
+    # TVM's tirx pipeline rejects S-TIR functions and the S-TIR pipeline TIRx ones: the project
+    # pipeline lowers the TIRx kernels first (schedules/tensorcore/pipeline.py)
+    wl = conv_wl(2, 64, 14, 14, 64)
+    wgmma = IMPL.schedule(IMPL.compute(wl), SM90A).with_attr("global_symbol", "a")
+    mma_impl = registry.get("conv2d.nhwc32.mma")
+    mma = mma_impl.schedule(mma_impl.compute(wl), SM90A).with_attr("global_symbol", "b")
+    options = registry.compile_options([IMPL, mma_impl])
+    with SM90A, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        ex = tvm.compile(tvm.IRModule({"a": wgmma, "b": mma}), target=SM90A, tir_pipeline=options["tir_pipeline"])
+    src = cuda_source(ex)
+    assert "wgmma.mma_async" in src and "mma.sync" in src
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", WGMMA_WLS + [conv_wl(64, 512, 14, 14, 512)], ids=WGMMA_IDS + ["512@14_b64"])
+def test_wgmma_kernel_on_gpu_is_bit_exact(wl):
+    arch = device_arch()
+    if arch != "sm_90":
+        pytest.skip(f"wgmma needs an sm_90 GPU (H100 / H200), this one is {arch}")
+    lib = registry.compile_kernel(IMPL, wl, SM90A)
+    dev = tvm.cuda(0)
+    args = args_of(wl, seed=1)
+    out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)  # poisoned
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
