@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "IMAGENET1K_V1); default: random init")
     b.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init (default 1000)")
     b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
-    b.add_argument("--arch", default="sm_90", help="CUDA arch for --target cuda (default sm_90)")
+    b.add_argument("--arch", default="sm_90",
+                   help="CUDA arch for --target cuda (default sm_90; sm_90a adds the wgmma family, fastest on "
+                        "H100 / H200, and its library runs on sm_90 GPUs only)")
     b.add_argument("--batch", type=_positive, default=1, help="static batch size of the library (default 1)")
     b.add_argument("--image-size", type=_positive, default=None,
                    help="input height = width (default 224; with --checkpoint: the size it was trained at)")
@@ -65,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cuda-graph", action="store_true",
                    help="(cuda) capture the kernel launches in a CUDA graph: less launch overhead at small batch")
     b.add_argument("--family", action="append", default=None, metavar="FAMILY",
-                   help="prefer this kernel family (mma: int8 tensor cores, dp4a, cpu); repeatable, in order")
+                   help="prefer this kernel family (wgmma: Hopper, --arch sm_90a; mma: int8 tensor cores; dp4a; "
+                        "cpu); repeatable, in order")
     b.add_argument("--no-verify", action="store_true",
                    help="do not run the built library against the float model on calibration images")
     b.add_argument("--verify-floor-db", type=float, default=None, metavar="DB",

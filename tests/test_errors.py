@@ -14,7 +14,7 @@ from tvm_qconv.errors import InputError
 from tvm_qconv.fileio import TEMP_PREFIX
 from tvm_qconv.models import SmallVGG
 from tvm_qconv.ranges import Calibrate
-from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.runtime import CompiledModel, check_arch
 
 
 def cli_error(capsys, *argv) -> str:
@@ -133,3 +133,15 @@ def test_a_build_that_fails_while_saving_leaves_the_previous_library_whole(small
     monkeypatch.undo()
     out = CompiledModel(lib)(x[:1])
     assert out.shape == (1, 10) and np.isfinite(out).all()  # and it still loads and runs
+
+
+@pytest.mark.parametrize("built, gpu, runs", [
+    ("sm_90a", "sm_90", True), ("sm_90a", "sm_100", False), ("sm_90", "sm_80", False),
+    ("sm_80", "sm_90", True), ("sm_90", "sm_90", True)])
+def test_a_library_for_another_gpu_arch_is_refused_by_name(built, gpu, runs):
+    # sm_90a code (wgmma, setmaxnreg) runs on sm_90 only; sm_XY code on sm_XY and newer
+    if runs:
+        check_arch("m.so", built, gpu)
+    else:
+        with pytest.raises(InputError, match=f"built for {built}, this GPU is {gpu}: rebuild with --arch {gpu}"):
+            check_arch("m.so", built, gpu)

@@ -7,6 +7,7 @@ from tvm import relax
 
 from .artifact import artifact_paths, read_meta
 from .errors import InputError
+from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
 
 
 def flatten(out) -> list[np.ndarray]:
@@ -23,6 +24,23 @@ def flatten(out) -> list[np.ndarray]:
     return flat
 
 
+def check_arch(lib_path: str, built: str | None, gpu: str) -> None:
+    """Refuse a CUDA library this GPU cannot run: code for ``sm_90a`` (wgmma, setmaxnreg) runs
+    on ``sm_90`` GPUs only, code for ``sm_XY`` on GPUs of ``sm_XY`` or newer.
+
+    Raises:
+        InputError: naming both archs and the rebuild that fixes it.
+    """
+    if not built or not built.startswith("sm_") or not gpu.startswith("sm_"):
+        return
+    want, have = built[3:].rstrip("a"), gpu[3:]
+    if not (want.isdigit() and have.isdigit()):
+        return
+    if (built.endswith("a") and have != want) or int(have) < int(want):
+        raise InputError(f"{lib_path} was built for {built}, this GPU is {gpu}: rebuild with --arch {gpu}"
+                         + (f" (or {gpu}a)" if gpu == "sm_90" else ""))
+
+
 class CompiledModel:
     """A built int8 model: ``CompiledModel("vgg16.so", "cuda")(x) -> logits``."""
 
@@ -33,6 +51,8 @@ class CompiledModel:
         self.dev = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
         if kind == "cuda" and not self.dev.exist:
             raise InputError(f"{lib_path} was built for CUDA but this machine has no CUDA GPU")
+        if kind == "cuda":
+            check_arch(lib_path, self.meta.get("arch"), f"sm_{self.dev.compute_version.replace('.', '')}")
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(lib_path), self.dev)
         with np.load(params_path) as npz:
             self.params = [tvm.runtime.tensor(npz[n], self.dev) for n in self.meta["param_names"]]

@@ -76,7 +76,8 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         except Exception as err:  # a trace that no longer applies to this workload
             raise corrupt(work_dir, err) from err
         arch = record.target.attrs.get("arch") if record.target is not None else None
-        if arch is not None and str(arch) != str(target.attrs.get("arch")):
+        # sm_90 and sm_90a are one GPU (sm_90a only adds instructions): no warning between them
+        if arch is not None and str(arch).rstrip("a") != str(target.attrs.get("arch")).rstrip("a"):
             other_archs.add(str(arch))
         # Keep the Relax module's attributes (no global_symbol "main": that name is taken).
         scheduled = sch.mod["main"].without_attr("global_symbol")
