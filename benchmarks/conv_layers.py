@@ -5,10 +5,10 @@
 
 For every distinct 3x3 conv of VGG16 (224 px) at each batch size, builds every kernel
 implementation of the registry that applies on this GPU (its default, untuned schedule: dp4a in
-NCHW4c, mma.sync tensor cores and, on an H100 / H200, wgmma in NHWC32), builds in parallel, then on the GPU: checks the output
-(batch 1: bit-exact against the implementation's NumPy reference; larger batches: the families
-bit-identical to each other; a layer only one family runs is not checked there: "exact" None),
-times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
+NCHW4c, mma.sync tensor cores and, on an H100 / H200, wgmma in NHWC32), builds in parallel, then
+on the GPU: checks the output (batch 1: bit-exact against the implementation's NumPy reference;
+larger batches: the families bit-identical to each other; a layer only one family runs is not
+checked there: "exact" None), times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
 and reports ms, TOPS and % of the peak of the kernel's instruction (``--peaks``, the JSON of
 ``int8_peaks.py``).  Writes ``<out>/conv_layers.json`` and prints a markdown table.
 """
@@ -68,8 +68,7 @@ def main(argv=None):
     from tvm_qconv.target import device_arch
     from tvm_qconv.tuning import read_peaks
 
-    arch = args.arch or device_arch()
-    arch = "sm_90a" if arch == "sm_90" and args.arch is None else arch
+    arch = args.arch or device_arch(full=True)
     peaks = read_peaks(args.peaks) if args.peaks else {}
     libdir = os.path.join(args.out, "conv_layers_libs")
     os.makedirs(libdir, exist_ok=True)

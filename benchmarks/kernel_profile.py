@@ -27,15 +27,15 @@ from tvm_qconv.errors import InputError  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
 
 
-def build(name: str, batch: int, size: int, images: int, out_dir: str) -> str:
+def build(name: str, batch: int, size: int, images: int, out_dir: str, arch: str | None = None) -> str:
     from tests.test_zoo import zoo_config, zoo_model
     from tvm_qconv.build import BuildOptions, compile_model
     from tvm_qconv.data import skimage_photos
     from tvm_qconv.ranges import Calibrate
     from tvm_qconv.target import device_arch
 
-    options = BuildOptions(target="cuda", arch=device_arch(), image_size=size, batch=batch, cuda_graph=False,
-                           verify=False)
+    options = BuildOptions(target="cuda", arch=arch or device_arch(full=True), image_size=size, batch=batch,
+                           cuda_graph=False, verify=False)
     lib = os.path.join(out_dir, f"{name}_b{batch}_nograph.so")
     compile_model(zoo_model(name), lib, name=name, options=options, config=zoo_config(name, images),
                   ranges=Calibrate(skimage_photos(size)[:images]), progress=False)
@@ -72,6 +72,7 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="results")
+    ap.add_argument("--arch", default=None, help="default: this GPU's, as sm_90a on an H100 / H200 (wgmma)")
     args = ap.parse_args(argv)
     if not (args.model or args.lib):
         ap.error("give --model NAME (a zoo model) or --lib PATH (a built library)")
@@ -81,7 +82,7 @@ def main(argv=None):
         if args.model not in ZOO:
             ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(ZOO)}, or give --lib")
     try:
-        lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out)
+        lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out, args.arch)
         res = profile(lib, args.runs)
     except InputError as err:
         sys.exit(f"error: {err}")

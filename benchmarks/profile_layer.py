@@ -25,14 +25,14 @@ from tvm_qconv.target import TargetInfo, device_arch, make_target  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="mma")
+    ap.add_argument("--family", default="mma", help="mma, wgmma (H100 / H200) or dp4a")
     ap.add_argument("--cin", type=int, default=256)
     ap.add_argument("--cout", type=int, default=256)
     ap.add_argument("--size", type=int, default=56)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
-    target = make_target("cuda", device_arch())
+    target = make_target("cuda", device_arch(full=True))
     wl = ConvWorkload.with_activation("relu", batch=args.batch, in_channels=args.cin, height=args.size,
                                       width=args.size, out_channels=args.cout)
     impl = next(i for i in registry.candidates("conv2d", wl, TargetInfo.from_target(target)) if i.family == args.family)

@@ -101,13 +101,18 @@ def _sm_count(arch: str) -> int:
     return TYPICAL_SM_COUNT.get(arch, DEFAULT_SM_COUNT)
 
 
-def device_arch(index: int = 0) -> str | None:
-    """``sm_XY`` of the local CUDA GPU ``index``, None where there is none."""
+def device_arch(index: int = 0, full: bool = False) -> str | None:
+    """``sm_XY`` of the local CUDA GPU ``index``, None where there is none; ``full``: the arch
+    that targets all of its instructions (``sm_90a`` on an H100 / H200: wgmma, setmaxnreg)."""
     try:
         dev = tvm.cuda(index)
-        return f"sm_{dev.compute_version.replace('.', '')}" if dev.exist else None
+        arch = f"sm_{dev.compute_version.replace('.', '')}" if dev.exist else None
     except Exception:
         return None
+    return arch + "a" if full and arch in ARCH_SPECIFIC else arch
+
+
+ARCH_SPECIFIC = ("sm_90",)  # archs with an "a" variant this project's kernels use (wgmma: sm_90a)
 
 
 def cuda_source(ex) -> str:
