@@ -80,6 +80,9 @@ class KernelImpl:
         family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
             unscheduled on llvm).
         spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
+        outranks_tuning: where it applies and comes first, it is chosen even when a tuning
+            database measured other candidates (an untunable kernel measured faster than the
+            tuned families' best: ``tvm_qconv/tuning/apply.py``).
         instruction: the int8 instruction its math runs on, as ``benchmarks/int8_peaks.py``
             names the paths it measures (``dp4a``, ``mma.sync``): the peak that its "% of
             peak" figures refer to; empty = none measured.
@@ -90,6 +93,7 @@ class KernelImpl:
     layout: str = ""
     family: str = ""
     spaces: tuple[str, ...] = ()
+    outranks_tuning: bool = False
     instruction: str = ""
 
     def applies(self, wl, target) -> bool:

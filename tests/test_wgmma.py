@@ -43,8 +43,54 @@ def test_layers_of_fewer_tiles_than_sms_stay_on_mma():
 def test_supports_only_what_tma_im2col_can_gather():
     assert conv2d.supports(conv_wl(1, 64, 28, 28, 64, stride=(2, 2)))
     assert not conv2d.supports(conv_wl(1, 64, 64, 64, 64, kernel=(9, 9), stride=(9, 9), padding=(0, 0, 0, 0)))
-    assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, padding=(130, 130, 130, 130)))
+    assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, padding=(130, 130, 130, 130)))   # lower corner
+    assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, kernel=(1, 1), padding=(0, 0, 130, 0)))  # upper
+    # a tap offset of 128 rows, its corners in range
+    assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, dilation=(64, 1), padding=(0, 1, 0, 1)))
     assert not conv2d.supports(conv_wl(1, 64, 28, 28, 64, out_dtype="int32"))
+
+
+def test_the_registry_keeps_unverified_and_narrow_layers_on_mma():
+    # dilated / asymmetric im2col have a GPU test that has not run yet; O_p = 352 would get
+    # 32-column tiles (no wider wgmma N divides it)
+    h100 = TargetInfo.from_target(SM90A)
+    pick = lambda w: registry.select("conv2d", w, h100).name
+    assert pick(conv_wl(8, 64, 56, 56, 64)) == "conv2d.nhwc32.wgmma"
+    assert pick(conv_wl(8, 64, 56, 56, 64, dilation=(2, 2), padding=(2, 2, 2, 2))) == "conv2d.nhwc32.mma"
+    assert pick(conv_wl(8, 64, 56, 56, 64, padding=(1, 2, 1, 0))) == "conv2d.nhwc32.mma"
+    assert pick(conv_wl(64, 64, 28, 28, 352)) == "conv2d.nhwc32.mma"
+
+
+def test_a_tuning_database_does_not_displace_wgmma():
+    # the measured chooser returns the first candidate when it outranks tuning, before reading
+    # the database (None here: it would fail if read)
+    from tvm_qconv.tuning.apply import measured_chooser
+    wl = conv_wl(8, 64, 56, 56, 64)
+    found = registry.candidates("conv2d", wl, TargetInfo.from_target(SM90A))
+    assert measured_chooser(None, SM90A)("conv2d", wl, found) == "conv2d.nhwc32.wgmma"
+
+
+def test_im2col_map_gets_the_corners_strides_and_box_of_the_conv(monkeypatch):
+    # the host encoder's arguments reach cuTensorMapEncodeIm2col in the driver's order
+    # (dims innermost first: C, W, H, N), checked against a stand-in driver
+    from tvm_qconv.schedules.wgmma import tensormap
+    seen = {}
+
+    class Driver:
+        def cuTensorMapEncodeIm2col(self, tmap, dtype, rank, data, dims, strides, lower, upper, channels,
+                                    pixels, traversal, interleave, swizzle, l2, oob):
+            seen.update(dims=list(dims), strides=list(strides), lower=list(lower), upper=list(upper),
+                        channels=channels.value, pixels=pixels.value, traversal=list(traversal),
+                        swizzle=swizzle, rank=rank)
+            return 0
+
+    monkeypatch.setattr(tensormap, "_driver", [Driver()])
+    wl = conv_wl(2, 64, 9, 11, 64, stride=(2, 1), padding=(1, 2, 1, 0))
+    lo_h, lo_w, up_h, up_w = conv2d.im2col_corners(wl)
+    assert (lo_h, lo_w, up_h, up_w) == (-1, -2, 1 - 2, 0 - 2)
+    tensormap.encode_im2col(0, 0, 2, 9, 11, 64, lo_h, lo_w, up_h, up_w, 64, 128, 2, 1, 2)
+    assert seen == dict(dims=[64, 11, 9, 2], strides=[64, 64 * 11, 64 * 11 * 9], lower=[-2, -1], upper=[-2, -1],
+                        channels=64, pixels=128, traversal=[1, 1, 2, 1], swizzle=2, rank=4)
 
 
 @pytest.mark.parametrize("cin", [16, 32, 48, 64, 96, 128, 160, 256, 512, 1024])
@@ -59,6 +105,13 @@ def test_default_tile_is_a_legal_kernel(cin, cout):
     assert c.bm in (64, 128) and c.accumulators() <= conv2d.MAX_ACC
     assert 2 <= c.stages <= conv2d.MAX_STAGES
     assert c.stages * (c.bm + c.bn) * conv2d.k_tile(ceil32(cin)) <= conv2d.SMEM_BUDGET
+
+
+@pytest.mark.parametrize("cin, cout", [(16, 32), (48, 96), (160, 160), (128, 352), (512, 512), (1024, 2048)])
+def test_default_tile_builds(cin, cout):
+    # the kernel's own asserts on its decisions, for odd channel counts and both tile shapes
+    for wl in (conv_wl(8, cin, 14, 14, cout), conv_wl(8, cin, 7, 7, cout, kernel=(1, 1), padding=(0, 0, 0, 0))):
+        assert conv2d.conv2d_wgmma(wl, conv2d.default_config(wl), 132) is not None
 
 
 def test_long_k_layers_of_512_columns_take_the_64x256_tile():

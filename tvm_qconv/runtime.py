@@ -7,6 +7,7 @@ from tvm import relax
 
 from .artifact import artifact_paths, read_meta
 from .errors import InputError
+from .target import ARCH_SPECIFIC, arch_runs_on
 from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
 
 
@@ -25,20 +26,15 @@ def flatten(out) -> list[np.ndarray]:
 
 
 def check_arch(lib_path: str, built: str | None, gpu: str) -> None:
-    """Refuse a CUDA library this GPU cannot run: code for ``sm_90a`` (wgmma, setmaxnreg) runs
-    on ``sm_90`` GPUs only, code for ``sm_XY`` on GPUs of ``sm_XY`` or newer.
+    """Refuse a CUDA library this GPU cannot run (``target.arch_runs_on``: a cubin runs on its own
+    major architecture at its minor version or later, ``sm_90a`` code on sm_90 GPUs only).
 
     Raises:
         InputError: naming both archs and the rebuild that fixes it.
     """
-    if not built or not built.startswith("sm_") or not gpu.startswith("sm_"):
-        return
-    want, have = built[3:].rstrip("a"), gpu[3:]
-    if not (want.isdigit() and have.isdigit()):
-        return
-    if (built.endswith("a") and have != want) or int(have) < int(want):
+    if built and not arch_runs_on(built, gpu):
         raise InputError(f"{lib_path} was built for {built}, this GPU is {gpu}: rebuild with --arch {gpu}"
-                         + (f" (or {gpu}a)" if gpu == "sm_90" else ""))
+                         + (f" (or {gpu}a)" if gpu in ARCH_SPECIFIC else ""))
 
 
 class CompiledModel:

@@ -112,6 +112,18 @@ def device_arch(index: int = 0, full: bool = False) -> str | None:
     return arch + "a" if full and arch in ARCH_SPECIFIC else arch
 
 
+def arch_runs_on(built: str, gpu: str) -> bool:
+    """Whether CUDA code built for ``built`` runs on a GPU of arch ``gpu``.  TVM builds SASS
+    (cubins) only: a cubin runs on its own major architecture at its minor version or later, and
+    an arch-specific one (``sm_90a``: wgmma, setmaxnreg) on exactly its arch.  Unparsable names: True."""
+    b, g = _arch_number(built), _arch_number(gpu)
+    if b is None or g is None:
+        return True
+    if built.endswith("a"):
+        return b == g
+    return b // 10 == g // 10 and g % 10 >= b % 10
+
+
 ARCH_SPECIFIC = ("sm_90",)  # archs with an "a" variant this project's kernels use (wgmma: sm_90a)
 
 

@@ -31,16 +31,13 @@ def cannot_run(target: tvm.target.Target) -> str | None:
     """Why this machine cannot run a library built for ``target`` (None: it can)."""
     if target.kind.name != "cuda":
         return None
-    from .target import device_arch
+    from .target import arch_runs_on, device_arch
     have = device_arch()
     if have is None:
         return "this machine cannot run a CUDA library (no GPU)"
     want = str(target.attrs.get("arch", ""))
-    # a cubin runs on its own major architecture, at its minor version or later
-    if want.startswith("sm_") and have.startswith("sm_"):
-        (w_major, w_minor), (h_major, h_minor) = (divmod(int(a[3:].rstrip("a")), 10) for a in (want, have))
-        if w_major != h_major or h_minor < w_minor:
-            return f"the library is built for {want}, this machine's GPU is {have}"
+    if not arch_runs_on(want, have):
+        return f"the library is built for {want}, this machine's GPU is {have}"
     return None
 
 

@@ -44,20 +44,24 @@ from tvm.script import tirx as T
 
 from ..requantize import requantize_tir
 from ..tensorcore.conv2d import gemm_shape
-from ..workload import ConvWorkload
 from ..tensorcore.layout import ceil32
+from ..workload import ConvWorkload
 from .tensormap import ENCODE_IM2COL
 
 KERNEL_NAME = "conv2d_nhwc_int8_wgmma"
 SMEM_BUDGET = 200 * 1024     # the ring's bytes; the H100's opt-in limit is 227 KB per block
-MAX_STAGES = 6               # more buys nothing measurable (6 vs 4: 1.0-1.1x, docs/benchmarks.md)
+MAX_STAGES = 6               # the depth measured with the 128 x 128 tile (docs/benchmarks.md); deeper: not measured
 MAX_ACC = 128                # accumulator registers per consumer thread (of the 232 it gets)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232   # setmaxnreg: 128*40 + 256*232 <= 64K registers per SM
-# wgmma's s8 shapes: m64nNk32 with N a multiple of 8 up to 32, of 16 up to 224 (PTX ISA 8.x)
+# The s8 wgmma shapes TVM 0.27's PTX table spells, m64nNk32: N a multiple of 8 up to 32, of 16
+# up to 224.  The ISA also has n240 / n256 (TVM's table lacks them), so a 256-column tile is two
+# n128 blocks: the same tensor-core work, one more descriptor add per K step.
 WGMMA_N = (8, 16, 24, 32, *range(48, 225, 16))
-# TMA im2col limits (CUDA driver, cuTensorMapEncodeIm2col, 4-D tensors): corners in [-128, 127],
-# traversal strides <= 8, channels per pixel <= 256
-MAX_CORNER, MAX_STRIDE = 127, 8
+# TMA im2col limits (CUDA driver, cuTensorMapEncodeIm2col, 4-D tensors): box corners in
+# [-128, 127], traversal strides <= 8, channels per pixel <= 256.  The tap offsets are 16-bit
+# operands; they are held to the corners' range too (the limit the CUDA docs state for them is
+# not confirmed), i.e. (k - 1) * dilation <= 127.
+MIN_CORNER, MAX_CORNER, MAX_STRIDE = -128, 127, 8
 
 FENCE_SRC = ('__device__ __forceinline__ void qconv_wg_fence(uint32_t& r) '
              '{ asm volatile("" : "+r"(r) :: "memory"); }')
@@ -82,9 +86,10 @@ class Config:
     @property
     def wn(self) -> int:
         """N of one wgmma."""
-        return min(self.bn, 128) if self.bn == 256 else self.bn
+        return 128 if self.bn == 256 else self.bn
 
     def accumulators(self) -> int:
+        """int32 accumulator registers per consumer thread: an m64 x N block holds N / 2."""
         return self.bm // 64 * self.bn // 2
 
 
@@ -94,21 +99,27 @@ def k_tile(channels_padded: int) -> int:
     return 128 if channels_padded % 128 == 0 else 64 if channels_padded % 64 == 0 else 32
 
 
+def im2col_corners(wl: ConvWorkload) -> tuple[int, int, int, int]:
+    """(lower_h, lower_w, upper_h, upper_w): the box the windows' top-left corners traverse, as
+    offsets from the image's corners (``tensormap.encode_im2col``)."""
+    (kh, kw), (dh, dw) = wl.kernel, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    return -pt, -pl, pb - (kh - 1) * dh, pr - (kw - 1) * dw
+
+
 def supports(wl: ConvWorkload) -> bool:
     """Whether TMA im2col can gather this conv (and the layer is one this kernel computes)."""
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    pt, pl, pb, pr = wl.padding
-    corners = (pt, pl, pb - (kh - 1) * dh, pr - (kw - 1) * dw)
     return (wl.groups == 1 and wl.out_dtype == "int8" and max(sh, sw) <= MAX_STRIDE
-            and all(-MAX_CORNER - 1 <= -c <= MAX_CORNER for c in corners[:2])
-            and all(-MAX_CORNER - 1 <= c <= MAX_CORNER for c in corners[2:])
+            and all(MIN_CORNER <= c <= MAX_CORNER for c in im2col_corners(wl))
             and (kh - 1) * dh <= MAX_CORNER and (kw - 1) * dw <= MAX_CORNER)
 
 
 def default_config(wl: ConvWorkload) -> Config:
-    """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x 128 with a
-    6-deep ring; 64 x 256 (two n128 blocks, 5 stages) for the long-K layers whose columns come
-    in 256s (512 channels: 1.09-1.12x over 128 x 128, equal at 256)."""
+    """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x BN, the
+    ring as deep as fits (6 stages at BK = 128); 64 x 256 (two n128 blocks) for layers of
+    K >= 4608 whose output channels come in 256s (VGG16's 512->512: 1.09-1.12x over 128 x 128;
+    equal at 256 input channels, where K = 2304 keeps 128 x 128)."""
     _, _, op, k = gemm_shape(wl)
     bk = k_tile(ceil32(wl.in_channels))
     if op % 256 == 0 and k >= 4608:
@@ -137,7 +148,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     M, _, OP, K = gemm_shape(wl)
     OH, OW = wl.out_height, wl.out_width
     (KH, KW), (SH, SW), (DH, DW) = wl.kernel, wl.stride, wl.dilation
-    PT, PL, PB, PR = wl.padding
+    PT, PL = wl.padding[:2]
+    LO_H, LO_W, UP_H, UP_W = im2col_corners(wl)
     LO, HI = wl.act_min, wl.act_max
     BM, BN, STAGES, WN = config.bm, config.bn, config.stages, config.wn
     assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
@@ -145,7 +157,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     BK = k_tile(CP)
     SWIZZLE = {32: 1, 64: 2, 128: 3}[BK]      # CUtensorMapSwizzle / wgmma layout: 32B, 64B, 128B
     SBO = (8 * BK) >> 4                        # descriptor: 8-row swizzle atom, in 16-byte units
-    CBLK = CP // BK
+    CBLK = CP // BK                            # K steps per tap (channel blocks of BK)
     KT = KH * KW * CBLK                        # K steps per tile
     MW, NW = BM // 64, BN // WN                # m64 and nWN blocks per tile
     ACC = 64 * WN // 128                       # registers of one m64nWN block per thread
@@ -153,7 +165,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     A_ST, B_ST = BM * BK, BN * BK              # bytes per stage
     NB = OP // BN
     NT = tiles(wl, config)                     # tiles, column-block fastest (A shared in L2)
-    G = min(num_sm, NT)
+    GRID = min(num_sm, NT)
     WGMMA = f"wgmma.mma_async.sync.aligned.m64n{WN}k32.s32.s8.s8"
     A_BLOCK, B_BLOCK = (64 * BK) >> 4, (WN * BK) >> 4     # descriptor step to the next m64 / nWN block
     OHW = OH * OW
@@ -164,24 +176,24 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
              out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
         T.func_attr({"tirx.noalias": True})
         A_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed(ENCODE_IM2COL, A_map, data.data, N, H, W, CP, -PT, -PL,
-                      PB - (KH - 1) * DH, PR - (KW - 1) * DW, BK, BM, SH, SW, SWIZZLE)
+        T.call_packed(ENCODE_IM2COL, A_map, data.data, N, H, W, CP, LO_H, LO_W, UP_H, UP_W, BK, BM, SH, SW,
+                      SWIZZLE)
         B_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
         T.tensormap_encode_tiled(B_map, weight.data, K, OP, K, BK, BN, 1, 1,
                                  descriptor_dtype="int8", rank=2, swizzle=SWIZZLE)
         T.device_entry()
-        cta = T.cta_id([G])
+        cta = T.cta_id([GRID])
         wg = T.warpgroup_id([3])
         tid = T.thread_id_in_wg([128])
         ring = T.alloc_buffer((STAGES * (A_ST + B_ST),), "uint8", scope="shared.dyn", align=1024)
         A_s = T.decl_buffer((STAGES, BM, BK), "int8", data=ring.data, scope="shared.dyn")
         B_s = T.decl_buffer((STAGES, BN, BK), "int8", data=ring.data, elem_offset=STAGES * A_ST,
                             scope="shared.dyn")
-        out16 = T.decl_buffer((M * OP // 2,), "int16", data=out.data)
+        out16 = T.decl_buffer((M * OP // 2,), "uint16", data=out.data)   # two channels per store
         full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
-        ntiles = T.meta_var((NT - cta + G - 1) // G)          # this CTA's tiles: cta, cta + G, ...
+        ntiles = T.meta_var((NT - cta + GRID - 1) // GRID)    # this CTA's tiles: cta, cta + GRID, ...
         if wg == 0 and tid == 0:
             for s in T.unroll(STAGES):
                 T.ptx.mbarrier.init.shared.b64(full.ptr_to([s]), T.uint32(1))
@@ -194,16 +206,17 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
             if tid == 0:
                 for j in T.serial(ntiles):
-                    t = T.meta_var(cta + j * G)
+                    t = T.meta_var(cta + j * GRID)
                     m0 = T.meta_var(t // NB * BM)
                     img = T.meta_var(m0 // OHW)
                     oh = T.meta_var(m0 // OW % OH)
                     ow = T.meta_var(m0 % OW)
                     for kt in T.serial(KT):
-                        g = T.meta_var(j * KT + kt)           # the ring's step count
-                        st = T.meta_var(g % STAGES)
+                        step = T.meta_var(j * KT + kt)        # the ring's step count: stage, lap
+                        st = T.meta_var(step % STAGES)
                         tap = T.meta_var(kt // CBLK)
-                        T.cuda.mbarrier_wait(empty.ptr_to([st]), (g // STAGES + 1) % 2)
+                        # wait for lap - 1's release of the stage (lap 0: passes at once)
+                        T.cuda.mbarrier_wait(empty.ptr_to([st]), (step // STAGES + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(A_ST + B_ST))
                         T.ptx[TMA_IM2COL](A_s.ptr_to([st, 0, 0]), T.address_of(A_map),
                                           kt % CBLK * BK, ow * SW - PL, oh * SH - PT, img, full.ptr_to([st]),
@@ -218,18 +231,21 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             dB = T.alloc_buffer((1,), "uint64", scope="local")
             for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
                 j = T.meta_var(jj * 2 + (wg - 1))             # consumer 1 takes tiles 0, 2, ...
-                t = T.meta_var(cta + j * G)
+                t = T.meta_var(cta + j * GRID)
                 for i in T.unroll(NACC):
                     acc[i] = 0
+                # the turn: consumer 2 may start its jj-th main loop once consumer 1 has passed
+                # the waits of its jj-th (order[1], phase jj); consumer 1 its jj-th once consumer
+                # 2 has passed its (jj-1)-th (order[0], phase jj - 1)
                 if wg == 1:
                     if jj > 0:
                         T.cuda.mbarrier_wait(order.ptr_to([0]), (jj - 1) % 2)
                 else:
                     T.cuda.mbarrier_wait(order.ptr_to([1]), jj % 2)
                 for kt in T.serial(KT):
-                    g = T.meta_var(j * KT + kt)
-                    st = T.meta_var(g % STAGES)
-                    T.cuda.mbarrier_wait(full.ptr_to([st]), g // STAGES % 2)
+                    step = T.meta_var(j * KT + kt)
+                    st = T.meta_var(step % STAGES)
+                    T.cuda.mbarrier_wait(full.ptr_to([st]), step // STAGES % 2)
                     T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dA[0]), A_s.ptr_to([st, 0, 0]), 1, SBO,
                                                           SWIZZLE)
                     T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dB[0]), B_s.ptr_to([st, 0, 0]), 1, SBO,
@@ -248,8 +264,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                     for i in T.unroll(NACC):
                         T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
                     if kt > 0 and tid == 0:
-                        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(g + STAGES - 1) % STAGES]), T.uint32(1))
-                if tid == 0:                                  # the other consumer may take the ring
+                        T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(step + STAGES - 1) % STAGES]), T.uint32(1))
+                if tid == 0:                                  # the other consumer's turn
                     T.ptx.mbarrier.arrive.shared.b64(order.ptr_to([2 - wg]), T.uint32(1))
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 for i in T.unroll(NACC):
@@ -266,9 +282,9 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                 q0 = T.meta_var(_requant(acc[reg], bias[col], mult[col], shift[col], LO, HI))
                                 q1 = T.meta_var(_requant(acc[reg + 1], bias[col + 1], mult[col + 1], shift[col + 1],
                                                          LO, HI))
-                                if row < M:
-                                    out16[(row * OP + col) // 2] = T.Cast("int16", T.bitwise_or(
-                                        T.bitwise_and(q0, 255), T.shift_left(q1, 8)))
+                                if row < M:                   # two int8s, little-endian, as one uint16
+                                    out16[(row * OP + col) // 2] = T.Cast("uint16", T.bitwise_or(
+                                        T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8)))
 
     return main
 

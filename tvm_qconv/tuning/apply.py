@@ -16,7 +16,9 @@ from .tasks import is_tunable, task_func
 def measured_chooser(db, target: tvm.target.Target):
     """A chooser for the quantize pass: of a layer's candidate implementations, the one whose
     kernel for that workload the database measured fastest, when every tunable candidate has a
-    measurement; otherwise None (the registry's order decides).
+    measurement; otherwise None (the registry's order decides).  A first candidate that
+    ``outranks_tuning`` (an untunable kernel measured faster than the tuned families)
+    is taken as it is.
 
     The layout conversion a family change costs is not counted: a relayout moves the tensor
     once (a few microseconds for VGG16's 224 px layers), against layer times that differ by
@@ -30,6 +32,8 @@ def measured_chooser(db, target: tvm.target.Target):
         return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
+        if candidates and candidates[0].outranks_tuning:
+            return candidates[0].name
         tunable = [impl for impl in candidates if impl.spaces]
         if len(tunable) < 2:
             return None
