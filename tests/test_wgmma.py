@@ -167,6 +167,23 @@ def test_a_module_of_wgmma_and_s_tir_kernels_compiles():
     assert "wgmma.mma_async" in src and "mma.sync" in src
 
 
+def test_a_model_builds_for_sm_90a_with_wgmma_and_mma_layers_side_by_side(tmp_path):
+    # SmallVGG at batch 272: its 8x8 convs have 136 tiles of 128 x 64 (>= 132 SMs: wgmma), its
+    # 16->32 conv 32-column tiles (mma.sync), its first conv 3 channels (dp4a); one library
+    import torch
+    from tvm_qconv.build import BuildOptions, compile_model
+    from tvm_qconv.config import QuantConfig
+    from tvm_qconv.models import SmallVGG
+    from tvm_qconv.ranges import Calibrate
+    torch.manual_seed(0)
+    x = np.random.default_rng(0).normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
+    lib = compile_model(SmallVGG(), str(tmp_path / "m.so"), ranges=Calibrate(x), config=QuantConfig(num_calib_images=4),
+                        options=BuildOptions(target="cuda", arch="sm_90a", batch=272, image_size=32, verify=False),
+                        progress=False)
+    kernels = [r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")]
+    assert kernels == ["conv2d.nchw4c.dp4a", "conv2d.nhwc32.mma", "conv2d.nhwc32.wgmma", "conv2d.nhwc32.wgmma"]
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
