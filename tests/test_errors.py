@@ -135,6 +135,27 @@ def test_a_build_that_fails_while_saving_leaves_the_previous_library_whole(small
     assert out.shape == (1, 10) and np.isfinite(out).all()  # and it still loads and runs
 
 
+def test_a_library_whose_files_come_from_two_builds_is_refused(small_lib, tmp_path):
+    # the .json carries the build id of its .so and .params.npz: new code beside an old .json (a
+    # save cut short between its renames) or params copied from another build is refused by name
+    import json
+    import shutil
+    lib = str(tmp_path / "small.so")
+    for path in (small_lib, *artifact.artifact_paths(small_lib)):
+        shutil.copy(path, tmp_path)
+    params, meta = artifact.artifact_paths(lib)
+    assert CompiledModel(lib)(np.zeros((1, 3, 32, 32), np.float32)).shape == (1, 10)   # whole
+    with np.load(params) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    first = next(iter(arrays))
+    arrays[first] = arrays[first] + 1 if arrays[first].dtype != np.int8 else arrays[first] ^ 1
+    np.savez(params, **arrays)                                                            # another build's params
+    with pytest.raises(InputError, match="are not the files its .json was built with.*rebuild it"):
+        CompiledModel(lib)
+    record = json.load(open(meta))
+    assert len(record["build_id"]) == 20
+
+
 @pytest.mark.parametrize("built, gpu, runs", [
     ("sm_90a", "sm_90", True), ("sm_90a", "sm_100", False), ("sm_90", "sm_80", False),
     ("sm_80", "sm_90", False), ("sm_80", "sm_86", True), ("sm_86", "sm_80", False), ("sm_90", "sm_90", True)])

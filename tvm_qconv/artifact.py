@@ -2,6 +2,7 @@
 ``model.json`` (the scheme, the ranges, the build report), written and read here only."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,10 +22,22 @@ def artifact_paths(lib_path: str) -> tuple[str, str]:
     return stem + ".params.npz", stem + ".json"
 
 
+def build_id(lib_path: str, params_path: str) -> str:
+    """The hash of a library's code and params: the ``.json`` records it, loading checks it."""
+    digest = hashlib.sha256()
+    for path in (lib_path, params_path):
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:20]
+
+
 def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
     """Write the three files through a temporary folder beside them and rename each into place:
     an interrupted build never leaves a half-written file, and an earlier build at the same path
-    survives until the renames.
+    survives until the renames.  The ``.json`` goes last, as the commit record: it carries the
+    build id of the code and params (:func:`build_id`), so a set whose renames were cut short
+    (new code, old json) is refused at load (:func:`check_whole`), never run.
 
     Args:
         ex: the ``tvm.compile`` result.
@@ -39,12 +52,31 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
     try:
         ex.export_library(os.path.join(tmp, "lib.so"))
         np.savez(os.path.join(tmp, "params.npz"), **{n: a for n, a in params})
+        meta = dict(meta, build_id=build_id(os.path.join(tmp, "lib.so"), os.path.join(tmp, "params.npz")))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
-        for src, dst in (("params.npz", params_path), ("meta.json", meta_path), ("lib.so", lib_path)):
+        for src, dst in (("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)):
             os.replace(os.path.join(tmp, src), dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_whole(lib_path: str, meta: dict) -> None:
+    """Refuse a library whose ``.so`` and ``.params.npz`` are not the ones its ``.json`` was
+    written with (a save cut short, or a file copied in from another build).  Libraries from
+    before build ids (no ``build_id``) pass.
+
+    Raises:
+        InputError: naming the library and the rebuild that fixes it.
+    """
+    want = meta.get("build_id")
+    if want is None:
+        return
+    params_path, _ = artifact_paths(lib_path)
+    if build_id(lib_path, params_path) != want:
+        raise InputError(f"{lib_path} and {params_path} are not the files its .json was built with (a build was "
+                         f"interrupted while saving, or a file was copied from another build): rebuild it with "
+                         f"`python deploy.py build ... -o {lib_path}`")
 
 
 def read_meta(lib_path: str) -> dict:
