@@ -150,10 +150,20 @@ def test_a_library_whose_files_come_from_two_builds_is_refused(small_lib, tmp_pa
     first = next(iter(arrays))
     arrays[first] = arrays[first] + 1 if arrays[first].dtype != np.int8 else arrays[first] ^ 1
     np.savez(params, **arrays)                                                            # another build's params
-    with pytest.raises(InputError, match="are not the files its .json was built with.*rebuild it"):
+    with pytest.raises(InputError, match="are not the files of one build.*rebuild it"):
         CompiledModel(lib)
+    shutil.copy(artifact.artifact_paths(small_lib)[0], params)                          # whole again
     record = json.load(open(meta))
     assert len(record["build_id"]) == 20
+    json.dump(dict(record, input_shape=[2, 3, 32, 32]), open(meta, "w"))                # an edited batch
+    with pytest.raises(InputError, match="are not the files of one build"):
+        CompiledModel(lib)
+
+
+def test_a_library_run_on_another_device_kind_is_refused(small_lib):
+    with pytest.raises(InputError, match="built for the CPU \\(llvm\\), it cannot run on --device cuda: run it with "
+                                         "--device llvm, or rebuild with --target cuda"):
+        CompiledModel(small_lib, "cuda")
 
 
 @pytest.mark.parametrize("built, gpu, runs", [

@@ -22,9 +22,14 @@ def artifact_paths(lib_path: str) -> tuple[str, str]:
     return stem + ".params.npz", stem + ".json"
 
 
-def build_id(lib_path: str, params_path: str) -> str:
-    """The hash of a library's code and params: the ``.json`` records it, loading checks it."""
-    digest = hashlib.sha256()
+# The .json fields the code depends on: an edit of one (say the batch) is a mismatch too.
+BOUND_FIELDS = ("input_shape", "param_names", "target", "arch")
+
+
+def build_id(lib_path: str, params_path: str, meta: dict) -> str:
+    """The hash of a library's code, params and :data:`BOUND_FIELDS` of its record: the ``.json``
+    records it, loading checks it."""
+    digest = hashlib.sha256(json.dumps([meta.get(k) for k in BOUND_FIELDS], default=str).encode())
     for path in (lib_path, params_path):
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -52,7 +57,7 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
     try:
         ex.export_library(os.path.join(tmp, "lib.so"))
         np.savez(os.path.join(tmp, "params.npz"), **{n: a for n, a in params})
-        meta = dict(meta, build_id=build_id(os.path.join(tmp, "lib.so"), os.path.join(tmp, "params.npz")))
+        meta = dict(meta, build_id=build_id(os.path.join(tmp, "lib.so"), os.path.join(tmp, "params.npz"), meta))
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
         for src, dst in (("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)):
@@ -63,7 +68,7 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
 
 def check_whole(lib_path: str, meta: dict) -> None:
     """Refuse a library whose ``.so`` and ``.params.npz`` are not the ones its ``.json`` was
-    written with (a save cut short, or a file copied in from another build).  Libraries from
+    written with (a save cut short, a file copied in from another build, an edited record).  Libraries from
     before build ids (no ``build_id``) pass.
 
     Raises:
@@ -73,10 +78,10 @@ def check_whole(lib_path: str, meta: dict) -> None:
     if want is None:
         return
     params_path, _ = artifact_paths(lib_path)
-    if build_id(lib_path, params_path) != want:
-        raise InputError(f"{lib_path} and {params_path} are not the files its .json was built with (a build was "
-                         f"interrupted while saving, or a file was copied from another build): rebuild it with "
-                         f"`python deploy.py build ... -o {lib_path}`")
+    if build_id(lib_path, params_path, meta) != want:
+        raise InputError(f"{lib_path}, {params_path} and its .json are not the files of one build (a build was "
+                         f"interrupted while saving, a file was copied from another build, or the .json was "
+                         f"edited): rebuild it with `python deploy.py build ... -o {lib_path}`")
 
 
 def read_meta(lib_path: str) -> dict:

@@ -45,6 +45,10 @@ class CompiledModel:
         check_whole(lib_path, self.meta)
         params_path, _ = artifact_paths(lib_path)
         kind = device or self.meta["target"]
+        if kind != self.meta["target"]:
+            built = "CUDA" if self.meta["target"] == "cuda" else "the CPU (llvm)"
+            raise InputError(f"{lib_path} was built for {built}, it cannot run on --device {kind}: run it with "
+                             f"--device {self.meta['target']}, or rebuild with --target {kind}")
         self.dev = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
         if kind == "cuda" and not self.dev.exist:
             raise InputError(f"{lib_path} was built for CUDA but this machine has no CUDA GPU")
