@@ -38,13 +38,13 @@ from tvm_qconv.schedules.nchw4c.dp4a_space import SPACES, schedule_rules, space_
 from tvm_qconv.schedules.nchw4c.layout import ceil4, pack_nchw4c
 from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.workload import ConvWorkload
-from tvm_qconv.target import TargetInfo, make_target
+from tvm_qconv.target import TargetInfo, device_arch, make_target
 from tvm_qconv.target import cuda_source as build_cuda_source
 from tvm_qconv.transform import LiftConstantsToParams, ScheduleInt8Kernels
 from tvm_qconv.tuning import apply_tuning_database, extract_tasks, prune_database, read_peaks, task_func, tune_model
 from tvm_qconv.tuning.database import (RECORD_FILE, WORKLOAD_FILE, canonicalize_database, load_database, repair_database,
                                        tune_command, unpack_database)
-from tvm_qconv.tuning.driver import int8_module
+from tvm_qconv.tuning.driver import CONFIG_FILE, int8_module
 
 # sm_75 (Turing): the dp4a family only (no mma.m16n8k32 on s8), so the small model's kernels are
 # the dp4a template's; the tensor-core family's tuning is tested in test_tensorcore.py.
@@ -490,6 +490,19 @@ def test_rerunning_a_pruned_tuning_command_tunes_nothing_more(small_int8, tmp_pa
     out = capsys.readouterr().out
     assert "2/2 valid trials in the database" in out and "task(s) to tune" not in out
     assert rows[0]["trials"] == 2 and rows[0]["best_us"] == pytest.approx(10.0)
+
+
+def test_tuning_without_a_gpu_is_refused_before_it_records_itself(small_int8, tmp_path):
+    # every candidate is measured on the local GPU: none here, so no run, and no config.json
+    # (a finished database resumes without one: test_tune_model_resumes_from_the_database)
+    if device_arch() is not None:
+        pytest.skip("this machine has a GPU")
+    model, _, tasks = small_int8
+    with pytest.raises(InputError, match="no CUDA GPU on this machine: tuning measures every candidate on the "
+                                         "sm_.* GPU it tunes for; run tune.py on that machine"):
+        tune_model("small_vgg", 1, arch=ARCH, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE,
+                   model=model, only=[tasks[1].name])
+    assert CONFIG_FILE not in os.listdir(tmp_path)
 
 
 def test_a_truncated_packed_database_is_reported_not_unpacked(small_int8, tuned_db, tmp_path):

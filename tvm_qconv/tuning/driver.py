@@ -32,7 +32,7 @@ from ..fileio import check_output_folder, write_json
 from ..frontend import load_model
 from ..quantize import quantize_module
 from ..ranges import Calibrate
-from ..target import TargetInfo, make_target
+from ..target import TargetInfo, arch_runs_on, device_arch, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
 from .database import (CONFIG_FILE, canonicalize_database, mean_secs, prepare_implementations, repair_database,
@@ -189,11 +189,14 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     unpack_database(work_dir)
     repair_database(work_dir)
     canonicalize_database(work_dir)
-    save_config(work_dir, settings, previous)  # after the database is readable: a refused run is not recorded
     prepare_implementations()  # loading the records parses traces that name tensor intrinsics
     db = ms.database.JSONDatabase(work_dir=work_dir)
     measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
     todo = [(t, trials_per_task - measured[t.name][0]) for t in tasks if measured[t.name][0] < trials_per_task]
+    if todo and runner is None:
+        check_local_gpu(arch)
+    # after the database is readable and a GPU is at hand: a refused run is not recorded
+    save_config(work_dir, settings, previous)
     for t in tasks:
         print(f"[tune]   {t.name:<28} {t.workload.describe():<30} x{t.weight}  "
               f"{measured[t.name][0]}/{trials_per_task} valid trials in the database")
@@ -223,6 +226,22 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         rows.append(row)
     print(format_table(rows))
     return rows
+
+
+def check_local_gpu(arch: str) -> None:
+    """Refuse to tune on this machine when it has no GPU that runs ``arch`` code: every
+    candidate is measured on the local GPU (the tests pass their own runner instead).
+
+    Raises:
+        InputError: naming what is missing and what to do.
+    """
+    have = device_arch()
+    if have is None:
+        raise InputError(f"no CUDA GPU on this machine: tuning measures every candidate on the {arch} GPU it "
+                         f"tunes for; run tune.py on that machine and copy the --work-dir folder back")
+    if not arch_runs_on(arch, have):
+        raise InputError(f"--arch {arch} kernels cannot run on this machine's GPU ({have}): tune with --arch {have}, "
+                         f"or on a {arch} machine")
 
 
 def read_peaks(path: str) -> dict[str, float]:
