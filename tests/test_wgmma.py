@@ -115,7 +115,7 @@ def test_default_tile_builds(cin, cout):
 
 
 def test_long_k_layers_of_512_columns_take_the_64x256_tile():
-    # measured: 1.09-1.12x over 128 x 128 on VGG16's 512->512 convs (docs/benchmarks.md)
+    # measured: 1.08-1.12x over 128 x 128 on VGG16's 512->512 convs (docs/benchmarks.md)
     assert conv2d.default_config(conv_wl(64, 512, 14, 14, 512)) == conv2d.Config(64, 256, 5)
     assert conv2d.default_config(conv_wl(64, 256, 56, 56, 256)) == conv2d.Config(128, 128, 6)
 

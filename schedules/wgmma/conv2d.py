@@ -48,7 +48,6 @@ from ..tensorcore.layout import ceil32
 from ..workload import ConvWorkload
 from .tensormap import ENCODE_IM2COL
 
-KERNEL_NAME = "conv2d_nhwc_int8_wgmma"
 SMEM_BUDGET = 200 * 1024     # the ring's bytes; the H100's opt-in limit is 227 KB per block
 MAX_STAGES = 6               # the depth measured with the 128 x 128 tile (docs/benchmarks.md); deeper: not measured
 MAX_ACC = 128                # accumulator registers per consumer thread (of the 232 it gets)
@@ -118,7 +117,7 @@ def supports(wl: ConvWorkload) -> bool:
 def default_config(wl: ConvWorkload) -> Config:
     """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x BN, the
     ring as deep as fits (6 stages at BK = 128); 64 x 256 (two n128 blocks) for layers of
-    K >= 4608 whose output channels come in 256s (VGG16's 512->512: 1.09-1.12x over 128 x 128;
+    K >= 4608 whose output channels come in 256s (VGG16's 512->512: 1.08-1.12x over 128 x 128;
     equal at 256 input channels, where K = 2304 keeps 128 x 128)."""
     _, _, op, k = gemm_shape(wl)
     bk = k_tile(ceil32(wl.in_channels))
