@@ -89,15 +89,14 @@ def main(argv=None):
         bias = rng.integers(-5000, 5000, layer[1]).astype(np.int32)
         # outputs spread over ~40 int8 steps (accumulator std ~ 128*127/3 * sqrt(K))
         mult, shift = quantize_multiplier(40 / (128 * 127 / 3 * np.sqrt(9 * layer[0])) * rng.uniform(0.5, 2, layer[1]))
-        layout = registry.layout(impl.layout)
         params = impl.pack_params(wl, w, bias, mult, shift)
-        inputs = [layout.pack(x), *params]
+        inputs = [registry.layout(impl.input_layout()).pack(x), *params]
         lib = tvm.runtime.load_module(path)
         out = np.full(impl.out_shape(wl), 77, np.int8)  # poisoned
         tensors = [tvm.runtime.tensor(a, dev) for a in [*inputs, out]]
         lib["main"](*tensors)
         got = tensors[-1].numpy()
-        logical = layout.unpack(got, layer[1])
+        logical = registry.layout(impl.layout).unpack(got, layer[1])
         if b == 1:
             exact = bool(np.array_equal(got, impl.reference(wl, *inputs)))
         else:  # the first family of this layer is the yardstick of the others

@@ -63,7 +63,7 @@ def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
 
 
 # The int8 builds a run can time (``--variants``): the kernel families each prefers.
-VARIANTS = {"default": {}, "mma": dict(families=("mma", "dp4a", "generic")),
+VARIANTS = {"default": {}, "mma": dict(families=("mma", "stem", "dp4a", "generic")),
             "dp4a": dict(families=("dp4a", "generic"))}
 
 
@@ -173,9 +173,11 @@ def main(argv=None):
         row["speedup_vs_best_torch"] = best_torch / best_int8
         rows.append(row)
         print(json.dumps(row), flush=True)
-    res["latency"] = rows
-    with open(os.path.join(args.out, f"{args.model}_gpu.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        res["latency"] = rows  # saved after every batch: a run cut short keeps what it measured
+        path = os.path.join(args.out, f"{args.model}_gpu.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(path + ".tmp", path)
     print(f"\n{args.model}, {res['device']}, {res['date']}")
     cols = [k for k in rows[0] if k.endswith("_ms")]
     print("| batch | " + " | ".join(c.removesuffix("_ms") + " (ms)" for c in cols) + " | int8 vs best torch |")

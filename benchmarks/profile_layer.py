@@ -44,7 +44,7 @@ def main(argv=None):
     mult, shift = quantize_multiplier(np.full(wl.out_channels, 1e-3))
     params = impl.pack_params(wl, w, np.zeros(wl.out_channels, np.int32), mult, shift)
     out = np.zeros(impl.out_shape(wl), np.int8)
-    args_ = [tvm.runtime.tensor(a, dev) for a in [registry.layout(impl.layout).pack(x), *params, out]]
+    args_ = [tvm.runtime.tensor(a, dev) for a in [registry.layout(impl.input_layout()).pack(x), *params, out]]
     for _ in range(args.runs):
         lib["main"](*args_)
     dev.sync()

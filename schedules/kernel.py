@@ -77,6 +77,8 @@ class KernelImpl:
             ``conv2d_grad_input``, ``conv2d_grad_weight``).
         layout: the layout of its int8 activations (``NCHW4c``), or ``NCHW`` / ``rows`` for
             kernels that take plain tensors.
+        in_layout: the layout of its int8 input where it differs from its output's (the stem
+            conv: NCHW4c in, NHWC32 out); empty = ``layout``.  See :meth:`input_layout`.
         family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
             unscheduled on llvm).
         spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
@@ -91,10 +93,15 @@ class KernelImpl:
     name: str = ""
     op: str = ""
     layout: str = ""
+    in_layout: str = ""
     family: str = ""
     spaces: tuple[str, ...] = ()
     outranks_tuning: bool = False
     instruction: str = ""
+
+    def input_layout(self) -> str:
+        """The layout its int8 input is read in (:attr:`in_layout`, else :attr:`layout`)."""
+        return self.in_layout or self.layout
 
     def applies(self, wl, target) -> bool:
         """Whether this implementation runs ``wl`` on ``target`` (a ``TargetInfo``)."""

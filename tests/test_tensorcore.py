@@ -17,7 +17,7 @@ from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.tensorcore import conv2d, mma, pipeline
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.dense_int8 import DenseWorkload
-from tvm_qconv.schedules.workload import AddWorkload, ConvWorkload
+from tvm_qconv.schedules.workload import AddWorkload, ConvWorkload, PoolWorkload
 from tvm_qconv.schedules.quantize import quantize_ref
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
@@ -269,3 +269,36 @@ def test_dense_on_tensor_cores_on_gpu_equals_numpy(wl):
     # ulp of the float32 result, never more
     ref = DENSE.reference(wl, *args)
     np.testing.assert_allclose(out.numpy(), ref, rtol=2 ** -23, atol=np.abs(ref).max() * 2 ** -23)
+
+
+# ----------------------------------------------------------------- the NHWC32 max-pool (pool.py)
+
+POOL_WLS = [PoolWorkload((2, 12, 10, 64), (2, 2), (2, 2), (0, 0, 0, 0)),                 # VGG's
+            PoolWorkload((2, 9, 7, 96), (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), True),     # ResNet's, ceil
+            PoolWorkload((1, 11, 13, 32), (3, 2), (1, 2), (1, 0, 1, 1), (2, 1))]         # dilated, ragged
+POOL_IDS = ["vgg_2x2", "resnet_3x3_s2_ceil", "dilated"]
+
+
+@pytest.mark.parametrize("wl", POOL_WLS, ids=POOL_IDS)
+def test_max_pool_cuda_kernel_is_16_channels_per_thread(wl):
+    impl = registry.get("max_pool2d.nhwc32")
+    src = cuda_source(registry.compile_kernel(impl, wl, make_target("cuda", "sm_90")))
+    assert "__vmaxs4(" in src and src.count("*(int4*)") >= 2        # 16-byte loads and store
+    # llvm: the generic definition, bit-exact against the reference
+    x = np.random.default_rng(0).integers(-128, 128, wl.shape).astype(np.int8)
+    got = run_llvm(impl.compute(wl), [x], impl.reference(wl, x).shape)
+    np.testing.assert_array_equal(got, impl.reference(wl, x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", POOL_WLS + [PoolWorkload((8, 224, 224, 64), (2, 2), (2, 2), (0, 0, 0, 0))],
+                         ids=POOL_IDS + ["vgg_224px_b8"])
+def test_max_pool_cuda_kernel_on_gpu_is_bit_exact(wl):
+    impl = registry.get("max_pool2d.nhwc32")
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    dev = tvm.cuda(0)
+    x = np.random.default_rng(1).integers(-128, 128, wl.shape).astype(np.int8)
+    ref = impl.reference(wl, x)
+    out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)  # poisoned
+    lib["main"](tvm.runtime.tensor(x, dev), out)
+    np.testing.assert_array_equal(out.numpy(), ref)

@@ -26,7 +26,7 @@ def test_registry_takes_wgmma_on_sm_90a_only():
     pick = lambda arch, w=wl: registry.select("conv2d", w, TargetInfo.from_target(make_target("cuda", arch))).name
     assert pick("sm_90a") == "conv2d.nhwc32.wgmma"
     assert pick("sm_90") == "conv2d.nhwc32.mma"          # plain sm_90 code cannot hold wgmma
-    assert pick("sm_90a", conv_wl(8, 3, 56, 56, 64)) == "conv2d.nchw4c.dp4a"    # 3 channels: dp4a
+    assert pick("sm_90a", conv_wl(8, 3, 56, 56, 64)) == "conv2d.nhwc32.stem"    # 3 channels: dp4a
     assert pick("sm_90a", conv_wl(8, 64, 56, 56, 64, groups=2)) != "conv2d.nhwc32.wgmma"
 
 
@@ -50,14 +50,14 @@ def test_supports_only_what_tma_im2col_can_gather():
     assert not conv2d.supports(conv_wl(1, 64, 28, 28, 64, out_dtype="int32"))
 
 
-def test_the_registry_keeps_unverified_and_narrow_layers_on_mma():
-    # dilated / asymmetric im2col have a GPU test that has not run yet; O_p = 352 would get
-    # 32-column tiles (no wider wgmma N divides it)
+def test_the_registry_keeps_narrow_layers_on_mma():
+    # O_p = 352 would get 32-column tiles (no wider wgmma N divides it); dilated and asymmetric
+    # im2col passed the GPU test (2026-11-23, H100) and take wgmma
     h100 = TargetInfo.from_target(SM90A)
     pick = lambda w: registry.select("conv2d", w, h100).name
     assert pick(conv_wl(8, 64, 56, 56, 64)) == "conv2d.nhwc32.wgmma"
-    assert pick(conv_wl(8, 64, 56, 56, 64, dilation=(2, 2), padding=(2, 2, 2, 2))) == "conv2d.nhwc32.mma"
-    assert pick(conv_wl(8, 64, 56, 56, 64, padding=(1, 2, 1, 0))) == "conv2d.nhwc32.mma"
+    assert pick(conv_wl(8, 64, 56, 56, 64, dilation=(2, 2), padding=(2, 2, 2, 2))) == "conv2d.nhwc32.wgmma"
+    assert pick(conv_wl(8, 64, 56, 56, 64, padding=(1, 2, 1, 0))) == "conv2d.nhwc32.wgmma"
     assert pick(conv_wl(64, 64, 28, 28, 352)) == "conv2d.nhwc32.mma"
 
 
@@ -169,7 +169,7 @@ def test_a_module_of_wgmma_and_s_tir_kernels_compiles():
 
 def test_a_model_builds_for_sm_90a_with_wgmma_and_mma_layers_side_by_side(tmp_path):
     # SmallVGG at batch 272: its 8x8 convs have 136 tiles of 128 x 64 (>= 132 SMs: wgmma), its
-    # 16->32 conv 32-column tiles (mma.sync), its first conv 3 channels (dp4a); one library
+    # 16->32 conv 32-column tiles (mma.sync), its first conv 3 channels (the dp4a stem); one library
     import torch
     from tvm_qconv.build import BuildOptions, compile_model
     from tvm_qconv.config import QuantConfig
@@ -181,7 +181,7 @@ def test_a_model_builds_for_sm_90a_with_wgmma_and_mma_layers_side_by_side(tmp_pa
                         options=BuildOptions(target="cuda", arch="sm_90a", batch=272, image_size=32, verify=False),
                         progress=False)
     kernels = [r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")]
-    assert kernels == ["conv2d.nchw4c.dp4a", "conv2d.nhwc32.mma", "conv2d.nhwc32.wgmma", "conv2d.nhwc32.wgmma"]
+    assert kernels == ["conv2d.nhwc32.stem", "conv2d.nhwc32.mma", "conv2d.nhwc32.wgmma", "conv2d.nhwc32.wgmma"]
 
 
 # ----------------------------------------------------------------------------- on the GPU

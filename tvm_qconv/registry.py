@@ -16,6 +16,7 @@ from .schedules import dense_int8
 from .schedules.kernel import KernelImpl, Layout, impl_name
 from .schedules.nchw4c import impls as nchw4c
 from .schedules.nchw4c.layout import LAYOUT as NCHW4C
+from .schedules.stem import impls as stem
 from .schedules.tensorcore import impls as tensorcore
 from .schedules.tensorcore.layout import LAYOUT as NHWC32
 from .schedules.training import grad_input, grad_weight
@@ -24,11 +25,13 @@ from .target import TargetInfo
 
 # In priority order per op: select() takes the first that applies, unless told otherwise (a
 # tuning database's measured pick).  For conv2d: depthwise, then Hopper's wgmma (sm_90a), then
-# int8 tensor cores (sm_80+, 16+ input channels), then dp4a (CUDA), then the CPU kernel.
+# int8 tensor cores (sm_80+, 16+ input channels), then the stem conv (sm_80+, 1-4 input
+# channels: dp4a into the tensor cores' layout), then dp4a (CUDA), then the CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     nchw4c.CONV2D_DEPTHWISE,
     wgmma.CONV2D_WGMMA,
     tensorcore.CONV2D_MMA,
+    stem.CONV2D_STEM,
     *(impl for impl in nchw4c.IMPLEMENTATIONS if impl is not nchw4c.CONV2D_DEPTHWISE),
     *(impl for impl in tensorcore.IMPLEMENTATIONS if impl is not tensorcore.CONV2D_MMA),
     dense_int8.DENSE,

@@ -5,7 +5,7 @@ name                       op           runs
 =========================  ===========  ==================================================
 ``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
 ``dense.rows.mma``         dense        CUDA sm_80+, 32+ rows: the same template, float epilogue
-``max_pool2d.nhwc32``      max_pool2d   any target (one thread per output on CUDA)
+``max_pool2d.nhwc32``      max_pool2d   any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
 ``avg_pool2d.nhwc32``      avg_pool2d   any target (one thread per output on CUDA)
@@ -23,6 +23,7 @@ from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
 from . import conv2d, dense, mma, pipeline, space
+from .pool import MaxPool2dNhwc32
 from .layout import LAYOUT
 
 # A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
@@ -140,4 +141,6 @@ class DenseMma(KernelImpl):
 
 CONV2D_MMA = Conv2dMma()
 DENSE_MMA = DenseMma()
-IMPLEMENTATIONS = (CONV2D_MMA, DENSE_MMA, *layout_kernels(LAYOUT))
+# the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
+IMPLEMENTATIONS = (CONV2D_MMA, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
+                   *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))

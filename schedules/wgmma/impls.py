@@ -30,14 +30,6 @@ from . import conv2d
 MIN_TILE_COLUMNS = 64
 
 
-def verified_on_gpu(wl: ConvWorkload) -> bool:
-    """The im2col cases checked bit-exact on an H100 so far: dilation 1, symmetric padding
-    (3x3 s1 / s2 pad 1, 1x1 pad 0).  Dilated and asymmetric convs build and have a GPU test
-    (tests/test_wgmma.py) that has not run yet: until it has, the registry gives them mma.sync."""
-    pt, pl, pb, pr = wl.padding
-    return wl.dilation == (1, 1) and pt == pb and pl == pr
-
-
 class Conv2dWgmma(Conv2dMma):
     """The fused conv as a persistent, warp-specialized implicit GEMM on ``wgmma.mma_async``.
 
@@ -59,7 +51,7 @@ class Conv2dWgmma(Conv2dMma):
         # batch 64 (every layer 392+ tiles) 4.07 vs 5.98 ms.  The threshold is reasoned from
         # that, not measured layer by layer.
         if not (target.kind == "cuda" and target.has_wgmma and wl.in_channels >= MIN_IN_CHANNELS
-                and conv2d.supports(wl) and verified_on_gpu(wl)):
+                and conv2d.supports(wl)):
             return False
         config = conv2d.default_config(wl)
         return config.bn >= MIN_TILE_COLUMNS and conv2d.tiles(wl, config) >= target.num_sm

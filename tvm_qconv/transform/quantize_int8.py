@@ -290,7 +290,7 @@ class _Rewriter:
                 wl, weight, note = dense, block_diagonal(weight, groups), f" (groups={groups} as block-diagonal)"
         if impl is None:
             return self.no_kernel("conv2d", wl)
-        x = self.int8_of(ly.inputs[0], impl.layout)
+        x = self.int8_of(ly.inputs[0], impl.input_layout())
         qw, s_w = quantize_weight_per_channel(weight)
         acc_scale = x.scale * s_w.astype(np.float64)
         bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
