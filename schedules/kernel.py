@@ -155,6 +155,16 @@ class KernelImpl:
         return func.with_attr(attrs)
 
 
+def tirx_kernel(func: tirx.PrimFunc, kernel: tirx.PrimFunc) -> tirx.PrimFunc:
+    """A hand-written TIRx ``kernel`` in place of the compute definition ``func``: ``func``'s
+    attributes (implementation, workload), marked TIRx (lowered first by the tensor-core
+    pipeline) and scheduled -- ``tirx.is_scheduled`` is the mark dlight reads (its rules would
+    parse a TIRx kernel as S-TIR)."""
+    attrs = {k: v for k, v in func.attrs.items()}
+    attrs.update({TIRX_ATTR: True, "tir.is_scheduled": True, "tirx.is_scheduled": True})
+    return kernel.with_attr(attrs)
+
+
 def impl_name(func) -> str | None:
     """The registry name of the implementation a PrimFunc was made by, or None."""
     if not isinstance(func, tirx.PrimFunc) or func.attrs is None or IMPL_ATTR not in func.attrs:

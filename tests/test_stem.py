@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import tvm
 
-from tests.workloads import conv_wl
+from tests.workloads import conv_wl, random_conv_args
 from tvm_qconv import registry
 from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
-from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.stem import conv2d as stem
 from tvm_qconv.schedules.tensorcore import conv2d as tc
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
@@ -35,17 +34,6 @@ WORKLOADS = [
 ]
 IDS = [i for _, i in WORKLOADS]
 WLS = [w for w, _ in WORKLOADS]
-
-
-def args_of(wl, seed=0):
-    """Random int8 input and weights, and multipliers that spread the outputs over the int8 range."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
-    w = rng.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel)).astype(np.int8)
-    bias = rng.integers(-(1 << 12), 1 << 12, wl.out_channels).astype(np.int32)
-    k = wl.in_channels * wl.kernel[0] * wl.kernel[1]
-    mult, shift = quantize_multiplier(100.0 / (128 * 128 * np.sqrt(k) / 3) * rng.uniform(0.5, 2.0, wl.out_channels))
-    return x, w, bias, mult, shift
 
 
 def test_registry_takes_the_stem_where_tensor_cores_take_the_next_layer():
@@ -77,7 +65,7 @@ def test_weight_packing_round_trips_with_channel_groups_fastest():
 
 @pytest.mark.parametrize("wl", WLS, ids=IDS)
 def test_compute_and_reference_are_bit_exact_and_match_the_tensor_core_family(wl):
-    x, w, bias, mult, shift = args_of(wl)
+    x, w, bias, mult, shift = random_conv_args(wl)
     args = [NCHW4C.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
     ref = IMPL.reference(wl, *args)
     assert ref.shape == IMPL.out_shape(wl)
@@ -129,7 +117,7 @@ def test_stem_kernel_on_gpu_is_bit_exact(wl):
         pytest.skip(f"the stem conv feeds int8 tensor cores (sm_80+), this GPU is {arch}")
     lib = registry.compile_kernel(IMPL, wl, make_target("cuda", arch))
     dev = tvm.cuda(0)
-    x, w, bias, mult, shift = args_of(wl, seed=1)
+    x, w, bias, mult, shift = random_conv_args(wl, seed=1)
     args = [NCHW4C.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
     out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)  # poisoned
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)

@@ -9,11 +9,10 @@ import pytest
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from tests.workloads import conv_wl
+from tests.workloads import conv_wl, random_conv_args
 from tvm_qconv import registry
 from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
 from tvm_qconv.schedules.relayout import relayout_int8
-from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.tensorcore import conv2d, mma, pipeline
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.dense_int8 import DenseWorkload
@@ -40,12 +39,7 @@ IDS = ["20to40_7x7_b2", "40to64_asym_pad_norelu", "s2_b2", "1x1_40out", "dilatio
 
 
 def args_of(wl, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
-    w = rng.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel)).astype(np.int8)
-    bias = rng.integers(-(1 << 14), 1 << 14, wl.out_channels).astype(np.int32)
-    k = wl.in_channels * wl.kernel[0] * wl.kernel[1]
-    mult, shift = quantize_multiplier(100.0 / (128 * 128 * np.sqrt(k) / 3) * rng.uniform(0.5, 2.0, wl.out_channels))
+    x, w, bias, mult, shift = random_conv_args(wl, seed)
     return [NHWC32.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
 
 

@@ -15,7 +15,7 @@ the first conv in NCHW4c.
 """
 from __future__ import annotations
 
-from ..kernel import TIRX_ATTR, KernelImpl
+from ..kernel import KernelImpl, tirx_kernel
 from ..nchw4c.layout import LAYOUT as NCHW4C
 from ..tensorcore import pipeline
 from ..tensorcore.conv2d import pack_channels
@@ -40,7 +40,7 @@ class Conv2dStem(KernelImpl):
         # Its output must be able to feed tensor cores (16+ channels): a stem of fewer output
         # channels is followed by a dp4a layer in NCHW4c, and writing NHWC32 would only add a
         # layout conversion between the two.
-        return (target.kind == "cuda" and target.has_int8_mma and target.has_dp4a and conv2d.supports(wl)
+        return (target.kind == "cuda" and target.has_int8_mma and conv2d.supports(wl)
                 and wl.out_channels >= MIN_IN_CHANNELS)
 
     def compute(self, wl: ConvWorkload):
@@ -57,11 +57,7 @@ class Conv2dStem(KernelImpl):
 
     def schedule(self, func, target):
         """The TIRx kernel in place of ``func``, keeping its attributes (as the wgmma family does)."""
-        kernel = conv2d.conv2d_stem(ConvWorkload.of(func))
-        attrs = {k: v for k, v in func.attrs.items()}
-        attrs[TIRX_ATTR] = True
-        attrs.update({"tir.is_scheduled": True, "tirx.is_scheduled": True})
-        return kernel.with_attr(attrs)
+        return tirx_kernel(func, conv2d.conv2d_stem(ConvWorkload.of(func)))
 
     def compile_options(self) -> dict:
         return pipeline.compile_options()

@@ -15,8 +15,6 @@ unchanged.  Written as scheduled S-TIR (thread-bound loops), not TIRx: Relax's
 """
 from __future__ import annotations
 
-import ast
-
 from tvm.script import tirx as T
 
 from ..layout_kernels import MaxPool2d
@@ -80,6 +78,6 @@ class MaxPool2dNhwc32(MaxPool2d):
     def schedule(self, func, target):
         if target.kind.name != "cuda":
             return super().schedule(func, target)
-        kernel = max_pool2d_nhwc32_vec(PoolWorkload(**ast.literal_eval(str(func.attrs["tvm_qconv.workload"]))))
+        kernel = max_pool2d_nhwc32_vec(PoolWorkload.of(func))
         return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
 

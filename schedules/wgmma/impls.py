@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from tvm_qconv.target import TargetInfo
 
-from ..kernel import TIRX_ATTR
+from ..kernel import tirx_kernel
 from ..tensorcore import pipeline
 from ..tensorcore.impls import MIN_IN_CHANNELS, Conv2dMma
 from ..workload import ConvWorkload
@@ -60,11 +60,7 @@ class Conv2dWgmma(Conv2dMma):
         """The TIRx kernel in place of ``func``, keeping its attributes (implementation, workload)."""
         wl = ConvWorkload.of(func)
         kernel = conv2d.conv2d_wgmma(wl, conv2d.default_config(wl), TargetInfo.from_target(target).num_sm)
-        attrs = {k: v for k, v in func.attrs.items()}
-        attrs[TIRX_ATTR] = True
-        # "tirx.is_scheduled": the mark dlight reads (its rules would parse a TIRx kernel as S-TIR)
-        attrs.update({"tir.is_scheduled": True, "tirx.is_scheduled": True})
-        return kernel.with_attr(attrs)
+        return tirx_kernel(func, kernel)
 
     def seed(self, sch, target, wl=None) -> None:
         raise NotImplementedError(f"{self.name} has no search space: its decisions are conv2d.Config")
