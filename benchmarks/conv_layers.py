@@ -10,7 +10,9 @@ on the GPU: checks the output (batch 1: bit-exact against the implementation's N
 larger batches: the families bit-identical to each other; a layer only one family runs is not
 checked there: "exact" None), times it (TVM ``time_evaluator``, median of 7 repeats of >= 40 ms)
 and reports ms, TOPS and % of the peak of the kernel's instruction (``--peaks``, the JSON of
-``int8_peaks.py``).  Writes ``<out>/conv_layers.json`` and prints a markdown table.
+``int8_peaks.py``).  With ``--cudnn``, cuDNN's fused int8 conv of the same layer in the same run
+(``cudnn_int8.py``: every plan timed, the fastest kept) and each kernel's speed as % of it.
+Writes ``<out>/conv_layers.json`` and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -59,6 +61,8 @@ def main(argv=None):
     ap.add_argument("--peaks", help="int8_peaks.json of this GPU (for the %% of peak columns)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="results")
+    ap.add_argument("--cudnn", action="store_true",
+                    help="time cuDNN's int8 fused conv of each layer too (needs nvidia-cudnn-frontend)")
     ap.add_argument("--arch", default=None,
                     help="default: this GPU's, as sm_90a on an sm_90 GPU (the wgmma family needs it)")
     args = ap.parse_args(argv)
@@ -69,6 +73,12 @@ def main(argv=None):
     from tvm_qconv.tuning import read_peaks
 
     arch = args.arch or device_arch(full=True)
+    cudnn_ms = {}                     # (layer, batch) -> cuDNN's fastest plan, or None: not timed
+    if args.cudnn:
+        from benchmarks import cudnn_int8
+        why = cudnn_int8.missing()
+        if why:
+            sys.exit(f"error: --cudnn: {why}")
     peaks = read_peaks(args.peaks) if args.peaks else {}
     libdir = os.path.join(args.out, "conv_layers_libs")
     os.makedirs(libdir, exist_ok=True)
@@ -105,8 +115,18 @@ def main(argv=None):
         secs = lib.time_evaluator("main", dev, number=10, repeat=7, min_repeat_ms=40)(*tensors).median
         tops = wl.ops / secs / 1e12
         peak = peaks.get(impl.instruction)
+        if args.cudnn and (layer, b) not in cudnn_ms:
+            try:
+                cudnn_ms[layer, b] = cudnn_int8.time_workload(wl)
+                print(f"{layer[0]:>3}->{layer[1]:<3} @{layer[2]:<3} b{b:<3} {'cudnn':>20}: "
+                      f"{cudnn_ms[layer, b]['ms']:8.4f} ms ({cudnn_ms[layer, b]['plans']} plans)", flush=True)
+            except Exception as e:       # a row that says why, and the run carries on
+                print(f"cuDNN failed on {layer} b{b}: {type(e).__name__}: {e}", flush=True)
+                cudnn_ms[layer, b] = None
+        cu = cudnn_ms.get((layer, b))
         row = dict(layer=layer, batch=b, impl=name, family=impl.family, ms=secs * 1e3, tops=tops,
-                   pct_of_peak=100 * tops / peak if peak else None, exact=exact, build_s=secs_build)
+                   pct_of_peak=100 * tops / peak if peak else None, exact=exact, build_s=secs_build,
+                   cudnn=cu, pct_of_cudnn=100 * cu["ms"] / (secs * 1e3) if cu else None)
         if b > 1 and not any(r["layer"] == layer and r["batch"] == b for r in rows):
             row["_logical"] = logical
         rows.append(row)
@@ -119,11 +139,13 @@ def main(argv=None):
                peaks=peaks, rows=rows)
     with open(os.path.join(args.out, "conv_layers.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print("\n| conv | batch | family | ms | TOPS | % of its peak | exact |\n|---|---|---|---|---|---|---|")
+    print("\n| conv | batch | family | ms | TOPS | % of its peak | cuDNN ms | % of cuDNN | exact |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pct = f"{r['pct_of_peak']:.0f}" if r["pct_of_peak"] else "-"
+        cu = f"{r['cudnn']['ms']:.4f} | {r['pct_of_cudnn']:.0f}" if r["cudnn"] else "- | -"
         print(f"| {r['layer'][0]}->{r['layer'][1]} @{r['layer'][2]} | {r['batch']} | {r['family']} | "
-              f"{r['ms']:.4f} | {r['tops']:.0f} | {pct} | {r['exact']} |")
+              f"{r['ms']:.4f} | {r['tops']:.0f} | {pct} | {cu} | {r['exact']} |")
     if any(r["exact"] is False for r in rows):
         sys.exit("error: some kernels disagree with the reference (MISMATCH above)")
     return res

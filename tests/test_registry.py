@@ -50,7 +50,7 @@ def test_select_picks_the_family_the_target_has(target):
 
 def test_few_input_channels_go_to_dp4a_and_the_training_conv_never_to_tensor_cores():
     # VGG's first conv (3 channels) would pad to 32 for the mma K step: 10x the work of dp4a's 4.
-    # Where tensor cores take the next layer (16+ channels), the stem conv (dp4a, NHWC32 out);
+    # Where tensor cores take the next layer (16+ channels), the stem conv (mma.sync, NHWC32 out);
     # before a layer of fewer channels (dp4a's, NCHW4c) or without int8 mma, the dp4a family.
     assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 64), SM90).name == "conv2d.nhwc32.stem"
     assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 8), SM90).name == "conv2d.nchw4c.dp4a"
@@ -100,8 +100,8 @@ def test_no_conversion_between_consecutive_int8_layers_of_one_family(target):
 
 
 def test_vgg16_on_hopper_runs_in_one_layout_from_the_stem_on():
-    # the first conv (3 channels) on the stem kernel (dp4a, NCHW4c in, NHWC32 out), the 12
-    # others and the pools on tensor cores in NHWC32: no relayout (the dp4a stem's NCHW4c output
+    # the first conv (3 channels) on the stem kernel (mma.sync, NCHW4c in, NHWC32 out), the 12
+    # others and the pools on tensor cores in NHWC32: no relayout (the dp4a family's NCHW4c output
     # cost a 0.78 ms conversion at batch 64 on an H100).  48 px: the last stage's maps are 3x3
     # (at 32 px they would be 4x4, a GEMM of one 16-row fragment, which stays on dp4a)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The stem conv (``schedules/stem/``): a first conv of 1-4 input channels on dp4a, NCHW4c in,
+"""The stem conv (``schedules/stem/``): a first conv of 1-4 input channels on mma.sync, NCHW4c in,
 NHWC32 out.  On CPU: which layers it takes, its weight packing, its compute definition and
 reference against NumPy and against the tensor-core family's reference, its CUDA code.  On a GPU
 with int8 tensor cores (marked ``gpu``): the kernel bit-exact against NumPy."""
@@ -48,19 +48,26 @@ def test_registry_takes_the_stem_where_tensor_cores_take_the_next_layer():
 
 
 def test_weights_too_big_for_shared_memory_are_not_a_stem():
-    # 11x11 taps x 128 channels x 4 bytes = 62 KB > 48 KB of static shared memory
+    # 11x11 = 121 taps, padded to 16 K steps of 8: 128 taps x 128 channels x 4 bytes = 64 KB > 48 KB
+    # of static shared memory (64 channels: 32 KB)
     assert stem.supports(conv_wl(1, 3, 64, 64, 64, kernel=(11, 11), padding=(5, 5, 5, 5)))
     assert not stem.supports(conv_wl(1, 3, 64, 64, 128, kernel=(11, 11), padding=(5, 5, 5, 5)))
 
 
-def test_weight_packing_round_trips_with_channel_groups_fastest():
+def test_weight_packing_round_trips_in_mma_fragment_order():
     w = np.random.default_rng(0).integers(-127, 128, (40, 3, 7, 5)).astype(np.int8)
     packed = stem.pack_weight(w)
-    assert packed.shape == (35, 64, 4) and packed.dtype == np.int8
+    # 35 taps -> 5 K steps of 8; O_p = 64 -> one warp tile of 64 channels = 8 n8 tiles; 32 lanes
+    # x 2 registers of 4 bytes
+    assert packed.shape == (5, 1, 8, 32, 2, 4) and packed.dtype == np.int8
     assert np.array_equal(stem.unpack_weight(packed, 40, 3, (7, 5)), w)
-    # output channel o sits at (o % 16) * groups + o // 16 (4 channel groups of 16 for O_p = 64)
-    assert np.array_equal(packed[2, 5 * 4 + 2, :3], w[2 * 16 + 5, :, 0, 2])
-    assert not packed[:, :, 3].any()                                      # the 4th input channel: 0
+    # K step 2, n8 tile 3, lane g*4 + t = 5*4 + 2, register 1: tap 8*2 + t + 4 = 22 = (4, 2) and
+    # B column g = 5, which is channel (g // 2) * 16 + 2 * 3 + g % 2 = 39
+    assert np.array_equal(packed[2, 0, 3, 5 * 4 + 2, 1, :3], w[39, :, 4, 2])
+    assert not packed[..., 3].any()                                       # the 4th input channel: 0
+    assert not packed[4, 0, :, :, 1].any()                                # taps 36-39 do not exist
+    # 96 channels are three tiles of 32 (4 n8 tiles): a lane's columns cover 8 channels per row
+    assert stem.pack_weight(np.ones((96, 3, 3, 3), np.int8)).shape == (2, 3, 4, 32, 2, 4)
 
 
 @pytest.mark.parametrize("wl", WLS, ids=IDS)
@@ -81,10 +88,15 @@ def test_compute_and_reference_are_bit_exact_and_match_the_tensor_core_family(wl
 
 
 @pytest.mark.parametrize("wl", WLS[:3], ids=IDS[:3])
-def test_cuda_code_is_dp4a_with_16_byte_stores(wl):
+def test_cuda_code_is_mma_with_16_byte_stores(wl):
     src = cuda_source(registry.compile_kernel(IMPL, wl, SM90))
-    assert "__dp4a(" in src and "*(uint4*)" in src
-    assert "mma" not in src
+    assert "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32" in src and "*(uint4*)" in src
+    assert "__dp4a" not in src
+
+
+def test_cuda_code_of_32_channel_tiles_stores_8_bytes():
+    src = cuda_source(registry.compile_kernel(IMPL, conv_wl(1, 3, 32, 32, 96), SM90))
+    assert "*(uint2*)" in src and "*(uint4*)" not in src
 
 
 def test_cuda_code_compiles_without_spills(tmp_path):
@@ -98,7 +110,7 @@ def test_cuda_code_compiles_without_spills(tmp_path):
         done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / f"k{i}.cubin"), str(cu),
                                "-Xptxas", "-v"], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
-        # the 64 accumulators stay in registers: a spill would be >= 4 bytes per thread
+        # the 64 accumulators and the fragments stay in registers: a spill would be >= 4 bytes
         assert " 0 bytes spill stores" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
 
 

@@ -4,11 +4,12 @@
 name                       op       runs
 =========================  =======  =========================================================
 ``conv2d.nhwc32.stem``     conv2d   CUDA with int8 tensor cores (sm_80+): a conv of 1-4 input
-                                    channels, NCHW4c in, NHWC32 out, on ``__dp4a``
+                                    channels, NCHW4c in, NHWC32 out, on ``mma.sync``
 =========================  =======  =========================================================
 
 The one implementation whose input layout differs from its output's (``in_layout``): it reads
-the image as the quantizer packs it for dp4a (4 channels = one int32 per pixel) and writes the
+the image as the quantizer packs it for dp4a (4 channels = one int32 per pixel: one 32-bit
+register of mma's A fragment) and writes the
 layout of the tensor-core families that take the next layer.  It applies only where those
 families exist (sm_80+) and can take its output (16+ channels); elsewhere the dp4a family keeps
 the first conv in NCHW4c.
@@ -22,11 +23,12 @@ from ..tensorcore.conv2d import pack_channels
 from ..tensorcore.impls import MIN_IN_CHANNELS
 from ..tensorcore.layout import LAYOUT as NHWC32
 from ..workload import ConvWorkload
+from tvm_qconv.target import TargetInfo
 from . import conv2d
 
 
 class Conv2dStem(KernelImpl):
-    """A first conv (1-4 input channels) on dp4a, NCHW4c in, NHWC32 out (``conv2d.py``)."""
+    """A first conv (1-4 input channels) on mma.sync, NCHW4c in, NHWC32 out (``conv2d.py``)."""
 
     name = "conv2d.nhwc32.stem"
     op = "conv2d"
@@ -34,7 +36,7 @@ class Conv2dStem(KernelImpl):
     in_layout = NCHW4C.name
     family = "stem"
     spaces = ()
-    instruction = "dp4a"
+    instruction = "mma.sync"
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # Its output must be able to feed tensor cores (16+ channels): a stem of fewer output
@@ -57,7 +59,7 @@ class Conv2dStem(KernelImpl):
 
     def schedule(self, func, target):
         """The TIRx kernel in place of ``func``, keeping its attributes (as the wgmma family does)."""
-        return tirx_kernel(func, conv2d.conv2d_stem(ConvWorkload.of(func)))
+        return tirx_kernel(func, conv2d.conv2d_stem(ConvWorkload.of(func), TargetInfo.from_target(target).num_sm))
 
     def compile_options(self) -> dict:
         return pipeline.compile_options()
