@@ -90,3 +90,45 @@ def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float) -> tuple
     mult = np.where(mag > 0, np.sign(m) * mult.astype(np.int64), 0).astype(np.int32)
     bias = np.clip(np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)), -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)
     return mult, shift, bias.astype(np.int64)
+
+
+# ---------------------------------------------------------------- the 32-bit form (CUDA epilogues)
+#
+# For shift >= 33, the rounding shift of the 64-bit product equals one of its high word:
+#     floor((a*m + 2**(s-1)) / 2**s) = floor((floor(a*m / 2**32) + 2**(s-33)) / 2**(s-32))
+# because 2**(s-1) is then a multiple of 2**32 and floor(floor(x / p) / q) = floor(x / (p*q)).
+# floor(a*m / 2**32) of int32 a and m is CUDA's ``__mulhi`` (one IMAD.HI), so the epilogue runs
+# on three 32-bit instructions instead of a 64-bit multiply, add and shift (~3x the issue slots),
+# bit-identical.  It holds for |a| < 2**31 and 33 <= s <= 62 (``high + 2**(s-33)`` < 2**31 and a
+# 32-bit shift count); shift >= 33 means a multiplier below 1/4, which requantization's
+# s_in * s_w / s_out is in practice (VGG16's: ~1e-3) -- a kernel checks it per channel at run
+# time (:func:`requantize_i32_ok`) and keeps the 64-bit form where it fails.
+
+I32_MIN_SHIFT = 33
+I32_MAX_BIAS = 1 << 30   # |acc| < 2**30 (the kernels assert it of their K) + |bias| <= 2**30 < 2**31
+
+
+def requantize_i32_ok(bias, shift):
+    """TIR bool: a channel of this ``bias`` and ``shift`` may take :func:`requantize_tir_i32`."""
+    return tirx.all(I32_MIN_SHIFT <= shift, shift <= 62, -I32_MAX_BIAS <= bias, bias <= I32_MAX_BIAS)
+
+
+def requantize_tir_i32(acc, bias, mult, shift, lo: int, hi: int = 127):
+    """CUDA TIR, int32: ``requantize_tir(acc + bias, mult, shift, lo, hi)`` for an int32 ``acc``
+    with ``|acc| < 2**30``, on a channel where :func:`requantize_i32_ok` holds (the derivation
+    above)."""
+    high = tirx.call_pure_extern("int32", "__mulhi", acc + bias, mult)
+    v = tirx.shift_right(high + tirx.shift_left(tirx.const(1, "int32"), shift - I32_MIN_SHIFT), shift - 32)
+    # the clamp as CUDA's min / max: TVM 0.27's simplifier, bounding the variable shift above
+    # wrongly, deletes a TIR ``min(v, 127)`` here
+    return tirx.call_pure_extern("int32", "max", tirx.call_pure_extern("int32", "min", v, tirx.const(hi, "int32")),
+                                 tirx.const(lo, "int32"))
+
+
+def requantize_ref_i32(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int, hi: int = 127) -> np.ndarray:
+    """NumPy twin of :func:`requantize_tir_i32` (``acc`` = accumulator + bias), int32 arithmetic
+    emulated exactly: the tests check it against :func:`requantize_ref`."""
+    high = (acc.astype(np.int64) * mult.astype(np.int64)) >> 32                 # __mulhi
+    s = shift.astype(np.int64)
+    v = ((high + (np.int64(1) << (s - I32_MIN_SHIFT))) >> (s - 32)).astype(np.int32)
+    return np.clip(v, lo, hi).astype(np.int8)

@@ -18,7 +18,8 @@ from tvm_qconv.schedules.pool_int8 import (avg_pool2d_int8, avg_pool2d_int8_ref,
                                            pool_out_size)
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.quantize import quantize_ref
-from tvm_qconv.schedules.requantize import add_multipliers, quantize_multiplier, requantize_ref
+from tvm_qconv.schedules.requantize import (add_multipliers, quantize_multiplier, requantize_ref,
+                                            requantize_ref_i32)
 from tvm_qconv.schedules.workload import ConvWorkload
 
 RNG = np.random.default_rng(0)
@@ -134,6 +135,29 @@ def test_requantize_rounds_half_up_and_clips():
     acc = np.array([-3, -1, 1, 3, 255, 400])
     np.testing.assert_array_equal(requantize_ref(acc, mult, shift, -128), [-1, 0, 1, 2, 127, 127])
     np.testing.assert_array_equal(requantize_ref(acc, mult, shift, 0), [0, 0, 1, 2, 127, 127])
+
+
+def test_32_bit_requantize_equals_the_64_bit_one_wherever_its_shift_allows():
+    # The CUDA epilogues' int32 form (__mulhi, then a shift by shift - 32) must give the same int8
+    # as the int64 reference for every |acc + bias| < 2**31 and shift in [33, 62]
+    rng = np.random.default_rng(7)
+    n = 200_000
+    acc = rng.integers(-(2**31) + 1, 2**31, n)
+    mult = rng.integers(0, 2**31, n)
+    shift = rng.integers(33, 63, n)
+    # half the samples at multipliers that put the result inside the int8 range (clamping would
+    # hide differences): acc = result * 2**shift / mult around rounding ties
+    inside = np.arange(n) < n // 2
+    target = rng.integers(-130, 130, n) * 2 + 1                     # odd halves: ties of the rounding
+    acc_tie = (target.astype(np.float64) / 2 * 2.0 ** shift / np.maximum(mult, 1)).round()
+    acc = np.where(inside & (np.abs(acc_tie) < 2**31 - 1), acc_tie, acc).astype(np.int64)
+    acc[:4] = [-(2**31) + 1, 2**31 - 1, -1, 0]
+    for lo in (-128, 0):
+        np.testing.assert_array_equal(requantize_ref_i32(acc, mult, shift, lo), requantize_ref(acc, mult, shift, lo))
+    # and where shift < 33 it would not be (7 * 2**30 / 2**32 = 1.75 rounds to 2; the high word
+    # alone gives 1): the kernels check the shift per channel
+    acc, mult, shift = np.array([7]), np.array([2**30]), np.array([32])
+    assert requantize_ref(acc, mult, shift, -128) == 2 and requantize_ref_i32(acc, mult, shift, -128) == 1
 
 
 def test_quantize_pack_and_dequantize_unpack_round_trip():

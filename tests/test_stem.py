@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 
-from tests.workloads import conv_wl, random_conv_args
+from tests.workloads import conv_wl, random_conv_args, slow_requantize_args
 from tvm_qconv import registry
 from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
 from tvm_qconv.schedules.stem import conv2d as stem
@@ -134,3 +134,23 @@ def test_stem_kernel_on_gpu_is_bit_exact(wl):
     out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)  # poisoned
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wl", [conv_wl(2, 3, 32, 32, 64), conv_wl(2, 3, 40, 40, 96, kernel=(7, 7), stride=(2, 2),
+                                                                  padding=(3, 3, 3, 3))], ids=["3x3_64", "7x7_96"])
+def test_stem_kernel_keeps_the_64_bit_requantize_where_a_channel_needs_it(wl):
+    # the kernel takes the 32-bit requantize only when every channel's shift is >= 33 (and bias
+    # within 2**30); here half are not, so it must take the 64-bit form, still bit-exact
+    arch = device_arch()
+    if int(arch[3:]) < 80:
+        pytest.skip(f"the stem conv feeds int8 tensor cores (sm_80+), this GPU is {arch}")
+    lib = registry.compile_kernel(IMPL, wl, make_target("cuda", arch))
+    dev = tvm.cuda(0)
+    x, w, bias, mult, shift = slow_requantize_args(wl)
+    args = [NCHW4C.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
+    out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    ref = IMPL.reference(wl, *args)
+    assert 0.2 < (np.abs(ref.astype(int)) < 127).mean()           # not all clipped
+    np.testing.assert_array_equal(out.numpy(), ref)

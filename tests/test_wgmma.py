@@ -10,10 +10,10 @@ import pytest
 import tvm
 
 from tests.test_tensorcore import IDS, WORKLOADS, args_of
-from tests.workloads import conv_wl
+from tests.workloads import conv_wl, slow_requantize_args
 from tvm_qconv import registry
 from tvm_qconv.schedules.tensorcore.conv2d import gemm_shape
-from tvm_qconv.schedules.tensorcore.layout import ceil32
+from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32, ceil32
 from tvm_qconv.schedules.wgmma import conv2d
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
@@ -198,3 +198,21 @@ def test_wgmma_kernel_on_gpu_is_bit_exact(wl):
     out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)  # poisoned
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
+
+
+@pytest.mark.gpu
+def test_wgmma_kernel_keeps_the_64_bit_requantize_where_a_channel_needs_it():
+    # the epilogue takes the 32-bit requantize only when every channel allows it (shift >= 33,
+    # |bias| <= 2**30); here half do not: the 64-bit form, still bit-exact
+    if device_arch() != "sm_90":
+        pytest.skip(f"wgmma needs an sm_90 GPU (H100 / H200), this one is {device_arch()}")
+    wl = conv_wl(8, 64, 56, 56, 64)
+    lib = registry.compile_kernel(IMPL, wl, SM90A)
+    dev = tvm.cuda(0)
+    x, w, bias, mult, shift = slow_requantize_args(wl)
+    args = [NHWC32.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
+    out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    ref = IMPL.reference(wl, *args)
+    assert 0.2 < (np.abs(ref.astype(int)) < 127).mean()           # not all clipped
+    np.testing.assert_array_equal(out.numpy(), ref)

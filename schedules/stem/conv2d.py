@@ -22,7 +22,8 @@ The kernel (hand-written TIRx, no search space)::
            build time (``pack_weight``): one conflict-free 8-byte load per fragment
         A: per m16 tile 4 words, each one pixel under one tap (0 in the padding)
         MT x CN/8 ``mma.sync.m16n8k32.s8``
-    epilogue:   bias, fixed-point requantize, clamp (``requantize_tir``); the GEMM's columns
+    epilogue:   bias, fixed-point requantize, clamp (``requantize_tir``, in its 32-bit form
+                ``requantize_tir_i32`` when every channel allows it); the GEMM's columns
                 are permuted at pack time so that a thread's accumulators of one row are CN/4
                 *consecutive* channels: one 16-byte (CN = 64) or 8-byte store per row
 
@@ -38,7 +39,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..requantize import requantize_ref, requantize_tir
+from ..requantize import requantize_i32_ok, requantize_ref, requantize_tir, requantize_tir_i32
 from ..tensorcore.layout import ceil32
 from ..workload import ConvWorkload
 
@@ -213,11 +214,19 @@ def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
         base = T.alloc_buffer((2 * MT,), "int32", scope="local")     # image n's first word
         ry = T.alloc_buffer((2 * MT,), "int32", scope="local")       # input row of tap (0, 0)
         rx = T.alloc_buffer((2 * MT,), "int32", scope="local")       # input column of tap (0, 0)
-        packed = T.alloc_buffer((Q // 4,), "uint32", scope="local", align=16)
+        packed = T.alloc_buffer((2 * MT * Q // 4,), "uint32", scope="local", align=16)   # a row's bytes
+        ok = T.alloc_buffer((2,), "int32", scope="local")
         for i in T.serial((WORDS + NT - 1) // NT):
             if i * NT + tid < WORDS:
                 w_s[i * NT + tid] = words[i * NT + tid]
-        T.cuda.cta_sync()
+        # 1 where every channel takes the 32-bit requantize: block-uniform, so the epilogue's two
+        # forms below never diverge (the barrier also publishes w_s)
+        ok[0] = 1
+        for i in T.serial((OP + NT - 1) // NT):
+            if i * NT + tid < OP:
+                if not requantize_i32_ok(bias[i * NT + tid], shift[i * NT + tid]):
+                    ok[0] = 0
+        ok[1] = T.call_extern("int32", "__syncthreads_and", ok[0])
         lane = T.meta_var(tid % 32)
         g = T.meta_var(tid % 32 // 4)
         t4 = T.meta_var(tid % 4)
@@ -254,23 +263,34 @@ def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
                                              a[2], a[3], b[j * 2], b[j * 2 + 1], source_code=MMA_SRC)
                 # lane (g, t4) holds, of each row, columns 2*t4 and 2*t4 + 1 of every n8 tile: the
                 # channels c*CN + t4*Q + k, k = 2j + e (pack_weight's column order)
-                for i in T.unroll(2 * MT):
-                    pix = T.meta_var(p0 + i // 2 * 16 + g + 8 * (i % 2))
-                    if pix < PX:
-                        for q in T.unroll(Q // 4):
-                            packed[q] = T.uint32(0)
-                            for e in T.unroll(4):
-                                k = T.meta_var(q * 4 + e)
-                                o = T.meta_var(c * CN + t4 * Q + k)
-                                v = T.meta_var(requantize_tir(
-                                    T.Cast("int64", acc[(i // 2 * NTC + k // 2) * 4 + i % 2 * 2 + k % 2])
-                                    + T.Cast("int64", bias[o]), mult[o], shift[o], LO, HI))
-                                packed[q] = T.bitwise_or(packed[q], T.shift_left(
-                                    T.Cast("uint32", T.bitwise_and(T.Cast("int32", v), 255)), T.uint32(8 * e)))
-                        for q in T.vectorized(Q // 4):
-                            out32[(pix * OP + c * CN + t4 * Q) // 4 + q] = packed[q]
+                for fast in T.unroll(2):                             # the requantize's two forms
+                    if fast == ok[1]:
+                        # channel by channel (its bias / mult / shift loaded once, for all the
+                        # lane's rows), each row's Q bytes packed into words, then one store per row
+                        for i in T.unroll(2 * MT * Q // 4):
+                            packed[i] = T.uint32(0)
+                        for k in T.unroll(Q):
+                            o = T.meta_var(c * CN + t4 * Q + k)
+                            for i in T.unroll(2 * MT):
+                                v = T.meta_var(_requant(fast, acc[(i // 2 * NTC + k // 2) * 4 + i % 2 * 2 + k % 2],
+                                                        bias[o], mult[o], shift[o], LO, HI))
+                                packed[i * (Q // 4) + k // 4] = T.bitwise_or(packed[i * (Q // 4) + k // 4], T.shift_left(
+                                    T.Cast("uint32", T.bitwise_and(v, 255)), T.uint32(8 * (k % 4))))
+                        for i in T.unroll(2 * MT):
+                            pix = T.meta_var(p0 + i // 2 * 16 + g + 8 * (i % 2))
+                            if pix < PX:
+                                for q in T.vectorized(Q // 4):
+                                    out32[(pix * OP + c * CN + t4 * Q) // 4 + q] = packed[i * (Q // 4) + q]
 
     return main
+
+
+def _requant(fast, acc, bias, mult, shift, lo: int, hi: int):
+    """TIR int32: the requantized output; ``fast`` (1 or 0 once unrolled) picks the 32-bit form
+    (``requantize_tir_i32``; ``supports`` bounds K to 1,536, so |acc| < 2**25) or the 64-bit one."""
+    return tirx.if_then_else(fast == 1, requantize_tir_i32(acc, bias, mult, shift, lo, hi),
+                             requantize_tir(acc.astype("int64") + bias.astype("int64"), mult, shift, lo, hi)
+                             .astype("int32"))
 
 
 def _tap_word(pixels, tap, base, ry, rx, wl: ConvWorkload):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..requantize import requantize_tir
+from ..requantize import requantize_i32_ok, requantize_tir, requantize_tir_i32
 from ..tensorcore.conv2d import gemm_shape
 from ..tensorcore.layout import ceil32
 from ..workload import ConvWorkload
@@ -153,6 +153,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     BM, BN, STAGES, WN = config.bm, config.bn, config.stages, config.wn
     assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
     assert config.accumulators() <= MAX_ACC, config
+    assert K * 128 * 128 < 1 << 30, K          # |acc| < 2**30: the 32-bit requantize holds
+    # The epilogue in the 32-bit requantize's form too, where it was measured to pay (H100, VGG16's
+    # convs at batch 64, docs/benchmarks.md): 128-row tiles, 1.00-1.10x; on 64 x 256 tiles the
+    # second copy of the 128-accumulator epilogue made 512->512 @28 1.26x slower: those keep one.
+    FORMS = 2 if config.bm == 128 else 1
     BK = k_tile(CP)
     SWIZZLE = {32: 1, 64: 2, 128: 3}[BK]      # CUtensorMapSwizzle / wgmma layout: 32B, 64B, 128B
     SBO = (8 * BK) >> 4                        # descriptor: 8-row swizzle atom, in 16-byte units
@@ -200,7 +205,16 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             for s in T.unroll(2):
                 T.ptx.mbarrier.init.shared.b64(order.ptr_to([s]), T.uint32(1))
             T.ptx.fence.mbarrier_init.release.cluster()
-        T.cuda.cta_sync()
+        # 1 where this tile shape has the 32-bit requantize (``requantize_tir_i32``) and every channel
+        # allows it: CTA-uniform, so the epilogue's forms never diverge; the barrier also publishes
+        # the mbarriers
+        ok = T.alloc_buffer((2,), "int32", scope="local")
+        ok[0] = FORMS - 1
+        for i in T.serial((OP + 383) // 384):
+            if i * 384 + wg * 128 + tid < OP:
+                if not requantize_i32_ok(bias[i * 384 + wg * 128 + tid], shift[i * 384 + wg * 128 + tid]):
+                    ok[0] = 0
+        ok[1] = T.call_extern("int32", "__syncthreads_and", ok[0])
         if wg == 0:                                           # ---- producer
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
             if tid == 0:
@@ -271,23 +285,31 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                     T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
                 if tid == 0:
                     T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(j * KT + KT - 1) % STAGES]), T.uint32(1))
-                for mw in T.unroll(MW):
-                    for nw in T.unroll(NW):
-                        for i in T.unroll(ACC // 4):
-                            for h in T.unroll(2):
-                                row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4 + 8 * h)
-                                col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
-                                reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
-                                q0 = T.meta_var(_requant(acc[reg], bias[col], mult[col], shift[col], LO, HI))
-                                q1 = T.meta_var(_requant(acc[reg + 1], bias[col + 1], mult[col + 1], shift[col + 1],
-                                                         LO, HI))
-                                if row < M:                   # two int8s, little-endian, as one uint16
-                                    out16[(row * OP + col) // 2] = T.Cast("uint16", T.bitwise_or(
-                                        T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8)))
+                for fast in T.unroll(FORMS):                  # the requantize's forms
+                    if fast == ok[1]:
+                        for mw in T.unroll(MW):
+                            for nw in T.unroll(NW):
+                                for i in T.unroll(ACC // 4):
+                                    for h in T.unroll(2):
+                                        row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4
+                                                         + 8 * h)
+                                        col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
+                                        reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
+                                        q0 = T.meta_var(_requant(fast, acc[reg], bias[col], mult[col], shift[col],
+                                                                 LO, HI))
+                                        q1 = T.meta_var(_requant(fast, acc[reg + 1], bias[col + 1], mult[col + 1],
+                                                                 shift[col + 1], LO, HI))
+                                        if row < M:           # two int8s, little-endian, as one uint16
+                                            out16[(row * OP + col) // 2] = T.Cast("uint16", T.bitwise_or(
+                                                T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8)))
 
     return main
 
 
-def _requant(acc, bias, mult, shift, lo: int, hi: int):
-    """``requantize_tir`` (``schedules/requantize.py``) on ``acc + bias``, as an int32."""
-    return requantize_tir(acc.astype("int64") + bias.astype("int64"), mult, shift, lo, hi).astype("int32")
+def _requant(fast, acc, bias, mult, shift, lo: int, hi: int):
+    """``requantize_tir`` (``schedules/requantize.py``) on ``acc + bias``, as an int32; ``fast``
+    (1 or 0 once unrolled) takes its 32-bit form ``requantize_tir_i32`` (|acc| < 2**30: the
+    kernel asserts K < 2**16)."""
+    return tirx.if_then_else(fast == 1, requantize_tir_i32(acc, bias, mult, shift, lo, hi),
+                             requantize_tir(acc.astype("int64") + bias.astype("int64"), mult, shift, lo, hi)
+                             .astype("int32"))
