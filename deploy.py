@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import time
 
+from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_int as _positive
 from tvm_qconv.config import CALIBRATIONS, PRESETS
 from tvm_qconv.errors import InputError
@@ -200,11 +201,9 @@ def cmd_run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return {"build": cmd_build, "run": cmd_run, "eval": cmd_eval}[args.cmd](args)
-    except InputError as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
-        return 2
+    kept = (f"{args.output} was not written; the library there before, if any, is whole and unchanged"
+            if args.cmd == "build" else "nothing was written")
+    return cli.run(lambda: {"build": cmd_build, "run": cmd_run, "eval": cmd_eval}[args.cmd](args), kept)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import argparse
 import logging
 import sys
 
+from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
-from tvm_qconv.errors import InputError
 from tvm_qconv.training import MODELS, TrainConfig, run_training
 
 
@@ -42,11 +42,13 @@ def main(argv=None) -> int:
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
-    try:
+    def train() -> int:
         run_training(config, out=args.out, baseline=args.baseline, report=print)
-    except InputError as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
-        return 2
+        return 0
+    code = cli.run(train, f"{args.out} was not written (a checkpoint there before is unchanged)" if args.out
+                   else "nothing was saved")
+    if code:
+        return code
     if args.out and args.qat:
         print(f"compile it with its learned scales: python deploy.py build --checkpoint {args.out} --target llvm "
               f"-o build/{args.model}.so")

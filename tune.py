@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_int as _positive
-from tvm_qconv.errors import InputError
 from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks, tune_model
 
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
           f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
-    try:
+    def tune() -> int:
         peaks = read_peaks(args.peaks) if args.peaks else None
         tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
                    work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
@@ -81,10 +81,9 @@ def main(argv=None) -> int:
         if args.prune:
             before, after = prune_database(work_dir)
             print(f"[tune] pruned {work_dir}: {before} -> {after} records")
-    except InputError as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # always one line
-        return 2
-    return 0
+        return 0
+    return cli.run(tune, f"the measurements made so far are kept in {work_dir}: run the same command to go on "
+                         f"from them")
 
 
 if __name__ == "__main__":
