@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-from .requantize import requantize_ref, requantize_tir
+from .requantize import QMIN, requantize_ref, requantize_tir
 
 
-def add_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = -128, act_max: int = 127,
+def add_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = QMIN, act_max: int = 127,
              name: str = "add_int8") -> tirx.PrimFunc:
     """``clamp((a * mult_a + b * mult_b) >> shift, act_min, act_max)`` (ReLU: ``act_min = 0``)."""
     a = te.placeholder(shape, "int8", name="A")
@@ -24,6 +24,6 @@ def add_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = -128, a
     return te.create_prim_func([a, b, out]).with_attr({"tvm_qconv.kernel": name})
 
 
-def add_int8_ref(a, b, mult_a, mult_b, shift, act_min=-128, act_max=127) -> np.ndarray:
+def add_int8_ref(a, b, mult_a, mult_b, shift, act_min=QMIN, act_max=127) -> np.ndarray:
     v = a.astype(np.int64) * mult_a + b.astype(np.int64) * mult_b
     return requantize_ref(v, np.int64(1), np.int64(shift), act_min, act_max)

@@ -16,10 +16,10 @@ import numpy as np
 from tvm import te
 
 from .kernel import Layout
-from .requantize import requantize_ref, requantize_tir
+from .requantize import QMIN, requantize_ref, requantize_tir
 
 
-def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = -128, act_max: int = 127):
+def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = QMIN, act_max: int = 127):
     """Kernel: int8 X of packed ``shape`` in ``layout``, Mult/Shift int32 [C_p], Bias int64 [C_p]
     (C_p: the padded channel count) -> int8 in ``layout``."""
     channels = layout.logical_shape(shape)[1]
@@ -37,7 +37,7 @@ def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = -128, act
         {"tvm_qconv.kernel": f"affine_{layout.name.lower()}_int8"})
 
 
-def affine_int8_ref(layout: Layout, x, mult, shift, bias, act_min=-128, act_max=127) -> np.ndarray:
+def affine_int8_ref(layout: Layout, x, mult, shift, bias, act_min=QMIN, act_max=127) -> np.ndarray:
     """NumPy twin of :func:`affine_int8` (packed in, packed out)."""
     logical = layout.unpack(x, layout.logical_shape(x.shape)[1])
     per_channel = (slice(None), None, None)  # [C_p] -> [C_p, 1, 1]

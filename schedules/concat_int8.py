@@ -10,7 +10,7 @@ import numpy as np
 from tvm import te, tirx
 
 from .kernel import Layout
-from .requantize import requantize_ref, requantize_tir
+from .requantize import QMIN, requantize_ref, requantize_tir
 
 
 def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int], mults: list[int],
@@ -33,7 +33,7 @@ def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int]
         for i in reversed(range(len(ins))):
             local = tirx.max(tirx.min(c - offsets[i], channels[i] - 1), 0)
             v = requantize_tir(ins[i][layout.to_packed(b, local, y, x)].astype("int64"),
-                               tirx.const(mults[i], "int32"), tirx.const(shifts[i], "int32"), -128, 127)
+                               tirx.const(mults[i], "int32"), tirx.const(shifts[i], "int32"), QMIN, 127)
             value = tirx.if_then_else(c < offsets[i + 1], v, value)
         return tirx.if_then_else(c < offsets[-1], value, tirx.const(0, "int8"))  # padded channels: 0
 
@@ -43,6 +43,6 @@ def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int]
 
 def concat_int8_ref(layout: Layout, xs: list[np.ndarray], channels: list[int], mults, shifts) -> np.ndarray:
     """NumPy twin of :func:`concat_int8`."""
-    parts = [requantize_ref(layout.unpack(x, c).astype(np.int64), np.int64(m), np.int64(s), -128, 127)
+    parts = [requantize_ref(layout.unpack(x, c).astype(np.int64), np.int64(m), np.int64(s), QMIN, 127)
              for x, c, m, s in zip(xs, channels, mults, shifts)]
     return layout.pack(np.concatenate(parts, axis=1))

@@ -22,7 +22,7 @@ import tvm
 from tvm import te, tirx
 
 from .kernel import Layout
-from .requantize import requantize_ref, requantize_tir
+from .requantize import QMIN, requantize_ref, requantize_tir
 
 
 def pool_out_size(h, w, pool, stride, padding, dilation=(1, 1), ceil_mode=False):
@@ -71,7 +71,7 @@ def avg_pool2d_int8(layout: Layout, shape, pool, stride, padding, mult: int, shi
     requantized by (``mult``, ``shift``)."""
     x, total = _window(layout, shape, pool, stride, padding, (1, 1), False, "window_sum", te.sum, 0, "int32")
     out = te.compute(total.shape, lambda *i: requantize_tir(total(*i), tirx.const(mult, "int32"),
-                                                            tirx.const(shift, "int32"), -128, 127),
+                                                            tirx.const(shift, "int32"), QMIN, 127),
                      name="avg_requant")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": f"avg_pool2d_{layout.name.lower()}_int8"})
 
@@ -101,7 +101,7 @@ def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mu
     """NumPy twin of :func:`avg_pool2d_int8` (packed in, packed out)."""
     logical = layout.unpack(x, layout.logical_shape(x.shape)[1]).astype(np.int64)
     total = sum(_windows_ref(logical, pool, stride, padding, (1, 1), False, 0))
-    return layout.pack(requantize_ref(total, np.int64(mult), np.int64(shift), -128, 127).astype(np.int8))
+    return layout.pack(requantize_ref(total, np.int64(mult), np.int64(shift), QMIN, 127).astype(np.int8))
 
 
 THREADS = 256  # outputs per thread block (one per thread)

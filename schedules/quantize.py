@@ -26,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 from tvm import tirx
 
+from .requantize import QMIN
+
 
 def _div_exact(x, scale: float):
     """float32 ``x / scale`` (``scale`` rounded to float32), IEEE on llvm and on CUDA under fast math."""
@@ -52,13 +54,13 @@ def dequantize_tir(q, scale: float):
     return v.astype("float32")
 
 
-def quantize_tir(x, scale: float, lo: int = -128, hi: int = 127):
+def quantize_tir(x, scale: float, lo: int = QMIN, hi: int = 127):
     """TIR expression: float ``x`` -> int8 ``clamp(nearbyint(x / scale), lo, hi)``."""
     v = tirx.nearbyint(_div_exact(x, scale))  # ties to even (module docstring)
     return tirx.max(tirx.min(v, tirx.const(hi, "float32")), tirx.const(lo, "float32")).astype("int8")
 
 
-def quantize_ref(x: np.ndarray, scale: float, lo: int = -128, hi: int = 127) -> np.ndarray:
+def quantize_ref(x: np.ndarray, scale: float, lo: int = QMIN, hi: int = 127) -> np.ndarray:
     """NumPy twin of :func:`quantize_tir`: float32 division, round half to even."""
     v = np.rint(x.astype(np.float32) / np.float32(scale))
     return np.clip(v, lo, hi).astype(np.int8)

@@ -12,6 +12,10 @@ import numpy as np
 from tvm import tirx
 
 MULT_BITS = 31  # mult lies in [2**30, 2**31): 31 significant bits of M
+# Symmetric int8: activations and weights use [-127, 127] and -128 never occurs, as the
+# observers' scales (amax / 127) and the QAT fake-quantizers (``tvm_qconv.nn.functional``) assume,
+# so a QAT model compiles to the same integers wherever values clip at the negative end too.
+QMIN, QMAX = -127, 127
 
 
 def quantize_multiplier(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

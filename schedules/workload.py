@@ -10,8 +10,10 @@ from __future__ import annotations
 import ast
 from dataclasses import asdict, dataclass
 
+from .requantize import QMIN
+
 # The epilogue's activation, as a clamp of the requantized int8 output (integer domain): ``none``
-# is [-128, 127], ``relu`` is [0, 127], ``clip`` (ReLU6, hardtanh) is [act_min, act_max].
+# is [-127, 127] (symmetric int8: ``requantize.QMIN``), ``relu`` is [0, 127], ``clip`` (ReLU6, hardtanh) is [act_min, act_max].
 ACTIVATIONS = ("none", "relu", "clip")
 OUT_DTYPES = ("int8", "int32")  # int8: requantized (bias, multiplier, activation); int32: the accumulator
 
@@ -32,7 +34,7 @@ class ConvWorkload:
         padding: (top, left, bottom, right).
         groups: conv groups (``in_channels`` and ``out_channels`` divisible by it).
         activation: the epilogue's ``none`` / ``relu`` / ``clip`` (``out_dtype == "int8"``).
-        act_min, act_max: the int8 clamp of ``clip`` (``relu``: 0, 127; ``none``: -128, 127).
+        act_min, act_max: the int8 clamp of ``clip`` (``relu``: 0, 127; ``none``: -127, 127).
         out_dtype: ``int8`` (the fused, requantized layer) or ``int32`` (the raw accumulator:
             the training path and the unfused benchmark).
     """
@@ -71,20 +73,20 @@ class ConvWorkload:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.out_dtype not in OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {self.out_dtype!r}")
-        expected = {"none": (-128, 127), "relu": (0, 127)}.get(self.activation)
+        expected = {"none": (QMIN, 127), "relu": (0, 127)}.get(self.activation)
         if expected is not None and (self.act_min, self.act_max) != expected:
             raise ValueError(f"activation {self.activation!r} clamps to {expected}, got ({self.act_min}, {self.act_max})")
-        if not -128 <= self.act_min <= self.act_max <= 127:
-            raise ValueError(f"act_min/act_max must satisfy -128 <= min <= max <= 127, got ({self.act_min}, "
-                             f"{self.act_max})")
+        if not QMIN <= self.act_min <= self.act_max <= 127:
+            raise ValueError(f"act_min/act_max must satisfy {QMIN} <= min <= max <= 127 (symmetric int8), got "
+                             f"({self.act_min}, {self.act_max})")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
     @classmethod
-    def with_activation(cls, activation: str, act_min: int = -128, act_max: int = 127, **fields) -> "ConvWorkload":
+    def with_activation(cls, activation: str, act_min: int = QMIN, act_max: int = 127, **fields) -> "ConvWorkload":
         """A workload whose clamp follows from ``activation`` (``clip`` takes ``act_min``/``act_max``)."""
         if activation == "none":
-            act_min, act_max = -128, 127
+            act_min, act_max = QMIN, 127
         elif activation == "relu":
             act_min, act_max = 0, 127
         return cls(activation=activation, act_min=act_min, act_max=act_max, **fields)
@@ -168,7 +170,7 @@ class AddWorkload:
     mult_a: int
     mult_b: int
     shift: int
-    act_min: int = -128
+    act_min: int = QMIN
     act_max: int = 127
 
     def to_dict(self) -> dict:
@@ -209,7 +211,7 @@ class AffineWorkload:
     """An int8 per-channel affine (inference BatchNorm) of packed ``shape``, clamped to [act_min, act_max]."""
 
     shape: tuple[int, ...]
-    act_min: int = -128
+    act_min: int = QMIN
     act_max: int = 127
 
     def to_dict(self) -> dict:

@@ -18,7 +18,7 @@ from tvm_qconv.schedules.pool_int8 import (avg_pool2d_int8, avg_pool2d_int8_ref,
                                            pool_out_size)
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.quantize import quantize_ref
-from tvm_qconv.schedules.requantize import (add_multipliers, quantize_multiplier, requantize_ref,
+from tvm_qconv.schedules.requantize import (QMIN, add_multipliers, quantize_multiplier, requantize_ref,
                                             requantize_ref_i32)
 from tvm_qconv.schedules.workload import ConvWorkload
 
@@ -98,7 +98,7 @@ def test_grouped_conv_reference_matches_float64_grouped_convolution(wl):
 
 
 def test_int32_variant_returns_the_exact_accumulator():
-    wl = ConvWorkload(1, 6, 5, 5, 6, groups=3, activation="none", act_min=-128, out_dtype="int32")
+    wl = ConvWorkload(1, 6, 5, 5, 6, groups=3, activation="none", act_min=QMIN, out_dtype="int32")
     a, w, *_ = conv_args(wl)
     out = run(conv2d_nchw4c_int8(wl), a, w, out_shape=out_shape(wl), out_dtype="int32")
     np.testing.assert_array_equal(out, conv2d_nchw4c_int8_ref(wl, a, w))
@@ -158,6 +158,20 @@ def test_32_bit_requantize_equals_the_64_bit_one_wherever_its_shift_allows():
     # alone gives 1): the kernels check the shift per channel
     acc, mult, shift = np.array([7]), np.array([2**30]), np.array([32])
     assert requantize_ref(acc, mult, shift, -128) == 2 and requantize_ref_i32(acc, mult, shift, -128) == 1
+
+
+@pytest.mark.parametrize("layout", [NCHW4C, NHWC32], ids=["nchw4c", "nhwc32"])
+def test_compiled_quantizer_clips_like_the_qat_one(layout):
+    # Symmetric int8 on both paths: a value below -amax becomes -127, never -128, so a QAT model
+    # whose activations clip at the negative end compiles to the same integers (issue 13)
+    from tvm_qconv.nn.functional import quantize_per_tensor
+    x = (RNG.normal(0, 2, (2, 5, 4, 3)) + np.where(RNG.random((2, 5, 4, 3)) < 0.2, -9, 0)).astype(np.float32)
+    amax = torch.tensor(1.5)
+    q_qat, scale = quantize_per_tensor(torch.from_numpy(x), amax)
+    out = run(layout.quantize(x.shape, float(scale)), x, out_shape=layout.packed_shape(x.shape), out_dtype="int8")
+    got = layout.unpack(out, 5)
+    assert (q_qat.numpy() == -127).sum() > 10 and got.min() == -127       # values do clip, at -127
+    np.testing.assert_array_equal(got, q_qat.numpy())
 
 
 def test_quantize_pack_and_dequantize_unpack_round_trip():
@@ -336,10 +350,10 @@ def test_residual_add_rescales_to_output_scale(relu):
     b = RNG.integers(-128, 128, (1, 2, 5, 5, 4)).astype(np.int8)
     s_a, s_b, s_o = 0.03, 0.011, 0.05
     ma, mb, sh = add_multipliers(s_a, s_b, s_o)
-    lo = 0 if relu else -128
+    lo = 0 if relu else QMIN
     out = run(add_int8(a.shape, ma, mb, sh, lo), a, b, out_shape=a.shape, out_dtype="int8")
     np.testing.assert_array_equal(out, add_int8_ref(a, b, ma, mb, sh, lo))
-    exact = np.clip((a * s_a + b * s_b) / s_o, 0 if relu else -128, 127)
+    exact = np.clip((a * s_a + b * s_b) / s_o, lo, 127)
     assert np.abs(out - exact).max() <= 0.5 + 1e-6  # one rounding, in output steps
 
 
@@ -454,7 +468,7 @@ def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4
     from tvm_qconv.schedules.concat_int8 import concat_int8, concat_int8_ref
     from tvm_qconv.schedules.nchw4c.layout import LAYOUT
     channels = [6, 8, 3]  # offsets 0, 6, 14: two branches start mid-word
-    xs = [pack_nchw4c(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
+    xs = [pack_nchw4c(RNG.integers(-127, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]  # symmetric int8
     m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
     out = run(concat_int8(LAYOUT, (2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 5, 3, 5, 4),
               out_dtype="int8")
@@ -469,7 +483,7 @@ def test_nhwc32_concat_requantizes_each_branch_and_handles_channels_not_a_multip
     from tvm_qconv.schedules.concat_int8 import concat_int8, concat_int8_ref
     from tvm_qconv.schedules.tensorcore.layout import LAYOUT, pack_nhwc32, unpack_nhwc32
     channels = [48, 32, 5]  # offsets 0, 48, 80: the second branch starts mid-group of 32
-    xs = [pack_nhwc32(RNG.integers(-128, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
+    xs = [pack_nhwc32(RNG.integers(-127, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]  # symmetric int8
     m, s = quantize_multiplier(np.array([0.7, 1.0, 0.31]))  # 1.0: a branch already at the output scale
     out = run(concat_int8(LAYOUT, (2, 3, 5), channels, m.tolist(), s.tolist()), *xs, out_shape=(2, 3, 5, 96),
               out_dtype="int8")
@@ -494,7 +508,7 @@ def test_avg_pool_int8_matches_reference_and_float_within_half_a_step(pool, stri
     np.testing.assert_array_equal(out, ref)
     exact = torch.nn.functional.avg_pool2d(torch.from_numpy(layout.unpack(x, 12).astype(np.float64) * s_in), pool,
                                            stride, pad[:2], count_include_pad=True).numpy() / s_out
-    assert np.abs(layout.unpack(ref, 12) - np.clip(exact, -128, 127)).max() <= 0.5 + 1e-9  # one rounding
+    assert np.abs(layout.unpack(ref, 12) - np.clip(exact, QMIN, 127)).max() <= 0.5 + 1e-9  # one rounding
     assert not layout.unpack(out, layout.logical_shape(out.shape)[1])[:, 12:].any()  # padded channels stay 0
 
 

@@ -70,6 +70,7 @@ import tvm
 from .. import registry, schedules
 from ..fileio import atomic_path
 from ..schedules.training.grad_weight import weight_grad_splits
+from ..schedules.requantize import QMIN
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
 from .functional import register_conv_grad_kernels, register_int8_conv_kernel
@@ -314,7 +315,7 @@ def int8_conv(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], pad
     n, c, h, w = x_q.shape
     o, cg, kh, kw = w_q.shape
     wl = ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
-                      activation="none", act_min=-128, out_dtype="int32")
+                      activation="none", act_min=QMIN, out_dtype="int32")
     shape = (n, groups * _ceil4(o // groups) // 4, wl.out_height, wl.out_width, 4)
     acc = torch.empty(shape, dtype=torch.int32, device=x_q.device)
     _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)

@@ -32,7 +32,7 @@ from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, quantize_rows
 from ..schedules.relayout import relayout_int8
-from ..schedules.requantize import add_multipliers, affine_params, quantize_multiplier
+from ..schedules.requantize import QMIN, add_multipliers, affine_params, quantize_multiplier
 from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload,
                                   PoolWorkload)
 from ..target import TargetInfo
@@ -52,11 +52,11 @@ def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
     is then the one ReLU / no-activation layers share (one tuning task, not two).
     """
     if not ly.relu:
-        return "none", -128, 127
+        return "none", QMIN, 127
     lo, hi = ly.clip or (0.0, float("inf"))
-    q_lo = -128 if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y), -128, 127))
-    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y), -128, 127))
-    name = {(0, 127): "relu", (-128, 127): "none"}.get((q_lo, q_hi), "clip")
+    q_lo = QMIN if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y), QMIN, 127))
+    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y), QMIN, 127))
+    name = {(0, 127): "relu", (QMIN, 127): "none"}.get((q_lo, q_hi), "clip")
     return name, q_lo, q_hi
 
 
