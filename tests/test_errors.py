@@ -177,3 +177,53 @@ def test_a_library_for_another_gpu_arch_is_refused_by_name(built, gpu, runs):
     else:
         with pytest.raises(InputError, match=f"built for {built}, this GPU is {gpu}: rebuild with --arch {gpu}"):
             check_arch("m.so", built, gpu)
+
+
+def _json_edit(path, key, value):
+    import json
+    with open(path) as f:
+        meta = json.load(f)
+    meta[key] = value
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+def _pickled(path):
+    with open(path, "wb") as f:
+        np.save(f, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+
+
+def _truncate(path, size):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:size])
+
+
+def _halve(path):
+    _truncate(path, os.path.getsize(path) // 2)
+
+
+NOT_ONE_BUILD = "are not the files of one build"
+# (damage done to one of the library's three files, what the one-line error must say). A damaged
+# .so must never reach the dynamic loader (a truncated one used to kill the process with SIGBUS).
+DAMAGED = [
+    ("params_empty", lambda so, npz, js: open(npz, "wb").close(), NOT_ONE_BUILD),
+    ("params_truncated", lambda so, npz, js: _truncate(npz, 100), NOT_ONE_BUILD),
+    ("params_pickled", lambda so, npz, js: _pickled(npz), NOT_ONE_BUILD),
+    ("so_is_text", lambda so, npz, js: open(so, "w").write("not a library\n"), NOT_ONE_BUILD),
+    ("so_truncated", lambda so, npz, js: _halve(so), NOT_ONE_BUILD),
+    ("json_batch_edited", lambda so, npz, js: _json_edit(js, "input_shape", [2, 3, 32, 32]), NOT_ONE_BUILD),
+    ("json_not_json", lambda so, npz, js: open(js, "w").write("{\n"), "is not the JSON record of a build"),
+    ("json_a_list", lambda so, npz, js: open(js, "w").write("[1]"), "is not the JSON record of a build"),
+]
+
+
+@pytest.mark.parametrize("damage,message", [d[1:] for d in DAMAGED], ids=[d[0] for d in DAMAGED])
+def test_a_damaged_library_is_refused_in_one_line(small_lib, tmp_path, capsys, damage, message):
+    import shutil
+    for path in (small_lib, *artifact.artifact_paths(small_lib)):
+        shutil.copy(path, tmp_path)
+    lib = str(tmp_path / os.path.basename(small_lib))
+    npz, js = artifact.artifact_paths(lib)
+    damage(lib, npz, js)
+    err = cli_error(capsys, "run", "--lib", lib, "--image", "skimage:coffee")
+    assert message in err and "deploy.py build" in err, err

@@ -88,11 +88,19 @@ def read_meta(lib_path: str) -> dict:
     """The json record of a built library.
 
     Raises:
-        InputError: one of the three files is missing.
+        InputError: one of the three files is missing, or the json is not a build's record.
     """
     params_path, meta_path = artifact_paths(lib_path)
     for p in (lib_path, params_path, meta_path):
         if not os.path.exists(p):
             raise InputError(f"{p} not found: build it with `python deploy.py build ... -o {lib_path}`")
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{meta_path} is not the JSON record of a build ({err}): rebuild the library with "
+                         f"`python deploy.py build ... -o {lib_path}`") from None
+    if not isinstance(meta, dict):
+        raise InputError(f"{meta_path} is not the JSON record of a build (a {type(meta).__name__}, not an object): "
+                         f"rebuild the library with `python deploy.py build ... -o {lib_path}`")
+    return meta
