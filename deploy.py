@@ -4,6 +4,7 @@
     python deploy.py run --lib build/vgg16.so --image cat.jpg
     python deploy.py build --checkpoint ckpt.pt --target llvm -o build/small_vgg.so    # train.py --qat
     python deploy.py eval --lib build/small_vgg.so --dataset digits
+    python deploy.py rpc --lib build/vgg16.so --tracker 127.0.0.1:9190 --key h100 --image cat.jpg
 """
 from __future__ import annotations
 
@@ -85,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
     r.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     r.add_argument("--repeat", type=_positive, default=5, help="timing repeats (median is printed)")
+    rp = sub.add_parser("rpc", help="run a built library on a remote device through TVM RPC",
+                        description="Upload a built library and its params to a TVM RPC server (python -m "
+                                    "tvm_qconv.rpc_server on the GPU machine), classify images there, print the "
+                                    "top-5 classes, the latency measured on the remote device (median, p90, p99) "
+                                    "and its name.  TVM RPC has no authentication: reach a remote server through "
+                                    "an ssh tunnel (README: Remote GPUs).")
+    rp.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
+    rp.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
+    rp.add_argument("--host", default=None, help="the RPC server's address (with --port)")
+    rp.add_argument("--port", type=int, default=None, help="the RPC server's port")
+    rp.add_argument("--tracker", default=None, metavar="HOST:PORT", help="an RPC tracker (with --key), instead")
+    rp.add_argument("--key", default=None, help="the key the tracker's GPU servers registered with")
+    rp.add_argument("--repeat", type=_positive, default=100, help="timed runs (default 100; p99 wants >= 100)")
+    rp.add_argument("--timeout", type=float, default=60.0,
+                    help="seconds to wait for a free server of the tracker (default 60)")
     e = sub.add_parser("eval", help="accuracy of a built library on a test split",
                        description="Top-1 accuracy of a built library on the digits test split (the split "
                                    "train.py reports), beside the accuracies its checkpoint recorded.")
@@ -170,32 +186,60 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_run(args) -> int:
+def _load_batch(paths: list[str], input_shape) -> "np.ndarray":
+    """The images as one float32 batch of the library's size (fewer are repeated to fill it)."""
     import numpy as np
 
     from tvm_qconv.data import load_image
-    from tvm_qconv.runtime import CompiledModel
-    model = CompiledModel(args.lib, args.device)
-    n, _, h, _ = model.input_shape
-    x = np.stack([load_image(p, h) for p in args.image])
+    n, _, h, _ = input_shape
+    x = np.stack([load_image(p, h) for p in paths])
     if len(x) < n:  # a batch-N library takes N images: repeat the given ones to fill it
         x = np.concatenate([x] * (-(-n // len(x))))[:n]
     elif len(x) > n:
         raise InputError(f"{len(x)} images given, the library takes a batch of {n}: rebuild with --batch {len(x)}")
-    t = time.time()
-    logits = model(x)
-    first_ms = (time.time() - t) * 1e3
-    labels = model.meta.get("categories")
-    for i, path in enumerate(args.image):
+    return x
+
+
+def _print_top5(paths: list[str], logits, labels) -> None:
+    import numpy as np
+    for i, path in enumerate(paths):
         z = logits[i] - logits[i].max()
         prob = np.exp(z) / np.exp(z).sum()
         print(f"{path}:")
         for k in np.argsort(-prob)[:5]:
             name = labels[k] if labels and k < len(labels) else f"class {k}"
             print(f"  {prob[k]:6.3f}  {k:4d}  {name}")
+
+
+def cmd_run(args) -> int:
+    from tvm_qconv.runtime import CompiledModel
+    model = CompiledModel(args.lib, args.device)
+    n = model.input_shape[0]
+    x = _load_batch(args.image, model.input_shape)
+    t = time.time()
+    logits = model(x)
+    first_ms = (time.time() - t) * 1e3
+    _print_top5(args.image, logits, model.meta.get("categories"))
     lat = model.benchmark(x, number=1 if n > 8 else 10, repeat=args.repeat)
     print(f"latency: {lat['median_ms']:.3f} ms median (min {lat['min_ms']:.3f}) for batch {n} on "
           f"{model.dev}; first call {first_ms:.1f} ms")
+    return 0
+
+
+def cmd_rpc(args) -> int:
+    from tvm_qconv.remote import Remote
+    from tvm_qconv.remote_model import RemoteModel
+    remote = Remote.parse(args.host, args.port, args.tracker, args.key, timeout_s=args.timeout)
+    print(f"[rpc] {args.lib} -> {remote.describe()}", flush=True)
+    t = time.time()
+    with RemoteModel(args.lib, remote) as model:
+        print(f"[rpc] uploaded and loaded on {model.device_name} in {time.time() - t:.1f} s", flush=True)
+        x = _load_batch(args.image, model.input_shape)
+        _print_top5(args.image, model(x), model.meta.get("categories"))
+        lat = model.latency(x, repeat=args.repeat)
+    print(f"latency on {model.device_name} (remote, {lat['runs']} runs): {lat['median_ms']:.3f} ms median, "
+          f"p90 {lat['p90_ms']:.3f}, p99 {lat['p99_ms']:.3f}, min {lat['min_ms']:.3f} for batch "
+          f"{model.input_shape[0]}")
     return 0
 
 
@@ -203,7 +247,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     kept = (f"{args.output} was not written; the library there before, if any, is whole and unchanged"
             if args.cmd == "build" else "nothing was written")
-    return cli.run(lambda: {"build": cmd_build, "run": cmd_run, "eval": cmd_eval}[args.cmd](args), kept)
+    commands = {"build": cmd_build, "run": cmd_run, "eval": cmd_eval, "rpc": cmd_rpc}
+    return cli.run(lambda: commands[args.cmd](args), kept)
 
 
 if __name__ == "__main__":

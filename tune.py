@@ -12,14 +12,29 @@ holds MetaSchedule's full per-task logs).  Run the same command again to continu
 interrupted run: records already in the database count, finished tasks are skipped.  Tune with
 the batch size and image size you will build with: the database matches kernels by their exact
 shape.
+
+Where the candidates are measured:
+
+    python tune.py --model vgg16 --batch 64 --local-gpus 2         this machine's first 2 GPUs, through
+                                                                   a tracker and 2 RPC servers it starts
+                                                                   on 127.0.0.1 and stops at the end
+    python tune.py --model vgg16 --rpc-tracker 127.0.0.1:9190 --rpc-key h100
+                                                                   the GPUs of a tracker's servers (e.g. a
+                                                                   GPU machine reached by ssh -L): build
+                                                                   here, measure there, one candidate per
+                                                                   server at a time
+    python tune.py --model resnet18 --target llvm                  this CPU (or --rpc-* for another one)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.errors import InputError
+from tvm_qconv.remote import Remote, local_cluster
 from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks, tune_model
 
 
@@ -33,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
     p.add_argument("--batch", type=_positive, default=1, help="batch size to tune for (default 1)")
-    p.add_argument("--target", choices=["cuda"], default="cuda",
-                   help="only cuda (the tuned kernels are the CUDA families': mma and dp4a)")
+    p.add_argument("--target", choices=["cuda", "llvm"], default="cuda",
+                   help="cuda (default: the mma and dp4a families) or llvm (the CPU conv)")
     p.add_argument("--arch", type=_arch, default="sm_90", help="CUDA arch of the GPU (default sm_90)")
     p.add_argument("--trials", type=_positive, default=64,
                    help="valid measurements per task, counting those already in the database (default 64)")
@@ -61,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peaks", metavar="FILE", default=None,
                    help="int8_peaks.json of this GPU (python benchmarks/int8_peaks.py --out DIR), to print "
                         "each task's %% of the peak of its kernel's instruction (dp4a or mma.sync)")
+    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on the servers of this TVM RPC tracker (python -m tvm_qconv.rpc_server --tracker "
+                        "... --key K on each GPU machine; README: Remote GPUs)")
+    p.add_argument("--rpc-key", default=None, help="the key the tracker's servers registered with")
+    p.add_argument("--local-gpus", type=_positive, default=None, metavar="N",
+                   help="measure on this machine's first N GPUs at once (starts a tracker and N servers on "
+                        "127.0.0.1, stops them at the end)")
     p.add_argument("--prune", action="store_true",
                    help="afterwards keep only the best record per task (small enough to commit)")
     return p
@@ -68,16 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    work_dir = args.work_dir or default_work_dir(args.model, args.batch, args.arch)
-    print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {args.arch} "
+    arch = args.arch if args.target == "cuda" else None
+    work_dir = args.work_dir or default_work_dir(args.model, args.batch, arch or args.target)
+    print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {arch or ''} "
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
           f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     def tune() -> int:
         peaks = read_peaks(args.peaks) if args.peaks else None
-        tune_model(args.model, args.batch, target=args.target, arch=args.arch, trials_per_task=args.trials,
-                   work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
-                   max_workers=args.workers, seed=args.seed, only=args.only, peaks=peaks,
-                   space=args.space, seed_default=not args.no_seed_default, families=args.family)
+        if args.local_gpus and (args.rpc_tracker or args.rpc_key):
+            raise InputError("--local-gpus starts its own tracker: drop --rpc-tracker/--rpc-key, or --local-gpus")
+        if args.local_gpus and args.target != "cuda":
+            raise InputError("--local-gpus measures on GPUs: it needs --target cuda")
+        if args.rpc_key and not args.rpc_tracker:
+            raise InputError("--rpc-key needs --rpc-tracker HOST:PORT")
+
+        def run(remote) -> None:
+            tune_model(args.model, args.batch, target=args.target, arch=arch, trials_per_task=args.trials,
+                       work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
+                       max_workers=args.workers, seed=args.seed, only=args.only, peaks=peaks,
+                       space=args.space, seed_default=not args.no_seed_default, families=args.family, remote=remote)
+        if args.local_gpus:
+            logs = os.path.join(work_dir, "logs")  # the tracker's and servers' logs go beside the tuning logs
+            os.makedirs(logs, exist_ok=True)
+            with local_cluster(args.local_gpus, log_dir=logs) as remote:
+                run(remote)
+        else:
+            run(Remote.parse(tracker=args.rpc_tracker, key=args.rpc_key) if args.rpc_tracker else None)
         if args.prune:
             before, after = prune_database(work_dir)
             print(f"[tune] pruned {work_dir}: {before} -> {after} records")

@@ -82,6 +82,11 @@ class KernelImpl:
         family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
             unscheduled on llvm).
         spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
+        search: how the tuner walks its spaces: ``evolutionary`` (MetaSchedule's evolutionary
+            search: the decisions are trace decisions its mutators change) or ``replay_func``
+            (each candidate runs the space's schedule function afresh: for spaces whose
+            decisions become constants of the schedule, e.g. a layout, which a mutated trace
+            would leave behind).
         outranks_tuning: where it applies and comes first, it is chosen even when a tuning
             database measured other candidates (an untunable kernel measured faster than the
             tuned families' best: ``tvm_qconv/tuning/apply.py``).
@@ -96,6 +101,7 @@ class KernelImpl:
     in_layout: str = ""
     family: str = ""
     spaces: tuple[str, ...] = ()
+    search: str = "evolutionary"
     outranks_tuning: bool = False
     instruction: str = ""
 

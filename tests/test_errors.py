@@ -47,7 +47,8 @@ def test_a_tuning_database_on_a_cpu_build_is_refused_before_any_work(capsys, tmp
     # it used to be applied and fail deep in TVM ("Unknown device id") after calibration
     err = cli_error(capsys, "build", "--model", "vgg11", "--target", "llvm", "--tuning-log", "tuning_logs/vgg16-b1-sm_90",
                     "-o", str(tmp_path / "m.so"))
-    assert "a tuning database holds CUDA schedules; a llvm build cannot use it" in err
+    assert "tuning log tuning_logs/vgg16-b1-sm_90 holds cuda schedules; a llvm build cannot use it: build with " \
+           "--target cuda, or tune for llvm (tune.py --target llvm)" in err
     assert not os.listdir(tmp_path)
 
 

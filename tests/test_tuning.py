@@ -120,15 +120,16 @@ def cpu_twin(func):
     return tvmscript.parse(text)
 
 
-def run_twin(func, wl: W, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(twin output, NumPy reference) on random int8 data and realistic requant multipliers."""
+def run_twin(func, wl: W, seed: int = 0, twin=True) -> tuple[np.ndarray, np.ndarray]:
+    """(twin output, NumPy reference) on random int8 data and realistic requant multipliers;
+    ``twin=False``: ``func`` is already an llvm schedule, run as it is."""
     rng = np.random.default_rng(seed)
     a = rng.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width), dtype=np.int8)
     w = rng.integers(-128, 128, (wl.out_channels, wl.in_channels) + tuple(wl.kernel), dtype=np.int8)
     bias = rng.integers(-2 ** 15, 2 ** 15, wl.out_channels).astype(np.int32)
     mult, shift = quantize_multiplier(rng.uniform(1e-4, 1e-2, wl.out_channels))
     args = (pack_nchw4c(a), pack_oihw4o4i(w), pack_channels(bias), pack_channels(mult), pack_channels(shift, fill=1))
-    ex = tvm.compile(tvm.IRModule({"main": cpu_twin(func)}), target=tvm.target.Target("llvm"))
+    ex = tvm.compile(tvm.IRModule({"main": cpu_twin(func) if twin else func}), target=tvm.target.Target("llvm"))
     out = tvm.runtime.tensor(np.zeros((wl.batch, ceil4(wl.out_channels) // 4, wl.out_height, wl.out_width, 4),
                                       np.int8), tvm.cpu())
     ex["main"](*[tvm.runtime.tensor(x, tvm.cpu()) for x in args], out)
@@ -236,6 +237,23 @@ def test_sampled_schedules_are_bit_exact_on_the_cpu_twin(wl, space):
     for sch in schedules:
         out, ref = run_twin(sch.mod["main"], wl)
         np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("wl", [W(1, 16, 8, 8, 16), W(1, 20, 13, 11, 36, stride=(2, 2), dilation=(1, 2))],
+                         ids=["3x3_16to16_8", "3x3s2d1x2_20to36"])
+def test_every_point_of_the_cpu_space_is_bit_exact(wl):
+    """The llvm conv's search space (cpu_space.py): each oc tile x column tile it can sample
+    builds and gives the reference's integers (odd sizes, stride 2, dilation)."""
+    from tvm_qconv.schedules.nchw4c.cpu import apply_cpu_schedule, default_tiles, tile_choices
+    func = conv2d_nchw4c_int8(wl)
+    octs, owts = tile_choices(func)
+    assert default_tiles(func)[0] in octs and default_tiles(func)[1] in owts  # the default is a point of it
+    for octile in octs:
+        for owt in owts:
+            sch = tvm.s_tir.Schedule(func)
+            apply_cpu_schedule(sch, octile, owt)
+            out, ref = run_twin(sch.mod["main"], wl, twin=False)
+            np.testing.assert_array_equal(out, ref, err_msg=f"oc tile {octile}, ow tile {owt}")
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +409,7 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
     with pytest.raises(InputError, match="unknown task.*has 3to16_3x3s1_32x32_b1"):
         tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=model, only=["64to64"])
     # a misspelt family is named before any work (it used to leave no task: "has no tunable kernel")
-    with pytest.raises(InputError, match="unknown kernel family 'tensorcore': the tunable families are dp4a, mma"):
+    with pytest.raises(InputError, match="unknown kernel family 'tensorcore': the tunable families are cpu, dp4a, mma"):
         tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path / "f"), model=model, families=["tensorcore"])
     assert not (tmp_path / "f").exists()
     # a --work-dir that is a file, or lies under one, is refused before quantizing (it used to
@@ -499,7 +517,8 @@ def test_tuning_without_a_gpu_is_refused_before_it_records_itself(small_int8, tm
         pytest.skip("this machine has a GPU")
     model, _, tasks = small_int8
     with pytest.raises(InputError, match="no CUDA GPU on this machine: tuning measures every candidate on the "
-                                         "sm_.* GPU it tunes for; run tune.py on that machine"):
+                                         "sm_.* GPU it tunes for; tune through a GPU machine's RPC "
+                                         "servers"):
         tune_model("small_vgg", 1, arch=ARCH, trials_per_task=2, work_dir=str(tmp_path), image_size=SIZE,
                    model=model, only=[tasks[1].name])
     assert CONFIG_FILE not in os.listdir(tmp_path)
@@ -579,8 +598,36 @@ def test_peaks_are_read_per_instruction_and_bad_files_refused(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     peaks = read_peaks(os.path.join(root, "docs", "results", "int8_peaks_h100.json"))  # the committed H100 run
     assert set(peaks) == {"dp4a", "mma.sync", "wgmma"} and 100 < peaks["dp4a"] < peaks["mma.sync"] < peaks["wgmma"]
-    assert {impl.instruction for impl in registry.tunable()} <= set(peaks)  # every tuned family finds its peak
+    # every tuned GPU family finds its peak (the CPU conv's has none measured)
+    assert {impl.instruction for impl in registry.tunable() if impl.family != "cpu"} <= set(peaks)
     for text in ('{"peaks": []}', '{"peaks": [{"path": "dp4a", "tops": 0}]}'):
         (tmp_path / "p.json").write_text(text)
         with pytest.raises(InputError, match="holds no usable peak"):
             read_peaks(str(tmp_path / "p.json"))
+
+
+def test_ctrl_c_stops_tuning_after_the_round_in_flight_and_the_run_resumes(tmp_path, monkeypatch):
+    """The first Ctrl-C ends the run cleanly (KeyboardInterrupt out of tune_model, which the CLI
+    turns into one line and exit 130) with the measured rounds committed; the same call resumes."""
+    import signal
+
+    from tvm_qconv.tuning import progress
+    valid_secs = progress.valid_secs
+    sent = []
+
+    def valid_secs_then_ctrl_c(builder_results, runner_results):
+        if not sent:  # the first search round (the defaults' seeds are counted elsewhere)
+            sent.append(len(runner_results))
+            os.kill(os.getpid(), signal.SIGINT)
+        return valid_secs(builder_results, runner_results)
+    monkeypatch.setattr(progress, "valid_secs", valid_secs_then_ctrl_c)
+    torch.manual_seed(0)
+    args = dict(target="llvm", trials_per_task=3, work_dir=str(tmp_path), image_size=SIZE, model=SmallVGG(cfg=CFG),
+                num_trials_per_iter=2, max_workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        tune_model("small_vgg", 1, **args)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    load_database(str(tmp_path))  # whole
+    monkeypatch.setattr(progress, "valid_secs", valid_secs)
+    rows = tune_model("small_vgg", 1, **args)
+    assert all(r["trials"] >= 3 for r in rows)

@@ -79,9 +79,13 @@ class BuildOptions:
         unknown = sorted({k for k in self.kernels.values() if k not in names})
         if unknown:
             raise InputError(f"unknown kernel implementation {', '.join(unknown)}: choose from {', '.join(names)}")
-        if self.tuning_log and self.target != "cuda":
-            raise InputError(f"a tuning database holds CUDA schedules; a {self.target} build cannot use it: "
-                             "build with --target cuda, or leave --tuning-log out")
+        if self.tuning_log:
+            from .tuning.database import database_target
+            tuned_for = database_target(self.tuning_log)
+            if tuned_for != self.target:
+                raise InputError(f"tuning log {self.tuning_log} holds {tuned_for} schedules; a {self.target} build "
+                                 f"cannot use it: build with --target {tuned_for}, or tune for {self.target} "
+                                 f"(tune.py --target {self.target}), or leave --tuning-log out")
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:

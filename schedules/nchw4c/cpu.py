@@ -60,6 +60,26 @@ def _ow_tile(ow: int) -> int:
     return min(ow, MAX_OW_TILE)
 
 
+def default_tiles(func: tirx.PrimFunc) -> tuple[int, int]:
+    """(oc tile in blocks of 4 channels, ow tile): the heuristic choice of :func:`schedule_cpu`."""
+    sch = tvm.s_tir.Schedule(func)
+    _, oc, _, x, *_ = sch.get_loops(sch.get_sblock("conv"))
+    occ, ow = (int(sch.get(l).extent) for l in (oc, x))
+    return max(d for d in (1, 2, 4, 8) if d <= MAX_OC_TILE and occ % d == 0), _ow_tile(ow)
+
+
+def tile_choices(func: tirx.PrimFunc) -> tuple[list[int], list[int]]:
+    """The tiles the ``template`` search space samples from (``cpu_space.py``): every
+    power-of-two oc tile up to 16 blocks (64 lanes) dividing the blocks, and ow tiles of 1 to
+    2 * MAX_OW_TILE (divisors, plus the heuristic's own choice)."""
+    sch = tvm.s_tir.Schedule(func)
+    _, oc, _, x, *_ = sch.get_loops(sch.get_sblock("conv"))
+    occ, ow = (int(sch.get(l).extent) for l in (oc, x))
+    octs = [d for d in (1, 2, 4, 8, 16) if occ % d == 0]
+    owts = sorted({d for d in range(1, min(ow, 2 * MAX_OW_TILE) + 1) if ow % d == 0} | {_ow_tile(ow)})
+    return octs, owts
+
+
 def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """Schedule :func:`conv2d_nchw4c_int8`'s PrimFunc for an llvm target.
 
@@ -74,11 +94,22 @@ def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
         ex = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
     """
     sch = tvm.s_tir.Schedule(func)
+    apply_cpu_schedule(sch, *default_tiles(func))
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def apply_cpu_schedule(sch: tvm.s_tir.Schedule, octile: int | None = None, owt: int | None = None) -> None:
+    """The schedule above, applied to ``sch`` in place with the given tiles; a tile left None
+    is sampled (``sample_categorical`` over :func:`tile_choices`, uniform): the search space."""
+    func = sch.mod["main"]
+    if octile is None or owt is None:
+        octs, owts = tile_choices(func)
+        if octile is None:
+            octile = int(sch.get(sch.sample_categorical(octs, [1.0 / len(octs)] * len(octs))))
+        if owt is None:
+            owt = int(sch.get(sch.sample_categorical(owts, [1.0 / len(owts)] * len(owts))))
     conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
     n, oc, y, x, oci, rc, ry, rx, rci = sch.get_loops(conv)
-    occ, ow = (int(sch.get(l).extent) for l in (oc, x))
-    octile = max(d for d in (1, 2, 4, 8) if d <= MAX_OC_TILE and occ % d == 0)
-    owt = _ow_tile(ow)
 
     oco, oct_l = sch.split(oc, [None, octile])
     xo, xt = sch.split(x, [None, owt])
@@ -105,4 +136,3 @@ def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
     sch.unroll(xt)
     sch.vectorize(sch.fuse(oct_l, oci))
     sch.decompose_reduction(conv, rc)
-    return sch.mod["main"].with_attr("tir.is_scheduled", True)

@@ -5,7 +5,7 @@ name                         op           runs
 ===========================  ===========  =================================================
 ``conv2d.nchw4c.depthwise``  conv2d       depthwise convs, CUDA and llvm (memory-bound)
 ``conv2d.nchw4c.dp4a``       conv2d       CUDA (sm_61+), ``__dp4a``; default + 2 spaces
-``conv2d.nchw4c.cpu``        conv2d       llvm, vectorized over output channels
+``conv2d.nchw4c.cpu``        conv2d       llvm, vectorized over output channels; 1 space
 ``max_pool2d.nchw4c``        max_pool2d   any target (one thread per output on CUDA)
 ``add.nchw4c``               add          any target (dlight on CUDA)
 ``concat.nchw4c``            concat       any target (dlight on CUDA)
@@ -20,7 +20,7 @@ import numpy as np
 from ..kernel import KernelImpl
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, cpu, depthwise, dp4a, dp4a_space
+from . import conv2d, cpu, cpu_space, depthwise, dp4a, dp4a_space
 from .layout import LAYOUT, ceil4
 
 
@@ -109,12 +109,20 @@ class Conv2dDp4a(_Conv2dNCHW4c):
 class Conv2dCpu(_Conv2dNCHW4c):
     name = "conv2d.nchw4c.cpu"
     family = "cpu"
+    spaces = cpu_space.SPACES
+    search = "replay_func"  # the oc tile is also the accumulator's layout (cpu_space.py)
 
     def applies(self, wl, target) -> bool:
         return target.kind == "llvm" and super().applies(wl, target)
 
     def schedule(self, func, target):
         return cpu.schedule_cpu(func)
+
+    def space_generator(self, space: str, func, target):
+        return cpu_space.space_generator(space)
+
+    def seed(self, sch, target, wl: ConvWorkload | None = None) -> None:
+        cpu.apply_cpu_schedule(sch, *cpu.default_tiles(sch.mod["main"]))
 
 
 CONV2D_DEPTHWISE = Conv2dDepthwise()

@@ -176,8 +176,19 @@ def tune_command(work_dir: str) -> str:
         extra += f" --family {family}"
     if cfg.get("space"):
         extra += f" --space {cfg['space']}"
+    where = "--target llvm" if cfg.get("target") == "llvm" else f"--arch {cfg.get('arch', 'sm_90')}"
     return (f"python tune.py --model {cfg.get('model', 'MODEL')} --batch {cfg.get('batch', 'N')} "
-            f"--arch {cfg.get('arch', 'sm_90')}{extra} --work-dir {work_dir}")
+            f"{where}{extra} --work-dir {work_dir}")
+
+
+def database_target(work_dir: str) -> str:
+    """The target kind (``cuda`` or ``llvm``) a database folder was tuned for, from its
+    config.json; ``cuda`` where it has none (databases from before CPU tuning)."""
+    try:
+        with open(os.path.join(work_dir, CONFIG_FILE)) as f:
+            return str(json.load(f).get("target") or "cuda")
+    except (OSError, ValueError, AttributeError):
+        return "cuda"
 
 
 def load_database(work_dir: str) -> ms.database.MemoryDatabase:

@@ -15,10 +15,13 @@ calibration photos.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 import tvm
@@ -44,6 +47,9 @@ CALIB_IMAGES = 2  # tuning depends on shapes only; calibration just has to run
 # Evolutionary-search population (MetaSchedule default 512): the template space is small and
 # mostly valid; on the 2-core CPU box 128 cut one search round from 60-90 s to ~20 s.
 POPULATION = 128
+# One RPC measurement (session, upload, link of the candidate on the server, 3 runs): seconds
+# normally; a server that stops answering fails the candidate after this, not the run.
+RPC_SESSION_TIMEOUT_S = 60
 
 
 def default_work_dir(model_name: str, batch: int, arch: str) -> str:
@@ -105,7 +111,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                num_trials_per_iter: int = 32, max_workers: int | None = None, seed: int = 0,
                only: list[str] | None = None, runner=None, builder=None, peaks: dict[str, float] | None = None,
                model=None, space: str | None = None, seed_default: bool = True,
-               families: list[str] | None = None) -> list[dict]:
+               families: list[str] | None = None, remote=None) -> list[dict]:
     """Tune every distinct tunable int8 kernel of a model with MetaSchedule, or continue a previous run.
 
     A task is finished when ``work_dir`` holds ``trials_per_task`` valid measurements of it.
@@ -123,7 +129,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         model_name: torchvision name (``vgg16``); ``model`` overrides the torch module itself.
         batch, image_size: the input shape (batch, 3, image_size, image_size) to tune for;
             build with the same ones.
-        target, arch: only ``cuda`` (the llvm build uses its default schedule); ``sm_90``...
+        target, arch: ``cuda`` with its arch (``sm_90``...), or ``llvm`` (the CPU's conv, tuned
+            on this CPU, or on the remote one of ``remote``; arch is ignored).
         trials_per_task: valid measurements per task, those in the database included.
         work_dir: the database folder (default ``tuning_logs/<model>-b<batch>-<arch>``).
         num_trials_per_iter: candidates built and measured per batch.
@@ -131,7 +138,10 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         seed: seeds the search (mixed with the database size, so a resumed run does not
             replay the first run's samples).
         only: task names (as printed) to tune; default all.
-        runner, builder: MetaSchedule Runner / Builder replacing the local ones (tests, RPC).
+        runner, builder: MetaSchedule Runner / Builder replacing the local ones (tests).
+        remote: a :class:`tvm_qconv.remote.Remote` tracker: candidates are built here and
+            measured on its servers (MetaSchedule's RPCRunner), as many at once as it has
+            servers under the key; None: on this machine.
         peaks: the GPU's int8 peaks in TOPS by instruction (:func:`read_peaks`), to print each
             task's % of the peak of its kernel's instruction (``KernelImpl.instruction``).
         space: the search space by name (e.g. the dp4a family's ``template`` or ``mlt``);
@@ -143,11 +153,15 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         One row per task (see :func:`format_table`), also printed: task, shape, occurrences,
         trials, best_us, tops, and pct_peak when ``peaks`` has the task's instruction.
     Raises:
-        InputError: bad arguments, an unknown task name, or a work_dir holding other logs.
+        InputError: bad arguments, an unknown task name, a work_dir holding other logs, no GPU
+            (or no RPC server) to measure on.
     """
-    if target != "cuda":
-        raise InputError(f"tuning supports --target cuda only, got {target!r} (llvm builds use the default "
-                         "CPU schedule)")
+    if target not in ("cuda", "llvm"):
+        raise InputError(f"unknown target {target!r}: tune for cuda (a GPU) or llvm (a CPU)")
+    if remote is not None and not remote.via_tracker:
+        raise InputError("tuning through RPC goes through a tracker (--rpc-tracker H:P --rpc-key K), so that "
+                         "every server of the key measures candidates")
+    arch = arch if target == "cuda" else None
     for label, value in (("trials per task", trials_per_task), ("trials per iteration", num_trials_per_iter),
                          ("batch", batch), ("workers", max_workers), ("image size", image_size)):
         if value is not None and value < 1:
@@ -157,9 +171,9 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     if unknown:
         raise InputError(f"unknown kernel family {', '.join(map(repr, unknown))}: the tunable families are "
                          f"{', '.join(known)}")
-    tgt = make_target("cuda", arch)
+    tgt = make_target(target, arch)
     model = model if model is not None else load_model(model_name)
-    work_dir = work_dir or default_work_dir(model_name, batch, arch)
+    work_dir = work_dir or default_work_dir(model_name, batch, arch or target)
     settings = dict(model=model_name, batch=batch, target=target, arch=arch, image_size=image_size,
                     trials_per_task=trials_per_task, only=only, space=space, families=families,
                     tvm_version=tvm.__version__,
@@ -193,8 +207,9 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     db = ms.database.JSONDatabase(work_dir=work_dir)
     measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
     todo = [(t, trials_per_task - measured[t.name][0]) for t in tasks if measured[t.name][0] < trials_per_task]
+    servers = 1
     if todo and runner is None:
-        check_local_gpu(arch)
+        servers = check_remote(remote, arch) if remote is not None else check_local_gpu(arch) if arch else 1
     # after the database is readable and a GPU is at hand: a refused run is not recorded
     save_config(work_dir, settings, previous)
     for t in tasks:
@@ -205,8 +220,14 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
               f"({len(tasks) - len(todo)} finished already)", flush=True)
         own_builder = builder is None
         builder = builder or PersistentLocalBuilder(max_workers=max_workers or os.cpu_count())
-        runner = runner or ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(
-            number=3, repeat=1, min_repeat_ms=50, enable_cpu_cache_flush=False))
+        evaluator = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=50, enable_cpu_cache_flush=False)
+        if runner is None and remote is not None:
+            runner = ms.runner.RPCRunner(
+                rpc_config=ms.runner.RPCConfig(tracker_host=remote.tracker_host, tracker_port=remote.tracker_port,
+                                               tracker_key=remote.key, session_timeout_sec=RPC_SESSION_TIMEOUT_S),
+                evaluator_config=evaluator, max_workers=servers)
+            print(f"[tune] measuring on {servers} RPC server(s) of {remote.describe()}", flush=True)
+        runner = runner or ms.runner.LocalRunner(evaluator_config=evaluator)
         try:
             _tune(tasks, todo, db, tgt, work_dir, num_trials_per_iter, seed, measured, builder, runner, space,
                   seed_default)
@@ -228,20 +249,47 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     return rows
 
 
-def check_local_gpu(arch: str) -> None:
+def check_local_gpu(arch: str) -> int:
     """Refuse to tune on this machine when it has no GPU that runs ``arch`` code: every
     candidate is measured on the local GPU (the tests pass their own runner instead).
 
+    Returns:
+        1 (one GPU measures).
     Raises:
         InputError: naming what is missing and what to do.
     """
     have = device_arch()
     if have is None:
         raise InputError(f"no CUDA GPU on this machine: tuning measures every candidate on the {arch} GPU it "
-                         f"tunes for; run tune.py on that machine and copy the --work-dir folder back")
+                         f"tunes for; tune through a GPU machine's RPC servers (--rpc-tracker H:P --rpc-key K, "
+                         f"README: Remote GPUs), or run tune.py there and copy the --work-dir folder back")
     if not arch_runs_on(arch, have):
         raise InputError(f"--arch {arch} kernels cannot run on this machine's GPU ({have}): tune with --arch {have}, "
                          f"or on a {arch} machine")
+    return 1
+
+
+def check_remote(remote, arch: str | None) -> int:
+    """Before any work: the tracker answers, has servers under the key, and (CUDA) their GPU
+    runs ``arch`` code.
+
+    Returns:
+        The number of servers registered under the key (candidates measured at once).
+    Raises:
+        InputError: naming what is missing and what to do.
+    """
+    from ..remote import remote_gpu
+    registered, _ = remote.servers()
+    if registered == 0:
+        remote.connect()  # raises the one-line "no server with key ... (keys there: ...)"
+    if arch:
+        session = remote.connect()
+        _, have, name = remote_gpu(session)
+        if not arch_runs_on(arch, have):
+            raise InputError(f"--arch {arch} kernels cannot run on the remote GPU ({name}, {have}) of "
+                             f"{remote.describe()}: tune with --arch {have}")
+        print(f"[tune] remote GPU: {name} ({have}), {registered} server(s) under key {remote.key!r}", flush=True)
+    return max(registered, 1)
 
 
 def read_peaks(path: str) -> dict[str, float]:
@@ -289,18 +337,32 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
     pairs = [(t, sch) for t, sch in zip(new, schs) if sch is not None]
     built = builder.build([ms.builder.BuilderInput(sch.mod, t.impl.tuning_target(tgt)) for t, sch in pairs])
     args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _ in pairs}
-    futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, "cuda", args[t.name])])[0]
+    device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name  # the runner's device type
+    futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[t.name])])[0]
                if b.error_msg is None else None for (t, _), b in zip(pairs, built)]
     for (task, sch), b, fut in zip(pairs, built, futures):
         res = fut.result() if fut is not None else None
         secs = valid_secs([b], [res]) if res is not None else []
         if not secs:
             err = b.error_msg or (res.error_msg if res is not None else "")
-            print(f"[tune] {task.name}: the default schedule did not run: {str(err)[:300]}", file=sys.stderr)
+            print(f"[tune] {task.name}: the default schedule did not run: {_last_line(err)}", file=sys.stderr)
             continue
         workload = db.commit_workload(tvm.IRModule({"main": task.func}))
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, res.run_secs, tgt, args[task.name]))
         progress.record(task, secs, 1)
+
+
+def _last_line(err) -> str:
+    """The error itself, from a (remote) traceback's text."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no message"
+
+
+def _search_strategy(impl):
+    """The search strategy ``impl.search`` names (``KernelImpl.search``)."""
+    if impl.search == "replay_func":
+        return ms.search_strategy.ReplayFunc()
+    return ms.search_strategy.EvolutionarySearch(population_size=POPULATION)
 
 
 def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: int, seed: int, measured: dict,
@@ -329,7 +391,7 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     contexts = {t.name: ms.TuneContext(mod=t.func, target=t.impl.tuning_target(tgt),
                                        space_generator=t.impl.space_generator(space or t.impl.spaces[0], t.func,
                                                                               t.impl.tuning_target(tgt)),
-                                       search_strategy=ms.search_strategy.EvolutionarySearch(population_size=POPULATION),
+                                       search_strategy=_search_strategy(t.impl),
                                        task_name=t.name, rand_state=s, logger=loggers[t.name])
                 for (t, _), s in zip(todo, seeds)}
     cost_model = ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=True)
@@ -341,6 +403,38 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     os.makedirs(os.path.dirname(progress.path), exist_ok=True)
     if seed_default:
         _seed_with_default(todo, db, tgt, builder, runner, progress)
+    # Ctrl-C: MetaSchedule's C++ loop does not let a KeyboardInterrupt through cleanly (it was
+    # swallowed, or became an empty RuntimeError, 2026-11-24), so the first Ctrl-C only sets a
+    # flag: the round in flight finishes and is committed, Progress's callback then ends the
+    # task, and the run stops with KeyboardInterrupt (cli.py: one line, exit 130).  A second
+    # Ctrl-C interrupts at once.
+    with _first_ctrl_c_sets(progress.stop):
+        _tune_each(todo, total, done, progress, contexts, work_dir, num_trials_per_iter, builder, runner, db,
+                   cost_model, seed)
+    if progress.stop.is_set():
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _first_ctrl_c_sets(event: threading.Event):
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+
+    def handler(signum, frame):
+        event.set()
+        signal.signal(signal.SIGINT, previous)
+        print("\n[tune] Ctrl-C: stopping after the candidates in flight (Ctrl-C again to stop at once)",
+              file=sys.stderr, flush=True)
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _tune_each(todo, total, done, progress, contexts, work_dir, num_trials_per_iter, builder, runner, db,
+               cost_model, seed) -> None:
     # One tune_tasks call per task (sharing the database and the cost model).  On the H200, a
     # single call over VGG16's 9 tasks measured for 9 minutes and committed no record, while the
     # same tasks tuned one per call gave 8/8 and 16/16 valid runs (2026-11-22); the cause is not
@@ -349,10 +443,23 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
         remaining = total[task.name] - done[task.name]  # the seed counts as a trial
         if remaining <= 0:
             continue
+        if progress.stop.is_set():
+            return
         progress.current[0] = task
-        ms.tune_tasks(tasks=[contexts[task.name]], task_weights=[float(task.weight)],
-                      work_dir=work_dir, max_trials_global=remaining, max_trials_per_task=remaining,
-                      num_trials_per_iter=min(num_trials_per_iter, remaining), builder=builder, runner=runner,
-                      database=db, cost_model=cost_model,
-                      measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress],
-                      task_scheduler=ms.task_scheduler.GradientBased(seed=seed))
+        try:
+            _tune_one(task, contexts, remaining, work_dir, num_trials_per_iter, builder, runner, db, cost_model,
+                      progress, seed)
+        except Exception:  # Progress raises Interrupted from inside MetaSchedule, which wraps it
+            if progress.stop.is_set():
+                return
+            raise
+
+
+def _tune_one(task, contexts, remaining, work_dir, num_trials_per_iter, builder, runner, db, cost_model, progress,
+              seed) -> None:
+    ms.tune_tasks(tasks=[contexts[task.name]], task_weights=[float(task.weight)],
+                  work_dir=work_dir, max_trials_global=remaining, max_trials_per_task=remaining,
+                  num_trials_per_iter=min(num_trials_per_iter, remaining), builder=builder, runner=runner,
+                  database=db, cost_model=cost_model,
+                  measure_callbacks=ms.measure_callback.MeasureCallback.create("default") + [progress],
+                  task_scheduler=ms.task_scheduler.GradientBased(seed=seed))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 from tvm.ir.utils import derived_object
@@ -14,6 +15,10 @@ from .database import FAILED_RUN_SECS
 from .tasks import KernelTask
 
 
+class Interrupted(Exception):
+    """Raised by :class:`Progress` to end a tuning run the user interrupted."""
+
+
 @derived_object
 class Progress(ms.measure_callback.PyMeasureCallback):
     """After each measured batch: one console line (task, trials, best, TOPS, and the model's
@@ -22,6 +27,7 @@ class Progress(ms.measure_callback.PyMeasureCallback):
     def __init__(self, tasks: list[KernelTask], done: dict, best: dict, total: dict, t0: float, path: str):
         self.tasks, self.done, self.best, self.total, self.t0, self.path = tasks, done, best, total, t0, path
         self.current = [None]  # the task being tuned (tune_tasks gets one task at a time)
+        self.stop = threading.Event()  # set by Ctrl-C (driver._tune): the next round's callback ends the run
 
     def model_us(self) -> float | None:
         """Sum over tasks of occurrences x best time (us); None while a task has no time."""
@@ -44,6 +50,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
                                     best_us=best and best * 1e6, model_conv_us=model_us)) + "\n")
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        if self.stop.is_set():  # after MetaSchedule's own callbacks have committed this round's records
+            raise Interrupted("Ctrl-C")
         task = self.current[0]
         self.record(task, valid_secs(builder_results, runner_results), len(runner_results))
 
