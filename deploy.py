@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
+    b.add_argument("--ignore-stale", action="store_true",
+                   help="with --tuning-log: schedules tuned with an older template give their kernels the default "
+                        "schedule (a warning) instead of stopping the build")
     b.add_argument("--cuda-graph", action="store_true",
                    help="(cuda) capture the kernel launches in a CUDA graph: less launch overhead at small batch")
     b.add_argument("--family", action="append", default=None, metavar="FAMILY",
@@ -131,7 +134,8 @@ def cmd_build(args) -> int:
 
     def build_options(image_size: int | None) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
-                            image_size=image_size, tuning_log=args.tuning_log, cuda_graph=args.cuda_graph,
+                            image_size=image_size, tuning_log=args.tuning_log, ignore_stale=args.ignore_stale,
+                            cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
                             families=tuple(args.family) if args.family else None, **floor)
 

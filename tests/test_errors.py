@@ -228,3 +228,84 @@ def test_a_damaged_library_is_refused_in_one_line(small_lib, tmp_path, capsys, d
     damage(lib, npz, js)
     err = cli_error(capsys, "run", "--lib", lib, "--image", "skimage:coffee")
     assert message in err and "deploy.py build" in err, err
+
+
+# A process killed at each step of publishing a library: before the commit record, after it,
+# between the renames, after them (before the staging folder is removed).
+KILL_SCRIPT = """
+import os, shutil, signal, sys
+import numpy as np, torch
+from tvm_qconv import artifact, build
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.models import SmallVGG
+from tvm_qconv.ranges import Calibrate
+lib, kill_at = sys.argv[1], int(sys.argv[2])
+events = []
+real_replace, real_rmtree, real_save = os.replace, shutil.rmtree, artifact.save_artifact
+
+def step(real):
+    def wrapped(*args, **kwargs):
+        if artifact.STAGE in str(args[0]):  # the publish's own steps (not export_library's temporaries)
+            if len(events) == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            events.append(real.__name__)
+        return real(*args, **kwargs)
+    return wrapped
+
+def save(*args, **kwargs):
+    os.replace, shutil.rmtree = step(real_replace), step(real_rmtree)
+    real_save(*args, **kwargs)
+build.save_artifact = save
+torch.manual_seed(1)  # another model than the library already there
+x = np.random.default_rng(0).normal(0, 1, (4, 3, 32, 32)).astype(np.float32)
+compile_model(SmallVGG(), lib, options=BuildOptions(image_size=32), ranges=Calibrate(x),
+              config=QuantConfig(num_calib_images=4), progress=False)
+print("events", events)
+"""
+# os.replace calls of a publish: the commit record, the .so, the .params.npz, the .json; then
+# the staging folder's removal.  Killed at step 0 the new set was never committed.
+KILL_STEPS = {0: "old", 1: "new", 2: "new", 3: "new", 4: "new"}
+
+
+@pytest.mark.parametrize("kill_at", sorted(KILL_STEPS), ids=["before_commit", "after_commit", "after_so",
+                                                             "after_params", "after_json"])
+def test_a_build_killed_at_each_step_of_the_save_leaves_one_whole_library(small_lib, tmp_path, kill_at):
+    import shutil
+    import subprocess
+    import sys
+    lib = str(tmp_path / "small.so")
+    for src, dst in zip((small_lib, *artifact.artifact_paths(small_lib)), (lib, *artifact.artifact_paths(lib))):
+        shutil.copy(src, dst)
+    x = np.random.default_rng(2).normal(0, 1, (1, 3, 32, 32)).astype(np.float32)
+    old = CompiledModel(lib)(x)
+    old_bytes = [open(p, "rb").read() for p in (lib, *artifact.artifact_paths(lib))]
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, lib, str(kill_at)], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILL: nothing of the save ran after the kill
+    out = CompiledModel(lib)(x)  # the load finishes (or drops) what the killed save left
+    if KILL_STEPS[kill_at] == "old":
+        np.testing.assert_array_equal(out, old)
+        assert [open(p, "rb").read() for p in (lib, *artifact.artifact_paths(lib))] == old_bytes  # unchanged
+    else:
+        assert not np.array_equal(out, old)  # the new model (another seed), whole: its build id checks
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(TEMP_PREFIX)]  # nothing left behind
+
+
+@pytest.mark.parametrize("cli,argv,says", [
+    ("deploy", ["build", "--model", "vgg11", "--target", "cuda", "--arch", "sm_1", "-o", "{tmp}/m.so"],
+     "--arch 'sm_1' is not a CUDA arch such as sm_90 or sm_80"),
+    ("deploy", ["build", "--model", "alexnet", "--image-size", "64", "--skip", "nolayer", "-o", "{tmp}/m.so"],
+     "skip list entry 'nolayer' matches no layer of this model; its conv and linear layers are ['features.0'"),
+    ("tune", ["--model", "vgg16", "--work-dir", "{tmp}/a_file"],
+     "the tuning folder (--work-dir) {tmp}/a_file cannot be written: {tmp}/a_file is a file, not a folder"),
+], ids=["arch_sm_1", "skip_no_layer", "tune_work_dir_is_a_file"])
+def test_more_bad_cli_inputs_are_one_line(cli, argv, says, tmp_path, capsys):
+    import tune
+    (tmp_path / "a_file").write_text("not a folder")
+    main = {"deploy": deploy.main, "tune": tune.main}[cli]
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert says.format(tmp=tmp_path) in err
+    assert not (tmp_path / "m.so").exists()

@@ -177,6 +177,9 @@ def test_tuning_measured_on_two_servers_builds_bit_exact_and_resumes(tracker, tm
                             config=QuantConfig(num_calib_images=4), progress=False)
         outs.append(CompiledModel(str(tmp_path / f"m{len(outs)}.so"))(x[:1]))
     assert len(res.meta["report"]["tuned"]) == 4  # every conv took its tuned schedule
+    from tvm_qconv.report import format_report
+    assert "tuned layers (4, from 4 tuned kernels): features.0, features.3, features.6, features.8" \
+        in format_report(res.meta)  # the build report names them
     np.testing.assert_array_equal(outs[0], outs[1])  # tuning changes the loops, not the integers
 
 

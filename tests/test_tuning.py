@@ -631,3 +631,23 @@ def test_ctrl_c_stops_tuning_after_the_round_in_flight_and_the_run_resumes(tmp_p
     monkeypatch.setattr(progress, "valid_secs", valid_secs)
     rows = tune_model("small_vgg", 1, **args)
     assert all(r["trials"] >= 3 for r in rows)
+
+
+def test_a_schedule_of_an_older_template_is_named_stale_not_corrupt(small_int8, tuned_db, tmp_path, capsys):
+    """A record whose trace no longer replays (here: the template's block renamed since) is
+    reported as such, with the re-tune command; --ignore-stale builds the kernel's default."""
+    _, qmod, tasks = small_int8
+    for name in os.listdir(tuned_db):
+        data = (tuned_db / name).read_bytes()
+        if name.startswith("database_tuning_record"):
+            assert b'"conv"' in data
+            data = data.replace(b'"conv"', b'"conv_v0"')  # the block the old template's trace names
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(InputError, match=r"holds schedules of an older kernel template: they no longer apply to "
+                                         r"their kernels .*re-tune with `python tune.py .*`, or build with "
+                                         r"--ignore-stale"):
+        apply_tuning_database(qmod, str(tmp_path), CUDA)
+    mod, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA, ignore_stale=True)
+    assert tuned == {}  # no record left: the kernel keeps its default
+    err = capsys.readouterr().err
+    assert "2 record(s) of an older kernel template left out (--ignore-stale)" in err

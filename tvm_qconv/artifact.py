@@ -37,12 +37,80 @@ def build_id(lib_path: str, params_path: str, meta: dict) -> str:
     return digest.hexdigest()[:20]
 
 
+STAGE = TEMP_PREFIX + "publish-"  # + <pid>-<library file name>-<random>: a save's staging folder
+COMMIT = "commit.json"            # in a staging folder: the three new files are complete
+
+
+def _staging_folders(lib_path: str) -> list[tuple[str, int]]:
+    """(path, pid of the process that made it) of every staging folder of ``lib_path``."""
+    folder, name = os.path.split(os.path.abspath(lib_path))
+    found = []
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        if not entry.startswith(STAGE):
+            continue
+        pid, _, rest = entry[len(STAGE):].partition("-")
+        if pid.isdigit() and rest.rsplit("-", 1)[0] == name:
+            found.append((os.path.join(folder, entry), int(pid)))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process is not publishing (a save cleans its own folder up)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _publish(stage: str, lib_path: str) -> None:
+    """Move the staged files into place, the ``.json`` last, then drop the staging folder.
+    Idempotent: a file already moved is skipped, so a publish cut short can be run again."""
+    params_path, meta_path = artifact_paths(lib_path)
+    for src, dst in (("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)):
+        if os.path.exists(os.path.join(stage, src)):
+            os.replace(os.path.join(stage, src), dst)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def recover(lib_path: str) -> None:
+    """Finish or drop a save of ``lib_path`` that a killed process left: a staging folder with
+    its commit record is published (the new library, whole), one without is removed (the
+    previous library was never touched).  Folders of a save still running in another process
+    are left alone.  Called before every save and load of ``lib_path``; best effort (a folder
+    this user cannot write is left as it is, and the build ids still refuse a mixed set)."""
+    for stage, pid in _staging_folders(lib_path):
+        if _alive(pid):
+            continue
+        try:
+            if os.path.exists(os.path.join(stage, COMMIT)):
+                _publish(stage, lib_path)
+            else:
+                shutil.rmtree(stage)
+        except OSError:
+            pass
+
+
+def _fsync_write(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
-    """Write the three files through a temporary folder beside them and rename each into place:
-    an interrupted build never leaves a half-written file, and an earlier build at the same path
-    survives until the renames.  The ``.json`` goes last, as the commit record: it carries the
-    build id of the code and params (:func:`build_id`), so a set whose renames were cut short
-    (new code, old json) is refused at load (:func:`check_whole`), never run.
+    """Publish the three files as a set: the previous library at ``lib_path`` stays whole until
+    the new one is, and a process killed at any point leaves one of the two, never a mix.
+
+    The files are written into a staging folder beside ``lib_path``; a commit record written
+    (and synced) there last marks them complete; they are then renamed into place, the ``.json``
+    last, and the folder removed.  A process killed before the commit record leaves the previous
+    library untouched; one killed after it leaves a staging folder that :func:`recover` (run by
+    the next save or load of ``lib_path``) publishes.  The ``.json`` carries the build id of the
+    code and params (:func:`build_id`), so a set mixed by anything else is refused at load.
 
     Args:
         ex: the ``tvm.compile`` result.
@@ -50,20 +118,32 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
         meta: the json record.
         lib_path: the ``.so`` to write.
     """
-    params_path, meta_path = artifact_paths(lib_path)
     folder = os.path.dirname(os.path.abspath(lib_path))
     os.makedirs(folder, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=folder, prefix=TEMP_PREFIX)
+    recover(lib_path)
+    stage = tempfile.mkdtemp(dir=folder, prefix=f"{STAGE}{os.getpid()}-{os.path.basename(lib_path)}-")
+    committed = False
     try:
-        ex.export_library(os.path.join(tmp, "lib.so"))
-        np.savez(os.path.join(tmp, "params.npz"), **{n: a for n, a in params})
-        meta = dict(meta, build_id=build_id(os.path.join(tmp, "lib.so"), os.path.join(tmp, "params.npz"), meta))
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-        for src, dst in (("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)):
-            os.replace(os.path.join(tmp, src), dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        ex.export_library(os.path.join(stage, "lib.so"))
+        with open(os.path.join(stage, "params.npz"), "wb") as f:
+            np.savez(f, **{n: a for n, a in params})
+            f.flush()
+            os.fsync(f.fileno())
+        meta = dict(meta, build_id=build_id(os.path.join(stage, "lib.so"), os.path.join(stage, "params.npz"), meta))
+        _fsync_write(os.path.join(stage, "meta.json"), json.dumps(meta, indent=1, default=str).encode())
+        _fsync_write(os.path.join(stage, COMMIT + ".tmp"), json.dumps({"lib": lib_path}).encode())
+        os.replace(os.path.join(stage, COMMIT + ".tmp"), os.path.join(stage, COMMIT))  # the commit point
+        committed = True
+        _publish(stage, lib_path)
+    except KeyboardInterrupt:
+        if not committed:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        _publish(stage, lib_path)  # Ctrl-C after the commit point: the new set is complete, finish it
+    except BaseException:
+        if not committed:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise  # after the commit point the staging folder stays for recover()
 
 
 def check_whole(lib_path: str, meta: dict) -> None:
@@ -90,6 +170,7 @@ def read_meta(lib_path: str) -> dict:
     Raises:
         InputError: one of the three files is missing, or the json is not a build's record.
     """
+    recover(lib_path)  # a save killed after its commit point is finished first
     params_path, meta_path = artifact_paths(lib_path)
     for p in (lib_path, params_path, meta_path):
         if not os.path.exists(p):

@@ -40,6 +40,8 @@ class BuildOptions:
         batch, image_size: the static input shape (batch, 3, image_size, image_size); no
             image_size: 224, or a checkpoint's training size (:func:`compile_checkpoint`).
         tuning_log: a MetaSchedule database folder to take tuned schedules from.
+        ignore_stale: records of an older template leave their kernels on the default schedule
+            (a warning) instead of refusing the build.
         cuda_graph: (cuda) let Relax capture the kernel launches after the input into a CUDA
             graph (RewriteCUDAGraph), replayed on later calls: less launch overhead at batch 1.
         expose_activations: the library also returns every int8 activation (for debugging).
@@ -58,6 +60,7 @@ class BuildOptions:
     batch: int = 1
     image_size: int | None = None
     tuning_log: str | None = None
+    ignore_stale: bool = False
     cuda_graph: bool = False
     expose_activations: bool = False
     debug_dump: str | None = None
@@ -152,7 +155,7 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
     Returns:
         (QuantizedModule, executable, params, schedules applied, tuned kernels, time quantized).
     """
-    db = load_database(options.tuning_log) if options.tuning_log else None
+    db = load_database(options.tuning_log, options.ignore_stale) if options.tuning_log else None
     chooser = measured_chooser(db, tgt) if db is not None else None
     if options.families:
         chooser = _family_chooser(options.families, chooser)
@@ -164,7 +167,7 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
     dump_ir(options.debug_dump, "04_params_lifted", qmod)
     tuned = {}
     if options.tuning_log:
-        qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db)
+        qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db, ignore_stale=options.ignore_stale)
     sched = ScheduleInt8Kernels(tgt)
     qmod = sched(qmod)
     dump_ir(options.debug_dump, "05_scheduled", qmod)

@@ -13,8 +13,15 @@ def format_report(meta: dict) -> str:
     kinds: dict = {}
     for impl, how in rep.get("schedules", {}).values():
         kinds.setdefault(impl, set()).add(how)
+    tuned_shapes = set(rep.get("tuned", {}).values())
+    tuned_layers = []
     for r in rows:
         how = "/".join(sorted(kinds.get(r["kernel"], {"-"}))) if r["dtype"] == "int8" else "-"
+        if "tuned" in how:  # a kernel of this implementation was tuned: was this layer's (its shape)?
+            tuned = r.get("shape") in tuned_shapes
+            how = "tuned" if tuned else ("default" if "default" in how else "-")
+            if tuned:
+                tuned_layers.append(r["layer"])
         lines.append(f"{r['layer']:<{w}}  {r['kind']:<22} {r['kernel']:<{wk}} {r['dtype']:<7} {how:<9} "
                      f"{r.get('shape', '')}")
     n8 = sum(r["dtype"] == "int8" for r in rows)
@@ -26,7 +33,8 @@ def format_report(meta: dict) -> str:
     lines.append(f"conversions: {len(conversions)} ({rep.get('relayouts', 0)} relayouts): "
                  + (", ".join(conversions) or "none"))
     if rep.get("tuned"):
-        lines.append(f"tuned kernels: {len(rep['tuned'])}; others use their default schedule")
+        lines.append(f"tuned layers ({len(tuned_layers)}, from {len(rep['tuned'])} tuned kernels): "
+                     f"{', '.join(tuned_layers)}; the others use their kernel's default schedule")
     lines += format_verification(rep.get("verify"))
     bs = meta.get("build_seconds", {})
     lines.append(f"built in {bs.get('quantize', 0) + bs.get('compile', 0):.1f} s "

@@ -7,9 +7,10 @@ import sys
 
 import tvm
 
+from ..errors import InputError
 from ..schedules.kernel import IMPL_ATTR
 from ..schedules.workload import ConvWorkload
-from .database import corrupt, load_database, mean_secs
+from .database import corrupt, load_database, mean_secs, tune_command
 from .tasks import is_tunable, task_func
 
 
@@ -45,7 +46,7 @@ def measured_chooser(db, target: tvm.target.Target):
 
 
 def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.Target,
-                          db=None) -> tuple[tvm.IRModule, dict]:
+                          db=None, ignore_stale: bool = False) -> tuple[tvm.IRModule, dict]:
     """Schedule every tunable kernel the database covers with its best record.
 
     Args:
@@ -54,16 +55,20 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         work_dir: the database folder written by :func:`tvm_qconv.tuning.tune_model`.
         target: the CUDA target being built for.
         db: the database already loaded from ``work_dir`` (default: load it).
+        ignore_stale: a record whose schedule no longer applies to its kernel (made by an older
+            version of the kernel's search space) leaves that kernel on its default schedule,
+            with a warning, instead of refusing the build.
     Returns:
         (mod, tuned): a copy of ``mod`` whose covered PrimFuncs are scheduled and marked
         ``tir.is_scheduled`` (ScheduleInt8Kernels then reports them "tuned" and gives the rest
         their default schedule), and {function name: layer shape} of those.
     Raises:
-        InputError: ``work_dir`` is missing, empty or corrupt.
+        InputError: ``work_dir`` is missing, empty or corrupt, or (without ``ignore_stale``)
+            holds a schedule of an older template.
     """
-    db = db if db is not None else load_database(work_dir)
+    db = db if db is not None else load_database(work_dir, ignore_stale)
     mod = mod.clone()
-    tuned, convs, other_archs = {}, 0, set()
+    tuned, convs, other_archs, stale = {}, 0, set(), []
     uncovered = collections.Counter()  # implementation -> kernels the database has no record of
     for gv, func in list(mod.functions.items()):
         if not is_tunable(func):
@@ -76,9 +81,22 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
             continue
         try:
             record = db.query_tuning_record(workload, target, "main")
-            sch = db.query_schedule(workload, target, "main")  # replays the trace
-        except Exception as err:  # a trace that no longer applies to this workload
+        except Exception as err:  # the record itself cannot be read back
             raise corrupt(work_dir, err) from err
+        if record is None:  # its only records were left out (--ignore-stale)
+            uncovered[str(func.attrs[IMPL_ATTR])] += 1
+            continue
+        try:
+            sch = db.query_schedule(workload, target, "main")  # replays the trace
+        except Exception as err:  # the file is fine; the template changed since it was tuned
+            if not ignore_stale:
+                raise InputError(
+                    f"tuning log {work_dir} holds a schedule of an older {func.attrs[IMPL_ATTR]} template: it no "
+                    f"longer applies to {ConvWorkload.of(func).describe()} ({type(err).__name__}: "
+                    f"{(str(err).strip().splitlines() or [''])[-1][:160]}): re-tune with `{tune_command(work_dir)}`, "
+                    f"or build with --ignore-stale to give such kernels their default schedule") from None
+            stale.append(ConvWorkload.of(func).describe())
+            continue
         arch = record.target.attrs.get("arch") if record.target is not None else None
         # sm_90 and sm_90a are one GPU (sm_90a only adds instructions): no warning between them
         if arch is not None and str(arch).rstrip("a") != str(target.attrs.get("arch")).rstrip("a"):
@@ -87,7 +105,10 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         scheduled = sch.mod["main"].without_attr("global_symbol")
         mod[gv] = scheduled.with_attr(dict(func.attrs, **{"tir.is_scheduled": True}))
         tuned[gv.name_hint] = ConvWorkload.of(func).describe()
-    if convs and not tuned:
+    if stale:
+        print(f"warning: tuning log {work_dir} holds schedules of an older template for {', '.join(stale)}: those "
+              f"kernels get their default schedule (re-tune with `{tune_command(work_dir)}`)", file=sys.stderr)
+    if convs and not tuned and not stale:
         print(f"warning: tuning log {work_dir} covers none of this model's {convs} tunable kernels (tuned for "
               f"another model, batch or image size?); they get the default schedule", file=sys.stderr)
     elif uncovered:  # e.g. a database tuned with --family dp4a, the build choosing mma for most layers

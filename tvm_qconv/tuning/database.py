@@ -191,15 +191,18 @@ def database_target(work_dir: str) -> str:
         return "cuda"
 
 
-def load_database(work_dir: str) -> ms.database.MemoryDatabase:
+def load_database(work_dir: str, ignore_stale: bool = False) -> ms.database.MemoryDatabase:
     """The valid records of a database folder, in memory (nothing is written to the folder).
 
     Args:
         work_dir: the database folder.
+        ignore_stale: leave out, with a warning, records whose schedule no longer applies to
+            their kernel (tuned with an older version of its template), instead of refusing.
     Returns:
         A MemoryDatabase of the workloads that have a valid record, and those records.
     Raises:
-        InputError: the folder is missing, holds no valid record, or cannot be read.
+        InputError: the folder is missing, holds no valid record, cannot be read, or (without
+            ``ignore_stale``) holds a schedule of an older template.
     """
     if not os.path.isdir(work_dir):
         raise InputError(f"tuning log folder {work_dir} does not exist: create it with "
@@ -222,13 +225,30 @@ def load_database(work_dir: str) -> ms.database.MemoryDatabase:
     prepare_implementations()  # parsing a trace resolves the tensor intrinsics it names
     db = ms.database.MemoryDatabase()
     committed = {}  # workload index -> Workload, committed once (hashing a module is not free)
-    try:
-        for i, r in records:
+    stale = 0
+    for i, r in records:
+        try:
             if i not in committed:
                 committed[i] = db.commit_workload(canonical_workload(workloads[i]))
-            db.commit_tuning_record(ms.database.TuningRecord.from_json(r, committed[i]))
-    except Exception as err:  # TVM raises several types for a bad serialized module or trace
-        raise corrupt(work_dir, err) from err
+        except Exception as err:  # TVM raises several types for a bad serialized module
+            raise corrupt(work_dir, err) from err
+        try:
+            record = ms.database.TuningRecord.from_json(r, committed[i])  # replays the trace on the workload
+        except tvm.s_tir.schedule.ScheduleError as err:  # readable, but made by an older template
+            if not ignore_stale:
+                raise InputError(
+                    f"tuning log {work_dir} holds schedules of an older kernel template: they no longer apply to "
+                    f"their kernels ({(str(err).strip().splitlines() or [''])[-1][:120]}): re-tune with "
+                    f"`{tune_command(work_dir)}`, or build with --ignore-stale to give those kernels their default "
+                    f"schedule") from None
+            stale += 1
+            continue
+        except Exception as err:  # a trace that cannot be parsed at all
+            raise corrupt(work_dir, err) from err
+        db.commit_tuning_record(record)
+    if stale:
+        print(f"warning: tuning log {work_dir}: {stale} record(s) of an older kernel template left out (--ignore-stale); "
+              f"their kernels get the default schedule (re-tune with `{tune_command(work_dir)}`)", file=sys.stderr)
     return db
 
 
