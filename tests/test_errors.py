@@ -309,3 +309,18 @@ def test_more_bad_cli_inputs_are_one_line(cli, argv, says, tmp_path, capsys):
     assert err.startswith("error: ") and "\n" not in err, err
     assert says.format(tmp=tmp_path) in err
     assert not (tmp_path / "m.so").exists()
+
+
+def test_a_library_of_another_tvm_version_is_refused(small_lib, tmp_path, capsys):
+    import json
+    import shutil
+    lib = str(tmp_path / "small.so")
+    for src, dst in zip((small_lib, *artifact.artifact_paths(small_lib)), (lib, *artifact.artifact_paths(lib))):
+        shutil.copy(src, dst)
+    meta_path = artifact.artifact_paths(lib)[1]
+    meta = json.load(open(meta_path))
+    assert meta["tvm_version"] == tvm.__version__  # recorded at build
+    meta["tvm_version"] = "0.26.0"  # as a library built by an older TVM would say
+    json.dump(meta, open(meta_path, "w"))
+    err = cli_error(capsys, "run", "--lib", lib, "--image", "skimage:coffee")
+    assert f"{lib} was built with TVM 0.26.0, this runtime is TVM {tvm.__version__}: rebuild it" in err

@@ -422,7 +422,7 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
     # space is checked on the tasks --only leaves, and the message says how to leave them out
     with pytest.raises(InputError, match="'mlt' is not one of 16to16_3x3s1_32x32_b1_mma.*--family or --only"):
         tune_model("small_vgg", 1, arch="sm_90", work_dir=str(tmp_path / "s"), image_size=SIZE, model=model,
-                   space="mlt", only=["16to16_3x3s1_32x32_b1_mma"])
+                   space="mlt", only=["16to16_3x3s1_32x32_b1_mma"], runner=_FakeRunner())  # no GPU check
 
 
 def test_cli_errors_are_one_line_and_help_lists_every_flag(capsys, tmp_path):

@@ -164,6 +164,21 @@ def check_whole(lib_path: str, meta: dict) -> None:
                          f"edited): rebuild it with `python deploy.py build ... -o {lib_path}`")
 
 
+def check_tvm_version(lib_path: str, meta: dict) -> None:
+    """Refuse a library built with another TVM version than this runtime's: the VM bytecode and
+    the host code's runtime calls are not promised stable across versions.  Libraries that do
+    not record it (built before this check) pass.
+
+    Raises:
+        InputError: naming both versions and the rebuild that fixes it.
+    """
+    import tvm
+    built = meta.get("tvm_version")
+    if built and built != tvm.__version__:
+        raise InputError(f"{lib_path} was built with TVM {built}, this runtime is TVM {tvm.__version__}: rebuild it "
+                         f"with `python deploy.py build ... -o {lib_path}` (or run it where TVM {built} is installed)")
+
+
 def read_meta(lib_path: str) -> dict:
     """The json record of a built library.
 

@@ -138,7 +138,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     report = dict(q.report, schedules=applied, tuned=tuned)
     if options.verify:
         report["verify"] = _verify(model, tgt, options, config, q, ex, params)
-    meta = dict(version=ARTIFACT_VERSION, model=name, input_shape=list(options.input_shape),
+    meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
                 report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),

@@ -5,7 +5,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .artifact import artifact_paths, check_whole, read_meta
+from .artifact import artifact_paths, check_tvm_version, check_whole, read_meta
 from .errors import InputError
 from .target import ARCH_SPECIFIC, arch_runs_on
 from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
@@ -43,6 +43,7 @@ class CompiledModel:
     def __init__(self, lib_path: str, device: str | None = None):
         self.meta = read_meta(lib_path)
         check_whole(lib_path, self.meta)
+        check_tvm_version(lib_path, self.meta)
         params_path, _ = artifact_paths(lib_path)
         kind = device or self.meta["target"]
         if kind != self.meta["target"]:

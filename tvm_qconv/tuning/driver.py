@@ -38,7 +38,7 @@ from ..ranges import Calibrate
 from ..target import TargetInfo, arch_runs_on, device_arch, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
-from .database import (CONFIG_FILE, canonicalize_database, mean_secs, prepare_implementations, repair_database,
+from .database import (CONFIG_FILE, canonicalize_database, db_files, mean_secs, prepare_implementations, repair_database,
                        unpack_database, workload_key)
 from .progress import Progress, format_table, valid_secs
 from .tasks import KernelTask, extract_tasks
@@ -182,6 +182,10 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     # be a folder, is refused at once.
     check_output_folder(work_dir, "the tuning folder (--work-dir)")
     previous = check_config(work_dir, settings)
+    measured_on = None  # servers measuring, once checked
+    if runner is None and (not os.path.isdir(work_dir) or db_files(work_dir) is None):
+        # a new database: every task needs measuring, so refuse now, not after a minute of quantizing
+        measured_on = check_remote(remote, arch) if remote is not None else check_local_gpu(arch) if arch else 1
     t0 = time.time()
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
     if not tasks:
@@ -207,8 +211,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     db = ms.database.JSONDatabase(work_dir=work_dir)
     measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
     todo = [(t, trials_per_task - measured[t.name][0]) for t in tasks if measured[t.name][0] < trials_per_task]
-    servers = 1
-    if todo and runner is None:
+    servers = measured_on or 1
+    if todo and runner is None and measured_on is None:
         servers = check_remote(remote, arch) if remote is not None else check_local_gpu(arch) if arch else 1
     # after the database is readable and a GPU is at hand: a refused run is not recorded
     save_config(work_dir, settings, previous)
