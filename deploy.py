@@ -5,6 +5,8 @@
     python deploy.py build --checkpoint ckpt.pt --target llvm -o build/small_vgg.so    # train.py --qat
     python deploy.py eval --lib build/small_vgg.so --dataset digits
     python deploy.py rpc --lib build/vgg16.so --tracker 127.0.0.1:9190 --key h100 --image cat.jpg
+    python deploy.py export-onnx --model vgg16 -o build/vgg16.onnx     # int8 QDQ ONNX (TensorRT, ONNX Runtime)
+    python deploy.py compare --model vgg16 --batch 1,16,64 --out results/  # against every baseline, one GPU
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import sys
 import time
 
 from tvm_qconv import cli
-from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.cli_args import positive_float, positive_int as _positive
+from tvm_qconv.compare.baselines import BASELINE_KEYS
 from tvm_qconv.config import CALIBRATIONS, PRESETS
 from tvm_qconv.errors import InputError
 
@@ -31,14 +34,9 @@ def _percentile(text: str) -> float:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="quantize, compile and export a model",
-                       description="Import a torchvision classifier, calibrate it on real images, quantize it to "
-                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.  With "
-                                   "--checkpoint: the model a `train.py --qat` checkpoint was trained as, with "
-                                   "its learned ranges instead of calibration.")
+def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
+    """The model-side flags `build` and `export-onnx` share: the model or checkpoint, its weights,
+    the input shape and the quantization scheme."""
     src = b.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="torchvision classifier name (vgg16, resnet50, ...) or your own model as "
                                       "path/to/file.py:factory (a function or class returning the nn.Module)")
@@ -49,11 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(--model) a state-dict/checkpoint file, or a torchvision weight name (DEFAULT, "
                         "IMAGENET1K_V1); default: random init")
     b.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init (default 1000)")
-    b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
-    b.add_argument("--arch", default="sm_90",
-                   help="CUDA arch for --target cuda (default sm_90; sm_90a adds the wgmma family, fastest on "
-                        "H100 / H200, and its library runs on sm_90 GPUs only)")
-    b.add_argument("--batch", type=_positive, default=1, help="static batch size of the library (default 1)")
+    b.add_argument("--batch", type=_positive, default=1, help=batch_help)
     b.add_argument("--image-size", type=_positive, default=None,
                    help="input height = width (default 224; with --checkpoint: the size it was trained at)")
     b.add_argument("--scheme", choices=sorted(PRESETS), default="int8", help="named quantization preset (default int8)")
@@ -65,6 +59,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calib-dir", default=None, help="folder of JPEG/PNG calibration images "
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"batch sizes are positive integers separated by commas (1,16,64), got {text!r}")
+    return values
+
+
+def _baseline_keys(text: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in keys if k not in BASELINE_KEYS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(f"unknown baseline {', '.join(map(repr, unknown)) or repr(text)}: choose from "
+                                         f"{', '.join(BASELINE_KEYS)}")
+    return keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="quantize, compile and export a model",
+                       description="Import a torchvision classifier, calibrate it on real images, quantize it to "
+                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.  With "
+                                   "--checkpoint: the model a `train.py --qat` checkpoint was trained as, with "
+                                   "its learned ranges instead of calibration.")
+    _add_model_flags(b, batch_help="static batch size of the library (default 1)")
+    b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
+    b.add_argument("--arch", default="sm_90",
+                   help="CUDA arch for --target cuda (default sm_90; sm_90a adds the wgmma family, fastest on "
+                        "H100 / H200, and its library runs on sm_90 GPUs only)")
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
     b.add_argument("--ignore-stale", action="store_true",
                    help="with --tuning-log: schedules tuned with an older template give their kernels the default "
@@ -82,6 +110,55 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
+    x = sub.add_parser("export-onnx", help="write the calibrated int8 model as ONNX (Quantize/DequantizeLinear)",
+                       description="Import a model, calibrate it on real images exactly as `build` does and write it "
+                                   "as ONNX with explicit QuantizeLinear / DequantizeLinear pairs carrying this "
+                                   "project's scales (int8 weights per output channel, int8 activations per tensor, "
+                                   "int32 conv biases): the form TensorRT and ONNX Runtime read.  The layers "
+                                   "`build --target llvm` keeps in float stay float.")
+    _add_model_flags(x, batch_help="batch size to trace and calibrate at (default 1; the file runs at any batch "
+                                   "unless --static-batch)")
+    x.add_argument("--static-batch", action="store_true",
+                   help="fix the batch dimension at --batch instead of naming it (dim_param 'batch')")
+    x.add_argument("--opset", type=int, choices=range(17, 22), default=17, metavar="{17..21}",
+                   help="ONNX opset (default 17)")
+    x.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    c = sub.add_parser("compare", help="time the int8 library against every baseline on this machine's GPU",
+                       description="Build the model's int8 library (calibrated once) for each batch size and time "
+                                   "it, one after another on the same device, beside PyTorch (fp32, TF32, fp16, "
+                                   "bf16; channels_last, cudnn.benchmark; eager and CUDA graphs), "
+                                   "torch.compile(mode='max-autotune') fp16, cuDNN's int8 fused convs (optional "
+                                   "nvidia-cudnn-frontend; every plan timed, fastest kept, summed over the convs), "
+                                   "ONNX Runtime (CUDA and CPU execution providers) and TensorRT on the exported "
+                                   "Q/DQ model.  Each row: latency median and p99, images/s, device memory, "
+                                   "build time, top-1 agreement and logits SQNR against fp32 PyTorch on the same "
+                                   "real photos.  A baseline that cannot run is a row saying why.  Writes "
+                                   "<out>/compare_<model>.json, .md and .png.  Rows (--baselines): "
+                                   + ", ".join(BASELINE_KEYS) + ".")
+    c.add_argument("--model", required=True, help="torchvision classifier name or path/to/file.py:factory")
+    c.add_argument("--weights", default=None, help="state-dict file or torchvision weight name; default: random "
+                                                   "init seeded by --seed")
+    c.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init")
+    c.add_argument("--batch", type=_batches, default=(1, 16, 64), help="batch sizes, comma-separated (default 1,16,64)")
+    c.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
+    c.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is a GPU")
+    c.add_argument("--arch", default=None, help="CUDA arch of the int8 builds (default: the GPU's, sm_90a on H100)")
+    c.add_argument("--lib", action="append", default=[], metavar="SO",
+                   help="a library from `deploy.py build` to time in its batch size's slot instead of building one "
+                        "(repeatable); built from other weights it is timed but not compared")
+    c.add_argument("--tuning-log", default=None, metavar="DIR",
+                   help="a tuning database, or a folder of <model>-b<N>-<arch> ones (tuning_logs/), for the builds")
+    c.add_argument("--baselines", type=_baseline_keys, default=None, metavar="A,B",
+                   help="only these rows, comma-separated (default: all)")
+    c.add_argument("--scheme", choices=sorted(PRESETS), default="int8", help="quantization preset (default int8)")
+    c.add_argument("--calib-dir", default=None, help="calibration images (default: scikit-image's photos)")
+    c.add_argument("--input-sets", type=_positive, default=4, help="distinct inputs each row cycles over (default 4)")
+    c.add_argument("--budget", type=positive_float, default=3.0, metavar="S",
+                   help="seconds of timed runs per row (default 3; at least 3 runs, at most 200)")
+    c.add_argument("--jobs", type=_positive, default=1, help="int8 builds in parallel (default 1)")
+    c.add_argument("--seed", type=int, default=0, help="torch seed of a random init (default 0)")
+    c.add_argument("--work-dir", default="/tmp/tvm_qconv_compare", help="where the libraries and the ONNX model go")
+    c.add_argument("--out", default="results", help="folder for compare_<model>.json / .md / .png (default results)")
     r = sub.add_parser("run", help="run a built library on an image",
                        description="Load a built library with the TVM runtime only, classify images, print the "
                                    "top-5 classes and the latency.")
@@ -120,17 +197,31 @@ _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile
                       "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes"}
 
 
-def cmd_build(args) -> int:
-    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
-    from tvm_qconv.frontend import load_model
-    from tvm_qconv.ranges import Calibrate
-    from tvm_qconv.report import format_report
+def quant_config(args):
+    """The scheme of `build` / `export-onnx`: the --scheme preset with --calibration, --percentile,
+    --num-calib and --skip applied."""
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
                                    num_calib_images=args.num_calib).items() if v is not None}
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
-    cfg = dataclasses.replace(cfg, **over)
+    return dataclasses.replace(cfg, **over)
+
+
+def refuse_model_only_flags(args) -> None:
+    """With --checkpoint, refuse the flags that only steer --model or calibration."""
+    given = [flag for key, flag in _MODEL_ONLY_FLAGS.items() if getattr(args, key) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} cannot be used with --checkpoint: the checkpoint holds the weights "
+                         "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
+
+
+def cmd_build(args) -> int:
+    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
+    from tvm_qconv.frontend import load_model
+    from tvm_qconv.ranges import Calibrate
+    from tvm_qconv.report import format_report
+    cfg = quant_config(args)
 
     def build_options(image_size: int | None) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
@@ -146,10 +237,7 @@ def cmd_build(args) -> int:
                          "drop one of them")
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:
-        given = [flag for key, flag in _MODEL_ONLY_FLAGS.items() if getattr(args, key) is not None]
-        if given:
-            raise InputError(f"{', '.join(given)} cannot be used with --checkpoint: the checkpoint holds the weights "
-                             "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
+        refuse_model_only_flags(args)
         print(f"[build] {args.checkpoint} -> {args.output}: {target} size={args.image_size or 'as trained'} "
               f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
         res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg)
@@ -166,6 +254,51 @@ def cmd_build(args) -> int:
         print("error: the built library failed its verification against the float model (see above)",
               file=sys.stderr)
         return EXIT_UNVERIFIED
+    return 0
+
+
+def cmd_export_onnx(args) -> int:
+    from tvm_qconv.frontend import load_model
+    from tvm_qconv.onnx_export import export_checkpoint, export_onnx
+    from tvm_qconv.ranges import Calibrate
+    cfg = quant_config(args)
+    dynamic = not args.static_batch
+    if args.checkpoint:
+        refuse_model_only_flags(args)
+        print(f"[export-onnx] {args.checkpoint} -> {args.output}: size={args.image_size or 'as trained'} "
+              f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
+        res = export_checkpoint(args.checkpoint, args.output, image_size=args.image_size, batch=args.batch,
+                                config=cfg, dynamic_batch=dynamic, opset=args.opset)
+    else:
+        size = args.image_size or 224
+        print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={args.weights or 'random'} "
+              f"config={cfg.to_dict()}", flush=True)
+        model = load_model(args.model, args.weights, args.num_classes)
+        res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
+                          ranges=Calibrate(calib_dir=args.calib_dir), name=args.model, dynamic_batch=dynamic,
+                          opset=args.opset)
+    s = res.summary
+    print(f"wrote {res.path} (ONNX opset {s['opset']}, {s['nodes']} nodes)")
+    print("batch: " + ("dynamic (input and output dimension 0 is 'batch')" if s["dynamic_batch"] else
+                       f"static {args.batch}" + (f" ({s['static_batch_reason']})" if s["static_batch_reason"] else "")))
+    print(f"activation QuantizeLinear/DequantizeLinear: {s['qdq_activations']} int8 tensors (per tensor, zero point 0)")
+    print(f"int8 weights: {s['int8_weights']} (per output channel); int8 layers: {s['int8_layers']}/{s['layers']}")
+    print("float layers: " + (", ".join(s["float_layers"]) or "none"))
+    ops = ", ".join(f"{op.removeprefix('relax.')} x{n}" for op, n in s["float_ops"].items())
+    print("float ops: " + (ops or "none"))
+    print("activation ranges: " + describe_ranges(s.get("ranges", {})))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from tvm_qconv.compare import CompareOptions, compare
+    options = CompareOptions(model=args.model, weights=args.weights, num_classes=args.num_classes,
+                             batches=args.batch, image_size=args.image_size, device=args.device, arch=args.arch,
+                             libs=tuple(args.lib), tuning_log=args.tuning_log, baselines=args.baselines,
+                             config=PRESETS[args.scheme], calib_dir=args.calib_dir, input_sets=args.input_sets,
+                             budget_s=args.budget, jobs=args.jobs, seed=args.seed, out_dir=args.out,
+                             work_dir=args.work_dir)
+    compare(options, progress=lambda line: print(line, flush=True))
     return 0
 
 
@@ -250,8 +383,13 @@ def cmd_rpc(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     kept = (f"{args.output} was not written; the library there before, if any, is whole and unchanged"
-            if args.cmd == "build" else "nothing was written")
-    commands = {"build": cmd_build, "run": cmd_run, "eval": cmd_eval, "rpc": cmd_rpc}
+            if args.cmd == "build" else
+            f"{args.output} was not written; the file there before, if any, is whole and unchanged"
+            if args.cmd == "export-onnx" else
+            f"the rows measured so far are in {args.out}/compare_*.json" if args.cmd == "compare" else
+            "nothing was written")
+    commands = {"build": cmd_build, "run": cmd_run, "eval": cmd_eval, "rpc": cmd_rpc, "export-onnx": cmd_export_onnx,
+                "compare": cmd_compare}
     return cli.run(lambda: commands[args.cmd](args), kept)
 
 

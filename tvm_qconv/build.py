@@ -21,7 +21,7 @@ from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import load_model
+from .frontend import load_model, weights_digest
 from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
@@ -143,7 +143,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
                 report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
                 built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=options.uses_cuda_graph,
-                options=asdict(options))
+                options=asdict(options), float_weights=weights_digest(model))
     meta.update(extra_meta or {})
     save_artifact(ex, params, meta, out_path)
     return BuildResult(out_path, report, meta)

@@ -1,6 +1,7 @@
 """torch model in, float Relax module out (torch.export -> relax.frontend.torch)."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import sys
@@ -125,6 +126,18 @@ def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
         first = str(err).splitlines()[0:3]
         raise InputError(f"weights file {path} does not fit this model: {' '.join(first)}") from err
     return ckpt
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """A short hash of a model's parameters and buffers (names, dtypes, shapes, values): a built
+    library records it, so a comparison can tell whether a library holds the weights of the float
+    model it is compared with (two random inits of one architecture do not)."""
+    digest = hashlib.blake2b(digest_size=10)
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, int]):

@@ -1,0 +1,309 @@
+"""The rows of ``deploy.py compare``: the project's int8 library and every baseline a user could
+pick instead, each prepared for one batch size and then measured the same way
+(``measure.py``).
+
+A baseline's ``prepare(ctx, batch)`` returns a :class:`Forward` (how to put an input on the
+device, run one forward, read the logits back) or raises :class:`Unavailable` when it cannot run
+here (no GPU, a package not installed): the row then says why and the run carries on.  The
+cuDNN row is the exception: cuDNN has no whole-model graph, so it times the model's convs one by
+one (every plan, the fastest kept) and sums them (``run_cudnn``).
+
+``ctx`` is the comparison's :class:`tvm_qconv.compare.run.Context`: the float model, the device,
+the built libraries, the exported ONNX file.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+
+class Unavailable(Exception):
+    """This baseline cannot run here; the message says why (a skipped row, not a failure)."""
+
+
+@dataclass
+class Forward:
+    """One prepared baseline at one batch size.
+
+    Attributes:
+        call: one forward of a prepared input; may return before the device is done.
+        put: float32 images [batch, 3, H, W] (NumPy) -> a prepared input.
+        get: what ``call`` returned -> float32 logits [batch, classes] (NumPy).
+        build_s: seconds spent building / compiling / loading before the first timed call.
+        note: a remark for the table (e.g. what the row includes).
+        cpu: the forward runs on the CPU (wall-clock timing, no device memory) whatever the
+            comparison's device.
+    """
+
+    call: Callable[[Any], Any]
+    put: Callable[[np.ndarray], Any]
+    get: Callable[[Any], np.ndarray]
+    build_s: float | None = None
+    note: str = ""
+    cpu: bool = False
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A row of the comparison: ``key`` (``--baselines``' name), its label, its family, and how
+    it is prepared; ``run`` replaces the forward measurement (the cuDNN row's per-layer sum)."""
+
+    key: str
+    name: str
+    family: str
+    prepare: Callable | None = None
+    run: Callable | None = None
+    needs_cuda: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _cuda_only(ctx, what: str) -> None:
+    if ctx.device != "cuda":
+        raise Unavailable(f"{what} needs a CUDA GPU (this run is on the CPU)")
+
+
+# ---- the project's int8 library ---------------------------------------------------------------
+
+def prepare_int8(ctx, batch: int, graph: bool) -> Forward:
+    """The project's library for ``batch`` (built by the comparison, or the user's ``--lib``)."""
+    import tvm
+
+    from ..runtime import CompiledModel, flatten
+    if graph:
+        _cuda_only(ctx, "a library with CUDA graphs")
+    built = ctx.library(batch, graph)   # raises the build's own error, or Unavailable
+    model = CompiledModel(built.path)
+    dev = model.dev
+
+    def call(x):
+        return model.vm["main"](x, *model.params)
+
+    return Forward(call=call, put=lambda x: tvm.runtime.tensor(model.check_input(x), dev),
+                   get=lambda out: flatten(out)[0], build_s=built.build_s, note=built.note)
+
+
+# ---- PyTorch ----------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for convs and matmuls, on or off (PyTorch's own default turns it on for convs only:
+    a "fp32" row would otherwise run its convs in TF32)."""
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _torch_model(ctx, precision: str):
+    """The float model in ``precision`` on the comparison's device, channels_last, cuDNN's
+    algorithm search on: how a PyTorch user runs it fastest in eager mode."""
+    import torch
+    if ctx.device == "cpu" and precision in ("tf32", "fp16"):
+        raise Unavailable(f"PyTorch {precision} convs need a CUDA GPU (this run is on the CPU)")
+    dtype = getattr(torch, _TORCH_DTYPES[precision])
+    set_tf32(precision == "tf32")
+    torch.backends.cudnn.benchmark = True
+    model = copy.deepcopy(ctx.model).to(ctx.device, dtype).to(memory_format=torch.channels_last).eval()
+
+    def put(x):
+        return torch.from_numpy(x).to(ctx.device, dtype).contiguous(memory_format=torch.channels_last)
+    return model, put
+
+
+def _logits(y) -> np.ndarray:
+    return y.float().cpu().numpy()
+
+
+def prepare_torch(ctx, batch: int, precision: str, graph: bool) -> Forward:
+    """PyTorch eager in ``precision``, or the same captured in one CUDA graph (``graph``): the
+    captured graph reads a static input, so each call copies its input there first (one
+    device-to-device copy of the images, ~1 % of a forward)."""
+    import torch
+    if graph:
+        _cuda_only(ctx, "a CUDA graph")
+    t = time.perf_counter()
+    model, put = _torch_model(ctx, precision)
+    if not graph:
+        return Forward(call=model, put=put, get=_logits, build_s=time.perf_counter() - t)
+    static = put(ctx.input_sets(batch)[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):       # cuDNN's algorithm search and the allocator, outside the capture
+            model(static)
+    torch.cuda.current_stream().wait_stream(side)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        out = model(static)
+
+    def call(x):
+        static.copy_(x)
+        cuda_graph.replay()
+        return out
+    return Forward(call=call, put=put, get=_logits, build_s=time.perf_counter() - t,
+                   note="input copied into the graph's buffer")
+
+
+def prepare_torch_compile(ctx, batch: int) -> Forward:
+    """``torch.compile(mode="max-autotune")`` in fp16 (Inductor's autotuned Triton / cuBLAS
+    kernels, CUDA graphs on); its compile time is the first calls'."""
+    import torch
+    _cuda_only(ctx, "torch.compile max-autotune")
+    torch._dynamo.reset()          # a graph compiled for another batch size is not reused
+    t = time.perf_counter()
+    model, put = _torch_model(ctx, "fp16")
+    compiled = torch.compile(model, mode="max-autotune", dynamic=False)
+    for x in ctx.input_sets(batch)[:2]:
+        compiled(put(x))
+    torch.cuda.synchronize()
+    return Forward(call=compiled, put=put, get=_logits, build_s=time.perf_counter() - t)
+
+
+# ---- ONNX Runtime and TensorRT, on the exported Q/DQ model -------------------------------------
+
+def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
+    """ONNX Runtime on the Q/DQ model (``deploy.py export-onnx``: the project's scales), with all
+    graph optimizations (its QDQ fusion runs the convs in int8)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        raise Unavailable(f"onnxruntime is not installed ({err})") from None
+    if provider == "CUDAExecutionProvider":
+        _cuda_only(ctx, "ONNX Runtime's CUDA execution provider")
+        if provider not in ort.get_available_providers():
+            raise Unavailable(f"onnxruntime {ort.__version__} here has no CUDA execution provider (it has "
+                              f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu built for "
+                              "this CUDA")
+    path, export_s = ctx.onnx_model()
+    t = time.perf_counter()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    # int8 kernels on x86: by default ORT turns int8 Q/DQ into uint8, whose sums saturate on CPUs
+    # without VNNI (README, "Export to ONNX")
+    options.add_session_config_entry("session.qdqisint8allowed", "1")
+    session = ort.InferenceSession(path, options, providers=[provider])
+    in_name, out_name = session.get_inputs()[0].name, session.get_outputs()[0].name
+    build_s = export_s + time.perf_counter() - t
+    if provider == "CPUExecutionProvider":
+        return Forward(call=lambda x: session.run([out_name], {in_name: x})[0], put=np.ascontiguousarray,
+                       get=np.asarray, build_s=build_s, note="on the CPU" if ctx.device == "cuda" else "", cpu=True)
+
+    def call(value):  # inputs and outputs stay on the GPU (I/O binding): no host copies timed
+        binding = session.io_binding()
+        binding.bind_ortvalue_input(in_name, value)
+        binding.bind_output(out_name, "cuda")
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0]
+    return Forward(call=call, put=lambda x: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x), "cuda", 0),
+                   get=lambda v: v.numpy(), build_s=build_s)
+
+
+def prepare_tensorrt(ctx, batch: int) -> Forward:
+    """TensorRT's engine of the Q/DQ model (explicit int8 from its Q/DQ nodes, fp16 allowed for
+    the rest), for this batch size."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise Unavailable("not installed (the tensorrt package is not importable here)") from None
+    import torch
+    _cuda_only(ctx, "TensorRT")
+    path, export_s = ctx.onnx_model()
+    t = time.perf_counter()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    parser = trt.OnnxParser(network, logger)
+    with open(path, "rb") as f:
+        if not parser.parse(f.read()):
+            raise RuntimeError("TensorRT's ONNX parser: " + "; ".join(str(parser.get_error(i))
+                                                                    for i in range(parser.num_errors)))
+    config = builder.create_builder_config()
+    config.set_flag(trt.BuilderFlag.INT8)
+    config.set_flag(trt.BuilderFlag.FP16)
+    name = network.get_input(0).name
+    shape = (batch, *ctx.input_shape[1:])
+    profile = builder.create_optimization_profile()
+    profile.set_shape(name, shape, shape, shape)
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT built no engine (its log above says why)")
+    engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+    context = engine.create_execution_context()
+    context.set_input_shape(name, shape)
+    out_name = engine.get_tensor_name(engine.num_io_tensors - 1)
+    out = torch.empty(tuple(context.get_tensor_shape(out_name)), dtype=torch.float32, device="cuda")
+    context.set_tensor_address(out_name, out.data_ptr())
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def call(x):
+        context.set_tensor_address(name, x.data_ptr())
+        context.execute_async_v3(stream)
+        return out
+    return Forward(call=call, put=lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda(), get=_logits,
+                   build_s=export_s + time.perf_counter() - t)
+
+
+# ---- cuDNN's int8 convs, per layer --------------------------------------------------------------
+
+def run_cudnn(ctx, batch: int) -> dict:
+    """The model's convs through cuDNN's int8 fused conv (+scale+bias+ReLU, int8 out), each
+    timed over every plan with the fastest kept, summed: the runnable stand-in for TensorRT's
+    int8 conv tactics.  Covers the convs only (not pools, adds, the classifier, nor the
+    conversions between them), so it is a lower bound of a whole cuDNN model."""
+    from . import cudnn_int8
+    _cuda_only(ctx, "cuDNN int8")
+    why = cudnn_int8.missing()
+    if why:
+        raise Unavailable(why)
+    total, layers, left_out = 0.0, [], []
+    t = time.perf_counter()
+    for conv in ctx.convs:
+        if conv["groups"] != 1 or conv["padding"][:2] != conv["padding"][2:]:
+            left_out.append(conv["layer"])
+            continue
+        key = (batch, *(tuple(v) if isinstance(v, list) else v for k, v in sorted(conv.items()) if k != "layer"))
+        if key not in ctx.cudnn_cache:
+            ctx.cudnn_cache[key] = cudnn_int8.time_fused_conv(batch, conv["in_channels"], conv["height"],
+                                                              conv["width"], conv["out_channels"],
+                                                              tuple(conv["kernel"]), tuple(conv["stride"]),
+                                                              tuple(conv["padding"][:2]), tuple(conv["dilation"]))
+        best = ctx.cudnn_cache[key]
+        total += best["ms"]
+        layers.append(dict(layer=conv["layer"], ms=round(best["ms"], 4), plans=best["plans"], plan=best["plan"]))
+    note = f"{len(layers)} of {len(ctx.convs)} convs summed, nothing else"
+    if left_out:
+        note += f" (grouped or asymmetric left out: {len(left_out)})"
+    return dict(median_ms=total, images_per_s=batch / total * 1e3 if total else None,
+                build_s=time.perf_counter() - t, note=note, layers=layers)
+
+
+def baselines() -> list[Baseline]:
+    """Every row, in the table's order: the project's first, then PyTorch, then the int8 tools."""
+    rows = [Baseline("int8-graph", "tvm_qconv int8 + CUDA graph", "tvm_qconv",
+                     lambda ctx, b: prepare_int8(ctx, b, graph=True), needs_cuda=True),
+            Baseline("int8", "tvm_qconv int8", "tvm_qconv", lambda ctx, b: prepare_int8(ctx, b, graph=False))]
+    for precision in ("fp32", "tf32", "fp16", "bf16"):
+        for graph in (False, True):
+            rows.append(Baseline(f"torch-{precision}" + ("-graph" if graph else ""),
+                                 f"PyTorch {precision}" + (" + CUDA graph" if graph else ""), "pytorch",
+                                 lambda ctx, b, p=precision, g=graph: prepare_torch(ctx, b, p, g),
+                                 needs_cuda=graph or precision in ("tf32", "fp16")))
+    rows += [Baseline("torch-compile", "torch.compile max-autotune fp16", "pytorch", prepare_torch_compile,
+                      needs_cuda=True),
+             Baseline("cudnn-int8", "cuDNN int8 fused convs (sum)", "cudnn", run=run_cudnn, needs_cuda=True),
+             Baseline("ort-cuda", "ONNX Runtime CUDA EP (Q/DQ)", "onnxruntime",
+                      lambda ctx, b: prepare_onnxruntime(ctx, b, "CUDAExecutionProvider"), needs_cuda=True),
+             Baseline("ort-cpu", "ONNX Runtime CPU EP (Q/DQ)", "onnxruntime",
+                      lambda ctx, b: prepare_onnxruntime(ctx, b, "CPUExecutionProvider")),
+             Baseline("tensorrt", "TensorRT int8 (Q/DQ)", "tensorrt", prepare_tensorrt, needs_cuda=True)]
+    return rows
+
+
+BASELINE_KEYS = tuple(b.key for b in baselines())

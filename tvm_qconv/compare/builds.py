@@ -1,0 +1,105 @@
+"""The int8 libraries a comparison times: one per batch size (and, on CUDA, with and without
+CUDA graphs), all from the same calibrated ranges, built before anything is timed.
+
+Builds are CPU work (quantize, schedule, nvcc), so ``jobs > 1`` runs them in parallel worker
+processes; every timing runs afterwards, alone on the device.  A worker rebuilds the float model
+from its name (or ``path.py:factory``) and the comparison's saved state dict, so the libraries
+hold exactly the weights of the model the baselines run.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+
+from ..build import BuildOptions, compile_model
+from ..config import QuantConfig
+from ..ranges import GivenRanges
+
+
+@dataclass(frozen=True)
+class Built:
+    """A library ready to time: its path, the seconds its build took (None: the user's
+    ``--lib``), and a note for the table."""
+
+    path: str
+    build_s: float | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class BuildJob:
+    """One library: the slot it fills (batch, CUDA graphs) and how to build it."""
+
+    batch: int
+    graph: bool
+    path: str
+    options: BuildOptions
+
+
+def _build(job: BuildJob, model, name: str, amax: dict, config: QuantConfig) -> Built:
+    t = time.perf_counter()
+    compile_model(model, job.path, options=job.options, config=config, name=name, ranges=GivenRanges(amax),
+                  progress=False)
+    note = "tuned" if job.options.tuning_log else ""
+    return Built(job.path, round(time.perf_counter() - t, 1), note)
+
+
+def _build_in_worker(job: BuildJob, spec: dict, amax: dict, config: QuantConfig) -> Built:
+    """A worker process's build: the model from ``spec`` (``name``, ``num_classes``, the saved
+    ``state`` file), then :func:`_build`."""
+    import torch
+
+    from ..frontend import load_model
+    model = load_model(spec["name"], num_classes=spec["num_classes"])
+    model.load_state_dict(torch.load(spec["state"], map_location="cpu", weights_only=True))
+    return _build(job, model.eval(), spec["name"], amax, config)
+
+
+def build_libraries(jobs: list[BuildJob], model, spec: dict | None, amax: dict, config: QuantConfig,
+                    workers: int = 1, progress=print) -> dict:
+    """Build every job; ``{(batch, graph): Built or the exception that stopped its build}``.
+
+    Args:
+        jobs: the libraries to build.
+        model: the float ``nn.Module`` (used in this process when ``workers == 1`` or no ``spec``).
+        spec: how a worker process rebuilds ``model`` (``name``, ``num_classes``, ``state``:
+            a ``torch.save``-d state dict); None: build here, one after another.
+        amax: the calibrated ranges every library uses.
+        workers: parallel builds.
+        progress: called with one line per finished build.
+    """
+    results: dict = {}
+    name = spec["name"] if spec else type(model).__name__.lower()
+    if workers <= 1 or spec is None or len(jobs) <= 1:
+        for job in jobs:
+            try:
+                results[job.batch, job.graph] = _build(job, model, name, amax, config)
+            except Exception as err:  # noqa: BLE001 - one failed build is one failed row
+                results[job.batch, job.graph] = err
+            _report(job, results[job.batch, job.graph], progress)
+        return results
+    pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)),
+                                                  mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(_build_in_worker, job, spec, amax, config): job for job in jobs}
+        for fut in concurrent.futures.as_completed(futures):
+            job = futures[fut]
+            try:
+                results[job.batch, job.graph] = fut.result()
+            except Exception as err:  # noqa: BLE001 - one failed build is one failed row
+                results[job.batch, job.graph] = err
+            _report(job, results[job.batch, job.graph], progress)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+def _report(job: BuildJob, result, progress) -> None:
+    what = f"int8 library b{job.batch}{' + CUDA graph' if job.graph else ''} -> {os.path.basename(job.path)}"
+    if isinstance(result, Exception):
+        progress(f"[compare] build {what}: FAILED {type(result).__name__}: {str(result).strip()[:200]}")
+    else:
+        progress(f"[compare] built {what} in {result.build_s} s")

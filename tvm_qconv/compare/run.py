@@ -1,0 +1,386 @@
+"""``compare``: the project's int8 library beside every baseline, one after another on one device.
+
+    calibrate once (the ranges every int8 row uses) --> build the libraries (parallel workers)
+      --> export the Q/DQ ONNX model --> per batch, per baseline: prepare, time, agreement
+      --> <out>/compare_<model>.json (after every row), .md (the tables), .png (the chart)
+
+Every row runs the same float weights (a seeded random init unless ``weights``) on the same
+real photos, and is compared with fp32 PyTorch (TF32 off) on those photos.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import QuantConfig
+from ..errors import InputError
+from . import report
+from .baselines import BASELINE_KEYS, Baseline, Forward, Unavailable, baselines, set_tf32
+from .builds import Built, BuildJob, build_libraries
+from .measure import agreement, device_memory_used_mib, release_device_memory, time_calls
+
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """What ``deploy.py compare`` runs.
+
+    Attributes:
+        model: a torchvision classifier name or ``path/to/file.py:factory``.
+        weights: a state-dict file or torchvision weight name; None: random init seeded by ``seed``.
+        num_classes: classifier width for random init.
+        batches: the batch sizes, each a table.
+        image_size: input height = width.
+        device: ``cuda`` or ``cpu``; None: cuda where there is a GPU.
+        arch: CUDA arch of the int8 builds; None: the GPU's own, with every instruction
+            (``sm_90a`` on an H100 / H200: the wgmma family).
+        libs: the user's built libraries, each timed in the slot of its batch size (and CUDA
+            graphs or not) instead of a new build.
+        tuning_log: a tuning database folder, or a folder of ``<model>-b<N>-<arch>`` ones
+            (``tuning_logs/``), for the int8 builds.
+        baselines: the rows to run, by key (:data:`BASELINE_KEYS`); None: all.
+        config: the quantization scheme; calib_dir: calibration images (default: the photos).
+        input_sets: distinct inputs each row cycles through (so the L2 cache does not hold the input).
+        budget_s: seconds of timed calls per row (at least 3 calls, at most 200).
+        jobs: int8 builds in parallel.
+        seed: torch's seed before a random init.
+        out_dir: where the JSON, markdown and PNG go; work_dir: libraries and the ONNX model.
+    """
+
+    model: str = "vgg16"
+    weights: str | None = None
+    num_classes: int | None = None
+    batches: tuple[int, ...] = (1, 16, 64)
+    image_size: int = 224
+    device: str | None = None
+    arch: str | None = None
+    libs: tuple[str, ...] = ()
+    tuning_log: str | None = None
+    baselines: tuple[str, ...] | None = None
+    config: QuantConfig = field(default_factory=QuantConfig)
+    calib_dir: str | None = None
+    input_sets: int = 4
+    budget_s: float = 3.0
+    jobs: int = 1
+    seed: int = 0
+    out_dir: str = "results"
+    work_dir: str = "/tmp/tvm_qconv_compare"
+
+    def __post_init__(self):
+        object.__setattr__(self, "batches", tuple(self.batches))
+        object.__setattr__(self, "libs", tuple(self.libs))
+        if not self.batches or any(int(b) != b or b < 1 for b in self.batches):
+            raise InputError(f"batch sizes must be positive integers, got {self.batches}")
+        if self.image_size < 8:
+            raise InputError(f"image size must be >= 8, got {self.image_size}")
+        if self.device not in (None, *DEVICES):
+            raise InputError(f"device must be one of {DEVICES}, got {self.device!r}")
+        unknown = [k for k in self.baselines or () if k not in BASELINE_KEYS]
+        if unknown:
+            raise InputError(f"unknown baseline {', '.join(map(repr, unknown))}: choose from {', '.join(BASELINE_KEYS)}")
+        if self.input_sets < 1 or not self.budget_s > 0 or self.jobs < 1:
+            raise InputError(f"input sets and jobs must be >= 1 and the budget > 0, got {self.input_sets}, "
+                             f"{self.jobs}, {self.budget_s}")
+        for lib in self.libs:
+            if not os.path.isfile(lib):
+                raise InputError(f"--lib {lib} does not exist: build it with `python deploy.py build ... -o {lib}`")
+        if self.tuning_log and not os.path.isdir(self.tuning_log):
+            raise InputError(f"--tuning-log {self.tuning_log} is not a folder: give a database folder written by "
+                             "tune.py, or tuning_logs/")
+
+    @property
+    def tag(self) -> str:
+        """The model's name in file names (``vgg16``; ``file_factory`` for a user's model)."""
+        base = self.model.replace(".py:", "_").rsplit("/", 1)[-1]
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", base)
+
+
+def resolve_device(requested: str | None) -> str:
+    """``requested``, or cuda where PyTorch and TVM both see a GPU, else cpu.
+
+    Raises:
+        InputError: cuda was asked for on a machine without a GPU.
+    """
+    import torch
+    import tvm
+    has_gpu = torch.cuda.is_available() and tvm.cuda(0).exist
+    if requested == "cuda" and not has_gpu:
+        raise InputError("--device cuda: this machine has no CUDA GPU that PyTorch and TVM can use; "
+                         "compare on the CPU with --device cpu")
+    return requested or ("cuda" if has_gpu else "cpu")
+
+
+def tuning_log_for(folder: str | None, model: str, batch: int, arch: str | None) -> str | None:
+    """The database of ``folder`` for this batch: ``folder`` itself when it is a database, else
+    its ``<model>-b<batch>-<arch>`` entry (sm_90a builds use sm_90 databases), else None."""
+    if not folder:
+        return None
+    if any(name.startswith("database_workload") for name in os.listdir(folder)):
+        return folder
+    for a in dict.fromkeys([arch, (arch or "").rstrip("a")]):
+        path = os.path.join(folder, f"{model}-b{batch}-{a}")
+        if a and os.path.isdir(path):
+            return path
+    return None
+
+
+class Context:
+    """What every row of one comparison shares: the float model, the device, the photos and
+    fp32 reference logits, the calibrated ranges, the libraries, the ONNX model."""
+
+    def __init__(self, options: CompareOptions, model=None, progress=print):
+        import torch
+
+        from ..frontend import load_model, weights_digest
+        self.options, self.progress = options, progress
+        self.device = resolve_device(options.device)
+        self.input_shape = (1, 3, options.image_size, options.image_size)
+        self.given_model = model is not None
+        if model is None:
+            torch.manual_seed(options.seed)
+            model = load_model(options.model, options.weights, options.num_classes)
+        self.model = model.eval()
+        self.weights = weights_digest(self.model)
+        self.arch = None
+        if self.device == "cuda":
+            from ..target import device_arch
+            self.arch = options.arch or device_arch(full=True)
+        self.cudnn_cache: dict = {}
+        self._onnx: tuple | Exception | None = None
+        self.libs: dict = {}
+        self.times: dict = {}
+
+    # ---- the images --------------------------------------------------------------------------
+    def prepare(self, names: list[str]) -> None:
+        """Photos, reference, ranges; then the libraries and the ONNX model the rows ``names`` need."""
+        from ..data import skimage_photos
+        self.photos = skimage_photos(self.options.image_size)
+        self.reference = self._reference()
+        t = time.perf_counter()
+        self.amax, self.convs = self._calibrate()
+        self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
+        self.progress(f"[compare] calibrated {len(self.amax)} tensors ({self.options.config.calibration}) in "
+                      f"{self.times['calibrate_s']} s")
+        if {"int8", "int8-graph"} & set(names):
+            self._libraries(graph_rows="int8-graph" in names and self.device == "cuda",
+                            plain_rows="int8" in names)
+
+    def input_sets(self, batch: int) -> list[np.ndarray]:
+        """``options.input_sets`` distinct batches of the photos: set k starts k images further and
+        is mirrored when k is odd (its own data, at its own address)."""
+        n = len(self.photos)
+        sets = []
+        for k in range(self.options.input_sets):
+            x = self.photos[(np.arange(batch) + k * batch) % n]
+            sets.append(np.ascontiguousarray(x[..., ::-1] if k % 2 else x))
+        return sets
+
+    def run_photos(self, forward: Forward, batch: int) -> np.ndarray:
+        """The logits of every photo through ``forward``, ``batch`` at a time (the last batch
+        filled with repeats)."""
+        n = len(self.photos)
+        out = []
+        for start in range(0, n, batch):
+            x = self.photos[(np.arange(batch) + start) % n]
+            out.append(np.asarray(forward.get(forward.call(forward.put(np.ascontiguousarray(x)))), np.float32))
+        return np.concatenate(out)[:n]
+
+    def _reference(self) -> np.ndarray:
+        """fp32 PyTorch's logits of the photos on this device, TF32 off."""
+        import torch
+        set_tf32(False)
+        model = self.model.to(self.device)
+        with torch.no_grad():
+            ref = model(torch.from_numpy(self.photos).to(self.device)).float().cpu().numpy()
+        self.model = model.cpu()
+        return ref
+
+    def _calibrate(self) -> tuple[dict, list]:
+        """The ranges (calibrated once, at batch 1, on the CPU) and the model's convs (for cuDNN)."""
+        from ..graph import static_shape
+        from ..quantize import quantize_module
+        from ..ranges import Calibrate
+        from ..target import TargetInfo, make_target
+        images = None if self.options.calib_dir else self.photos
+        q = quantize_module(self.model, self.input_shape, TargetInfo.from_target(make_target("llvm")),
+                            config=self.options.config, ranges=Calibrate(images, self.options.calib_dir),
+                            progress=False)
+        convs = []
+        for ly in q.graph.layers:
+            if ly.kind != "conv2d" or ly.weight is None:
+                continue
+            a = ly.call.attrs
+            _, c, h, w = static_shape(ly.inputs[0].ty)
+            convs.append(dict(layer=ly.name, in_channels=c, height=h, width=w, out_channels=int(ly.weight.shape[0]),
+                              kernel=list(ly.weight.shape[2:]), stride=list(map(int, a.strides)),
+                              padding=list(map(int, a.padding)), dilation=list(map(int, a.dilation)),
+                              groups=int(a.groups)))
+        return q.amax, convs
+
+    # ---- the int8 libraries -----------------------------------------------------------------
+    def _libraries(self, graph_rows: bool, plain_rows: bool) -> None:
+        import torch
+
+        from ..artifact import read_meta
+        from ..build import BuildOptions
+        opts = self.options
+        for lib in opts.libs:
+            meta = read_meta(lib)
+            target = "cuda" if self.device == "cuda" else "llvm"
+            if meta.get("target") != target:
+                raise InputError(f"--lib {lib} was built for {meta.get('target')}, this comparison runs on "
+                                 f"{self.device}: give a {target} library, or --device to match")
+            if tuple(meta["input_shape"][1:]) != self.input_shape[1:]:
+                raise InputError(f"--lib {lib} takes {tuple(meta['input_shape'][1:])} images, the comparison "
+                                 f"{self.input_shape[1:]}: pass --image-size {meta['input_shape'][2]}")
+            note = "--lib"
+            if meta.get("float_weights") != self.weights:
+                note += ": built from other weights, agreement not comparable"
+            self.libs[meta["input_shape"][0], bool(meta.get("cuda_graph"))] = Built(lib, None, note)
+        jobs = []
+        for batch in opts.batches:
+            for graph in (True, False):
+                if (batch, graph) in self.libs or not (graph_rows if graph else plain_rows):
+                    continue
+                log = tuning_log_for(opts.tuning_log, opts.model, batch, self.arch)
+                if opts.tuning_log and log is None:
+                    self.progress(f"[compare] {opts.tuning_log} holds no database for b{batch}: that build is untuned")
+                options = BuildOptions(target="cuda" if self.device == "cuda" else "llvm", arch=self.arch,
+                                       batch=batch, image_size=opts.image_size, tuning_log=log, cuda_graph=graph,
+                                       verify=False)
+                path = os.path.join(opts.work_dir, f"{opts.tag}_b{batch}{'_graph' if graph else ''}.so")
+                jobs.append(BuildJob(batch, graph, path, options))
+        if not jobs:
+            return
+        os.makedirs(opts.work_dir, exist_ok=True)
+        spec = None
+        if not self.given_model:  # a worker rebuilds the model from its name and this state
+            spec = dict(name=opts.model, num_classes=opts.num_classes, state=os.path.join(opts.work_dir, "state.pt"))
+            torch.save(self.model.state_dict(), spec["state"])
+        self.progress(f"[compare] building {len(jobs)} int8 libraries ({opts.jobs} at a time)")
+        self.libs.update(build_libraries(jobs, self.model, spec, self.amax, opts.config, opts.jobs, self.progress))
+
+    def library(self, batch: int, graph: bool) -> Built:
+        """The library of this slot, or the error its build raised."""
+        built = self.libs.get((batch, graph))
+        if built is None:
+            raise Unavailable("not built")
+        if isinstance(built, Exception):
+            raise built
+        return built
+
+    # ---- the ONNX model ---------------------------------------------------------------------
+    def onnx_model(self) -> tuple[str, float]:
+        """(path, export seconds) of the Q/DQ ONNX model with this comparison's ranges (exported
+        once, any batch size)."""
+        if self._onnx is None:
+            from ..onnx_export import export_onnx
+            from ..ranges import GivenRanges
+            path = os.path.join(self.options.work_dir, f"{self.options.tag}.onnx")
+            t = time.perf_counter()
+            try:
+                export_onnx(self.model, path, input_shape=self.input_shape, config=self.options.config,
+                            ranges=GivenRanges(self.amax), name=self.options.model, progress=False)
+                self._onnx = (path, round(time.perf_counter() - t, 1))
+            except Exception as err:  # noqa: BLE001 - every ONNX row fails with the export's reason
+                self._onnx = err
+        if isinstance(self._onnx, Exception):
+            raise self._onnx
+        return self._onnx
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = (lines[-1] if lines and lines[0].startswith("Traceback") else lines[0]) if lines else ""
+    return f"{type(err).__name__}: {text[:300]}" if not isinstance(err, Unavailable) else text[:300]
+
+
+def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
+    """One row: prepared, timed, its memory and its agreement with fp32 PyTorch; a baseline that
+    cannot run is a ``skipped`` row and one that fails a ``failed`` row, each with the reason."""
+    row = dict(key=baseline.key, name=baseline.name, family=baseline.family, batch=batch, status="ok")
+    release_device_memory()
+    before = device_memory_used_mib()
+    forward = inputs = None
+    try:
+        if baseline.needs_cuda and ctx.device != "cuda":
+            raise Unavailable("needs a CUDA GPU (this run is on the CPU)")
+        if baseline.run is not None:
+            row.update(baseline.run(ctx, batch))
+        else:
+            forward = baseline.prepare(ctx, batch)
+            inputs = [forward.put(x) for x in ctx.input_sets(batch)]
+            timing = time_calls(forward.call, inputs, cuda=ctx.device == "cuda" and not forward.cpu,
+                                budget_s=ctx.options.budget_s)
+            used = device_memory_used_mib()
+            row.update(median_ms=timing.median_ms, p99_ms=timing.p99_ms, mean_ms=timing.mean_ms, runs=timing.runs,
+                       images_per_s=batch / timing.median_ms * 1e3, build_s=forward.build_s, note=forward.note,
+                       peak_mem_mib=None if used is None or forward.cpu else max(used - before, 0.0))
+            if "other weights" not in forward.note:
+                row.update(agreement(ctx.reference, ctx.run_photos(forward, batch)))
+    except Unavailable as err:
+        row.update(status="skipped", reason=_first_line(err))
+    except KeyboardInterrupt:
+        raise
+    except Exception as err:  # noqa: BLE001 - one baseline's failure is its row; the run carries on
+        row.update(status="failed", reason=_first_line(err))
+        os.makedirs(ctx.options.work_dir, exist_ok=True)
+        log = os.path.join(ctx.options.work_dir, f"error_{baseline.key}_b{batch}.txt")
+        with open(log, "w") as f:
+            f.write("".join(traceback.format_exception(err)))
+        row["log"] = log
+    finally:
+        del forward, inputs
+        set_tf32(False)
+        release_device_memory()
+    return row
+
+
+def compare(options: CompareOptions, model=None, progress=print) -> dict:
+    """Run the comparison; returns what ``<out>/compare_<tag>.json`` holds.
+
+    Args:
+        options: what to run.
+        model: a float ``nn.Module`` to use instead of loading ``options.model`` (its name is
+            still ``options.model`` in the results).
+        progress: called with one line per step and per row.
+
+    Example:
+        >>> compare(CompareOptions(model="resnet50", batches=(1, 64)))
+    """
+    import torch
+    from ..fileio import check_output_folder
+    check_output_folder(options.out_dir, "--out folder")
+    check_output_folder(options.work_dir, "--work-dir folder")
+    rows = [b for b in baselines() if options.baselines is None or b.key in options.baselines]
+    ctx = Context(options, model, progress)
+    start = time.perf_counter()
+    results = dict(environment=report.environment(ctx.device), model=options.model, weights=options.weights or
+                   f"random init (seed {options.seed})", image_size=options.image_size, arch=ctx.arch,
+                   device=ctx.device, batches=list(options.batches), rows=[],
+                   config=options.config.to_dict(), input_sets=options.input_sets, budget_s=options.budget_s)
+    paths = report.paths(options.out_dir, options.tag)
+    progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "
+             f"batches {', '.join(map(str, options.batches))}, {len(rows)} baselines -> {paths['json']}")
+    with torch.no_grad():
+        ctx.prepare([b.key for b in rows])
+        results["times"] = ctx.times
+        for batch in options.batches:
+            for baseline in rows:
+                row = run_row(ctx, baseline, batch)
+                results["rows"].append(row)
+                progress(report.progress_line(options.tag, row))
+                report.write_json(paths["json"], results)  # a run cut short keeps what it measured
+    results["summary"] = report.summary(results["rows"])
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    report.write_all(paths, results)
+    for line in report.summary_lines(results["summary"]):
+        progress(line)
+    return results
