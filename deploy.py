@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Import a model, calibrate it on real images exactly as `build` does and write it "
                                    "as ONNX with explicit QuantizeLinear / DequantizeLinear pairs carrying this "
                                    "project's scales (int8 weights per output channel, int8 activations per tensor, "
-                                   "int32 conv biases): the form TensorRT and ONNX Runtime read.  The layers "
+                                   "float biases): the form TensorRT and ONNX Runtime read.  The layers "
                                    "`build --target llvm` keeps in float stay float.")
     _add_model_flags(x, batch_help="batch size to trace and calibrate at (default 1; the file runs at any batch "
                                    "unless --static-batch)")
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--budget", type=positive_float, default=3.0, metavar="S",
                    help="seconds of timed runs per row (default 3; at least 3 runs, at most 200)")
     c.add_argument("--jobs", type=_positive, default=1, help="int8 builds in parallel (default 1)")
+    c.add_argument("--agreement-floor", type=float, default=10.0, metavar="DB",
+                   help="a row whose logits' SQNR against fp32 PyTorch is under DB is marked wrong and left out of "
+                        "the speed-ups and the chart (default 10)")
     c.add_argument("--seed", type=int, default=0, help="torch seed of a random init (default 0)")
     c.add_argument("--work-dir", default="/tmp/tvm_qconv_compare", help="where the libraries and the ONNX model go")
     c.add_argument("--out", default="results", help="folder for compare_<model>.json / .md / .png (default results)")
@@ -296,7 +299,8 @@ def cmd_compare(args) -> int:
                              batches=args.batch, image_size=args.image_size, device=args.device, arch=args.arch,
                              libs=tuple(args.lib), tuning_log=args.tuning_log, baselines=args.baselines,
                              config=PRESETS[args.scheme], calib_dir=args.calib_dir, input_sets=args.input_sets,
-                             budget_s=args.budget, jobs=args.jobs, seed=args.seed, out_dir=args.out,
+                             budget_s=args.budget, jobs=args.jobs, agreement_floor_db=args.agreement_floor,
+                             seed=args.seed, out_dir=args.out,
                              work_dir=args.work_dir)
     compare(options, progress=lambda line: print(line, flush=True))
     return 0

@@ -45,20 +45,16 @@ from tvm_qconv.target import TargetInfo, make_target  # noqa: E402
 
 
 def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
-    """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph."""
+    """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph; a graph whose
+    replay does not reproduce eager PyTorch is refused (``check_replay``: such replays were timed
+    before 2026-11-25, see docs/benchmarks.md, "One command against every baseline")."""
+    from tvm_qconv.compare.baselines import capture, check_replay
     with torch.no_grad():
         fn = lambda: model(x)  # noqa: E731
         if graphs:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(3):
-                    model(x)
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(g):
-                model(x)
-            fn = g.replay
+            replay, out = capture(model, x.clone())
+            check_replay(replay, out, model, x.flip(-1).contiguous(memory_format=torch.channels_last))
+            fn = lambda: replay(x)  # noqa: E731  (the input copy is one small device copy)
         return cuda_median_ms(fn, iters)
 
 

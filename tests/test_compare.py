@@ -13,6 +13,7 @@ import deploy
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.compare import BASELINE_KEYS, CompareOptions, compare
 from tvm_qconv.compare import baselines as baselines_mod
+from tvm_qconv.compare import report
 from tvm_qconv.compare.measure import agreement, time_calls
 from tvm_qconv.compare.run import Context, tuning_log_for
 from tvm_qconv.errors import InputError
@@ -202,6 +203,26 @@ def test_time_calls_cycles_over_the_inputs_and_keeps_its_bounds():
     assert time_calls(lambda x: None, [0], cuda=False, warmup=0, min_runs=3, budget_s=1e-9).runs == 3
 
 
+def test_a_row_whose_logits_are_not_the_models_is_marked_wrong_and_left_out(tmp_path):
+    rows = [dict(key="int8", name="ours", family="tvm_qconv", batch=1, status="ok", median_ms=1.0, sqnr_db=30.0,
+                 top1_agree=1.0),
+            dict(key="torch-fp16-graph", name="graph", family="pytorch", batch=1, status="ok", median_ms=0.5,
+                 sqnr_db="-inf", top1_agree=0.0),
+            dict(key="torch-fp16", name="eager", family="pytorch", batch=1, status="ok", median_ms=2.0, sqnr_db=60.0,
+                 top1_agree=1.0)]
+    results = dict(environment=dict(date="d", command="c", cpu="cpu", versions={}), model="m", weights="w",
+                   image_size=32, batches=[1], rows=rows, input_sets=4, budget_s=1.0)
+    path = tmp_path / "compare_m.json"
+    path.write_text(json.dumps(results))
+    out = report.render(str(path), floor_db=10.0)
+    assert [r["status"] for r in out["rows"]] == ["ok", "wrong", "ok"]
+    assert "-inf dB" in out["rows"][1]["reason"]
+    # the speed-up is over the fastest row that computes the model: eager 2.0 ms, not the 0.5 ms replay
+    assert out["summary"][0]["speedup"]["pytorch"] == pytest.approx(2.0)
+    assert "**wrong outputs**" in (tmp_path / "compare_m.md").read_text()
+    assert (tmp_path / "compare_m.png").stat().st_size > 0
+
+
 def test_agreement_counts_top1_and_sqnr():
     ref = np.array([[1.0, 0.0], [0.0, 1.0]])
     assert agreement(ref, ref) == dict(top1_agree=1.0, sqnr_db=float("inf"))
@@ -233,5 +254,8 @@ def test_compare_on_the_gpu_runs_the_cuda_rows(tmp_path):
     for row in results["rows"]:
         assert row["status"] == "ok", row
         assert row["peak_mem_mib"] is not None and row["peak_mem_mib"] >= 0
+        # every row computes the model: int8 ~40 dB on this net, fp16 ~60 dB (the CUDA-graph rows
+        # of PyTorch once timed replays whose logits were not the model's)
+        assert float(row["sqnr_db"]) > 25 and row["top1_agree"] >= 0.8, row
     graph, plain = (_row(results, k, 4) for k in ("int8-graph", "int8"))
     assert graph["sqnr_db"] == pytest.approx(plain["sqnr_db"], abs=1e-3)  # the same kernels, with or without graphs

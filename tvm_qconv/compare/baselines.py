@@ -122,7 +122,12 @@ def _logits(y) -> np.ndarray:
 def prepare_torch(ctx, batch: int, precision: str, graph: bool) -> Forward:
     """PyTorch eager in ``precision``, or the same captured in one CUDA graph (``graph``): the
     captured graph reads a static input, so each call copies its input there first (one
-    device-to-device copy of the images, ~1 % of a forward)."""
+    device-to-device copy of the images, ~1 % of a forward).
+
+    Raises:
+        RuntimeError: the graph's replay does not reproduce eager PyTorch on a new input (its
+            timing would not be of this model; see ``check_replay``).
+    """
     import torch
     if graph:
         _cuda_only(ctx, "a CUDA graph")
@@ -130,7 +135,18 @@ def prepare_torch(ctx, batch: int, precision: str, graph: bool) -> Forward:
     model, put = _torch_model(ctx, precision)
     if not graph:
         return Forward(call=model, put=put, get=_logits, build_s=time.perf_counter() - t)
-    static = put(ctx.input_sets(batch)[0])
+    sets = ctx.input_sets(batch)
+    call, out = capture(model, put(sets[0]))
+    check_replay(call, out, model, put(sets[-1]))
+    return Forward(call=call, put=put, get=_logits, build_s=time.perf_counter() - t,
+                   note="input copied into the graph's buffer")
+
+
+def capture(model, static):
+    """``model(static)`` captured in a CUDA graph, PyTorch's recipe (warm-up on a side stream,
+    then capture): ``(call, out)``, where ``call(x)`` copies ``x`` into ``static``, replays and
+    returns ``out``, the graph's output tensor."""
+    import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -145,8 +161,29 @@ def prepare_torch(ctx, batch: int, precision: str, graph: bool) -> Forward:
         static.copy_(x)
         cuda_graph.replay()
         return out
-    return Forward(call=call, put=put, get=_logits, build_s=time.perf_counter() - t,
-                   note="input copied into the graph's buffer")
+    return call, out
+
+
+# Relative L2 error a replay may have against eager PyTorch in the same precision: cuDNN may
+# pick other algorithms inside the capture (fp16 / bf16 differences ~1e-3); a replay that did
+# not compute this input is off by ~1 or more.
+REPLAY_TOLERANCE = 2e-2
+
+
+def check_replay(call, out, model, x) -> None:
+    """Replay on ``x`` into a zeroed output and compare with eager PyTorch on ``x``.
+
+    A comparison on the H100 (2026-11-25) timed CUDA-graph rows whose outputs were not the
+    model's (logits SQNR below 0 dB against fp32, every precision): no latency is reported for a
+    graph that fails this check.
+    """
+    expected = model(x).float()
+    out.zero_()
+    got = call(x).float()
+    err = float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+    if not err <= REPLAY_TOLERANCE:
+        raise RuntimeError(f"the captured CUDA graph does not reproduce eager PyTorch on a new input (relative "
+                           f"error {err:.3g} > {REPLAY_TOLERANCE}): its timing would not be of this model")
 
 
 def prepare_torch_compile(ctx, batch: int) -> Forward:

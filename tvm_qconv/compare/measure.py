@@ -97,8 +97,13 @@ def device_memory_used_mib() -> float | None:
 
 
 def release_device_memory() -> None:
-    """Give cached device memory back (Python garbage first), so a row's memory is its own."""
+    """Give cached device memory back (Python garbage and torch.compile's compiled graphs of an
+    earlier row first), so a row's memory is its own: freeing the last batch's compiled graphs
+    inside the next torch.compile row made its memory read 0 MiB (H100, 2026-11-25)."""
     import gc
+    import sys
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
     gc.collect()
     try:
         import torch
@@ -118,3 +123,12 @@ def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:
         return dict(top1_agree=0.0, sqnr_db=float("-inf"))
     return dict(top1_agree=float((reference.argmax(1) == logits.argmax(1)).mean()),
                 sqnr_db=sqnr_db(reference, logits))
+
+
+def mark_wrong(row: dict, floor_db: float) -> None:
+    """Mark a measured row whose logits disagree with fp32 PyTorch (SQNR under ``floor_db``) as
+    ``wrong``: a latency of something that does not compute the model is no baseline."""
+    sqnr = row.get("sqnr_db")
+    if row["status"] == "ok" and sqnr is not None and float(sqnr) < floor_db:
+        row.update(status="wrong", reason=f"its logits are not the model's: SQNR {float(sqnr):.1f} dB against fp32 "
+                                          f"PyTorch (floor {floor_db:g}), top-1 {row['top1_agree']:.0%}")

@@ -11,6 +11,7 @@ import sys
 import time
 
 from ..fileio import atomic_path
+from .measure import mark_wrong
 
 # The PNG's colour per family: the project's bars stand out, the int8 tools share a hue.
 COLORS = {"tvm_qconv": "#d62728", "pytorch": "#1f77b4", "cudnn": "#9467bd", "onnxruntime": "#8c564b",
@@ -27,6 +28,12 @@ def _version(module: str) -> str | None:
     except Exception:  # noqa: BLE001 - not installed (or broken): recorded as absent
         return None
     return str(getattr(mod, "__version__", getattr(mod, "backend_version", lambda: "?")()))
+
+
+def gpu_state() -> dict:
+    """The GPU's clocks, temperature and power now (read again at the end of a run: the clocks
+    under load, not those of an idle GPU at its start)."""
+    return {k.replace(".", "_"): v for k, v in _nvidia_smi().items() if k != "name"}
 
 
 def _nvidia_smi() -> dict:
@@ -86,6 +93,11 @@ def write_json(path: str, results: dict) -> None:
         json.dump(_plain(results), f, indent=1, default=str, allow_nan=False)
 
 
+def _num(value):
+    """A JSON value back as a number ("inf", written for an exact match, is infinity)."""
+    return float(value) if isinstance(value, str) else value
+
+
 def _fmt(value, spec: str, suffix: str = "") -> str:
     if value is None:
         return "-"
@@ -96,7 +108,7 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def progress_line(tag: str, row: dict) -> str:
     head = f"[compare] {tag} b{row['batch']:<3} {row['name']:<38}"
-    if row["status"] != "ok":
+    if row["status"] not in ("ok", "wrong"):
         return f"{head} {row['status']}: {row['reason']}"
     parts = [f"{row['median_ms']:.3f} ms"]
     if row.get("p99_ms") is not None:
@@ -105,9 +117,11 @@ def progress_line(tag: str, row: dict) -> str:
     if row.get("peak_mem_mib") is not None:
         parts.append(f"{row['peak_mem_mib']:.0f} MiB")
     if row.get("top1_agree") is not None:
-        parts.append(f"top-1 {row['top1_agree']:.0%}, {_fmt(row.get('sqnr_db'), '.1f', ' dB')}")
+        parts.append(f"top-1 {row['top1_agree']:.0%}, {_fmt(_num(row.get('sqnr_db')), '.1f', ' dB')}")
     if row.get("note"):
         parts.append(row["note"])
+    if row["status"] == "wrong":
+        parts.append(f"WRONG: {row['reason']}")
     return f"{head} " + ", ".join(parts)
 
 
@@ -154,7 +168,13 @@ def markdown(results: dict) -> str:
              f"- **Method:** median and p99 of CUDA-event latencies per forward (wall time on the CPU), cycling "
              f"over {results['input_sets']} input sets, up to {results['budget_s']} s per row after warm-up; "
              "memory is the device memory a row holds after its runs (cudaMemGetInfo delta); agreement is "
-             "against fp32 PyTorch (TF32 off) on the same real photos.", ""]
+             "against fp32 PyTorch (TF32 off) on the same real photos; a row under "
+             f"{results.get('agreement_floor_db', 10):g} dB is marked wrong and left out of the speed-ups and the "
+             "chart.", ""]
+    end = results.get("gpu_at_end") or {}
+    if end:
+        lines.insert(-2, f"- **GPU at the end of the run:** SM clock {end.get('clocks_sm')}, memory clock "
+                         f"{end.get('clocks_mem')}, {end.get('temperature_gpu')} C")
     for batch in results["batches"]:
         lines += [f"## Batch {batch}", "",
                   "| baseline | median ms | p99 ms | images/s | peak MiB | build s | top-1 agree | SQNR dB | "
@@ -162,27 +182,37 @@ def markdown(results: dict) -> str:
         best_ours = min((r["median_ms"] for r in results["rows"] if r["batch"] == batch and r["status"] == "ok"
                          and r["family"] == "tvm_qconv"), default=None)
         for r in (r for r in results["rows"] if r["batch"] == batch):
-            if r["status"] != "ok":
+            if r["status"] not in ("ok", "wrong"):
                 lines.append(f"| {r['name']} | {r['status']}: {r['reason']} | | | | | | | | |")
                 continue
-            up = r["median_ms"] / best_ours if best_ours and r["family"] != "tvm_qconv" else None
+            up = r["median_ms"] / best_ours if best_ours and r["family"] != "tvm_qconv" and r["status"] == "ok" \
+                else None
+            note = r.get("note", "") + (f" **wrong outputs**: {r['reason']}" if r["status"] == "wrong" else "")
             lines.append(f"| {r['name']} | {r['median_ms']:.3f} | {_fmt(r.get('p99_ms'), '.3f')} | "
                          f"{_fmt(r.get('images_per_s'), '.0f')} | {_fmt(r.get('peak_mem_mib'), '.0f')} | "
                          f"{_fmt(r.get('build_s'), '.1f')} | {_fmt(r.get('top1_agree'), '.0%')} | "
-                         f"{_fmt(r.get('sqnr_db'), '.1f')} | {_fmt(up, '.2f', 'x')} | {r.get('note', '')} |")
+                         f"{_fmt(_num(r.get('sqnr_db')), '.1f')} | {_fmt(up, '.2f', 'x')} | {note.strip()} |")
         lines.append("")
     return "\n".join(lines)
 
 
+def _on_cpu(row: dict) -> bool:
+    return bool(row.get("on_cpu")) or row.get("note", "").startswith("on the CPU")
+
+
 def plot(results: dict, path: str) -> None:
-    """Horizontal latency bars, one panel per batch size, the project's rows in red."""
+    """Horizontal latency bars, one panel per batch size, coloured by family (the project's in
+    red); on a GPU run, rows that ran on the CPU stay in the table only (they would flatten
+    every other bar)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     batches = results["batches"]
-    per = {b: sorted((r for r in results["rows"] if r["batch"] == b and r["status"] == "ok"),
-                     key=lambda r: r["median_ms"]) for b in batches}
-    height = max(2.5, 0.32 * max((len(v) for v in per.values()), default=1) + 1.2)
+    gpu_run = results.get("device") == "cuda"
+    per = {b: sorted((r for r in results["rows"] if r["batch"] == b and r["status"] == "ok"
+                      and not (gpu_run and _on_cpu(r))), key=lambda r: r["median_ms"]) for b in batches}
+    height = max(2.5, 0.32 * max((len(v) for v in per.values()), default=1) + 1.6)
     fig, axes = plt.subplots(1, len(batches), figsize=(4.6 * len(batches), height), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         rows = per[batch][::-1]
@@ -194,10 +224,13 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("median latency (ms), lower is better", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.set_xlim(0, max((r["median_ms"] for r in rows), default=1) * 1.25)
-    gpu = results["environment"].get("gpu", {}).get("name") or results["environment"]["cpu"]
-    fig.suptitle(f"{results['model']} int8 (tvm_qconv) against the baselines on {gpu}, "
+    families = sorted({r["family"] for rows in per.values() for r in rows}, key=list(COLORS).index)
+    fig.legend(handles=[Patch(color=COLORS[f], label=f) for f in families], loc="lower center",
+               ncol=len(families), fontsize=7, frameon=False)
+    where = results["environment"].get("gpu", {}).get("name") or results["environment"]["cpu"]
+    fig.suptitle(f"{results['model']} int8 (tvm_qconv) against the baselines on {where}, "
                  f"{results['environment']['date']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=90)
     plt.close(fig)
@@ -208,3 +241,23 @@ def write_all(p: dict, results: dict) -> None:
     with atomic_path(p["md"]) as tmp, open(tmp, "w") as f:
         f.write(markdown(results))
     plot(results, p["png"])
+
+
+def render(json_path: str, floor_db: float | None = None) -> dict:
+    """Write the table and the chart again from a comparison's JSON (edited, merged, or from an
+    older version), marking rows under the agreement floor ``wrong`` first (default: the run's)."""
+    with open(json_path) as f:
+        results = json.load(f)
+    floor = results.get("agreement_floor_db", 10.0) if floor_db is None else floor_db
+    results["agreement_floor_db"] = floor
+    for row in results["rows"]:
+        mark_wrong(row, floor)
+    results["summary"] = summary(results["rows"])
+    stem = json_path[:-5] if json_path.endswith(".json") else json_path
+    write_all({kind: f"{stem}.{kind}" for kind in ("json", "md", "png")}, results)
+    return results
+
+
+if __name__ == "__main__":  # python -m tvm_qconv.compare.report results/compare_vgg16.json [floor dB]
+    for line in summary_lines(render(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else None)["summary"]):
+        print(line)

@@ -23,7 +23,7 @@ from ..errors import InputError
 from . import report
 from .baselines import BASELINE_KEYS, Baseline, Forward, Unavailable, baselines, set_tf32
 from .builds import Built, BuildJob, build_libraries
-from .measure import agreement, device_memory_used_mib, release_device_memory, time_calls
+from .measure import agreement, device_memory_used_mib, mark_wrong, release_device_memory, time_calls
 
 DEVICES = ("cuda", "cpu")
 
@@ -50,6 +50,9 @@ class CompareOptions:
         input_sets: distinct inputs each row cycles through (so the L2 cache does not hold the input).
         budget_s: seconds of timed calls per row (at least 3 calls, at most 200).
         jobs: int8 builds in parallel.
+        agreement_floor_db: a row whose logits' SQNR against fp32 PyTorch is under this is marked
+            ``wrong``: timed, shown, but left out of the summary and the chart (its outputs are
+            not the model's).  int8 rows of random-init zoo models reach 16-33 dB, float rows 40+.
         seed: torch's seed before a random init.
         out_dir: where the JSON, markdown and PNG go; work_dir: libraries and the ONNX model.
     """
@@ -69,6 +72,7 @@ class CompareOptions:
     input_sets: int = 4
     budget_s: float = 3.0
     jobs: int = 1
+    agreement_floor_db: float = 10.0
     seed: int = 0
     out_dir: str = "results"
     work_dir: str = "/tmp/tvm_qconv_compare"
@@ -322,9 +326,11 @@ def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
             used = device_memory_used_mib()
             row.update(median_ms=timing.median_ms, p99_ms=timing.p99_ms, mean_ms=timing.mean_ms, runs=timing.runs,
                        images_per_s=batch / timing.median_ms * 1e3, build_s=forward.build_s, note=forward.note,
-                       peak_mem_mib=None if used is None or forward.cpu else max(used - before, 0.0))
+                       peak_mem_mib=None if used is None or forward.cpu else max(used - before, 0.0),
+                       on_cpu=forward.cpu or ctx.device == "cpu")
             if "other weights" not in forward.note:
                 row.update(agreement(ctx.reference, ctx.run_photos(forward, batch)))
+                mark_wrong(row, ctx.options.agreement_floor_db)
     except Unavailable as err:
         row.update(status="skipped", reason=_first_line(err))
     except KeyboardInterrupt:
@@ -365,7 +371,8 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     results = dict(environment=report.environment(ctx.device), model=options.model, weights=options.weights or
                    f"random init (seed {options.seed})", image_size=options.image_size, arch=ctx.arch,
                    device=ctx.device, batches=list(options.batches), rows=[],
-                   config=options.config.to_dict(), input_sets=options.input_sets, budget_s=options.budget_s)
+                   config=options.config.to_dict(), input_sets=options.input_sets, budget_s=options.budget_s,
+                   agreement_floor_db=options.agreement_floor_db)
     paths = report.paths(options.out_dir, options.tag)
     progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "
              f"batches {', '.join(map(str, options.batches))}, {len(rows)} baselines -> {paths['json']}")
@@ -380,6 +387,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
                 report.write_json(paths["json"], results)  # a run cut short keeps what it measured
     results["summary"] = report.summary(results["rows"])
     results["seconds"] = round(time.perf_counter() - start, 1)
+    results["gpu_at_end"] = report.gpu_state() if ctx.device == "cuda" else None
     report.write_all(paths, results)
     for line in report.summary_lines(results["summary"]):
         progress(line)
