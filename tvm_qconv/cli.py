@@ -33,6 +33,14 @@ def _say(text: str) -> None:
     print(" ".join(str(text).split()), file=sys.stderr)  # always one line
 
 
+def first_line(err: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an exception in one line: its message's first line, or, for TVM's
+    errors (their C++ backtrace first, the message last), its last."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = (lines[-1] if lines[0].startswith("Traceback") else lines[0]) if lines else ""
+    return f"{type(err).__name__}: {text[:limit]}"
+
+
 def run(command: Callable[[], int], interrupted: str) -> int:
     """``command()``'s exit code, or the table's above; ``interrupted`` says what a Ctrl-C kept."""
     try:
@@ -50,9 +58,6 @@ def run(command: Callable[[], int], interrupted: str) -> int:
     except Exception as err:  # noqa: BLE001 -- the last line of defence of a CLI
         if debug():
             raise
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        # TVM's errors carry their C++ backtrace first and the message last
-        first = (lines[-1] if lines[0].startswith("Traceback") else lines[0]) if lines else ""
-        _say(f"error: {type(err).__name__}: {first[:300]} (an internal failure, not a known bad input: run again "
+        _say(f"error: {first_line(err)} (an internal failure, not a known bad input: run again "
              f"with {DEBUG_ENV}=1 for the traceback and report it)")
         return EXIT_FAILED

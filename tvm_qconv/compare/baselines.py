@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -37,6 +37,8 @@ class Forward:
         note: a remark for the table (e.g. what the row includes).
         cpu: the forward runs on the CPU (wall-clock timing, no device memory) whatever the
             comparison's device.
+        comparable: it holds the weights of the comparison's float model (a ``--lib`` built from
+            others is timed, but its agreement would measure nothing).
     """
 
     call: Callable[[Any], Any]
@@ -45,6 +47,7 @@ class Forward:
     build_s: float | None = None
     note: str = ""
     cpu: bool = False
+    comparable: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,6 @@ class Baseline:
     prepare: Callable | None = None
     run: Callable | None = None
     needs_cuda: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-def _cuda_only(ctx, what: str) -> None:
-    if ctx.device != "cuda":
-        raise Unavailable(f"{what} needs a CUDA GPU (this run is on the CPU)")
 
 
 # ---- the project's int8 library ---------------------------------------------------------------
@@ -73,8 +70,6 @@ def prepare_int8(ctx, batch: int, graph: bool) -> Forward:
     import tvm
 
     from ..runtime import CompiledModel, flatten
-    if graph:
-        _cuda_only(ctx, "a library with CUDA graphs")
     built = ctx.library(batch, graph)   # raises the build's own error, or Unavailable
     model = CompiledModel(built.path)
     dev = model.dev
@@ -83,7 +78,8 @@ def prepare_int8(ctx, batch: int, graph: bool) -> Forward:
         return model.vm["main"](x, *model.params)
 
     return Forward(call=call, put=lambda x: tvm.runtime.tensor(model.check_input(x), dev),
-                   get=lambda out: flatten(out)[0], build_s=built.build_s, note=built.note)
+                   get=lambda out: flatten(out)[0], build_s=built.build_s, note=built.note,
+                   comparable=built.same_weights)
 
 
 # ---- PyTorch ----------------------------------------------------------------------------------
@@ -103,8 +99,6 @@ def _torch_model(ctx, precision: str):
     """The float model in ``precision`` on the comparison's device, channels_last, cuDNN's
     algorithm search on: how a PyTorch user runs it fastest in eager mode."""
     import torch
-    if ctx.device == "cpu" and precision in ("tf32", "fp16"):
-        raise Unavailable(f"PyTorch {precision} convs need a CUDA GPU (this run is on the CPU)")
     dtype = getattr(torch, _TORCH_DTYPES[precision])
     set_tf32(precision == "tf32")
     torch.backends.cudnn.benchmark = True
@@ -128,9 +122,6 @@ def prepare_torch(ctx, batch: int, precision: str, graph: bool) -> Forward:
         RuntimeError: the graph's replay does not reproduce eager PyTorch on a new input (its
             timing would not be of this model; see ``check_replay``).
     """
-    import torch
-    if graph:
-        _cuda_only(ctx, "a CUDA graph")
     t = time.perf_counter()
     model, put = _torch_model(ctx, precision)
     if not graph:
@@ -190,7 +181,6 @@ def prepare_torch_compile(ctx, batch: int) -> Forward:
     """``torch.compile(mode="max-autotune")`` in fp16 (Inductor's autotuned Triton / cuBLAS
     kernels, CUDA graphs on); its compile time is the first calls'."""
     import torch
-    _cuda_only(ctx, "torch.compile max-autotune")
     torch._dynamo.reset()          # a graph compiled for another batch size is not reused
     t = time.perf_counter()
     model, put = _torch_model(ctx, "fp16")
@@ -211,7 +201,6 @@ def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
     except ImportError as err:
         raise Unavailable(f"onnxruntime is not installed ({err})") from None
     if provider == "CUDAExecutionProvider":
-        _cuda_only(ctx, "ONNX Runtime's CUDA execution provider")
         if provider not in ort.get_available_providers():
             raise Unavailable(f"onnxruntime {ort.__version__} here has no CUDA execution provider (it has "
                               f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu built for "
@@ -249,7 +238,6 @@ def prepare_tensorrt(ctx, batch: int) -> Forward:
     except ImportError:
         raise Unavailable("not installed (the tensorrt package is not importable here)") from None
     import torch
-    _cuda_only(ctx, "TensorRT")
     path, export_s = ctx.onnx_model()
     t = time.perf_counter()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -295,7 +283,6 @@ def run_cudnn(ctx, batch: int) -> dict:
     int8 conv tactics.  Covers the convs only (not pools, adds, the classifier, nor the
     conversions between them), so it is a lower bound of a whole cuDNN model."""
     from . import cudnn_int8
-    _cuda_only(ctx, "cuDNN int8")
     why = cudnn_int8.missing()
     if why:
         raise Unavailable(why)

@@ -22,11 +22,12 @@ from ..ranges import GivenRanges
 @dataclass(frozen=True)
 class Built:
     """A library ready to time: its path, the seconds its build took (None: the user's
-    ``--lib``), and a note for the table."""
+    ``--lib``), a note for the table, and whether it holds the comparison's float weights."""
 
     path: str
     build_s: float | None
     note: str = ""
+    same_weights: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cli import first_line
 from ..config import QuantConfig
 from ..errors import InputError
 from . import report
@@ -244,10 +245,9 @@ class Context:
             if tuple(meta["input_shape"][1:]) != self.input_shape[1:]:
                 raise InputError(f"--lib {lib} takes {tuple(meta['input_shape'][1:])} images, the comparison "
                                  f"{self.input_shape[1:]}: pass --image-size {meta['input_shape'][2]}")
-            note = "--lib"
-            if meta.get("float_weights") != self.weights:
-                note += ": built from other weights, agreement not comparable"
-            self.libs[meta["input_shape"][0], bool(meta.get("cuda_graph"))] = Built(lib, None, note)
+            same = meta.get("float_weights") == self.weights
+            note = "--lib" + ("" if same else ": built from other weights, agreement not comparable")
+            self.libs[meta["input_shape"][0], bool(meta.get("cuda_graph"))] = Built(lib, None, note, same)
         jobs = []
         for batch in opts.batches:
             for graph in (True, False):
@@ -300,10 +300,8 @@ class Context:
         return self._onnx
 
 
-def _first_line(err: BaseException) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    text = (lines[-1] if lines and lines[0].startswith("Traceback") else lines[0]) if lines else ""
-    return f"{type(err).__name__}: {text[:300]}" if not isinstance(err, Unavailable) else text[:300]
+def _reason(err: BaseException) -> str:
+    return str(err).strip()[:300] if isinstance(err, Unavailable) else first_line(err)
 
 
 def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
@@ -328,15 +326,15 @@ def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
                        images_per_s=batch / timing.median_ms * 1e3, build_s=forward.build_s, note=forward.note,
                        peak_mem_mib=None if used is None or forward.cpu else max(used - before, 0.0),
                        on_cpu=forward.cpu or ctx.device == "cpu")
-            if "other weights" not in forward.note:
+            if forward.comparable:
                 row.update(agreement(ctx.reference, ctx.run_photos(forward, batch)))
                 mark_wrong(row, ctx.options.agreement_floor_db)
     except Unavailable as err:
-        row.update(status="skipped", reason=_first_line(err))
+        row.update(status="skipped", reason=_reason(err))
     except KeyboardInterrupt:
         raise
     except Exception as err:  # noqa: BLE001 - one baseline's failure is its row; the run carries on
-        row.update(status="failed", reason=_first_line(err))
+        row.update(status="failed", reason=_reason(err))
         os.makedirs(ctx.options.work_dir, exist_ok=True)
         log = os.path.join(ctx.options.work_dir, f"error_{baseline.key}_b{batch}.txt")
         with open(log, "w") as f:
