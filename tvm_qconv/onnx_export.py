@@ -43,7 +43,7 @@ from .fileio import atomic_path, check_output_file
 from .graph import static_shape
 from .observers import quantize_weight_per_channel
 from .ranges import Calibrate, LearnedRanges
-from .transform.quantize_int8 import AMAX_FLOOR
+from .transform.quantize_int8 import activation_scale
 
 # Opsets this exporter writes: 17 has LayerNormalization and per-channel QDQ; from 18 ReduceMean
 # takes its axes as an input; 21 is the newest whose ops here TensorRT 10 and ONNX Runtime both read.
@@ -294,11 +294,8 @@ class _Emitter:
         return self.node("DequantizeLinear", [t.q, t.scale_name, self.zero_point()], f"{t.q.removesuffix('_q')}_dq")
 
     def scale(self, var) -> float:
-        """The scale of a point, as ``_Rewriter.scale``."""
-        amax = float(self.amax[self.g.points[var]])
-        if not (np.isfinite(amax) and amax > 0):
-            amax = 1.0  # a dead (all-zero) tensor: any positive scale represents it exactly
-        return max(amax, AMAX_FLOOR) / 127.0
+        """The scale of a point, the library's (``activation_scale``)."""
+        return activation_scale(self.amax[self.g.points[var]])
 
     def float_of(self, expr) -> str:
         if isinstance(expr, tvm.ir.expr.GenericConst):

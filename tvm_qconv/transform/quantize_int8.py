@@ -43,6 +43,15 @@ from ..target import TargetInfo
 AMAX_FLOOR = 1e-30
 
 
+def activation_scale(amax: float) -> float:
+    """The int8 scale of an activation of range ``amax``: ``amax / 127`` (symmetric), floored at
+    ``AMAX_FLOOR``; a dead (all-zero or NaN) tensor gets 1/127, as any positive scale holds it."""
+    amax = float(amax)
+    if not (np.isfinite(amax) and amax > 0):
+        amax = 1.0
+    return max(amax, AMAX_FLOOR) / 127.0
+
+
 def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
     """The activation of ``ly`` as an int8 clamp at output scale ``s_y``: (name, lo, hi).
 
@@ -131,10 +140,7 @@ class _Rewriter:
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
-        amax = float(self.p.amax[self.g.points[var]])
-        if not (np.isfinite(amax) and amax > 0):
-            amax = 1.0  # a dead (all-zero) tensor: any positive scale represents it exactly
-        return max(amax, AMAX_FLOOR) / 127.0
+        return activation_scale(self.p.amax[self.g.points[var]])
 
     def quantized(self, expr) -> _QTensor | None:
         """The int8 version of ``expr`` in the layout its producer wrote, if any."""
