@@ -46,8 +46,8 @@ from tvm_qconv.target import TargetInfo, make_target  # noqa: E402
 
 def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
     """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph; a graph whose
-    replay does not reproduce eager PyTorch is refused (``check_replay``: such replays were timed
-    before 2026-11-25, see docs/benchmarks.md, "One command against every baseline")."""
+    replay does not reproduce eager PyTorch is refused (``check_replay``; docs/benchmarks.md, "One
+    command against every baseline", tells the fault it guards against)."""
     from tvm_qconv.compare.baselines import capture, check_replay
     with torch.no_grad():
         fn = lambda: model(x)  # noqa: E731

@@ -114,10 +114,11 @@ def test_vgg16_on_hopper_runs_in_one_layout_from_the_stem_on():
     assert q.report["relayouts"] == 0
 
 
-@pytest.mark.parametrize("batch, kernel", [(1, "dense.rows.generic"), (32, "dense.rows.mma")])
-def test_linear_layers_go_to_tensor_cores_from_32_rows(batch, kernel):
-    # below 32 rows a linear layer is a weight-streaming GEMV (dlight's); from 32 rows a GEMM on
-    # the tensor cores.  On a GPU without int8 mma (sm_75's m16n8k32 is sm_80+) always generic.
+@pytest.mark.parametrize("batch, kernel", [(1, "dense.rows.generic"), (2, "dense.rows.mma"), (32, "dense.rows.mma")])
+def test_linear_layers_go_to_tensor_cores_from_2_rows(batch, kernel):
+    # one row is a weight-streaming GEMV (dlight's); from 2 rows a GEMM on the tensor cores
+    # (MIN_DENSE_ROWS: dlight's SIMT matmul was 8x slower at 16 rows).  On a GPU without int8 mma
+    # (sm_75's m16n8k32 is sm_80+) always generic.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 10))
     x = np.random.default_rng(0).normal(size=(4, 3, 4, 4)).astype(np.float32)

@@ -202,9 +202,13 @@ def test_tensor_core_build_compiles_with_the_pipeline_and_leaves_dp4a_kernels_al
 
 
 DENSE = registry.get("dense.rows.mma")
-# rows, K and O that divide no tile (M_p = 128, K_p and O_p padded to 32); ReLU, a clip, none
+# rows, K and O that divide no tile (M_p = 128, K_p and O_p padded to 32); ReLU, a clip, none;
+# 2 rows (the fewest the registry gives it) and exactly 16 (one mma fragment row: its schedule
+# failed TVM's region check in reverse_compute_at until the epilogue's row test was T.likely)
 DENSE_WLS = [DenseWorkload(40, 100, 70, (0.0, float("inf"))), DenseWorkload(33, 64, 32, None),
-             DenseWorkload(130, 96, 50, (-1.0, 2.0))]
+             DenseWorkload(130, 96, 50, (-1.0, 2.0)), DenseWorkload(2, 64, 32, None),
+             DenseWorkload(16, 4096, 4096, (0.0, float("inf")))]
+DENSE_IDS = ["relu", "none", "clip_m130", "rows2", "rows16_fc7"]
 
 
 def dense_args(wl, seed=0):
@@ -216,7 +220,7 @@ def dense_args(wl, seed=0):
     return [x] + DENSE.pack_params(wl, w, scale, rng.normal(size=wl.out_features).astype(np.float32))
 
 
-@pytest.mark.parametrize("wl", DENSE_WLS, ids=["relu", "none", "clip_m130"])
+@pytest.mark.parametrize("wl", DENSE_WLS, ids=DENSE_IDS)
 def test_dense_on_the_conv_template_equals_numpy(wl):
     # float out: int32 sums exact, then float32(acc) * scale + bias, the reference's own operations
     args = dense_args(wl)
@@ -252,7 +256,7 @@ def test_tensor_core_kernel_on_gpu_is_bit_exact(wl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wl", DENSE_WLS, ids=["relu", "none", "clip_m130"])
+@pytest.mark.parametrize("wl", DENSE_WLS, ids=DENSE_IDS)
 def test_dense_on_tensor_cores_on_gpu_equals_numpy(wl):
     lib = gpu_build(DENSE, wl)
     dev = tvm.cuda(0)

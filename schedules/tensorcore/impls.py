@@ -4,7 +4,7 @@
 name                       op           runs
 =========================  ===========  ==================================================
 ``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
-``dense.rows.mma``         dense        CUDA sm_80+, 32+ rows: the same template, float epilogue
+``dense.rows.mma``         dense        CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``      max_pool2d   any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
@@ -99,10 +99,12 @@ class Conv2dMma(KernelImpl):
         return pipeline.compile_options()
 
 
-# Fewer rows than this and a linear layer is a weight-streaming GEMV (a classifier at small
-# batch): the mma GEMM would pad the rows to 128 and split the weight over few blocks; dlight's
-# GEMV rule reads the weight once (a reasoned threshold, not a measured one).
-MIN_DENSE_ROWS = 32
+# Fewer rows than this and a linear layer is a GEMV, which dlight's GEMV rule streams at the
+# weights' read speed.  From 2 rows on, dlight has only its SIMT matmul rule: VGG16's fc6 at
+# batch 16 took 781 us there (30 % of the model's GPU time, H100, 2026-11-25,
+# benchmarks/kernel_profile.py) against ~96 us on this GEMM padded to 128 rows
+# (benchmarks/dense_layers.py measures both at every batch: docs/benchmarks.md).
+MIN_DENSE_ROWS = 2
 
 
 class DenseMma(KernelImpl):

@@ -152,6 +152,10 @@ def capture(model, static):
         static.copy_(x)
         cuda_graph.replay()
         return out
+    # The graph reads the model's weights at the addresses they had during the capture: the
+    # closure keeps the model alive, or a caller that drops it replays freed (then reused)
+    # memory, which is what made compare's CUDA-graph rows wrong (H100, 2026-11-25).
+    call.model = model
     return call, out
 
 
@@ -165,8 +169,9 @@ def check_replay(call, out, model, x) -> None:
     """Replay on ``x`` into a zeroed output and compare with eager PyTorch on ``x``.
 
     A comparison on the H100 (2026-11-25) timed CUDA-graph rows whose outputs were not the
-    model's (logits SQNR below 0 dB against fp32, every precision): no latency is reported for a
-    graph that fails this check.
+    model's: the model had been freed after its capture (``capture`` now keeps it).  This check
+    runs while the caller still holds the model, so it catches a capture that went wrong, not a
+    model freed later; the agreement measured after the timing catches that.
     """
     expected = model(x).float()
     out.zero_()
