@@ -51,7 +51,8 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--image-size", type=_positive, default=None,
                    help="input height = width (default 224; with --checkpoint: the size it was trained at)")
     b.add_argument("--scheme", choices=sorted(PRESETS), default="int8", help="named quantization preset (default int8)")
-    b.add_argument("--calibration", choices=CALIBRATIONS, default=None, help="activation observer (overrides --scheme)")
+    b.add_argument("--calibration", choices=CALIBRATIONS, default=None,
+                   help="activation observer, or search: the best of the four per tensor (overrides --scheme)")
     b.add_argument("--percentile", type=_percentile, default=None, help="percentile for --calibration percentile")
     b.add_argument("--skip", action="append", default=[], metavar="LAYER",
                    help="keep this layer in float: a torch module path (classifier.6) or a pattern "
@@ -59,6 +60,8 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--calib-dir", default=None, help="folder of JPEG/PNG calibration images "
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
+    b.add_argument("--bias-correction", action="store_const", const=True, default=None,
+                   help="correct each conv / linear bias for its int8 weights' mean error on the calibration images")
 
 
 def _batches(text: str) -> tuple[int, ...]:
@@ -197,15 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
 # Flags that only steer calibration or --model: with --checkpoint nothing is calibrated and the
 # checkpoint holds the weights, so they are refused rather than silently ignored.
 _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile", "calib_dir": "--calib-dir",
-                      "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes"}
+                      "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes",
+                      "bias_correction": "--bias-correction"}
 
 
 def quant_config(args):
     """The scheme of `build` / `export-onnx`: the --scheme preset with --calibration, --percentile,
-    --num-calib and --skip applied."""
+    --num-calib, --bias-correction and --skip applied."""
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
-                                   num_calib_images=args.num_calib).items() if v is not None}
+                                   num_calib_images=args.num_calib,
+                                   bias_correction=getattr(args, "bias_correction", None)).items() if v is not None}
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
     return dataclasses.replace(cfg, **over)
@@ -265,6 +270,9 @@ def cmd_export_onnx(args) -> int:
     from tvm_qconv.onnx_export import export_checkpoint, export_onnx
     from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
+    if cfg.bias_correction:
+        raise InputError("export-onnx does not write bias-corrected biases yet: the ONNX file would not be the "
+                         "library `build --bias-correction` makes; export without --bias-correction")
     dynamic = not args.static_batch
     if args.checkpoint:
         refuse_model_only_flags(args)

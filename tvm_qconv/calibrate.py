@@ -89,21 +89,39 @@ def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, progress: b
     Args:
         graph: the analysis of the float model (``graph.analyze``).
         images: float32 [N, C, H, W], already preprocessed; its H, W must be the model's.
-        config: picks the observer (max / percentile / entropy / mse).
+        config: picks the observer (max / percentile / entropy / mse; for ``search`` see
+            :func:`calibrate_candidates` and ``range_search.py``).
     Returns:
         ``{point name: amax}``.
     """
+    ranges, _ = calibrate_candidates(graph, images, config, (config.calibration,), progress)
+    return {n: c[config.calibration] for n, c in ranges.items()}
+
+
+def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, methods: tuple[str, ...],
+                         progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
+    """Every point's range by each observer of ``methods``, and every point's mean per channel
+    (axis 1; what bias correction needs), from one pass over ``images``: ``({point name: {method:
+    amax}}, {point name: float64 [channels]})``."""
     in_shape = tuple(int(d) for d in graph.func.params[0].ty.shape.values)
     if images.ndim != 4 or images.shape[1:] != in_shape[1:]:
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
                          "give images of the model's input size")
     points = FloatPoints(graph)
-    observers = {n: make_observer(config.calibration, config.percentile) for n in points.names}
-    for _, values in points(images[: config.num_calib_images], progress, f"calibrate ({config.calibration})"):
+    observers = {n: {m: make_observer(m, config.percentile) for m in methods} for n in points.names}
+    sums: dict = {}
+    counts: dict = {}
+    for _, values in points(images[: config.num_calib_images], progress, f"calibrate ({', '.join(methods)})"):
         for name, value in values.items():
             try:
-                observers[name].update(value)
+                for observer in observers[name].values():
+                    observer.update(value)
             except ValueError as err:
                 raise InputError(f"calibration at {name}: {err}; check the images' normalization and the "
                                  "weights (a NaN weight or an image with NaN pixels)") from err
-    return {n: float(o.amax()) for n, o in observers.items()}
+            if value.ndim >= 2:
+                axes = tuple(i for i in range(value.ndim) if i != 1)
+                sums[name] = sums.get(name, 0.0) + value.sum(axis=axes, dtype=np.float64)
+                counts[name] = counts.get(name, 0) + value.size // value.shape[1]
+    means = {n: sums[n] / counts[n] for n in sums}
+    return {n: {m: float(o.amax()) for m, o in obs.items()} for n, obs in observers.items()}, means

@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 # 2: the activation layout left the scheme; it is the chosen kernel's (tvm_qconv/registry.py).
 CONFIG_VERSION = 2
-CALIBRATIONS = ("max", "percentile", "entropy", "mse")
+OBSERVERS = ("max", "percentile", "entropy", "mse")
+# "search": per tensor, the observer whose range gives the logits closest to float (range_search.py)
+CALIBRATIONS = (*OBSERVERS, "search")
 
 
 @dataclass(frozen=True)
@@ -15,7 +17,9 @@ class QuantConfig:
 
     Attributes:
         calibration: activation range observer: ``max``, ``percentile``, ``entropy`` (KL) or
-            ``mse`` (least squared error of the int8 tensor).
+            ``mse`` (least squared error of the int8 tensor); or ``search``: per tensor, the
+            one of those four whose range gives logits closest to the float model's
+            (``range_search.py``; slower: ~2 forwards of the calibration images per tensor).
         percentile: the percentile of |x| used when ``calibration == "percentile"``.
         weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
         activation: activation granularity; only ``per_tensor`` (symmetric).
@@ -23,6 +27,10 @@ class QuantConfig:
             patterns (``classifier.*``; ``*`` keeps every layer in float).
         quantize_dense: run linear layers in int8 (else every linear layer stays float).
         num_calib_images: at most this many calibration images are used.
+        bias_correction: subtract from each conv / linear layer's bias the mean error its int8
+            weights add to its output, ``(W_q - W) E[x]`` with ``E[x]`` the input's per-channel
+            mean on the calibration images (Nagel et al., "Data-Free Quantization", 2019;
+            needs calibration, not given or learned ranges).
     """
 
     calibration: str = "percentile"
@@ -32,6 +40,7 @@ class QuantConfig:
     skip: tuple[str, ...] = field(default_factory=tuple)
     quantize_dense: bool = True
     num_calib_images: int = 32
+    bias_correction: bool = False
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -76,5 +85,6 @@ PRESETS = {
     "int8-max": QuantConfig(calibration="max"),
     "int8-entropy": QuantConfig(calibration="entropy"),
     "int8-mse": QuantConfig(calibration="mse"),
+    "int8-search": QuantConfig(calibration="search"),
     "int8-float-head": QuantConfig(quantize_dense=False),
 }

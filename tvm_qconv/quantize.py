@@ -97,7 +97,12 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     ranges = ranges if ranges is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress)
     amax, ranges_report = ranges.resolve(ctx)
-    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser)
+    if config.bias_correction and ctx.channel_means is None:
+        raise InputError(f"bias correction needs the inputs' means from calibration images; these ranges come from "
+                         f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or turn "
+                         "bias correction off")
+    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser,
+                         channel_means=ctx.channel_means if config.bias_correction else None)
     qmod = qpass(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
     return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names, graph, ctx.images)

@@ -4,7 +4,8 @@ A build takes exactly one of them (``compile_model(..., ranges=...)``), and the 
 which one it was:
 
 - :class:`Calibrate`: run the float model over real images and observe each tensor
-  (``QuantConfig.calibration`` picks the observer); the default.
+  (``QuantConfig.calibration`` picks the observer, or ``search`` picks one per tensor:
+  ``range_search.py``); the default.
 - :class:`GivenRanges`: ranges by point name (``features.0.out``), e.g. a previous build's.
 - :class:`LearnedRanges`: a QAT checkpoint's learned ranges by layer (``features.0.in0``),
   mapped onto the points the compiled graph quantizes (:func:`map_learned_ranges`).
@@ -18,8 +19,9 @@ from typing import Callable
 
 import numpy as np
 
-from .calibrate import calibrate
-from .config import QuantConfig
+from . import range_search
+from .calibrate import calibrate_candidates
+from .config import OBSERVERS, QuantConfig
 from .data import load_calibration_images
 from .errors import InputError
 from .graph import Graph
@@ -36,6 +38,7 @@ class RangeContext:
     graph_at_batch1: Callable[[], Graph]
     progress: bool = True
     images: np.ndarray | None = None  # set by a source that calibrated: the images it used
+    channel_means: dict | None = None  # set by calibration: {point: mean per channel} (bias correction)
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,16 @@ class Calibrate:
         if len(images) == 0 or np.asarray(images).ndim != 4:
             raise InputError(f"calibration needs images of shape [N, 3, H, W] with N >= 1, got shape "
                              f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
-        amax = calibrate(ctx.graph_at_batch1(), images, cfg, progress=ctx.progress)
-        ctx.images = images
+        graph = ctx.graph_at_batch1()
         report = dict(source="calibration", calibration=cfg.calibration, images=len(images))
-        if cfg.calibration == "percentile":
+        methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
+        candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
+        if cfg.calibration == "search":
+            amax, report["search"] = range_search.search(graph, images, candidates, progress=ctx.progress)
+        else:
+            amax = {n: c[cfg.calibration] for n, c in candidates.items()}
+        ctx.images = images
+        if cfg.calibration in ("percentile", "search"):
             report["percentile"] = cfg.percentile
         return amax, report
 

@@ -35,6 +35,11 @@ def format_report(meta: dict) -> str:
     if rep.get("tuned"):
         lines.append(f"tuned layers ({len(tuned_layers)}, from {len(rep['tuned'])} tuned kernels): "
                      f"{', '.join(tuned_layers)}; the others use their kernel's default schedule")
+    search = (rep.get("ranges") or {}).get("search")
+    if search:
+        lines.append("ranges searched per tensor: " + ", ".join(f"{m} x{n}" for m, n in search["counts"].items())
+                     + f"; simulated logits SQNR {search['sqnr_start_db']} dB (all mse) -> {search['sqnr_db']} dB "
+                       f"({search['forwards']} forwards)")
     lines += format_verification(rep.get("verify"))
     bs = meta.get("build_seconds", {})
     lines.append(f"built in {bs.get('quantize', 0) + bs.get('compile', 0):.1f} s "

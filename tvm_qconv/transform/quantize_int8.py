@@ -69,6 +69,20 @@ def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
     return name, q_lo, q_hi
 
 
+def weight_error_mean(weight: np.ndarray, qw: np.ndarray, s_w: np.ndarray, mean: np.ndarray,
+                      groups: int = 1) -> np.ndarray:
+    """``E[(W_q - W) x]`` per output channel: the mean error int8 weights add to a conv's (4-D
+    ``weight``, ``[O, C / groups, kh, kw]``) or a linear layer's (``[O, K]``) output, for an input
+    whose per-channel mean is ``mean`` (``[C]``; padding's zeros are not counted).  Subtracted
+    from the bias, it is bias correction (``QuantConfig.bias_correction``)."""
+    err = qw.astype(np.float64) * s_w.astype(np.float64).reshape((-1,) + (1,) * (weight.ndim - 1)) \
+        - weight.astype(np.float64)
+    per_input = err.reshape(err.shape[0], err.shape[1], -1).sum(axis=2)   # [O, C / groups]
+    o, cg = per_input.shape
+    group_mean = np.asarray(mean, np.float64).reshape(groups, cg)[np.arange(o) // (o // groups)]
+    return (per_input * group_mean).sum(axis=1)
+
+
 def constant(array: np.ndarray) -> relax.Constant:
     """A Relax constant of ``array``'s own dtype (``relax.const`` turns int64 NumPy data into int32)."""
     return relax.const(array, str(array.dtype))
@@ -107,13 +121,18 @@ class QuantizeInt8:
             layer ``choices`` does not name (a tuning database's measured pick).
         expose_activations: make main return ``(outputs, *int8 activations)``, in layer order,
             to compare builds layer by layer (the report's ``exposed`` describes each).
+        channel_means: ``{point name: mean per channel}`` of the calibration images: given,
+            each conv / linear layer's bias is corrected for its int8 weights' mean error
+            (:func:`weight_error_mean`); None: no correction.
     After the pass, ``self.report`` holds one row per layer, the float ops that remain and every
     conversion kernel.
     """
 
     def __init__(self, amax: dict, config: QuantConfig, target: TargetInfo, names: dict | None = None,
-                 choices: dict | None = None, expose_activations: bool = False, chooser=None):
+                 choices: dict | None = None, expose_activations: bool = False, chooser=None,
+                 channel_means: dict | None = None):
         self.amax, self.config, self.target, self.names = dict(amax), config, target, names
+        self.channel_means = channel_means
         self.choices = dict(choices or {})
         self.chooser = chooser
         self.expose_activations = expose_activations
@@ -273,6 +292,16 @@ class _Rewriter:
         return f"no int8 {op} kernel for {wl.describe() if hasattr(wl, 'describe') else wl} on {self.p.target.kind}" \
                + (f" {self.p.target.arch}" if self.p.target.arch else "")
 
+    def input_mean(self, ly) -> np.ndarray | None:
+        """The calibration images' per-channel mean of ``ly``'s input (None: no bias correction)."""
+        means = self.p.channel_means
+        if means is None:
+            return None
+        point = self.g.points.get(ly.inputs[0])
+        if point not in means:
+            raise ValueError(f"bias correction: no calibrated mean for {ly.name}'s input {point}: calibrate again")
+        return means[point]
+
     def emit_conv2d(self, ly) -> str | None:
         a = ly.call.attrs
         n, c, h, w = static_shape(ly.inputs[0].ty)
@@ -300,6 +329,9 @@ class _Rewriter:
         qw, s_w = quantize_weight_per_channel(weight)
         acc_scale = x.scale * s_w.astype(np.float64)
         bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
+        mean = self.input_mean(ly)
+        if mean is not None:  # weight is groups=1 here when it was made block-diagonal
+            bias = bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)
         bias_q = np.round(bias / acc_scale)
         clipped = int(np.count_nonzero(np.abs(bias_q) > 2**31 - 1))
         bias_q = np.clip(bias_q, -2**31, 2**31 - 1).astype(np.int32)
@@ -313,6 +345,8 @@ class _Rewriter:
                    kernel=impl.name, dtype="int8", shape=wl.describe() + note, in_scale=x.scale, out_scale=s_y)
         if clipped:  # a bias beyond int32 at scale s_x * s_w: saturated, and the report says so
             row["bias_saturated"] = clipped
+        if mean is not None:
+            row["bias_corrected"] = True
         self.rows.append(row)
         return None
 
@@ -442,6 +476,9 @@ class _Rewriter:
         xq = self.call(quantize_rows((n, k), s_x, kp), "quantize_rows", [x], (n, kp), "int8")
         qw, s_w = quantize_weight_per_channel(ly.weight)
         bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
+        mean = self.input_mean(ly)
+        if mean is not None:
+            bias = bias - weight_error_mean(ly.weight, qw, s_w, mean)
         args = [xq, *map(constant, impl.pack_params(wl, qw, (s_x * s_w).astype(np.float32), bias.astype(np.float32)))]
         prim = impl.compute(wl)
         self.fenv[ly.output] = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, (n, o), "float32")

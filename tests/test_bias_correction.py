@@ -1,0 +1,90 @@
+"""``QuantConfig.bias_correction``: each conv / linear bias corrected for its int8 weights' mean
+error on the calibration images (``transform/quantize_int8.py: weight_error_mean``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import deploy
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.data import skimage_photos
+from tvm_qconv.errors import InputError
+from tvm_qconv.evaluate import sqnr_db
+from tvm_qconv.observers import quantize_weight_per_channel
+from tvm_qconv.ranges import Calibrate, GivenRanges
+from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.transform.quantize_int8 import weight_error_mean
+
+SIZE = 16
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_the_weight_error_mean_is_the_conv_of_the_mean_input(groups):
+    # on an input whose every pixel of channel c is mean[c] (no padding), conv(x, W_q - W) is
+    # that mean error at every output pixel
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 12 // groups, 3, 3)).astype(np.float32)
+    qw, s_w = quantize_weight_per_channel(w)
+    mean = rng.normal(size=12)
+    x = torch.from_numpy(np.broadcast_to(mean[None, :, None, None], (1, 12, 5, 5)).copy())
+    err_w = torch.from_numpy(qw.astype(np.float64) * s_w.astype(np.float64)[:, None, None, None] - w)
+    want = torch.nn.functional.conv2d(x, err_w, groups=groups)[0, :, 2, 2].numpy()
+    np.testing.assert_allclose(weight_error_mean(w, qw, s_w, mean, groups), want, rtol=1e-9, atol=1e-12)
+
+
+class Biased(nn.Module):
+    """A conv whose int8 weights err one way: per output channel one weight of 1 sets the scale
+    (1/127) and 63 weights of 0.004 round up to 0.00787, each +0.0039, on inputs of mean ~3
+    (the first conv's bias 3, ReLU): ~0.7 of error on outputs of ~4, the same at every pixel."""
+
+    def __init__(self):
+        super().__init__()
+        self.lift = nn.Conv2d(3, 64, 1)
+        self.conv = nn.Conv2d(64, 8, 1)
+        with torch.no_grad():
+            self.lift.weight.copy_(torch.randn(64, 3, 1, 1) * 0.2)
+            self.lift.bias.fill_(3.0)
+            self.conv.weight.fill_(0.004)
+            self.conv.weight[:, 0] = 1.0
+            self.conv.bias.zero_()
+
+    def forward(self, x):
+        return self.conv(torch.relu(self.lift(x))).mean((2, 3))
+
+
+def _build_and_run(tmp_path, model, photos, correct: bool) -> np.ndarray:
+    lib = str(tmp_path / f"biased_{correct}.so")
+    compile_model(model, lib, options=BuildOptions(image_size=SIZE, verify=False), name="biased",
+                  config=QuantConfig(bias_correction=correct), ranges=Calibrate(photos), progress=False)
+    return np.concatenate([CompiledModel(lib)(x[None]) for x in photos])
+
+
+def test_bias_correction_removes_a_systematic_weight_error(tmp_path):
+    torch.manual_seed(0)
+    model = Biased().eval()
+    photos = skimage_photos(SIZE)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(photos)).numpy()
+    plain = sqnr_db(ref, _build_and_run(tmp_path, model, photos, False))
+    corrected = sqnr_db(ref, _build_and_run(tmp_path, model, photos, True))
+    # plain: the +0.7 offset on ~4 (~15 dB); corrected: what remains is rounding noise
+    assert plain < 20 and corrected > plain + 15, (plain, corrected)
+
+
+def test_bias_correction_needs_calibrated_means(tmp_path):
+    model = Biased().eval()
+    with pytest.raises(InputError, match="bias correction needs the inputs' means"):
+        compile_model(model, str(tmp_path / "m.so"), options=BuildOptions(image_size=SIZE, verify=False),
+                      config=QuantConfig(bias_correction=True), ranges=GivenRanges({"x": 1.0}), progress=False)
+
+
+def test_the_cli_flag_turns_it_on_and_export_onnx_refuses_it(capsys):
+    args = deploy.build_parser().parse_args(["build", "--model", "resnet18", "--bias-correction", "-o", "x.so"])
+    assert deploy.quant_config(args).bias_correction
+    assert not deploy.quant_config(deploy.build_parser().parse_args(["build", "--model", "resnet18", "-o", "x.so"])
+                                   ).bias_correction
+    assert deploy.main(["export-onnx", "--model", "resnet18", "--bias-correction", "-o", "x.onnx"]) == 2
+    assert "does not write bias-corrected biases" in capsys.readouterr().err
