@@ -244,7 +244,7 @@ def test_quant_config_reads_version_1_and_refuses_bad_values():
 
 def test_skip_entry_matching_no_layer_is_refused_before_calibration(monkeypatch):
     import tvm_qconv.ranges as ranges
-    monkeypatch.setattr(ranges, "calibrate", lambda *a, **k: pytest.fail("calibrated before checking --skip"))
+    monkeypatch.setattr(ranges, "calibrate_candidates", lambda *a, **k: pytest.fail("calibrated before checking --skip"))
     from tvm_qconv.errors import InputError
     with pytest.raises(InputError, match="'classifer.6' matches no layer"):
         quantize_module(SmallVGG(), (1, 3, 32, 32), LLVM, config=QuantConfig(skip=("classifer.6",)),
