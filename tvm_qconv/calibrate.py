@@ -37,7 +37,9 @@ def _torch_matmul(a, b):
     return tvm.runtime.from_dlpack(torch.matmul(torch.from_dlpack(a), torch.from_dlpack(b)).contiguous())
 
 
-def _offload(call: relax.Call, ty):
+def offload_to_torch(call: relax.Call, ty):
+    """``call`` as a call into torch when it is an NCHW conv2d or a matmul (the slow ops of the
+    unscheduled llvm float graph), else ``call`` itself."""
     op = getattr(call.op, "name", None) if isinstance(call, relax.Call) else None
     if op == "relax.nn.conv2d" and call.attrs.data_layout == "NCHW" and call.attrs.kernel_layout == "OIHW":
         a = call.attrs
@@ -57,7 +59,7 @@ def instrument(graph: Graph) -> tuple[tvm.IRModule, list[str]]:
         with bb.dataflow():
             vmap = {}
             for b in bindings_of(func):
-                vmap[b.var] = bb.emit(_offload(substitute(b.value, vmap), b.var.ty), name_hint=b.var.name)
+                vmap[b.var] = bb.emit(offload_to_torch(substitute(b.value, vmap), b.var.ty), name_hint=b.var.name)
             out = bb.emit_output(relax.Tuple([vmap.get(v, v) for v, _ in points]))
         bb.emit_func_output(out)
     return bb.get(), [name for _, name in points]
