@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.zoo import model_size  # noqa: E402
 from tests.test_zoo import zoo_model  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
 from tvm_qconv.config import CALIBRATIONS, QuantConfig  # noqa: E402
@@ -37,15 +38,11 @@ from tvm_qconv.ranges import Calibrate  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
 
 
-def _size(name: str, size: int) -> int:
-    return max(size, 96) if name == "inception_v3" else size  # Inception-V3 needs >= 75 px
-
-
 def measure(arg) -> dict:
     """One (model, method): build for llvm at batch 1 from the calibration photos, then the
     logits SQNR and top-1 agreement against float PyTorch on the held-out photos."""
     name, method, size, calib, workdir, weights, correct = arg
-    size = _size(name, size)
+    size = model_size(name, size)
     photos = skimage_photos(size)
     model = load_model(name, weights) if weights else zoo_model(name)
     lib = os.path.join(workdir, f"{name}_{method}{'_bc' if correct else ''}.so")

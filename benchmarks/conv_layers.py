@@ -21,11 +21,12 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import build_all  # noqa: E402
 
 # VGG16's convs (in, out, size); 3x3, stride 1, pad 1, ReLU; repeated layers listed once
 VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
@@ -84,10 +85,7 @@ def main(argv=None):
     os.makedirs(libdir, exist_ok=True)
     jobs = [(layer, b, impl.name, arch, os.path.join(libdir, f"{impl.name}_{layer[0]}_{layer[1]}_{layer[2]}_b{b}.so"))
             for b in args.batches for layer in VGG16_CONVS for impl in implementations(workload(layer, b), arch)]
-    t0 = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        build_s = list(pool.map(build, jobs))
-    print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", flush=True)
+    build_s = build_all(build, jobs, args.jobs)
 
     dev = tvm.cuda(0)
     rows = []

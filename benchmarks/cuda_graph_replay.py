@@ -76,8 +76,8 @@ class _Ctx:
 
     device = "cuda"
 
-    def __init__(self, model, batch):
-        self.model, self.batch = model, batch
+    def __init__(self, model):
+        self.model = model
 
     def input_sets(self, batch):
         return [torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(k)).numpy() for k in range(4)]
@@ -91,7 +91,7 @@ def check_compare_row(name: str, batch: int, precision: str) -> dict:
     from tvm_qconv.compare.baselines import prepare_torch
     from tvm_qconv.compare.measure import time_calls
     torch.manual_seed(0)
-    ctx = _Ctx(torchvision.models.get_model(name).eval(), batch)
+    ctx = _Ctx(torchvision.models.get_model(name).eval())
     x = np.random.default_rng(7).standard_normal((batch, 3, 224, 224)).astype(np.float32)
     row = dict(model=name, batch=batch, precision=precision)
     with torch.no_grad():

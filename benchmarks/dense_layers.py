@@ -4,7 +4,7 @@
 
 For VGG16's three classifier layers and ResNet-50's, at each batch size, builds each dense
 implementation of the registry for this GPU -- ``dense.rows.generic`` (dlight's GEMV / SIMT
-matmul rules, as the Relax CUDA pipeline applies them) and ``dense.rows.mma`` (int8 tensor cores),
+matmul rules, as the Relax CUDA pipeline applies them: ``registry.compile_kernel``) and ``dense.rows.mma`` (int8 tensor cores),
 the latter also below the batch where the registry picks it, which is what this measures --
 checks each output against the NumPy reference (float out: the int32 accumulation is exact, so
 the two may differ only by the epilogue's float rounding), times it (TVM ``time_evaluator``,
@@ -18,11 +18,12 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import build_all  # noqa: E402
 
 # (name, in_features, out_features, ReLU after it)
 LAYERS = [("vgg16.fc6", 25088, 4096, True), ("vgg16.fc7", 4096, 4096, True), ("vgg16.fc8", 4096, 1000, False),
@@ -42,22 +43,10 @@ def workload(layer, batch):
 def build(job) -> float:
     """Build one (layer, batch, implementation) to ``path``; returns the build seconds."""
     layer, batch, name, arch, path = job
-    import tvm
-    from tvm.s_tir import dlight as dl
-
     from tvm_qconv import registry
     from tvm_qconv.target import make_target
     t = time.time()
-    impl, wl, target = registry.get(name), workload(layer, batch), make_target("cuda", arch)
-    func = impl.compute(wl)
-    scheduled = impl.schedule(func, target)
-    options = registry.compile_options([impl])
-    mod = tvm.IRModule({"main": scheduled or func})
-    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        if scheduled is None:  # what the Relax CUDA pipeline does with a kernel left to dlight
-            mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                          dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
-        tvm.compile(mod, target=target, tir_pipeline=options["tir_pipeline"]).export_library(path)
+    registry.compile_kernel(registry.get(name), workload(layer, batch), make_target("cuda", arch)).export_library(path)
     return time.time() - t
 
 
@@ -78,10 +67,7 @@ def main(argv=None):
     os.makedirs(libdir, exist_ok=True)
     jobs = [(layer, b, name, arch, os.path.join(libdir, f"{name}_{layer[0]}_b{b}.so"))
             for b in args.batches for layer in LAYERS for name in IMPLS]
-    t0 = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        build_s = list(pool.map(build, jobs))
-    print(f"built {len(jobs)} kernels in {time.time() - t0:.0f} s", flush=True)
+    build_s = build_all(build, jobs, args.jobs)
 
     dev = tvm.cuda(0)
     rows = []

@@ -41,7 +41,8 @@ def torch_fp16_graph_ms(model, x) -> float:
                          graphs=True)
 
 
-def _size(name: str, size: int) -> int:
+def model_size(name: str, size: int) -> int:
+    """The image size ``name`` is built at for ``--size``: Inception-V3 needs >= 75 px (96)."""
     return max(size, 96) if name == "inception_v3" else size
 
 
@@ -49,7 +50,7 @@ def _build(arg) -> dict:
     """One build in a worker process: ("verify", ...) is the calibrated build with its verification,
     ("time", ..., batch) the CUDA-graph library that the parent process times."""
     (kind, name, calibration, bs, floor), target, arch, size, images = arg
-    size = _size(name, size)
+    size = model_size(name, size)
     photos = skimage_photos(size)[:images]
     if kind == "verify":
         options = BuildOptions(target=target, arch=arch, image_size=size, **floor)
@@ -106,7 +107,7 @@ def main(argv=None):
         jobs = []
     jobs += [("time", name, "percentile", bs, {}) for name in args.models for bs in args.batches]
     # builds run in parallel worker processes; every timing runs afterwards, alone on the GPU
-    rows = {name: dict(model=name, size=_size(name, args.size)) for name in args.models}
+    rows = {name: dict(model=name, size=model_size(name, args.size)) for name in args.models}
     built = {}
     start = time.time()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))

@@ -85,26 +85,12 @@ class FloatPoints:
             yield n, {name: t.numpy()[:n] for name, t in zip(self.names, outs)}
 
 
-def calibrate(graph: Graph, images: np.ndarray, config: QuantConfig, progress: bool = True) -> dict[str, float]:
-    """Ranges (amax of |x|, the int8 scale is amax / 127) of every calibration point.
-
-    Args:
-        graph: the analysis of the float model (``graph.analyze``).
-        images: float32 [N, C, H, W], already preprocessed; its H, W must be the model's.
-        config: picks the observer (max / percentile / entropy / mse; for ``search`` see
-            :func:`calibrate_candidates` and ``range_search.py``).
-    Returns:
-        ``{point name: amax}``.
-    """
-    ranges, _ = calibrate_candidates(graph, images, config, (config.calibration,), progress)
-    return {n: c[config.calibration] for n, c in ranges.items()}
-
-
 def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, methods: tuple[str, ...],
                          progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
-    """Every point's range by each observer of ``methods``, and every point's mean per channel
-    (axis 1; what bias correction needs), from one pass over ``images``: ``({point name: {method:
-    amax}}, {point name: float64 [channels]})``."""
+    """Every point's range (amax of |x|; the int8 scale is amax / 127) by each observer of
+    ``methods``, and every point's mean per channel (axis 1; what bias correction needs), from one
+    pass over ``images`` (float32 [N, C, H, W], preprocessed, the model's H and W): ``({point
+    name: {method: amax}}, {point name: float64 [channels]})``."""
     in_shape = tuple(int(d) for d in graph.func.params[0].ty.shape.values)
     if images.ndim != 4 or images.shape[1:] != in_shape[1:]:
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "

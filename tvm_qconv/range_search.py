@@ -11,7 +11,7 @@ The fake-quantized model is the float graph with every point rounded to its int8
 ``clip(round(x / s), -127, 127) * s`` with ``s = amax / 127``, conv and matmul in float (torch,
 as in calibration).  Weights stay float there: their per-channel rounding does not depend on the
 activation ranges this chooses.  Cost: two compiles and, per point, one forward of the
-calibration images per distinct candidate (ResNet-18: 31 points, 94 forwards; MobileNet-V2: 64
+calibration images per distinct candidate (VGG16: 63 forwards; MobileNet-V2: 64
 points, 192 forwards, ~20 min for 8 photos at 224 px on 2 CPU cores).
 
 The build report records each point's choice (``ranges.search.choices``) and the simulated logits

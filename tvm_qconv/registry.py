@@ -112,10 +112,17 @@ def compile_options(impls=None) -> dict:
 def compile_kernel(impl: KernelImpl, wl, target):
     """One kernel on its own: ``impl``'s compute for ``wl`` with its default schedule, compiled for
     ``target`` (a ``tvm.target.Target``) with the options it needs; returns the runtime module
-    (``main``).  For benchmarks and tests: models are built by ``tvm_qconv.build``."""
+    (``main``).  A kernel whose implementation leaves it to dlight gets, on CUDA, the rules the
+    Relax CUDA pipeline applies in a model build.  For benchmarks and tests: models are built by
+    ``tvm_qconv.build``."""
     import tvm
     options = compile_options([impl])
     func = impl.compute(wl)
-    func = impl.schedule(func, target) or func
+    scheduled = impl.schedule(func, target)
+    mod = tvm.IRModule({"main": scheduled or func})
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
-        return tvm.compile(tvm.IRModule({"main": func}), target=target, tir_pipeline=options["tir_pipeline"])
+        if scheduled is None and target.kind.name == "cuda":
+            from tvm.s_tir import dlight as dl
+            mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                          dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+        return tvm.compile(mod, target=target, tir_pipeline=options["tir_pipeline"])
