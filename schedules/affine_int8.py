@@ -8,7 +8,7 @@ the dense block runs), with its ReLU / clip.  Integer-only like every epilogue:
 with ``mult[c] * 2**-shift[c] = a[c] * s_x / s_y`` (signed: a BatchNorm's gamma may be negative)
 and ``bias[c] = round(b[c] / s_y * 2**shift[c])`` in int64 (``requantize.affine_params``).  The
 per-channel vectors are flat, over the layout's padded channels, indexed by the logical channel
-(the layout's index map).  Memory-bound; dlight on CUDA.
+(the layout's index map).  Memory-bound; on CUDA the vectorized elementwise schedule (``elementwise_int8.py``).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ their own schedule (``pool_int8.schedule_pool``), the others are left to dlight.
 from __future__ import annotations
 
 from . import add_int8, affine_int8, concat_int8, pool_int8
+from .elementwise_int8 import schedule_elementwise
 from .kernel import KernelImpl, Layout
 
 
@@ -65,6 +66,9 @@ class Add(LayoutKernel):
     def reference(self, wl, a, b):
         return add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max)
 
+    def schedule(self, func, target):
+        return schedule_elementwise(func, target, "add_requant", operands=(0, 1))
+
 
 class Concat(LayoutKernel):
     op = "concat"
@@ -85,6 +89,9 @@ class Affine(LayoutKernel):
 
     def reference(self, wl, x, mult, shift, bias):
         return affine_int8.affine_int8_ref(self.packing, x, mult, shift, bias, wl.act_min, wl.act_max)
+
+    def schedule(self, func, target):
+        return schedule_elementwise(func, target, "affine", operands=(0,))
 
     def pack_params(self, wl, mult, shift, bias) -> list:
         return affine_int8.pack_affine(self.packing, wl.shape, mult, shift, bias)

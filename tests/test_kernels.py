@@ -310,6 +310,101 @@ def test_pool_cuda_schedule_is_one_thread_per_output_and_computes_the_reference(
     twin = tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
     np.testing.assert_array_equal(run(twin, x, out_shape=ref.shape, out_dtype="int8"), ref)
 
+# The add and the affine on CUDA: 16 bytes per thread (schedules/elementwise_int8.py).  Shapes:
+# ResNet's NHWC32 (channels a multiple of 32: full 16-byte vectors), 15 pixels of 96 channels (90
+# vectors: blocks of 90 threads), NCHW4c (4-byte vectors), and 2 x 257 vectors (no divisor from 32
+# to 256: the grid has a tail, stored element by element under its guard).
+ELEMENTWISE_SHAPES = [(2, 9, 7, 64), (1, 3, 5, 96), (3, 11, 2, 5, 4), (1, 1, 257, 32)]
+
+
+def _elementwise_case(op: str, shape, seed: int = 0):
+    """(implementation, workload, inputs, NumPy reference) of the add / affine on ``shape``."""
+    from tvm_qconv import registry
+    from tvm_qconv.schedules.workload import AddWorkload, AffineWorkload
+
+    layout = "nhwc32" if len(shape) == 4 else "nchw4c"
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-128, 128, shape).astype(np.int8)
+    if op == "add":
+        ma, mb, sh = add_multipliers(0.03, 0.011, 0.05)
+        wl = AddWorkload(shape, ma, mb, sh, act_min=0)
+        inputs = [x, rng.integers(-128, 128, shape).astype(np.int8)]
+    else:
+        wl = AffineWorkload(shape, act_min=-6, act_max=100)
+        impl = registry.get(f"affine.{layout}")
+        c = impl.packing.logical_shape(shape)[1]
+        mult, shift = quantize_multiplier(rng.uniform(0.2, 2.0, c))
+        mult = (mult * rng.choice([-1, 1], c)).astype(np.int32)        # a BatchNorm's gamma may be negative
+        bias = rng.integers(-2 ** 40, 2 ** 40, c).astype(np.int64)
+        inputs = [x, mult, shift, bias]
+    impl = registry.get(f"{op}.{layout}")
+    return impl, wl, inputs, impl.reference(wl, *inputs)
+
+
+@pytest.mark.parametrize("shape", ELEMENTWISE_SHAPES, ids=["nhwc32", "nhwc32_odd_pixels", "nchw4c", "tail"])
+@pytest.mark.parametrize("op", ["add", "affine"])
+def test_elementwise_cuda_schedule_loads_16_bytes_and_computes_the_reference(op, shape):
+    """dlight's schedule of the add loaded one byte per operand per thread (1.2 of ResNet-50's
+    3.4 ms at batch 64): built for CUDA, the vector loads and stores are in the source, and the
+    CPU twin -- thread loops serial, registers global -- is bit-exact."""
+    from tvm.script import parser as tvmscript
+
+    from tvm_qconv.target import cuda_source, make_target
+
+    impl, wl, inputs, ref = _elementwise_case(op, shape)
+    target = make_target("cuda", "sm_90")
+    scheduled = impl.schedule(impl.compute(wl), target)
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": scheduled}), target=target))
+    vector = "int4" if len(shape) == 4 else "int"          # 16 bytes (NHWC32) or 4 (NCHW4c) a thread
+    copy = rf"\*\({vector}\*\)\((\w+?)(_local)?_ptr \+ [^;]*\) = \*\({vector}\*\)\((\w+?)(_local)?_ptr \+"
+    copies = re.findall(copy, src)
+    loads = [c for c in copies if c[1] and not c[3]]       # register <- global
+    stores = [c for c in copies if c[3] and not c[1]]      # global <- register
+    assert len(loads) == (2 if op == "add" else 1) and len(stores) == (0 if shape[2] == 257 else 1), src
+    text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"T.serial(\1)", scheduled.script())
+    twin = tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
+    np.testing.assert_array_equal(run(twin, *inputs, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def test_input_quantize_cuda_schedule_stores_a_pixel_per_word_and_computes_the_reference():
+    """The model input's quantize to NCHW4c (the stem's input) on CUDA: a thread per pixel, its 3
+    channels and the padding one stored as one 32-bit word; the CPU twin is bit-exact."""
+    from tvm.script import parser as tvmscript
+
+    from tvm_qconv.target import cuda_source, make_target
+    from tvm_qconv.transform.schedule_kernels import CONVERSION_SCHEDULES
+
+    x = RNG.normal(0, 1, (2, 3, 9, 7)).astype(np.float32)  # 126 pixels: blocks of 126 threads
+    s = 0.021
+    func = quantize_pack(x.shape, s)
+    target = make_target("cuda", "sm_90")
+    scheduled = CONVERSION_SCHEDULES["quantize_pack"](func, target)
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": scheduled}), target=target))
+    assert re.search(r"\*\(int\*\)\(quantize_pack_ptr \+ [^;]*\) = \*\(int\*\)\(quantize_pack_local_ptr", src), src
+    text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"T.serial(\1)", scheduled.script())
+    twin = tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
+    ref = pack_nchw4c(quantize_ref(x, s))
+    np.testing.assert_array_equal(run(twin, x, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ELEMENTWISE_SHAPES + [(64, 56, 56, 256)],
+                         ids=["nhwc32", "nhwc32_odd_pixels", "nchw4c", "tail", "resnet50_b64"])
+@pytest.mark.parametrize("op", ["add", "affine"])
+def test_elementwise_cuda_kernel_on_gpu_is_bit_exact(op, shape):
+    from tvm_qconv import registry
+    from tvm_qconv.target import device_arch, make_target
+
+    impl, wl, inputs, ref = _elementwise_case(op, shape, seed=1)
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)  # poisoned
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in inputs], out)
+    np.testing.assert_array_equal(out.numpy(), ref)
+
+
 # (size, kernel, stride, pad, dilation): every pad PyTorch accepts (at most half the kernel).
 POOL_GRID = [(size, k, s, p, d) for size in (4, 5, 6, 7) for k in (1, 2, 3) for s in (1, 2, 3)
              for p in range(k // 2 + 1) for d in (1, 2) if (k - 1) * d + 1 <= size + 2 * p]

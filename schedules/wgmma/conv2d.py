@@ -49,6 +49,11 @@ from ..workload import ConvWorkload
 from .tensormap import ENCODE_IM2COL
 
 SMEM_BUDGET = 200 * 1024     # the ring's bytes; the H100's opt-in limit is 227 KB per block
+SMEM_LIMIT = 227 * 1024      # the ring and the staged epilogue's tiles together
+# The staged epilogue's row padding: a tile row is BN + 16 bytes, so the 8 rows one warp's
+# accumulators write land on distinct banks (row r starts at bank 4r mod 32) and every row
+# stays 16-byte aligned for the vector copy-out.
+STORE_PAD = 16
 MAX_STAGES = 6               # the depth measured with the 128 x 128 tile (docs/benchmarks.md); deeper: not measured
 MAX_ACC = 128                # accumulator registers per consumer thread (of the 232 it gets)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232   # setmaxnreg: 128*40 + 256*232 <= 64K registers per SM
@@ -64,6 +69,16 @@ MIN_CORNER, MAX_CORNER, MAX_STRIDE = -128, 127, 8
 
 FENCE_SRC = ('__device__ __forceinline__ void qconv_wg_fence(uint32_t& r) '
              '{ asm volatile("" : "+r"(r) :: "memory"); }')
+# The staged epilogue's shared-memory accesses and barrier as device functions: TVM's ThreadSync
+# pass would otherwise place a __syncthreads (a whole-CTA barrier the producer never reaches)
+# inside the consumers' branch and refuse to build; the barrier is the consumer warpgroup's own
+# (named barrier ``wg``), with a memory clobber so no access moves across it.
+STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned short v) '
+             '{ *(unsigned short*)p = v; }')
+COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
+            '{ *(int4*)dst = *(const int4*)src; }')
+BAR_SRC = ('__device__ __forceinline__ void qconv_wg_bar(int id) '
+           '{ asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory"); }')
 TMA_IM2COL = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
 TMA_TILE = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 
@@ -76,11 +91,15 @@ class Config:
         bm: rows (output pixels) of a consumer's tile: 64 or 128 (one or two m64 blocks).
         bn: columns (output channels) of a tile; a wgmma N, or 256 as two n128 blocks.
         stages: depth of the TMA ring.
+        staged_store: the epilogue writes the requantized tile to shared memory and copies it
+            out in 16-byte row segments (``STORE_PAD``); else each thread stores its own pairs
+            of channels, 2 bytes at a time, straight to global memory.
     """
 
     bm: int = 128
     bn: int = 128
     stages: int = 6
+    staged_store: bool = True
 
     @property
     def wn(self) -> int:
@@ -90,6 +109,10 @@ class Config:
     def accumulators(self) -> int:
         """int32 accumulator registers per consumer thread: an m64 x N block holds N / 2."""
         return self.bm // 64 * self.bn // 2
+
+    def store_bytes(self) -> int:
+        """Shared memory of the staged epilogue: one [BM, BN + STORE_PAD] int8 tile per consumer."""
+        return 2 * self.bm * (self.bn + STORE_PAD) if self.staged_store else 0
 
 
 def k_tile(channels_padded: int) -> int:
@@ -128,8 +151,10 @@ def default_config(wl: ConvWorkload) -> Config:
         if op <= 224 and op in WGMMA_N:      # one block across all columns
             bn = op
         bm = 128 if bn <= 128 else 64
-    stages = max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk)))
-    return Config(bm, bn, stages)
+    staged = True
+    epilogue = Config(bm, bn, 2, staged).store_bytes()
+    stages = max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk), (SMEM_LIMIT - epilogue) // ((bm + bn) * bk)))
+    return Config(bm, bn, stages, staged)
 
 
 def tiles(wl: ConvWorkload, config: Config) -> int:
@@ -173,6 +198,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     WGMMA = f"wgmma.mma_async.sync.aligned.m64n{WN}k32.s32.s8.s8"
     A_BLOCK, B_BLOCK = (64 * BK) >> 4, (WN * BK) >> 4     # descriptor step to the next m64 / nWN block
     OHW = OH * OW
+    RING = STAGES * (A_ST + B_ST)
+    STAGED = config.staged_store
+    ROW = BN + STORE_PAD                       # staged tile row, bytes
+    SEGS = BN // 16                            # 16-byte segments of a tile row
+    assert RING + config.store_bytes() <= SMEM_LIMIT, config
 
     @T.prim_func(private=True)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
@@ -189,11 +219,15 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         cta = T.cta_id([GRID])
         wg = T.warpgroup_id([3])
         tid = T.thread_id_in_wg([128])
-        ring = T.alloc_buffer((STAGES * (A_ST + B_ST),), "uint8", scope="shared.dyn", align=1024)
+        ring = T.alloc_buffer((RING + config.store_bytes(),), "uint8", scope="shared.dyn", align=1024)
         A_s = T.decl_buffer((STAGES, BM, BK), "int8", data=ring.data, scope="shared.dyn")
         B_s = T.decl_buffer((STAGES, BN, BK), "int8", data=ring.data, elem_offset=STAGES * A_ST,
                             scope="shared.dyn")
         out16 = T.decl_buffer((M * OP // 2,), "uint16", data=out.data)   # two channels per store
+        # the staged epilogue: each consumer's tile [BM, ROW] in shared memory, written as pairs of
+        # channels, read and copied out as 16-byte vectors
+        tile8 = T.decl_buffer((2 * BM * ROW,), "int8", data=ring.data, elem_offset=RING, scope="shared.dyn")
+        out8 = T.decl_buffer((M * OP,), "int8", data=out.data)
         full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
@@ -299,9 +333,23 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                                                  LO, HI))
                                         q1 = T.meta_var(_requant(fast, acc[reg + 1], bias[col + 1], mult[col + 1],
                                                                  shift[col + 1], LO, HI))
-                                        if row < M:           # two int8s, little-endian, as one uint16
-                                            out16[(row * OP + col) // 2] = T.Cast("uint16", T.bitwise_or(
-                                                T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8)))
+                                        pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
+                                            T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
+                                        if STAGED:
+                                            T.cuda.func_call("qconv_st_u16", tile8.ptr_to(
+                                                [(wg - 1) * BM * ROW + (row - t // NB * BM) * ROW + col - t % NB * BN]),
+                                                pair, source_code=STORE_SRC)
+                                        elif row < M:
+                                            out16[(row * OP + col) // 2] = pair
+                if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
+                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
+                    for v in T.unroll(BM * SEGS // 128):
+                        r = T.meta_var((v * 128 + tid) // SEGS)
+                        seg = T.meta_var((v * 128 + tid) % SEGS * 16)
+                        if t // NB * BM + r < M:
+                            T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                             tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
+                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
     return main
 
