@@ -398,6 +398,10 @@ def test_elementwise_cuda_kernel_on_gpu_is_bit_exact(op, shape):
     from tvm_qconv.target import device_arch, make_target
 
     impl, wl, inputs, ref = _elementwise_case(op, shape, seed=1)
+    if op == "add" and shape == (64, 56, 56, 256):       # every pair of int8 inputs, in the first 2M
+        inputs[0].reshape(-1)[:_PAIRS_A.size] = _PAIRS_A.reshape(-1)
+        inputs[1].reshape(-1)[:_PAIRS_B.size] = _PAIRS_B.reshape(-1)
+        ref = impl.reference(wl, *inputs)
     lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
     dev = tvm.cuda(0)
     out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)  # poisoned
@@ -450,6 +454,27 @@ def test_residual_add_rescales_to_output_scale(relu):
     np.testing.assert_array_equal(out, add_int8_ref(a, b, ma, mb, sh, lo))
     exact = np.clip((a * s_a + b * s_b) / s_o, lo, 127)
     assert np.abs(out - exact).max() <= 0.5 + 1e-6  # one rounding, in output steps
+
+
+# every pair of int8 inputs, 32 channels each
+_PAIRS_A = np.repeat(np.arange(-128, 128), 256).astype(np.int8).reshape(1, 256, 256, 1).repeat(32, axis=3)
+_PAIRS_B = np.tile(np.arange(-128, 128), 256).astype(np.int8).reshape(1, 256, 256, 1).repeat(32, axis=3)
+
+
+@pytest.mark.parametrize("scales, lo", [((0.03, 0.011, 0.05), 0),         # ResNet-like: shift 31
+                                        ((0.002, 0.09, 0.004), QMIN),     # a multiplier above 1
+                                        ((0.05, 0.0004, 0.3), -6),        # one operand nearly vanishing
+                                        ((1e-9, 2e-9, 1.0), QMIN)],       # shift 54: the int64 form
+                         ids=["resnet", "large_mult", "tiny_b", "int64_form"])
+def test_residual_add_in_32_bits_equals_the_int64_form_on_every_input_pair(scales, lo):
+    """The add computes in int32 where ``split_multipliers`` finds the terms fit (schedules/add_int8.py):
+    exhaustively, every (a, b) in int8 x int8 gives the int64 reference's output."""
+    from tvm_qconv.schedules.add_int8 import split_multipliers
+
+    ma, mb, sh = add_multipliers(*scales)
+    assert (split_multipliers(ma, mb, sh) is None) == (sh > 52)
+    out = run(add_int8(_PAIRS_A.shape, ma, mb, sh, lo), _PAIRS_A, _PAIRS_B, out_shape=_PAIRS_A.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, add_int8_ref(_PAIRS_A, _PAIRS_B, ma, mb, sh, lo))
 
 
 def test_dense_int8_matches_reference():
