@@ -10,7 +10,8 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``max_pool2d``: NCHW max pooling;
 - ``concat``: ``concat((a, b, ...), axis=1)`` of 4-D activations (Inception, DenseNet branches);
 - ``avg_pool2d``: NCHW average pooling dividing by the whole window (no padding, or
-  ``count_include_pad``);
+  ``count_include_pad``), and a classifier's global average pool: ``mean(x, axis=[2, 3],
+  keepdims=True)`` whose one user is the flatten (``Layer.window`` holds the geometry of both);
 - ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
 
 ``relu`` stands for any activation that is a clamp: ``relu``, and ``clip(x, lo, hi)`` with constant
@@ -43,6 +44,8 @@ class Layer:
     weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float
     bias: np.ndarray | None = None     # [O] float
     reason_float: str | None = None    # set when the pattern cannot run in int8
+    # avg_pool2d: (pool, stride, padding) -- of the pool call, or the whole map for a global mean
+    window: tuple | None = None
 
     @property
     def quantizable(self) -> bool:
@@ -81,6 +84,14 @@ def static_shape(ty) -> tuple | None:
         except (TypeError, AttributeError):
             return None
     return None
+
+
+def _global_mean(call: relax.Call) -> bool:
+    """``mean`` over both spatial axes of a static 4-D tensor, dimensions kept (``[N, C, 1, 1]``)."""
+    shape = _shape(call.args[0])
+    if shape is None or len(shape) != 4 or not call.attrs.keepdims or call.attrs.axis is None:
+        return False
+    return sorted(int(a) % 4 for a in call.attrs.axis) == [2, 3]
 
 
 def analyze(func: relax.Function, names: dict | None = None) -> Graph:
@@ -154,7 +165,16 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         elif op == "relax.nn.avg_pool2d" and call.attrs.layout == "NCHW" and not call.attrs.ceil_mode \
                 and tuple(map(int, call.attrs.dilation)) == (1, 1) \
                 and (call.attrs.count_include_pad or not any(map(int, call.attrs.padding))):
-            layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call)
+            layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call,
+                          window=(tuple(map(int, call.attrs.pool_size)), tuple(map(int, call.attrs.strides)),
+                                  tuple(map(int, call.attrs.padding))))
+        elif op == "relax.mean" and _global_mean(call) and sole_user(var, "relax.reshape") is not None:
+            # the classifier's global pool, as an int8 average pool over the whole map: its output is
+            # the flattened classifier input, calibrated either way.  (Squeeze-excite's means, read by a
+            # conv, stay float: their gates are float too.)
+            h, w = _shape(call.args[0])[2:]
+            layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call,
+                          window=((h, w), (1, 1), (0, 0, 0, 0)))
         elif op == "relax.nn.batch_norm" and len(_shape(call.args[0]) or ()) == 4 and not call.attrs.training:
             layer = _affine_layer(var, call, value, user, uses, name_for)
             if layer is not None:

@@ -369,13 +369,11 @@ class _Rewriter:
         return None
 
     def emit_avg_pool2d(self, ly) -> str | None:
-        a = ly.call.attrs
         x = self.quantized(ly.inputs[0])
-        pool = tuple(map(int, a.pool_size))
+        pool, stride, padding = ly.window
         s_y = self.scale(ly.output)
         mult, shift = quantize_multiplier(np.array([x.scale / (pool[0] * pool[1] * s_y)]))
-        wl = AvgPoolWorkload(static_shape(x.var.ty), pool, tuple(map(int, a.strides)), tuple(map(int, a.padding)),
-                             int(mult[0]), int(shift[0]))
+        wl = AvgPoolWorkload(static_shape(x.var.ty), pool, stride, padding, int(mult[0]), int(shift[0]))
         impl = registry.select("avg_pool2d", wl, self.p.target, layout=x.layout.name)
         if impl is None:
             return self.no_kernel("avg_pool2d", f"{x.layout.name} tensor")
