@@ -203,6 +203,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     ROW = BN + STORE_PAD                       # staged tile row, bytes
     SEGS = BN // 16                            # 16-byte segments of a tile row
     assert RING + config.store_bytes() <= SMEM_LIMIT, config
+    # the copy-out: whole 16-byte segments, the same number for each of the 128 threads
+    assert not STAGED or (BN % 16 == 0 and BM * SEGS % 128 == 0), config
 
     @T.prim_func(private=True)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
