@@ -51,14 +51,7 @@ def workload(layer, batch):
 
 def config_of(wl, staged: bool):
     from tvm_qconv.schedules.wgmma import conv2d
-    default = conv2d.default_config(wl)
-    if default.staged_store == staged:
-        return default
-    other = dataclasses.replace(default, staged_store=staged, stages=2)
-    bk = conv2d.k_tile(-(-wl.in_channels // 32) * 32)
-    stages = min(conv2d.MAX_STAGES, conv2d.SMEM_BUDGET // ((default.bm + default.bn) * bk),
-                 (conv2d.SMEM_LIMIT - other.store_bytes()) // ((default.bm + default.bn) * bk))
-    return dataclasses.replace(other, stages=max(2, stages))
+    return conv2d.default_config(wl, staged_store=staged)
 
 
 def build(job) -> float:

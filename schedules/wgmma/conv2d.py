@@ -137,11 +137,13 @@ def supports(wl: ConvWorkload) -> bool:
             and (kh - 1) * dh <= MAX_CORNER and (kw - 1) * dw <= MAX_CORNER)
 
 
-def default_config(wl: ConvWorkload) -> Config:
+def default_config(wl: ConvWorkload, staged_store: bool = True) -> Config:
     """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x BN, the
-    ring as deep as fits (6 stages at BK = 128); 64 x 256 (two n128 blocks) for layers of
-    K >= 4608 whose output channels come in 256s (VGG16's 512->512: 1.08-1.12x over 128 x 128;
-    equal at 256 input channels, where K = 2304 keeps 128 x 128)."""
+    ring as deep as fits beside the staged epilogue's tiles (5 stages at BK = 128); 64 x 256 (two
+    n128 blocks) for layers of K >= 4608 whose output channels come in 256s (VGG16's 512->512:
+    1.08-1.12x over 128 x 128; equal at 256 input channels, where K = 2304 keeps 128 x 128).
+    ``staged_store=False``: the direct-store epilogue (only to measure against: it was slower on
+    every layer measured, ``benchmarks/wgmma_epilogue.py``), its ring up to 6 stages deep."""
     _, _, op, k = gemm_shape(wl)
     bk = k_tile(ceil32(wl.in_channels))
     if op % 256 == 0 and k >= 4608:
@@ -151,10 +153,9 @@ def default_config(wl: ConvWorkload) -> Config:
         if op <= 224 and op in WGMMA_N:      # one block across all columns
             bn = op
         bm = 128 if bn <= 128 else 64
-    staged = True
-    epilogue = Config(bm, bn, 2, staged).store_bytes()
+    epilogue = Config(bm, bn, 2, staged_store).store_bytes()
     stages = max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk), (SMEM_LIMIT - epilogue) // ((bm + bn) * bk)))
-    return Config(bm, bn, stages, staged)
+    return Config(bm, bn, stages, staged_store)
 
 
 def tiles(wl: ConvWorkload, config: Config) -> int:
