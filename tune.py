@@ -1,11 +1,13 @@
 """tune.py: MetaSchedule-tune the int8 conv kernels of a model for a CUDA GPU.
 
-    python tune.py --model vgg16 --batch 1 --arch sm_90 --trials 64
-    python deploy.py build --model vgg16 --batch 1 --target cuda --arch sm_90 \\
-        --tuning-log tuning_logs/vgg16-b1-sm_90 -o build/vgg16_tuned.so
+    python tune.py --model vgg16 --batch 1 --arch sm_90a --trials 1 --prune     (H100 / H200: every family's
+                                                                                default, every wgmma tile)
+    python deploy.py build --model vgg16 --batch 1 --target cuda --arch sm_90a \\
+        --tuning-log tuning_logs/vgg16-b1-sm_90a -o build/vgg16_tuned.so
 
 Every distinct conv layer is one task per kernel family that can run it (on sm_80+: int8 tensor
-cores and dp4a, so that the build picks the faster per layer; --family limits it), tuned until
+cores and dp4a; on sm_90a also Hopper's wgmma, whose few tiles per layer are each measured once;
+the build picks the fastest per layer; --family limits it), tuned until
 it has --trials valid measurements on this machine's GPU in a MetaSchedule database under
 tuning_logs/<model>-b<batch>-<arch>/ (logs/
 holds MetaSchedule's full per-task logs).  Run the same command again to continue an
@@ -52,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cuda (default: the mma and dp4a families) or llvm (the CPU conv)")
     p.add_argument("--arch", type=_arch, default="sm_90", help="CUDA arch of the GPU (default sm_90)")
     p.add_argument("--trials", type=_positive, default=64,
-                   help="valid measurements per task, counting those already in the database (default 64)")
+                   help="valid measurements per task, counting those already in the database (default 64); the "
+                        "wgmma family's few tiles per layer are all measured whatever this says")
     p.add_argument("--work-dir", default=None,
                    help="database folder (default tuning_logs/<model>-b<batch>-<arch>)")
     p.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
@@ -65,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "has mlt (MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py "
                         "and schedules/tensorcore/space.py")
     p.add_argument("--family", action="append", default=None, metavar="FAMILY",
-                   help="tune only this kernel family (mma: int8 tensor cores, dp4a); repeatable; default: "
-                        "every family that can run a layer, so that the build picks the faster one per layer")
+                   help="tune only this kernel family (wgmma: Hopper's, sm_90a; mma: int8 tensor cores; dp4a); "
+                        "repeatable; default: every family that can run a layer, so that the build picks the "
+                        "fastest one per layer")
     p.add_argument("--no-seed-default", action="store_true",
                    help="do not measure the default schedule first (by default it seeds the search, "
                         "so the tuned kernel is never slower than the default)")

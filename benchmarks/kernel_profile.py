@@ -55,11 +55,13 @@ def profile(lib: str, runs: int) -> dict:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / runs
     kernels = collections.defaultdict(lambda: [0.0, 0])
+    batch = model.input_shape[0]
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             kernels[ev.name][0] += ev.device_time_total
             kernels[ev.name][1] += 1
-    return {"wall_ms_per_call": wall * 1e3, "kernels": {k: (v[0] / runs, v[1] // runs) for k, v in kernels.items()}}
+    return {"wall_ms_per_call": wall * 1e3, "batch": batch,
+            "kernels": {k: (v[0] / runs, v[1] // runs) for k, v in kernels.items()}}
 
 
 def main(argv=None):
@@ -86,6 +88,7 @@ def main(argv=None):
         res = profile(lib, args.runs)
     except InputError as err:
         sys.exit(f"error: {err}")
+    args.batch = res["batch"]  # a --lib's own batch
     total = sum(us for us, _ in res["kernels"].values())
     rows = sorted(res["kernels"].items(), key=lambda kv: -kv[1][0])
     name = args.model or os.path.splitext(os.path.basename(lib))[0]

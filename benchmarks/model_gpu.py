@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timing import cuda_median_ms  # noqa: E402
 from tvm_qconv import registry  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
+from tvm_qconv.compare.run import tuning_log_for  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
@@ -133,10 +134,11 @@ def main(argv=None):
         row = dict(batch=bs)
         x = np.concatenate([photos] * (-(-bs // len(photos))))[:bs]
         variants = {f"int8_{name}_graph": VARIANTS[name] for name in args.variants}
-        log = args.tuning_logs and os.path.join(args.tuning_logs, f"{args.model}-b{bs}-sm_90")
-        if log and os.path.isdir(log):
+        log = tuning_log_for(args.tuning_logs, args.model, bs, arch)
+        if log:
             variants["int8_tuned_graph"] = dict(tuning_log=log)
-            variants["int8_dp4a_tuned_graph"] = dict(tuning_log=log, families=("dp4a", "generic"))
+            if "dp4a" in args.variants:
+                variants["int8_dp4a_tuned_graph"] = dict(tuning_log=log, families=("dp4a", "generic"))
         reference = None
         for tag, kw in variants.items():
             lib, secs = build(f"cuda_b{bs}_{tag}", target="cuda", arch=arch, batch=bs, cuda_graph=True, **kw)
@@ -147,6 +149,9 @@ def main(argv=None):
             row[f"{tag}_same_logits"] = bool(np.array_equal(logits, reference) and np.array_equal(cm(x), logits))
             row[f"{tag}_build_s"] = round(secs, 1)
             row[f"{tag}_families"] = sorted({r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")})
+            row[f"{tag}_layer_kernels"] = [r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")]
+            if kw.get("tuning_log"):
+                row[f"{tag}_tuned"] = lib.report["tuned"]  # layer -> shape (and the wgmma tile)
             if bs == 1 and tag == next(iter(variants)):
                 ref = model(torch.from_numpy(photos)).detach().numpy()
                 got = np.concatenate([cm(photos[i:i + 1]) for i in range(len(photos))])

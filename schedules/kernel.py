@@ -86,10 +86,12 @@ class KernelImpl:
             search: the decisions are trace decisions its mutators change) or ``replay_func``
             (each candidate runs the space's schedule function afresh: for spaces whose
             decisions become constants of the schedule, e.g. a layout, which a mutated trace
-            would leave behind).
-        outranks_tuning: where it applies and comes first, it is chosen even when a tuning
-            database measured other candidates (an untunable kernel measured faster than the
-            tuned families' best: ``tvm_qconv/tuning/apply.py``).
+            would leave behind) or ``exhaustive`` (a space of :meth:`space_size` points, each
+            measured once: :meth:`trace_point` writes point ``i``).
+        own_task: its compute definition is another implementation's (the wgmma family's is
+            the mma.sync family's): its tuning records are kept apart by naming the
+            implementation in the task (``tvm_qconv/tuning/tasks.py``), so a database holds
+            both families' measurements of a layer and the faster wins.
         instruction: the int8 instruction its math runs on, as ``benchmarks/int8_peaks.py``
             names the paths it measures (``dp4a``, ``mma.sync``): the peak that its "% of
             peak" figures refer to; empty = none measured.
@@ -102,7 +104,7 @@ class KernelImpl:
     family: str = ""
     spaces: tuple[str, ...] = ()
     search: str = "evolutionary"
-    outranks_tuning: bool = False
+    own_task: bool = False
     instruction: str = ""
 
     def input_layout(self) -> str:
@@ -112,6 +114,12 @@ class KernelImpl:
     def applies(self, wl, target) -> bool:
         """Whether this implementation runs ``wl`` on ``target`` (a ``TargetInfo``)."""
         raise NotImplementedError
+
+    def preferred(self, wl, target) -> bool:
+        """Whether, untuned, it should run ``wl`` where it comes first among the candidates
+        (``registry.select``); a layer it :meth:`applies` to but does not prefer still gets it
+        where a tuning database measured it faster."""
+        return True
 
     def compute(self, wl) -> tirx.PrimFunc:
         """The unscheduled PrimFunc of ``wl``, with the ``tvm_qconv.*`` attributes set."""
@@ -130,6 +138,35 @@ class KernelImpl:
         """The MetaSchedule space generator named ``space`` (one of :attr:`spaces`) for the
         task ``func`` on ``target``."""
         raise ValueError(f"{self.name} has no search space {space!r}")
+
+    def space_size(self, wl) -> int | None:
+        """Points of its space for ``wl`` where the tuner measures every one (``search =
+        "exhaustive"``); None: unbounded (sampled)."""
+        return None
+
+    def trace_point(self, sch: "tvm.s_tir.Schedule", wl, index: int) -> None:
+        """``search = "exhaustive"``: schedule ``sch`` (the task's function) as point ``index``."""
+        raise NotImplementedError(f"{self.name} has no exhaustive space")
+
+    def realize(self, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+        """The kernel a replayed trace of this implementation stands for, where the trace only
+        records decisions (the wgmma family's config), without attributes (:func:`tirx_kernel`
+        gives it ``func``'s); None: ``func`` is the kernel itself."""
+        return None
+
+    def decision(self, scheduled: tirx.PrimFunc) -> str:
+        """What a replayed trace decided, for the build report where it is not the loops
+        (the wgmma family's tile); empty by default."""
+        return ""
+
+    def tuned(self, scheduled: tirx.PrimFunc, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc:
+        """The function a build uses for ``func`` (a layer's compute definition, with its
+        attributes), given ``scheduled``: a tuning record's trace replayed on it."""
+        kernel = self.realize(scheduled, target)
+        if kernel is not None:
+            return tirx_kernel(func, kernel)
+        # Keep the Relax module's attributes (no global_symbol "main": that name is taken).
+        return scheduled.without_attr("global_symbol").with_attr(dict(func.attrs, **{"tir.is_scheduled": True}))
 
     def tuning_target(self, target: tvm.target.Target) -> tvm.target.Target:
         """The target its candidates are checked against while tuning (e.g. with the dynamic

@@ -194,6 +194,8 @@ def test_tuning_log_for_finds_the_batchs_database(tmp_path):
     assert tuning_log_for(str(tmp_path), "vgg16", 64, "sm_90a") == str(tmp_path / "vgg16-b64-sm_90")
     assert tuning_log_for(str(tmp_path), "vgg16", 16, "sm_90a") is None
     assert tuning_log_for(str(tmp_path / "vgg16-b1-sm_90"), "vgg16", 16, "sm_90") == str(tmp_path / "vgg16-b1-sm_90")
+    (tmp_path / "resnet50-b16-sm_90a").mkdir()   # tuned with wgmma, found by a build the GPU calls sm_90
+    assert tuning_log_for(str(tmp_path), "resnet50", 16, "sm_90") == str(tmp_path / "resnet50-b16-sm_90a")
 
 
 def test_time_calls_cycles_over_the_inputs_and_keeps_its_bounds():

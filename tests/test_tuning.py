@@ -542,37 +542,51 @@ def test_a_truncated_packed_database_is_reported_not_unpacked(small_int8, tuned_
 
 VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
                (256, 512, 28), (512, 512, 28), (512, 512, 14)]
+COMMITTED = os.path.join(os.path.dirname(__file__), "..", "tuning_logs")
 
 
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_committed_vgg16_databases_cover_every_vgg16_kernel(batch):
-    """The databases were tuned before the kernels named their implementation and workload in
-    attributes; matching is on the computation alone, so every VGG16 conv still finds its record."""
-    db = load_database(os.path.join(os.path.dirname(__file__), "..", "tuning_logs", f"vgg16-b{batch}-sm_90"))
-    impl = registry.get("conv2d.nchw4c.dp4a")
-    for cin, cout, size in VGG16_CONVS:
-        func = tvm.IRModule({"main": task_func(impl.compute(W(batch, cin, size, size, cout)))})
-        assert db.has_workload(func), (cin, cout, size)
-        assert db.query_schedule(func, CUDA, "main") is not None
+def test_committed_vgg16_databases_measured_every_family_of_every_conv(batch):
+    """tuning_logs/vgg16-b<N>-sm_90a: each conv's kernel of every tunable family that runs it on
+    sm_90a (wgmma, mma.sync, dp4a) has a record, so the build's choice per layer is measured."""
+    db = load_database(os.path.join(COMMITTED, f"vgg16-b{batch}-sm_90a"))
+    sm90a = make_target("cuda", "sm_90a")
+    for cin, cout, size in VGG16_CONVS[1:]:  # the first conv runs on the stem kernel: nothing to tune
+        wl = W(batch, cin, size, size, cout)
+        impls = [i for i in registry.candidates("conv2d", wl, TargetInfo.from_target(sm90a)) if i.spaces]
+        assert {i.family for i in impls} == {"wgmma", "mma", "dp4a"}, (cin, impls)
+        for impl in impls:
+            func = tvm.IRModule({"main": task_func(impl.compute(wl))})
+            assert db.has_workload(func), (impl.name, cin, cout, size)
+            assert db.query_schedule(func, sm90a, "main") is not None
 
+
+@pytest.mark.parametrize("model", ["vgg16", "resnet50"])
+def test_committed_databases_say_what_they_were_tuned_for(model):
+    for batch in (1, 16, 64):
+        with open(os.path.join(COMMITTED, f"{model}-b{batch}-sm_90a", CONFIG_FILE)) as f:
+            cfg = json.load(f)
+        assert (cfg["model"], cfg["batch"], cfg["arch"], cfg["image_size"]) == (model, batch, "sm_90a", 224)
 
 
 def test_a_database_covering_some_kernels_names_those_left_on_their_default(capsys):
-    """The committed VGG16 databases hold dp4a records; a build on sm_90 puts 12 of VGG16's 13
-    convs on tensor cores, whose kernels they do not cover: the build says so, by implementation."""
+    """A database covers the shapes it was tuned for: a kernel of another shape keeps its
+    default schedule, and the build says so, by implementation."""
     from tvm_qconv.tuning.apply import apply_tuning_database
-    dp4a, mma = registry.get("conv2d.nchw4c.dp4a"), registry.get("conv2d.nhwc32.mma")
-    mod = tvm.IRModule({"conv1": dp4a.compute(W(1, 3, 224, 224, 64)), "conv2": mma.compute(W(1, 64, 224, 224, 64))})
-    _, tuned = apply_tuning_database(mod, os.path.join(os.path.dirname(__file__), "..", "tuning_logs",
-                                                       "vgg16-b1-sm_90"), CUDA)
-    assert list(tuned) == ["conv1"]
+    wgmma, mma = registry.get("conv2d.nhwc32.wgmma"), registry.get("conv2d.nhwc32.mma")
+    mod = tvm.IRModule({"conv1": wgmma.compute(W(1, 64, 224, 224, 64)), "conv2": mma.compute(W(1, 64, 100, 100, 64))})
+    mod, tuned = apply_tuning_database(mod, os.path.join(COMMITTED, "vgg16-b1-sm_90a"), make_target("cuda", "sm_90a"))
+    assert list(tuned) == ["conv1"] and tuned["conv1"].startswith("64->64 3x3 s1 @224x224 b1 (wgmma ")
+    assert mod["conv1"].attrs["tvm_qconv.impl"] == wgmma.name and mod["conv1"].attrs["tir.is_scheduled"]
     err = capsys.readouterr().err
     assert "covers 1 of this model's 2 tunable kernels; 1 conv2d.nhwc32.mma get the default schedule" in err
+
 
 def test_resuming_an_old_database_rewrites_its_workloads_in_canonical_form(tmp_path):
     import shutil
     work_dir = tmp_path / "db"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "tuning_logs", "vgg16-b1-sm_90"), work_dir)
+    # a database tune.py wrote before the canonical form (2026-11-22), kept as it was
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "vgg16-b1-sm_90-before-canonical-form"), work_dir)
     unpack_database(str(work_dir))
     impl = registry.get("conv2d.nchw4c.dp4a")
     func = tvm.IRModule({"main": task_func(impl.compute(W(1, 64, 224, 224, 64)))})
@@ -624,9 +638,10 @@ def test_ctrl_c_stops_tuning_after_the_round_in_flight_and_the_run_resumes(tmp_p
     torch.manual_seed(0)
     args = dict(target="llvm", trials_per_task=3, work_dir=str(tmp_path), image_size=SIZE, model=SmallVGG(cfg=CFG),
                 num_trials_per_iter=2, max_workers=1)
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a shell's background job
     with pytest.raises(KeyboardInterrupt):
         tune_model("small_vgg", 1, **args)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is given back
     load_database(str(tmp_path))  # whole
     monkeypatch.setattr(progress, "valid_secs", valid_secs)
     rows = tune_model("small_vgg", 1, **args)
@@ -651,3 +666,16 @@ def test_a_schedule_of_an_older_template_is_named_stale_not_corrupt(small_int8, 
     assert tuned == {}  # no record left: the kernel keeps its default
     err = capsys.readouterr().err
     assert "2 record(s) of an older kernel template left out (--ignore-stale)" in err
+
+
+def test_the_runner_gives_a_layer_the_requantize_constants_of_a_calibrated_model():
+    # random int32 shifts would send the wgmma / stem kernels down their 64-bit requantize,
+    # which a model never takes (schedules/requantize.py: the 32-bit form needs shift >= 33)
+    from tvm_qconv.tuning.driver import _alloc_layer_args
+    func = registry.get("conv2d.nhwc32.mma").compute(W(1, 64, 8, 8, 64))
+    info = [a.as_json() for a in ms.arg_info.ArgInfo.from_prim_func(func)]
+    (args,) = _alloc_layer_args(tvm.cpu(), info, 1)
+    bias, mult, shift = (a.numpy() for a in args[2:5])
+    assert np.abs(bias).max() < 4096 and mult.min() >= 2 ** 30 and 33 <= shift.min() and shift.max() <= 62
+    other = [["TENSOR", "float32", [4]], ["TENSOR", "float32", [4]]]   # not a fused layer: left random
+    assert len(_alloc_layer_args(tvm.cpu(), other, 1)[0]) == 2

@@ -8,13 +8,17 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
 
 from tests.test_tensorcore import IDS, WORKLOADS, args_of
 from tests.workloads import conv_wl, slow_requantize_args
 from tvm_qconv import registry
 from tvm_qconv.schedules.tensorcore.conv2d import gemm_shape
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32, ceil32
-from tvm_qconv.schedules.wgmma import conv2d
+from tvm_qconv.schedules.wgmma import conv2d, space
+from tvm_qconv.tuning.tasks import task_func
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
 SM90A = make_target("cuda", "sm_90a")
@@ -61,13 +65,57 @@ def test_the_registry_keeps_narrow_layers_on_mma():
     assert pick(conv_wl(64, 64, 28, 28, 352)) == "conv2d.nhwc32.mma"
 
 
-def test_a_tuning_database_does_not_displace_wgmma():
-    # the measured chooser returns the first candidate when it outranks tuning, before reading
-    # the database (None here: it would fail if read)
+def test_a_database_without_wgmma_records_does_not_displace_it():
+    # the measured chooser decides only where the database measured every tunable candidate of
+    # the layer (wgmma, mma.sync, dp4a); an older database of mma / dp4a records leaves the
+    # registry's order, which gives this layer of 196 tiles to wgmma
     from tvm_qconv.tuning.apply import measured_chooser
+
+    class Db:  # records of every workload but the wgmma task's
+        def has_workload(self, mod):
+            return "qconv_task_impl" not in mod["main"].attrs
+
+        def commit_workload(self, mod):
+            return mod
+
+        def get_top_k(self, workload, k):
+            return [type("Record", (), {"run_secs": [1e-6]})()]
+
     wl = conv_wl(8, 64, 56, 56, 64)
     found = registry.candidates("conv2d", wl, TargetInfo.from_target(SM90A))
-    assert measured_chooser(None, SM90A)("conv2d", wl, found) == "conv2d.nhwc32.wgmma"
+    assert [i.family for i in found][:2] == ["wgmma", "mma"]
+    assert measured_chooser(Db(), SM90A)("conv2d", wl, found) is None
+    assert registry.select("conv2d", wl, TargetInfo.from_target(SM90A)).family == "wgmma"
+
+
+def test_the_measured_pick_charges_a_layout_change_its_two_relayouts():
+    # ResNet-50's 64->256 1x1 at batch 1 (H200): mma.sync 6.5 us, dp4a 5.8 us, wgmma 10.6 us
+    # measured; dp4a would add a relayout in and one out (~6 us here), so mma.sync stays
+    from tvm_qconv.tuning.apply import measured_chooser, switch_seconds
+    wl = conv_wl(1, 64, 56, 56, 256, kernel=(1, 1), padding=(0, 0, 0, 0))
+
+    class Db:
+        def __init__(self, us):
+            self.us = us
+
+        def has_workload(self, mod):
+            return True
+
+        def commit_workload(self, mod):
+            return mod
+
+        def get_top_k(self, mod, k):
+            f = mod["main"]
+            name = str(f.attrs.get("qconv_task_impl", "")) or ("dp4a" if len(f.params[0].shape) == 5 else "mma")
+            return [type("Record", (), {"run_secs": [self.us[name.split(".")[-1]] * 1e-6]})()]
+
+    found = registry.candidates("conv2d", wl, TargetInfo.from_target(SM90A))
+    assert [i.family for i in found] == ["wgmma", "mma", "dp4a"]
+    assert 5e-6 < switch_seconds(wl) < 7e-6
+    pick = lambda us: measured_chooser(Db(us), SM90A)("conv2d", wl, found)
+    assert pick(dict(wgmma=10.6, mma=6.5, dp4a=5.8)) == "conv2d.nhwc32.mma"
+    assert pick(dict(wgmma=10.6, mma=6.5, dp4a=0.4)) == "conv2d.nchw4c.dp4a"      # saves more than it costs
+    assert pick(dict(wgmma=6.4, mma=6.5, dp4a=5.8)) == "conv2d.nhwc32.wgmma"      # same layout: no charge
 
 
 def test_im2col_map_gets_the_corners_strides_and_box_of_the_conv(monkeypatch):
@@ -122,6 +170,144 @@ def test_long_k_layers_of_512_columns_take_the_64x256_tile():
     # BK = 128 (1.02-1.06x faster than 5 and 6 stages with direct stores, measured on an H200)
     assert conv2d.default_config(conv_wl(64, 512, 14, 14, 512)) == conv2d.Config(64, 256, 4, True)
     assert conv2d.default_config(conv_wl(64, 256, 56, 56, 256)) == conv2d.Config(128, 128, 5, True)
+
+
+def test_the_space_is_every_tile_that_fits_with_the_default_first():
+    # VGG16's 512->512 at batch 64: BM 64 / 128 x BN 64 / 128 / 256; 128 x 256 would hold 256
+    # accumulators per consumer thread (MAX_ACC 128); each with the deepest ring that fits
+    wl = conv_wl(64, 512, 28, 28, 512)
+    configs = space.candidate_configs(wl)
+    assert configs[0] == conv2d.default_config(wl)
+    assert sorted((c.bm, c.bn) for c in configs) == [(64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+    assert IMPL.space_size(wl) == 5 and len(set(configs)) == 5
+    for c in configs:
+        assert c.accumulators() <= conv2d.MAX_ACC and c.stages == conv2d.ring_stages(c.bm, c.bn, 128)
+        assert c.stages * (c.bm + c.bn) * 128 + c.store_bytes() <= conv2d.SMEM_LIMIT
+    # 96 output channels: one 96-column block spans them (no 64- or 128-column tile divides 96)
+    assert sorted((c.bm, c.bn) for c in space.candidate_configs(conv_wl(8, 64, 56, 56, 96))) == [(64, 96), (128, 96)]
+
+
+def _point(wl, index):
+    sch = tvm.s_tir.Schedule(task_func(IMPL.compute(wl)))
+    IMPL.trace_point(sch, wl, index)
+    return sch
+
+
+def test_a_point_is_a_trace_that_replays_to_its_tile_and_builds_as_that_wgmma_kernel():
+    from tvm_qconv.tuning.builder import _build_function
+    wl = conv_wl(2, 64, 14, 14, 128)
+    configs = space.candidate_configs(wl)
+    index = next(i for i, c in enumerate(configs) if c.bn == 64)   # default: one 128-column block
+    sch = _point(wl, index)
+    # MetaSchedule's database stores the trace; a build replays it on the compute definition
+    replayed = tvm.s_tir.Schedule(task_func(IMPL.compute(wl)))
+    sch.trace.apply_to_schedule(replayed, remove_postproc=False)
+    assert space.chosen(replayed.mod["main"]) == (wl, configs[index])
+    assert space.chosen(IMPL.compute(wl)) is None
+    # the tuner's builder turns it into the kernel of that tile (n64 wgmma, not the default n128)
+    src = cuda_source(_build_function()(replayed.mod, SM90A, None))
+    assert "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8" in src and "m64n128k32" not in src
+
+
+def test_wgmma_tasks_are_their_own_workloads_beside_mma():
+    # one compute definition, two families: each family's measurements stay its own
+    wl = conv_wl(2, 64, 14, 14, 128)
+    mma = registry.get("conv2d.nhwc32.mma")
+    a, b = task_func(IMPL.compute(wl)), task_func(mma.compute(wl))
+    assert not tvm_ffi.structural_equal(a, b)
+    assert tvm_ffi.structural_equal(a.without_attr("qconv_task_impl"), b)
+
+
+@derived_object
+class _TimesByCall(ms.runner.PyRunner):
+    """Made-up run times, one per measured candidate in the order the tuner measures them."""
+
+    def __init__(self, times_us):
+        self.times, self.calls = list(times_us), 0
+
+    def run(self, inputs):
+        out = []
+        for _ in inputs:
+            out.append(_Done(self.times[min(self.calls, len(self.times) - 1)] * 1e-6))
+            self.calls += 1
+        return out
+
+
+@derived_object
+class _Done(ms.runner.PyRunnerFuture):
+    def __init__(self, secs):
+        super().__init__()
+        self.secs = secs
+
+    def done(self):
+        return True
+
+    def result(self):
+        return ms.runner.RunnerResult([self.secs], None)
+
+
+def _small_vgg(size=16):
+    import torch
+    from tvm_qconv.models import SmallVGG
+    torch.manual_seed(0)
+    return SmallVGG(cfg=(64, 128), image_size=size)
+
+
+def test_tuning_measures_each_wgmma_tile_once_and_a_rerun_none(tmp_path):
+    from tvm_qconv.tuning import tune_model
+    wl = conv_wl(1, 64, 16, 16, 128)     # SmallVGG (64, 128) at 16 px: its second conv
+    n = IMPL.space_size(wl)
+    runner = _TimesByCall([30 - i for i in range(n)])
+    rows = tune_model("small_vgg", 1, arch="sm_90a", trials_per_task=64, work_dir=str(tmp_path), image_size=16,
+                      model=_small_vgg(), runner=runner, families=["wgmma"], max_workers=2)
+    assert runner.calls == n and [(r["task"], r["trials"]) for r in rows] == [("64to128_3x3s1_16x16_b1_wgmma", n)]
+    assert rows[0]["best_us"] == pytest.approx(31 - n)
+    tune_model("small_vgg", 1, arch="sm_90a", trials_per_task=64, work_dir=str(tmp_path), image_size=16,
+               model=_small_vgg(), runner=runner, families=["wgmma"], max_workers=2)
+    assert runner.calls == n
+
+
+def test_a_database_that_measured_wgmma_fastest_builds_it_with_its_tile(tmp_path):
+    # SmallVGG's 64->128 conv at batch 1 has 2 tiles: untuned it takes mma.sync (fewer tiles
+    # than SMs); a database where a wgmma tile measured fastest of the three families gives it
+    # wgmma with that tile
+    from tvm_qconv.build import BuildOptions, compile_model
+    from tvm_qconv.config import QuantConfig
+    from tvm_qconv.ranges import Calibrate
+    from tvm_qconv.tuning.database import prepare_implementations
+    prepare_implementations()  # the seeds' traces name tensor intrinsics
+    wl = conv_wl(1, 64, 16, 16, 128)
+    configs = space.candidate_configs(wl)
+    index = next(i for i, c in enumerate(configs) if c.bn == 64)
+    db = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    for impl_name, secs in (("conv2d.nhwc32.mma", 20e-6), ("conv2d.nchw4c.dp4a", 30e-6), (IMPL.name, 10e-6)):
+        impl = registry.get(impl_name)
+        func = task_func(impl.compute(wl))
+        sch = tvm.s_tir.Schedule(func)
+        if impl is IMPL:
+            impl.trace_point(sch, wl, index)
+        else:
+            impl.seed(sch, SM90A, wl)
+        mod = tvm.IRModule({"main": func})
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, db.commit_workload(mod), [secs], SM90A,
+                                                         ms.arg_info.ArgInfo.from_prim_func(func)))
+    x = np.random.default_rng(0).normal(0, 1, (2, 3, 16, 16)).astype(np.float32)
+
+    def build(log):
+        return compile_model(_small_vgg(), str(tmp_path / "m.so"), ranges=Calibrate(x),
+                             config=QuantConfig(num_calib_images=2),
+                             options=BuildOptions(target="cuda", arch="sm_90a", batch=1, image_size=16, verify=False,
+                                                  tuning_log=log), progress=False)
+    assert [r["kernel"] for r in build(None).report["layers"] if r["kind"].startswith("conv")][1] == \
+        "conv2d.nhwc32.mma"
+    lib = build(str(tmp_path))
+    assert [r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")][1] == IMPL.name
+    c = configs[index]
+    assert list(lib.report["tuned"].values()) == [f"64->128 3x3 s1 @16x16 b1 (wgmma {c.bm}x64, {c.stages} stages)"]
+    from tvm_qconv.report import format_report   # the build report names the layer tuned, with its tile
+    text = format_report(lib.meta)
+    assert "tuned layers (1, from 1 tuned kernels)" in text
+    assert re.search(rf"conv2d.nhwc32.wgmma +int8 +tuned +64->128 3x3 s1 @16x16 b1 \(wgmma {c.bm}x64", text), text
 
 
 WGMMA_WLS = WORKLOADS + [conv_wl(16, 128, 28, 28, 256), conv_wl(8, 512, 14, 14, 512)]

@@ -12,8 +12,10 @@ Adding a family is one folder under ``schedules/`` whose implementations are lis
 """
 from __future__ import annotations
 
+from tvm import tirx as tvm_tirx
+
 from .schedules import dense_int8
-from .schedules.kernel import KernelImpl, Layout, impl_name
+from .schedules.kernel import KernelImpl, Layout, impl_name, tirx_kernel
 from .schedules.nchw4c import impls as nchw4c
 from .schedules.nchw4c.layout import LAYOUT as NCHW4C
 from .schedules.stem import impls as stem
@@ -23,8 +25,8 @@ from .schedules.training import grad_input, grad_weight
 from .schedules.wgmma import impls as wgmma
 from .target import TargetInfo
 
-# In priority order per op: select() takes the first that applies, unless told otherwise (a
-# tuning database's measured pick).  For conv2d: depthwise, then Hopper's wgmma (sm_90a), then
+# In priority order per op: select() takes the first that applies and is preferred untuned,
+# unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise, then Hopper's wgmma (sm_90a), then
 # int8 tensor cores (sm_80+, 16+ input channels), then the stem conv (sm_80+, 1-4 input
 # channels: dp4a into the tensor cores' layout), then dp4a (CUDA), then the CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
@@ -72,12 +74,13 @@ def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> li
 def select(op: str, wl, target: TargetInfo, layout: str | None = None,
            prefer: str | None = None) -> KernelImpl | None:
     """The implementation that runs ``wl``: ``prefer`` (a name, e.g. from a tuning database)
-    when it applies, else the first candidate; None when no implementation applies."""
+    when it applies, else the first candidate that is ``preferred`` untuned (else the first);
+    None when no implementation applies."""
     found = candidates(op, wl, target, layout)
     for impl in found:
         if impl.name == prefer:
             return impl
-    return found[0] if found else None
+    return next((impl for impl in found if impl.preferred(wl, target)), found[0] if found else None)
 
 
 def layout(name: str) -> Layout:
@@ -91,6 +94,18 @@ def layout(name: str) -> Layout:
 def tunable() -> list[KernelImpl]:
     """The implementations that have search spaces."""
     return [impl for impl in IMPLEMENTATIONS if impl.spaces]
+
+
+def realize(mod, target):
+    """``mod`` with every function that a decision-only trace stands for replaced by its kernel
+    (``KernelImpl.realize``: the wgmma family's tuning candidates); the tuner's builder calls it."""
+    for gv, func in list(mod.functions.items()):
+        for impl in tunable():
+            kernel = impl.realize(func, target) if isinstance(func, tvm_tirx.PrimFunc) else None
+            if kernel is not None:
+                mod[gv] = tirx_kernel(func, kernel)
+                break
+    return mod
 
 
 def compile_options(impls=None) -> dict:

@@ -13,7 +13,10 @@ def format_report(meta: dict) -> str:
     kinds: dict = {}
     for impl, how in rep.get("schedules", {}).values():
         kinds.setdefault(impl, set()).add(how)
-    tuned_shapes = set(rep.get("tuned", {}).values())
+    # tuned kernels' shapes, less what the record decided beside the loops (" (wgmma 128x64, 6 stages)")
+    decisions = {shape.split(" (")[0]: shape[len(shape.split(" (")[0]):].strip()
+                 for shape in rep.get("tuned", {}).values()}
+    tuned_shapes = set(decisions)
     tuned_layers = []
     for r in rows:
         how = "/".join(sorted(kinds.get(r["kernel"], {"-"}))) if r["dtype"] == "int8" else "-"
@@ -22,8 +25,9 @@ def format_report(meta: dict) -> str:
             how = "tuned" if tuned else ("default" if "default" in how else "-")
             if tuned:
                 tuned_layers.append(r["layer"])
+        decided = f" {decisions[r['shape']]}" if how == "tuned" and decisions.get(r.get("shape")) else ""
         lines.append(f"{r['layer']:<{w}}  {r['kind']:<22} {r['kernel']:<{wk}} {r['dtype']:<7} {how:<9} "
-                     f"{r.get('shape', '')}")
+                     f"{r.get('shape', '')}{decided}")
     n8 = sum(r["dtype"] == "int8" for r in rows)
     lines.append(f"{n8}/{len(rows)} layers in int8")
     fl = rep.get("float_ops") or {}

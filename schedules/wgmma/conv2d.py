@@ -153,9 +153,14 @@ def default_config(wl: ConvWorkload, staged_store: bool = True) -> Config:
         if op <= 224 and op in WGMMA_N:      # one block across all columns
             bn = op
         bm = 128 if bn <= 128 else 64
+    return Config(bm, bn, ring_stages(bm, bn, bk, staged_store), staged_store)
+
+
+def ring_stages(bm: int, bn: int, bk: int, staged_store: bool = True) -> int:
+    """The deepest TMA ring (up to ``MAX_STAGES``) of a BM x BN tile with K tile ``bk`` that fits
+    in shared memory beside the staged epilogue's tiles."""
     epilogue = Config(bm, bn, 2, staged_store).store_bytes()
-    stages = max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk), (SMEM_LIMIT - epilogue) // ((bm + bn) * bk)))
-    return Config(bm, bn, stages, staged_store)
+    return max(2, min(MAX_STAGES, SMEM_BUDGET // ((bm + bn) * bk), (SMEM_LIMIT - epilogue) // ((bm + bn) * bk)))
 
 
 def tiles(wl: ConvWorkload, config: Config) -> int:

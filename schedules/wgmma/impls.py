@@ -4,16 +4,18 @@
 name                           op       runs
 =============================  =======  =====================================================
 ``conv2d.nhwc32.wgmma``        conv2d   CUDA sm_90a (H100 / H200), 16+ input channels, convs
-                                        TMA im2col can gather (``conv2d.supports``), of at
-                                        least one 64+ column tile per SM
+                                        TMA im2col can gather (``conv2d.supports``), tiles of
+                                        64+ columns; untuned, only layers of at least one
+                                        tile per SM (:meth:`Conv2dWgmma.preferred`)
 =============================  =======  =====================================================
 
 It shares the mma.sync family's layout (NHWC32), compute definition, NumPy reference and packed
 weights (it subclasses ``Conv2dMma``), so the two mix layer by layer with no conversion between
 them, and the max-pool, add, concat and affine kernels of NHWC32 serve both.  Its schedule is
 not a schedule of that compute: it is the hand-written TIRx kernel of ``conv2d.py`` with the
-same arguments.  No search space: MetaSchedule cannot sample a TIRx kernel's decisions
-(``docs/wgmma.md``).
+same arguments.  Its search space is the kernel's ``Config`` (``space.py``: a few tiles per
+layer, each measured once), recorded as a trace of the compute definition, so the tuner
+measures it beside the mma.sync and dp4a kernels and the build takes the fastest per layer.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ..kernel import tirx_kernel
 from ..tensorcore import pipeline
 from ..tensorcore.impls import MIN_IN_CHANNELS, Conv2dMma
 from ..workload import ConvWorkload
-from . import conv2d
+from . import conv2d, space
 
 # Narrower tiles than this (O_p = 352, 416, ...: no wider wgmma N divides them) would re-read
 # the activations O_p / BN times; mma.sync takes those layers (reasoned, not measured).
@@ -38,23 +40,24 @@ class Conv2dWgmma(Conv2dMma):
 
     name = "conv2d.nhwc32.wgmma"
     family = "wgmma"
-    spaces = ()
+    spaces = ("configs",)
+    search = "exhaustive"
+    own_task = True
     instruction = "wgmma"
-    # 1.4-2.6x the untuned mma.sync kernel per VGG16 layer at batch 64, whose tuning never beat
-    # its default (docs/benchmarks.md): a database of mma / dp4a records does not displace it
-    outranks_tuning = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
-        # A layer of fewer tiles than SMs leaves SMs idle under this persistent one-tile-per-
-        # consumer kernel, where the mma.sync template splits it finer: VGG16 at batch 1 (most
-        # layers under 132 tiles) ran 0.318 ms all-wgmma vs 0.292 ms all-mma on an H100, at
-        # batch 64 (every layer 392+ tiles) 4.07 vs 5.98 ms.  The threshold is reasoned from
-        # that, not measured layer by layer.
         if not (target.kind == "cuda" and target.has_wgmma and wl.in_channels >= MIN_IN_CHANNELS
                 and conv2d.supports(wl)):
             return False
-        config = conv2d.default_config(wl)
-        return config.bn >= MIN_TILE_COLUMNS and conv2d.tiles(wl, config) >= target.num_sm
+        return conv2d.default_config(wl).bn >= MIN_TILE_COLUMNS
+
+    def preferred(self, wl: ConvWorkload, target) -> bool:
+        # A layer of fewer tiles than SMs leaves SMs idle under this persistent one-tile-per-
+        # consumer kernel, where the mma.sync template splits it finer: VGG16 at batch 1 (most
+        # layers under 132 tiles) ran 0.318 ms all-wgmma vs 0.292 ms all-mma on an H100, at
+        # batch 64 (every layer 392+ tiles) 4.07 vs 5.98 ms.  Untuned, such layers take mma.sync;
+        # a tuning database that measured both families per layer overrides this.
+        return conv2d.tiles(wl, conv2d.default_config(wl)) >= target.num_sm
 
     def schedule(self, func, target):
         """The TIRx kernel in place of ``func``, keeping its attributes (implementation, workload)."""
@@ -62,11 +65,31 @@ class Conv2dWgmma(Conv2dMma):
         kernel = conv2d.conv2d_wgmma(wl, conv2d.default_config(wl), TargetInfo.from_target(target).num_sm)
         return tirx_kernel(func, kernel)
 
+    def space_size(self, wl) -> int:
+        return len(space.candidate_configs(wl))
+
+    def trace_point(self, sch, wl, index: int) -> None:
+        space.apply_config(sch, wl, index)
+
     def seed(self, sch, target, wl=None) -> None:
-        raise NotImplementedError(f"{self.name} has no search space: its decisions are conv2d.Config")
+        space.apply_config(sch, wl if wl is not None else ConvWorkload.of(sch.mod["main"]), 0)
 
     def space_generator(self, space_name: str, func, target):
-        raise ValueError(f"{self.name} has no search space")
+        if space_name not in self.spaces:
+            raise ValueError(f"unknown wgmma search space {space_name!r}; it has {', '.join(self.spaces)}")
+        raise ValueError(f"{self.name}'s space is measured point by point (search = exhaustive), "
+                         f"not sampled by MetaSchedule")
+
+    def decision(self, scheduled) -> str:
+        found = space.chosen(scheduled)
+        return f"wgmma {space.describe(found[1])}" if found else ""
+
+    def realize(self, func, target):
+        found = space.chosen(func)
+        if found is None:
+            return None
+        wl, config = found
+        return conv2d.conv2d_wgmma(wl, config, TargetInfo.from_target(target).num_sm)
 
     def compile_options(self) -> dict:
         return pipeline.compile_options()

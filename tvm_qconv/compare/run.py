@@ -124,12 +124,14 @@ def resolve_device(requested: str | None) -> str:
 
 def tuning_log_for(folder: str | None, model: str, batch: int, arch: str | None) -> str | None:
     """The database of ``folder`` for this batch: ``folder`` itself when it is a database, else
-    its ``<model>-b<batch>-<arch>`` entry (sm_90a builds use sm_90 databases), else None."""
+    its ``<model>-b<batch>-<arch>`` entry (sm_90 and sm_90a are one GPU: either folder serves
+    either build, this arch's first), else None."""
     if not folder:
         return None
     if any(name.startswith("database_workload") for name in os.listdir(folder)):
         return folder
-    for a in dict.fromkeys([arch, (arch or "").rstrip("a")]):
+    base = (arch or "").rstrip("a")
+    for a in dict.fromkeys([arch, base, base + "a" if base == "sm_90" else None]):
         path = os.path.join(folder, f"{model}-b{batch}-{a}")
         if a and os.path.isdir(path):
             return path

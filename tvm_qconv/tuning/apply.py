@@ -7,23 +7,42 @@ import sys
 
 import tvm
 
+from .. import registry
 from ..errors import InputError
+from ..target import TargetInfo
 from ..schedules.kernel import IMPL_ATTR
 from ..schedules.workload import ConvWorkload
 from .database import corrupt, load_database, mean_secs, tune_command
 from .tasks import is_tunable, task_func
 
 
+# A relayout kernel under CUDA graphs: its launch and the tensor read and written once at the
+# bandwidth such gathers reach (an estimate, not measured per layer).
+RELAYOUT_LAUNCH_S = 2e-6
+RELAYOUT_BYTES_PER_S = 1e12
+
+
+def switch_seconds(wl) -> float:
+    """Estimated time of the two relayouts a layer pays to run in a layout other than its
+    neighbours': its int8 input into that layout and its output back."""
+    if not isinstance(wl, ConvWorkload):
+        return 0.0
+    moved = wl.batch * (wl.in_channels * wl.height * wl.width + wl.out_channels * wl.out_height * wl.out_width)
+    return 2 * RELAYOUT_LAUNCH_S + 2 * moved / RELAYOUT_BYTES_PER_S
+
+
 def measured_chooser(db, target: tvm.target.Target):
     """A chooser for the quantize pass: of a layer's candidate implementations, the one whose
-    kernel for that workload the database measured fastest, when every tunable candidate has a
-    measurement; otherwise None (the registry's order decides).  A first candidate that
-    ``outranks_tuning`` (an untunable kernel measured faster than the tuned families)
-    is taken as it is.
+    kernel for that workload the database measured fastest, where it measured the candidate
+    the registry would pick untuned and at least one other (a database tuned with ``--family``
+    compares the families it holds; a layer is never moved off its default unmeasured);
+    otherwise None (the registry's order decides).
 
-    The layout conversion a family change costs is not counted: a relayout moves the tensor
-    once (a few microseconds for VGG16's 224 px layers), against layer times that differ by
-    multiples between the families.
+    A candidate whose activations are in another layout than the default's (dp4a's NCHW4c
+    against the tensor cores' NHWC32) is charged two conversions, the layer's input into its
+    layout and its output back (:func:`switch_seconds`): a family change that saves less than
+    that costs time (ResNet-50 at batch 1, H200: dp4a measured 0.6-0.7 us faster on 14 of its
+    1x1 convs, and the build that took them ran 0.347 ms against 0.304 ms).
     """
     def best_seconds(impl, wl) -> float | None:
         mod = tvm.IRModule({"main": task_func(impl.compute(wl))})
@@ -33,15 +52,19 @@ def measured_chooser(db, target: tvm.target.Target):
         return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
-        if candidates and candidates[0].outranks_tuning:
-            return candidates[0].name
-        tunable = [impl for impl in candidates if impl.spaces]
-        if len(tunable) < 2:
+        default = next((impl for impl in candidates if impl.preferred(wl, target_info)), None)
+        if default is None or not default.spaces:
             return None
-        times = {impl.name: best_seconds(impl, wl) for impl in tunable}
-        if any(t is None for t in times.values()):
+        times = {}
+        for impl in candidates:
+            secs = best_seconds(impl, wl) if impl.spaces else None
+            if secs is not None:
+                times[impl.name] = secs + (switch_seconds(wl) if impl.layout != default.layout else 0.0)
+        if default.name not in times or len(times) < 2:
             return None
         return min(times, key=times.get)
+
+    target_info = TargetInfo.from_target(target)
     return choose
 
 
@@ -101,10 +124,10 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         # sm_90 and sm_90a are one GPU (sm_90a only adds instructions): no warning between them
         if arch is not None and str(arch).rstrip("a") != str(target.attrs.get("arch")).rstrip("a"):
             other_archs.add(str(arch))
-        # Keep the Relax module's attributes (no global_symbol "main": that name is taken).
-        scheduled = sch.mod["main"].without_attr("global_symbol")
-        mod[gv] = scheduled.with_attr(dict(func.attrs, **{"tir.is_scheduled": True}))
-        tuned[gv.name_hint] = ConvWorkload.of(func).describe()
+        impl = registry.of_func(func)
+        mod[gv] = impl.tuned(sch.mod["main"], func, target)
+        decision = impl.decision(sch.mod["main"])
+        tuned[gv.name_hint] = ConvWorkload.of(func).describe() + (f" ({decision})" if decision else "")
     if stale:
         print(f"warning: tuning log {work_dir} holds schedules of an older template for {', '.join(stale)}: those "
               f"kernels get their default schedule (re-tune with `{tune_command(work_dir)}`)", file=sys.stderr)

@@ -23,6 +23,8 @@ def _build_function():
     with the pipeline and options every CUDA kernel of the project compiles with
     (``registry.compile_options``: the tensor-core family's passes, which leave other kernels
     alone), so the worker imports ``tvm_qconv`` (the repository is on its path, or installed).
+    A candidate whose trace only records a decision (the wgmma family's config) is replaced by
+    the kernel it stands for first (``registry.realize``).
     """
     def build(mod, target, _params):
         import tvm
@@ -30,6 +32,7 @@ def _build_function():
         from tvm_qconv import registry  # in the worker: registers the kernels' TIR pipeline
 
         options = registry.compile_options()
+        mod = registry.realize(mod, target)  # a wgmma candidate's trace -> its kernel
         with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
             # a runtime.Module, as the exporter expects
             return tvm.tirx.build(mod, target=target, pipeline=options["tir_pipeline"])

@@ -25,6 +25,7 @@ import threading
 import time
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from .. import registry
@@ -38,7 +39,7 @@ from ..ranges import Calibrate
 from ..target import TargetInfo, arch_runs_on, device_arch, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
-from .database import (CONFIG_FILE, canonicalize_database, db_files, mean_secs, prepare_implementations, repair_database,
+from .database import (CONFIG_FILE, FAILED_RUN_SECS, canonicalize_database, db_files, mean_secs, prepare_implementations, repair_database,
                        unpack_database, workload_key)
 from .progress import Progress, format_table, valid_secs
 from .tasks import KernelTask, extract_tasks
@@ -83,6 +84,47 @@ def check_config(work_dir: str, settings: dict) -> dict:
             raise InputError(f"{work_dir} holds tuning logs for {key}={cfg[key]}, not {settings[key]}: "
                              f"pick another --work-dir")
     return cfg
+
+
+def _trial_limit(task: KernelTask, trials_per_task: int) -> int:
+    """Valid trials that finish ``task``: ``trials_per_task``, or every point of a space the
+    tuner measures point by point (``search = "exhaustive"``: a handful, so ``--trials 1``
+    measures each sampled family's default and every wgmma tile)."""
+    if task.impl.search == "exhaustive":
+        return task.impl.space_size(task.workload)
+    return trials_per_task
+
+
+def _runner_worker_init() -> None:
+    """The local runner's worker process: register the host functions kernels call at launch
+    (the wgmma family's TMA im2col descriptor); the RPC server does the same."""
+    from ..schedules.wgmma import tensormap  # noqa: F401
+
+
+def _alloc_layer_args(device, args_info, alloc_repeat):
+    """The local runner's arguments: MetaSchedule's random fill, except the requantize constants
+    of a fused layer (``(data, weight, bias, mult, shift, out)``: three int32 vectors of one
+    shape), which get values a calibrated model has (biases of a few thousand, multipliers of
+    1e-4 to 1e-2 as mult / shift).  Random int32 shifts would run kernels down paths a model
+    never takes: the wgmma and stem kernels check the constants and fall back to their 64-bit
+    requantize, which is measured slower."""
+    import numpy as np
+    from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
+
+    from ..schedules.requantize import quantize_multiplier
+    repeated = default_alloc_argument(device, args_info, alloc_repeat)
+    specs = [tuple(info[1:]) if isinstance(info, (list, tuple)) else None for info in args_info]
+    if len(specs) != 6 or not all(spec and spec[0] == "int32" for spec in specs[2:5]) \
+            or len({tuple(spec[1]) for spec in specs[2:5]}) != 1:
+        return repeated
+    rng = np.random.default_rng(0)
+    shape = tuple(specs[2][1])
+    mult, shift = quantize_multiplier(rng.uniform(1e-4, 1e-2, shape))
+    for args in repeated:
+        args[2].copyfrom(rng.integers(-4096, 4096, shape).astype(np.int32))
+        args[3].copyfrom(mult.astype(np.int32))
+        args[4].copyfrom(shift.astype(np.int32))
+    return repeated
 
 
 def save_config(work_dir: str, settings: dict, previous: dict) -> None:
@@ -131,7 +173,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             build with the same ones.
         target, arch: ``cuda`` with its arch (``sm_90``...), or ``llvm`` (the CPU's conv, tuned
             on this CPU, or on the remote one of ``remote``; arch is ignored).
-        trials_per_task: valid measurements per task, those in the database included.
+        trials_per_task: valid measurements per task, those in the database included; a task
+            measured point by point (the wgmma family's tiles) measures its whole space.
         work_dir: the database folder (default ``tuning_logs/<model>-b<batch>-<arch>``).
         num_trials_per_iter: candidates built and measured per batch.
         max_workers: parallel builds (default: all CPU cores).
@@ -209,8 +252,9 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     canonicalize_database(work_dir)
     prepare_implementations()  # loading the records parses traces that name tensor intrinsics
     db = ms.database.JSONDatabase(work_dir=work_dir)
-    measured = {t.name: _measured(db, t, trials_per_task, previous.get("pruned_trials", {})) for t in tasks}
-    todo = [(t, trials_per_task - measured[t.name][0]) for t in tasks if measured[t.name][0] < trials_per_task]
+    limit = {t.name: _trial_limit(t, trials_per_task) for t in tasks}
+    measured = {t.name: _measured(db, t, limit[t.name], previous.get("pruned_trials", {})) for t in tasks}
+    todo = [(t, limit[t.name] - measured[t.name][0]) for t in tasks if measured[t.name][0] < limit[t.name]]
     servers = measured_on or 1
     if todo and runner is None and measured_on is None:
         servers = check_remote(remote, arch) if remote is not None else check_local_gpu(arch) if arch else 1
@@ -218,7 +262,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     save_config(work_dir, settings, previous)
     for t in tasks:
         print(f"[tune]   {t.name:<28} {t.workload.describe():<30} x{t.weight}  "
-              f"{measured[t.name][0]}/{trials_per_task} valid trials in the database")
+              f"{measured[t.name][0]}/{limit[t.name]} valid trials in the database")
     if todo:
         print(f"[tune] {len(todo)} task(s) to tune, {sum(n for _, n in todo)} trials "
               f"({len(tasks) - len(todo)} finished already)", flush=True)
@@ -231,7 +275,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
                                                tracker_key=remote.key, session_timeout_sec=RPC_SESSION_TIMEOUT_S),
                 evaluator_config=evaluator, max_workers=servers)
             print(f"[tune] measuring on {servers} RPC server(s) of {remote.describe()}", flush=True)
-        runner = runner or ms.runner.LocalRunner(evaluator_config=evaluator)
+        runner = runner or ms.runner.LocalRunner(evaluator_config=evaluator, initializer=_runner_worker_init,
+                                                 f_alloc_argument=_alloc_layer_args)
         try:
             _tune(tasks, todo, db, tgt, work_dir, num_trials_per_iter, seed, measured, builder, runner, space,
                   seed_default)
@@ -324,7 +369,7 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
     (``impl.seed``), so its trace is a valid start for the search's mutations.  All builds go
     in one batch.
     """
-    new = [t for t, _ in todo if progress.done[t.name] == 0]
+    new = [t for t, _ in todo if progress.done[t.name] == 0 and t.impl.search != "exhaustive"]
     if not new:
         return
     schs = []
@@ -354,6 +399,53 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
         workload = db.commit_workload(tvm.IRModule({"main": task.func}))
         db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, res.run_secs, tgt, args[task.name]))
         progress.record(task, secs, 1)
+
+
+def _measure_points(todo: list, db, tgt, builder, runner, progress: Progress) -> None:
+    """The tasks measured point by point (``search = "exhaustive"``: the wgmma family's tiles):
+    build every point of each space the database has no record of, up to the task's trial limit
+    (the first points first: point 0 is the default), all in one batch, measure each, and
+    commit every result (a failed point as a failed record, so a rerun does not retry it)."""
+    jobs = []  # (task, workload, schedule)
+    for task, _ in todo:
+        workload = db.commit_workload(tvm.IRModule({"main": task.func}))
+        seen = {_point(r.trace) for r in db.get_all_tuning_records()
+                if tvm_ffi.structural_equal(r.workload.mod, workload.mod)}
+        for index in range(progress.total[task.name]):
+            if index in seen:
+                continue
+            sch = tvm.s_tir.Schedule(task.func)
+            task.impl.trace_point(sch, task.workload, index)
+            jobs.append((task, workload, sch))
+    if not jobs:
+        return
+    print(f"[tune] measuring {len(jobs)} point(s) of {len({t.name for t, _, _ in jobs})} exhaustive task(s)",
+          flush=True)
+    built = builder.build([ms.builder.BuilderInput(sch.mod, task.impl.tuning_target(tgt)) for task, _, sch in jobs])
+    device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name  # the runner's device type
+    args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _, _ in jobs}
+    futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[t.name])])[0]
+               if b.error_msg is None else None for (t, _, _), b in zip(jobs, built)]
+    results: dict = {}
+    for (task, workload, sch), b, fut in zip(jobs, built, futures):
+        res = fut.result() if fut is not None else None
+        secs = valid_secs([b], [res]) if res is not None else []
+        if not secs:
+            err = b.error_msg or (res.error_msg if res is not None else "")
+            print(f"[tune] {task.name}: point {_point(sch.trace)} did not run: {_last_line(err)}", file=sys.stderr)
+        run_secs = res.run_secs if secs else [FAILED_RUN_SECS]
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, run_secs, tgt, args[task.name]))
+        results.setdefault(task.name, (task, []))[1].append(secs)
+    for task, outcomes in results.values():
+        progress.record(task, [s for secs in outcomes for s in secs], len(outcomes))
+
+
+def _point(trace) -> int | None:
+    """The point of an exhaustive space a trace is: its one categorical decision."""
+    for inst in trace.insts:
+        if inst.kind.name == "SampleCategorical":
+            return int(trace.decisions[inst])
+    return None
 
 
 def _last_line(err) -> str:
@@ -392,12 +484,13 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
         for h in unnamed:
             ms_logger.addHandler(h)
     seeds = ms.utils.fork_seed(seed + len(db), len(todo))
+    sampled = [(t, n) for t, n in todo if t.impl.search != "exhaustive"]
     contexts = {t.name: ms.TuneContext(mod=t.func, target=t.impl.tuning_target(tgt),
                                        space_generator=t.impl.space_generator(space or t.impl.spaces[0], t.func,
                                                                               t.impl.tuning_target(tgt)),
                                        search_strategy=_search_strategy(t.impl),
                                        task_name=t.name, rand_state=s, logger=loggers[t.name])
-                for (t, _), s in zip(todo, seeds)}
+                for (t, _), s in zip(todo, seeds) if t.impl.search != "exhaustive"}
     cost_model = ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=True)
     done = {t.name: measured[t.name][0] for t in tasks}
     best = {t.name: measured[t.name][1] for t in tasks if measured[t.name][1]}
@@ -407,13 +500,16 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     os.makedirs(os.path.dirname(progress.path), exist_ok=True)
     if seed_default:
         _seed_with_default(todo, db, tgt, builder, runner, progress)
+    exhaustive = [(t, n) for t, n in todo if t.impl.search == "exhaustive"]
+    if exhaustive:
+        _measure_points(exhaustive, db, tgt, builder, runner, progress)
     # Ctrl-C: MetaSchedule's C++ loop does not let a KeyboardInterrupt through cleanly (it was
     # swallowed, or became an empty RuntimeError, 2026-11-24), so the first Ctrl-C only sets a
     # flag: the round in flight finishes and is committed, Progress's callback then ends the
     # task, and the run stops with KeyboardInterrupt (cli.py: one line, exit 130).  A second
     # Ctrl-C interrupts at once.
     with _first_ctrl_c_sets(progress.stop):
-        _tune_each(todo, total, done, progress, contexts, work_dir, num_trials_per_iter, builder, runner, db,
+        _tune_each(sampled, total, done, progress, contexts, work_dir, num_trials_per_iter, builder, runner, db,
                    cost_model, seed)
     if progress.stop.is_set():
         raise KeyboardInterrupt

@@ -30,10 +30,10 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.stop = threading.Event()  # set by Ctrl-C (driver._tune): the next round's callback ends the run
 
     def model_us(self) -> float | None:
-        """Sum over tasks of occurrences x best time (us); None while a task has no time."""
-        if any(t.name not in self.best for t in self.tasks):
-            return None
-        return sum(t.weight * self.best[t.name] for t in self.tasks) * 1e6
+        """The model's conv time so far (us): over its distinct layers, occurrences x the best
+        time of any family's kernel for it (the tasks of one layer's families share its
+        workload); None while a layer has no time."""
+        return model_conv_us(self.tasks, self.best)
 
     def record(self, task: KernelTask, ok: list[float], tried: int) -> None:
         self.done[task.name] += len(ok)
@@ -56,6 +56,19 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.record(task, valid_secs(builder_results, runner_results), len(runner_results))
 
 
+def model_conv_us(tasks: list[KernelTask], best: dict) -> float | None:
+    """Sum over distinct layers of occurrences x the fastest family's ``best[task]`` (s) -> us;
+    None while a layer has no time."""
+    fastest: dict = {}  # workload -> (occurrences, best s)
+    for t in tasks:
+        secs = best.get(t.name)
+        weight, prev = fastest.get(t.workload, (t.weight, None))
+        fastest[t.workload] = (weight, secs if prev is None else prev if secs is None else min(prev, secs))
+    if any(secs is None for _, secs in fastest.values()):
+        return None
+    return sum(weight * secs for weight, secs in fastest.values()) * 1e6
+
+
 def valid_secs(builder_results, runner_results) -> list[float]:
     """Mean run time (s) of each candidate that built and ran."""
     ok = [mean_secs(r.run_secs) for b, r in zip(builder_results, runner_results)
@@ -65,7 +78,8 @@ def valid_secs(builder_results, runner_results) -> list[float]:
 
 def format_table(rows: list[dict]) -> str:
     """The per-task table: task, layer shape, occurrences (x), trials, best us, TOPS, % of peak;
-    the last line sums occurrences x best us (the model's conv time) where every task has one."""
+    the last line sums, over the distinct layers, occurrences x the best us of any family's task
+    (the model's conv time with the faster family per layer) where every layer has one."""
     has_peak = any("pct_peak" in r for r in rows)
     wt = max([len("all convs (x * best)")] + [len(r["task"]) for r in rows])
     ws = max([len("shape")] + [len(r["shape"]) for r in rows])
@@ -78,8 +92,13 @@ def format_table(rows: list[dict]) -> str:
         line = (f"{r['task']:<{wt}} {r['shape']:<{ws}} {r['occurrences']:>2} {r['trials']:>6} "
                 f"{num('best_us', '9.1f'):>9} {num('tops', '7.2f'):>7}")
         out.append(line + (f" {num('pct_peak', '6.1f'):>6}" if has_peak else ""))
-    if rows and all(r["best_us"] is not None for r in rows):
-        total = sum(r["occurrences"] * r["best_us"] for r in rows)
-        out.append(f"{'all convs (x * best)':<{wt}} {'':<{ws}} {sum(r['occurrences'] for r in rows):>2} "
+    fastest: dict = {}  # shape -> (occurrences, best us of any family)
+    for r in rows:
+        if r["best_us"] is not None:
+            occ, prev = fastest.get(r["shape"], (r["occurrences"], r["best_us"]))
+            fastest[r["shape"]] = (occ, min(prev, r["best_us"]))
+    if rows and len(fastest) == len({r["shape"] for r in rows}):
+        total = sum(occ * us for occ, us in fastest.values())
+        out.append(f"{'all convs (x * best)':<{wt}} {'':<{ws}} {sum(occ for occ, _ in fastest.values()):>2} "
                    f"{'':>6} {total:>9.1f}")
     return "\n".join(out)

@@ -23,6 +23,8 @@ from ..schedules.workload import ConvWorkload
 # Attributes the Relax module adds to a kernel that say nothing about its computation.
 _RELAX_ONLY_ATTRS = ("global_symbol", "op_pattern")
 _OWN_ATTR_PREFIX = "tvm_qconv."  # names the implementation and layer: not part of the computation
+# Kept in the task of an implementation that shares another's compute (``KernelImpl.own_task``).
+TASK_IMPL_ATTR = "qconv_task_impl"
 
 
 @dataclass
@@ -50,12 +52,18 @@ def task_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
     Drops what the Relax module added (its name, the FuseOps pattern) and this project's own
     ``tvm_qconv.*`` attributes, and adds what TuneContext's normalization would
     (``global_symbol`` "main", ``tirx.noalias``), so the structural match depends only on the
-    computation, not on where the function sat or which layer it serves.
+    computation, not on where the function sat or which layer it serves -- except where two
+    implementations share one compute definition (wgmma and mma.sync): an ``own_task``
+    implementation's task also names it, so each family's records stay its own.
     """
+    impl = registry.of_func(func)
     for key in list(func.attrs.keys()) if func.attrs is not None else []:
         if key in _RELAX_ONLY_ATTRS or str(key).startswith(_OWN_ATTR_PREFIX):
             func = func.without_attr(key)
-    return func.with_attr({"global_symbol": "main", "tirx.noalias": True})
+    attrs = {"global_symbol": "main", "tirx.noalias": True}
+    if impl is not None and impl.own_task:  # its compute is another family's: keep the records apart
+        attrs[TASK_IMPL_ATTR] = impl.name
+    return func.with_attr(attrs)
 
 
 def is_tunable(func) -> bool:
