@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trials-per-iter", type=_positive, default=32,
                    help="candidates built and measured per round (default 32)")
     p.add_argument("--space", default=None,
-                   help="search space by name (default: each kernel implementation's first); both families "
+                   help="search space by name (default: each kernel implementation's first; on sm_90a give "
+                        "--family mma or dp4a with it, wgmma's one space is its tiles); mma.sync and dp4a "
                         "have template (the default schedule's structure with its decisions searched); dp4a also "
                         "has mlt (MetaSchedule's generic multi-level tiling): see schedules/nchw4c/dp4a_space.py "
                         "and schedules/tensorcore/space.py")

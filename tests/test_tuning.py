@@ -679,3 +679,13 @@ def test_the_runner_gives_a_layer_the_requantize_constants_of_a_calibrated_model
     assert np.abs(bias).max() < 4096 and mult.min() >= 2 ** 30 and 33 <= shift.min() and shift.max() <= 62
     other = [["TENSOR", "float32", [4]], ["TENSOR", "float32", [4]]]   # not a fused layer: left random
     assert len(_alloc_layer_args(tvm.cpu(), other, 1)[0]) == 2
+
+
+def test_the_table_totals_each_layer_once_with_its_fastest_family():
+    from tvm_qconv.tuning.progress import format_table
+    row = lambda task, layer, us: dict(task=task, shape="64->64 3x3 s1 @56x56 b1", layer=layer, occurrences=2,
+                                       trials=1, best_us=us, tops=1.0)
+    # one layer's three families, and a layer of the same shape but other padding (its own row)
+    text = format_table([row("a_wgmma", "L1", 10.0), row("a_mma", "L1", 12.0), row("a_dp4a", "L1", 40.0),
+                         row("a_mma_2", "L2", 15.0)])
+    assert text.splitlines()[-1].split()[-1] == "50.0"   # 2 x 10 + 2 x 15

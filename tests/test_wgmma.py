@@ -66,9 +66,9 @@ def test_the_registry_keeps_narrow_layers_on_mma():
 
 
 def test_a_database_without_wgmma_records_does_not_displace_it():
-    # the measured chooser decides only where the database measured every tunable candidate of
-    # the layer (wgmma, mma.sync, dp4a); an older database of mma / dp4a records leaves the
-    # registry's order, which gives this layer of 196 tiles to wgmma
+    # the measured chooser decides only where the database measured the layer's default family
+    # (here wgmma) and another; an older database of mma / dp4a records leaves the registry's
+    # order, which gives this layer of 196 tiles to wgmma
     from tvm_qconv.tuning.apply import measured_chooser
 
     class Db:  # records of every workload but the wgmma task's
@@ -89,8 +89,8 @@ def test_a_database_without_wgmma_records_does_not_displace_it():
 
 
 def test_the_measured_pick_charges_a_layout_change_its_two_relayouts():
-    # ResNet-50's 64->256 1x1 at batch 1 (H200): mma.sync 6.5 us, dp4a 5.8 us, wgmma 10.6 us
-    # measured; dp4a would add a relayout in and one out (~6 us here), so mma.sync stays
+    # ResNet-50's 64->256 1x1 at batch 1: dp4a would add a relayout in and one out (~6 us), so
+    # a dp4a kernel 0.7 us faster than mma.sync does not move the layer
     from tvm_qconv.tuning.apply import measured_chooser, switch_seconds
     wl = conv_wl(1, 64, 56, 56, 256, kernel=(1, 1), padding=(0, 0, 0, 0))
 
@@ -113,9 +113,11 @@ def test_the_measured_pick_charges_a_layout_change_its_two_relayouts():
     assert [i.family for i in found] == ["wgmma", "mma", "dp4a"]
     assert 5e-6 < switch_seconds(wl) < 7e-6
     pick = lambda us: measured_chooser(Db(us), SM90A)("conv2d", wl, found)
-    assert pick(dict(wgmma=10.6, mma=6.5, dp4a=5.8)) == "conv2d.nhwc32.mma"
-    assert pick(dict(wgmma=10.6, mma=6.5, dp4a=0.4)) == "conv2d.nchw4c.dp4a"      # saves more than it costs
-    assert pick(dict(wgmma=6.4, mma=6.5, dp4a=5.8)) == "conv2d.nhwc32.wgmma"      # same layout: no charge
+    assert pick(dict(wgmma=30.6, mma=26.5, dp4a=25.8)) == "conv2d.nhwc32.mma"
+    assert pick(dict(wgmma=30.6, mma=26.5, dp4a=12.4)) == "conv2d.nchw4c.dp4a"    # saves more than it costs
+    assert pick(dict(wgmma=6.4, mma=6.5, dp4a=5.8)) is None     # the default under the runner's floor: kept
+    big = dict(wgmma=20.0, mma=30.0, dp4a=40.0)                   # (the 10 us floor scaled away)
+    assert pick(big) == "conv2d.nhwc32.wgmma"                     # same layout: no charge
 
 
 def test_im2col_map_gets_the_corners_strides_and_box_of_the_conv(monkeypatch):
@@ -228,7 +230,8 @@ class _TimesByCall(ms.runner.PyRunner):
     def run(self, inputs):
         out = []
         for _ in inputs:
-            out.append(_Done(self.times[min(self.calls, len(self.times) - 1)] * 1e-6))
+            us = self.times[min(self.calls, len(self.times) - 1)]
+            out.append(_Done(None if us is None else us * 1e-6))  # None: the run failed
             self.calls += 1
         return out
 
@@ -243,6 +246,8 @@ class _Done(ms.runner.PyRunnerFuture):
         return True
 
     def result(self):
+        if self.secs is None:
+            return ms.runner.RunnerResult(None, "made-up failure")
         return ms.runner.RunnerResult([self.secs], None)
 
 
@@ -265,6 +270,21 @@ def test_tuning_measures_each_wgmma_tile_once_and_a_rerun_none(tmp_path):
     tune_model("small_vgg", 1, arch="sm_90a", trials_per_task=64, work_dir=str(tmp_path), image_size=16,
                model=_small_vgg(), runner=runner, families=["wgmma"], max_workers=2)
     assert runner.calls == n
+
+
+def test_a_point_that_fails_counts_as_tried_and_a_rerun_or_a_prune_retries_nothing(tmp_path):
+    from tvm_qconv.tuning import prune_database, tune_model
+    wl = conv_wl(1, 64, 16, 16, 128)
+    n = IMPL.space_size(wl)
+    runner = _TimesByCall([30.0, None] + [20.0] * (n - 2))     # point 1 fails to run
+    args = dict(arch="sm_90a", trials_per_task=64, work_dir=str(tmp_path), image_size=16, runner=runner,
+                families=["wgmma"], max_workers=2)
+    rows = tune_model("small_vgg", 1, model=_small_vgg(), **args)
+    assert runner.calls == n and rows[0]["trials"] == n and rows[0]["best_us"] == pytest.approx(20.0)
+    tune_model("small_vgg", 1, model=_small_vgg(), **args)
+    prune_database(str(tmp_path))
+    rows = tune_model("small_vgg", 1, model=_small_vgg(), **args)
+    assert runner.calls == n and rows[0]["trials"] == n
 
 
 def test_a_database_that_measured_wgmma_fastest_builds_it_with_its_tile(tmp_path):

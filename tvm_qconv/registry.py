@@ -97,15 +97,17 @@ def tunable() -> list[KernelImpl]:
 
 
 def realize(mod, target):
-    """``mod`` with every function that a decision-only trace stands for replaced by its kernel
-    (``KernelImpl.realize``: the wgmma family's tuning candidates); the tuner's builder calls it."""
-    for gv, func in list(mod.functions.items()):
+    """A copy of ``mod`` with every function that a decision-only trace stands for replaced by
+    its kernel (``KernelImpl.realize``: the wgmma family's tuning candidates); the tuner's
+    builder calls it."""
+    out = mod.clone()
+    for gv, func in mod.functions.items():
         for impl in tunable():
             kernel = impl.realize(func, target) if isinstance(func, tvm_tirx.PrimFunc) else None
             if kernel is not None:
-                mod[gv] = tirx_kernel(func, kernel)
+                out[gv] = tirx_kernel(func, kernel)
                 break
-    return mod
+    return out
 
 
 def compile_options(impls=None) -> dict:

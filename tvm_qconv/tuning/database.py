@@ -300,7 +300,8 @@ def workload_key(mod: tvm.IRModule) -> str:
 
 
 def _count_pruned_trials(work_dir: str, records: list, workloads: list) -> None:
-    """Add the valid records a prune drops, per workload, to ``config.json``'s ``pruned_trials``:
+    """Add the valid records a prune drops, per workload, to ``config.json``'s ``pruned_trials``
+    (and the failed ones to ``pruned_failed``):
     a resumed run counts them as trials done (``driver._measured``), so re-running a pruned
     tuning command does not start over.  A folder without config.json (copied in) keeps none."""
     path = os.path.join(work_dir, CONFIG_FILE)
@@ -309,14 +310,23 @@ def _count_pruned_trials(work_dir: str, records: list, workloads: list) -> None:
     with open(path) as f:
         cfg = json.load(f)
     valid: dict[int, int] = {}
+    failed: dict[int, int] = {}
     for obj in records:
-        if record_secs(obj) is not None:
-            valid[obj[0]] = valid.get(obj[0], 0) + 1
+        if obj is None:
+            continue
+        counts = valid if record_secs(obj) is not None else failed
+        counts[obj[0]] = counts.get(obj[0], 0) + 1
     pruned = cfg.get("pruned_trials", {})
     for index, n in valid.items():
         key = workload_key(ms.database.Workload.from_json(workloads[index]).mod)
         pruned[key] = pruned.get(key, 0) + n - 1  # all but the one kept
     cfg["pruned_trials"] = pruned
+    # failed records, all dropped: a task measured point by point counts them as points tried
+    pruned_failed = cfg.get("pruned_failed", {})
+    for index, n in failed.items():
+        key = workload_key(ms.database.Workload.from_json(workloads[index]).mod)
+        pruned_failed[key] = pruned_failed.get(key, 0) + n
+    cfg["pruned_failed"] = pruned_failed
     write_json(path, cfg, indent=1)
 
 

@@ -25,7 +25,6 @@ import threading
 import time
 
 import tvm
-import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 
 from .. import registry
@@ -108,11 +107,20 @@ def _alloc_layer_args(device, args_info, alloc_repeat):
     1e-4 to 1e-2 as mult / shift).  Random int32 shifts would run kernels down paths a model
     never takes: the wgmma and stem kernels check the constants and fall back to their 64-bit
     requantize, which is measured slower."""
-    import numpy as np
     from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
+    return _fill_requantize(default_alloc_argument(device, args_info, alloc_repeat), args_info)
+
+
+def _alloc_layer_args_rpc(session, device, args_info, alloc_repeat):
+    """:func:`_alloc_layer_args` for MetaSchedule's RPCRunner (the tensors live on the server)."""
+    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
+    return _fill_requantize(default_alloc_argument(session, device, args_info, alloc_repeat), args_info)
+
+
+def _fill_requantize(repeated, args_info):
+    import numpy as np
 
     from ..schedules.requantize import quantize_multiplier
-    repeated = default_alloc_argument(device, args_info, alloc_repeat)
     specs = [tuple(info[1:]) if isinstance(info, (list, tuple)) else None for info in args_info]
     if len(specs) != 6 or not all(spec and spec[0] == "int32" for spec in specs[2:5]) \
             or len({tuple(spec[1]) for spec in specs[2:5]}) != 1:
@@ -131,21 +139,30 @@ def save_config(work_dir: str, settings: dict, previous: dict) -> None:
     """Write config.json: the latest settings, the first run's date and one entry per run."""
     run = {k: settings[k] for k in ("date", "trials_per_task", "only", "space", "families", "tvm_version")}
     cfg = dict(settings, created=previous.get("created", settings["date"]), runs=previous.get("runs", []) + [run],
-               pruned_trials=previous.get("pruned_trials", {}))
+               pruned_trials=previous.get("pruned_trials", {}), pruned_failed=previous.get("pruned_failed", {}))
     write_json(os.path.join(work_dir, CONFIG_FILE), cfg, indent=1)
 
 
-def _measured(db: ms.database.Database, task: KernelTask, limit: int, pruned: dict) -> tuple[int, float | None]:
-    """(valid trials of the task, up to ``limit``: its records and those a prune dropped
-    (``pruned``: config.json's ``pruned_trials``); best mean run time in s or None)."""
+def _measured(db: ms.database.Database, task: KernelTask, limit: int, pruned: dict,
+              pruned_failed: dict | None = None) -> tuple[int, float | None]:
+    """(trials of the task, up to ``limit``; best mean run time in s or None).  Trials are its
+    valid records and those a prune dropped (``pruned``: config.json's ``pruned_trials``); for a
+    task measured point by point (``search = "exhaustive"``) every point tried counts, failed
+    ones included (``pruned_failed``: the failed records a prune dropped), so a point that does
+    not build or run is not retried forever."""
     mod = tvm.IRModule({"main": task.func})
     if not db.has_workload(mod):
         return 0, None
-    top = db.get_top_k(db.commit_workload(mod), limit)  # valid records only, best first
+    workload = db.commit_workload(mod)
+    top = db.get_top_k(workload, limit)  # valid records only, best first
+    key = workload_key(mod)
+    if task.impl.search == "exhaustive":
+        tried = sum(1 for r in db.get_all_tuning_records() if r.workload.same_as(workload))
+        done = min(limit, tried + pruned.get(key, 0) + (pruned_failed or {}).get(key, 0))
+        return done, mean_secs(top[0].run_secs) if top else None
     if not top:
         return 0, None
-    done = min(limit, len(top) + pruned.get(workload_key(mod), 0))
-    return done, mean_secs(top[0].run_secs)
+    return min(limit, len(top) + pruned.get(key, 0)), mean_secs(top[0].run_secs)
 
 
 def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str = "sm_90",
@@ -190,8 +207,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
         space: the search space by name (e.g. the dp4a family's ``template`` or ``mlt``);
             default: each implementation's first.
         seed_default: measure the default schedule of each new task first.
-        families: tune only these kernel families (``mma``, ``dp4a``); default every family that
-            can run a layer, so the build can pick the faster one per layer.
+        families: tune only these kernel families (``wgmma``, ``mma``, ``dp4a``); default every
+            family that can run a layer, so the build can pick the fastest one per layer.
     Returns:
         One row per task (see :func:`format_table`), also printed: task, shape, occurrences,
         trials, best_us, tops, and pct_peak when ``peaks`` has the task's instruction.
@@ -253,7 +270,8 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     prepare_implementations()  # loading the records parses traces that name tensor intrinsics
     db = ms.database.JSONDatabase(work_dir=work_dir)
     limit = {t.name: _trial_limit(t, trials_per_task) for t in tasks}
-    measured = {t.name: _measured(db, t, limit[t.name], previous.get("pruned_trials", {})) for t in tasks}
+    pruned = previous.get("pruned_trials", {}), previous.get("pruned_failed", {})
+    measured = {t.name: _measured(db, t, limit[t.name], *pruned) for t in tasks}
     todo = [(t, limit[t.name] - measured[t.name][0]) for t in tasks if measured[t.name][0] < limit[t.name]]
     servers = measured_on or 1
     if todo and runner is None and measured_on is None:
@@ -273,7 +291,7 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             runner = ms.runner.RPCRunner(
                 rpc_config=ms.runner.RPCConfig(tracker_host=remote.tracker_host, tracker_port=remote.tracker_port,
                                                tracker_key=remote.key, session_timeout_sec=RPC_SESSION_TIMEOUT_S),
-                evaluator_config=evaluator, max_workers=servers)
+                evaluator_config=evaluator, max_workers=servers, f_alloc_argument=_alloc_layer_args_rpc)
             print(f"[tune] measuring on {servers} RPC server(s) of {remote.describe()}", flush=True)
         runner = runner or ms.runner.LocalRunner(evaluator_config=evaluator, initializer=_runner_worker_init,
                                                  f_alloc_argument=_alloc_layer_args)
@@ -284,11 +302,12 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
             if own_builder:
                 builder.shutdown()
     else:
-        print(f"[tune] every task has {trials_per_task} valid trials already: nothing to tune", flush=True)
+        print(f"[tune] every task has its trials already ({trials_per_task} valid, or every point of a wgmma "
+              f"tile space): nothing to tune", flush=True)
     rows = []
     for t in tasks:
-        trials, secs = _measured(db, t, 1 << 30, previous.get("pruned_trials", {}))
-        row = dict(task=t.name, shape=t.workload.describe(), occurrences=t.weight, trials=trials,
+        trials, secs = _measured(db, t, 1 << 30, *pruned)
+        row = dict(task=t.name, shape=t.workload.describe(), layer=str(t.workload), occurrences=t.weight, trials=trials,
                    best_us=secs * 1e6 if secs else None, tops=t.workload.ops / secs / 1e12 if secs else None)
         peak = (peaks or {}).get(t.impl.instruction)
         if peak:
@@ -409,8 +428,7 @@ def _measure_points(todo: list, db, tgt, builder, runner, progress: Progress) ->
     jobs = []  # (task, workload, schedule)
     for task, _ in todo:
         workload = db.commit_workload(tvm.IRModule({"main": task.func}))
-        seen = {_point(r.trace) for r in db.get_all_tuning_records()
-                if tvm_ffi.structural_equal(r.workload.mod, workload.mod)}
+        seen = {_point(r.trace) for r in db.get_all_tuning_records() if r.workload.same_as(workload)}
         for index in range(progress.total[task.name]):
             if index in seen:
                 continue
@@ -424,11 +442,13 @@ def _measure_points(todo: list, db, tgt, builder, runner, progress: Progress) ->
     built = builder.build([ms.builder.BuilderInput(sch.mod, task.impl.tuning_target(tgt)) for task, _, sch in jobs])
     device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name  # the runner's device type
     args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _, _ in jobs}
-    futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[t.name])])[0]
-               if b.error_msg is None else None for (t, _, _), b in zip(jobs, built)]
     results: dict = {}
-    for (task, workload, sch), b, fut in zip(jobs, built, futures):
-        res = fut.result() if fut is not None else None
+    for (task, workload, sch), b in zip(jobs, built):
+        if progress.stop.is_set():  # Ctrl-C: what is measured is committed; the rest waits for a rerun
+            break
+        # one at a time, each committed as it comes: an interrupt keeps every finished point
+        res = runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[task.name])])[0].result() \
+            if b.error_msg is None else None
         secs = valid_secs([b], [res]) if res is not None else []
         if not secs:
             err = b.error_msg or (res.error_msg if res is not None else "")
@@ -501,14 +521,14 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
     if seed_default:
         _seed_with_default(todo, db, tgt, builder, runner, progress)
     exhaustive = [(t, n) for t, n in todo if t.impl.search == "exhaustive"]
-    if exhaustive:
-        _measure_points(exhaustive, db, tgt, builder, runner, progress)
     # Ctrl-C: MetaSchedule's C++ loop does not let a KeyboardInterrupt through cleanly (it was
     # swallowed, or became an empty RuntimeError, 2026-11-24), so the first Ctrl-C only sets a
     # flag: the round in flight finishes and is committed, Progress's callback then ends the
     # task, and the run stops with KeyboardInterrupt (cli.py: one line, exit 130).  A second
     # Ctrl-C interrupts at once.
     with _first_ctrl_c_sets(progress.stop):
+        if exhaustive:
+            _measure_points(exhaustive, db, tgt, builder, runner, progress)
         _tune_each(sampled, total, done, progress, contexts, work_dir, num_trials_per_iter, builder, runner, db,
                    cost_model, seed)
     if progress.stop.is_set():
