@@ -397,7 +397,8 @@ def test_tune_model_resumes_from_the_database(small_int8, tuned_db, tmp_path, ca
                       only=[tasks[1].name], peaks={"dp4a": 100.0})
     out = capsys.readouterr().out
     assert "nothing to tune" in out and "16->16 3x3 s1 @32x32 b1" in out
-    assert rows == [dict(task=tasks[1].name, shape="16->16 3x3 s1 @32x32 b1", occurrences=2, trials=2,
+    assert rows == [dict(task=tasks[1].name, shape="16->16 3x3 s1 @32x32 b1", layer=str(tasks[1].workload),
+                         occurrences=2, trials=2,
                          best_us=pytest.approx(5.0), tops=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12),
                          pct_peak=pytest.approx(tasks[1].workload.ops / 5e-6 / 1e12))]  # of dp4a's 100 TOPS
     cfg = json.loads((tmp_path / "config.json").read_text())
