@@ -249,6 +249,9 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     t0 = time.time()
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
     if not tasks:
+        if families:  # e.g. --family wgmma on a plain sm_90 target
+            raise InputError(f"no layer of {model_name} runs on kernel family {', '.join(families)} for "
+                             f"{arch or target}: wgmma needs --arch sm_90a, mma sm_80+, dp4a sm_61+")
         raise InputError(f"{model_name} has no tunable int8 kernel")
     if only:
         names = [t.name for t in tasks]
@@ -386,7 +389,7 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
 
     The default is the implementation's first space with the heuristic decisions
     (``impl.seed``), so its trace is a valid start for the search's mutations.  All builds go
-    in one batch.
+    in one batch (:func:`_build_and_measure`).
     """
     new = [t for t, _ in todo if progress.done[t.name] == 0 and t.impl.search != "exhaustive"]
     if not new:
@@ -402,30 +405,18 @@ def _seed_with_default(todo: list, db, tgt, builder, runner, progress: Progress)
             print(f"[tune] {task.name}: the default schedule fails the GPU checks; not seeded", file=sys.stderr)
             sch = None
         schs.append(sch)
-    pairs = [(t, sch) for t, sch in zip(new, schs) if sch is not None]
-    built = builder.build([ms.builder.BuilderInput(sch.mod, t.impl.tuning_target(tgt)) for t, sch in pairs])
-    args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _ in pairs}
-    device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name  # the runner's device type
-    futures = [runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[t.name])])[0]
-               if b.error_msg is None else None for (t, _), b in zip(pairs, built)]
-    for (task, sch), b, fut in zip(pairs, built, futures):
-        res = fut.result() if fut is not None else None
-        secs = valid_secs([b], [res]) if res is not None else []
-        if not secs:
-            err = b.error_msg or (res.error_msg if res is not None else "")
-            print(f"[tune] {task.name}: the default schedule did not run: {_last_line(err)}", file=sys.stderr)
-            continue
-        workload = db.commit_workload(tvm.IRModule({"main": task.func}))
-        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, res.run_secs, tgt, args[task.name]))
-        progress.record(task, secs, 1)
+    jobs = [(t, sch, "the default schedule") for t, sch in zip(new, schs) if sch is not None]
+    for task, outcomes in _build_and_measure(jobs, db, tgt, builder, runner, progress, commit_failed=False).values():
+        progress.record(task, outcomes[0], 1)
 
 
 def _measure_points(todo: list, db, tgt, builder, runner, progress: Progress) -> None:
     """The tasks measured point by point (``search = "exhaustive"``: the wgmma family's tiles):
     build every point of each space the database has no record of, up to the task's trial limit
     (the first points first: point 0 is the default), all in one batch, measure each, and
-    commit every result (a failed point as a failed record, so a rerun does not retry it)."""
-    jobs = []  # (task, workload, schedule)
+    commit every result (a failed point as a failed record, so a rerun does not retry it:
+    :func:`_build_and_measure`)."""
+    jobs = []  # (task, schedule, label)
     for task, _ in todo:
         workload = db.commit_workload(tvm.IRModule({"main": task.func}))
         seen = {_point(r.trace) for r in db.get_all_tuning_records() if r.workload.same_as(workload)}
@@ -434,30 +425,39 @@ def _measure_points(todo: list, db, tgt, builder, runner, progress: Progress) ->
                 continue
             sch = tvm.s_tir.Schedule(task.func)
             task.impl.trace_point(sch, task.workload, index)
-            jobs.append((task, workload, sch))
+            jobs.append((task, sch, f"point {index}"))
     if not jobs:
         return
     print(f"[tune] measuring {len(jobs)} point(s) of {len({t.name for t, _, _ in jobs})} exhaustive task(s)",
           flush=True)
-    built = builder.build([ms.builder.BuilderInput(sch.mod, task.impl.tuning_target(tgt)) for task, _, sch in jobs])
+    for task, outcomes in _build_and_measure(jobs, db, tgt, builder, runner, progress, commit_failed=True).values():
+        progress.record(task, [s for secs in outcomes for s in secs], len(outcomes))
+
+
+def _build_and_measure(jobs: list, db, tgt, builder, runner, progress: Progress, commit_failed: bool) -> dict:
+    """Build the ``(task, schedule, label)`` jobs in one batch, then measure them one at a time,
+    committing each record as it comes (an interrupt keeps every finished one; after Ctrl-C the
+    rest wait for a rerun).  ``commit_failed``: a job that does not build or run is committed as
+    a failed record too.  Returns {task name: (task, [valid run times of each measured job])}."""
+    built = builder.build([ms.builder.BuilderInput(sch.mod, task.impl.tuning_target(tgt)) for task, sch, _ in jobs])
     device = "cpu" if tgt.kind.name == "llvm" else tgt.kind.name  # the runner's device type
-    args = {t.name: ms.arg_info.ArgInfo.from_prim_func(t.func) for t, _, _ in jobs}
     results: dict = {}
-    for (task, workload, sch), b in zip(jobs, built):
-        if progress.stop.is_set():  # Ctrl-C: what is measured is committed; the rest waits for a rerun
+    for (task, sch, label), b in zip(jobs, built):
+        if progress.stop.is_set():
             break
-        # one at a time, each committed as it comes: an interrupt keeps every finished point
-        res = runner.run([ms.runner.RunnerInput(b.artifact_path, device, args[task.name])])[0].result() \
+        args = ms.arg_info.ArgInfo.from_prim_func(task.func)
+        res = runner.run([ms.runner.RunnerInput(b.artifact_path, device, args)])[0].result() \
             if b.error_msg is None else None
         secs = valid_secs([b], [res]) if res is not None else []
         if not secs:
             err = b.error_msg or (res.error_msg if res is not None else "")
-            print(f"[tune] {task.name}: point {_point(sch.trace)} did not run: {_last_line(err)}", file=sys.stderr)
-        run_secs = res.run_secs if secs else [FAILED_RUN_SECS]
-        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, run_secs, tgt, args[task.name]))
+            print(f"[tune] {task.name}: {label} did not run: {_last_line(err)}", file=sys.stderr)
+        if secs or commit_failed:
+            workload = db.commit_workload(tvm.IRModule({"main": task.func}))
+            db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, res.run_secs if secs
+                                                             else [FAILED_RUN_SECS], tgt, args))
         results.setdefault(task.name, (task, []))[1].append(secs)
-    for task, outcomes in results.values():
-        progress.record(task, [s for secs in outcomes for s in secs], len(outcomes))
+    return results
 
 
 def _point(trace) -> int | None:
