@@ -95,6 +95,7 @@ class KernelImpl:
         instruction: the int8 instruction its math runs on, as ``benchmarks/int8_peaks.py``
             names the paths it measures (``dp4a``, ``mma.sync``): the peak that its "% of
             peak" figures refer to; empty = none measured.
+        runs_on: the target it needs, in words for messages (``CUDA sm_80+``); empty = any.
     """
 
     name: str = ""
@@ -106,6 +107,7 @@ class KernelImpl:
     search: str = "evolutionary"
     own_task: bool = False
     instruction: str = ""
+    runs_on: str = ""
 
     def input_layout(self) -> str:
         """The layout its int8 input is read in (:attr:`in_layout`, else :attr:`layout`)."""

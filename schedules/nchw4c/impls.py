@@ -60,6 +60,7 @@ class Conv2dDepthwise(KernelImpl):
     op = "conv2d"
     layout = LAYOUT.name
     family = "depthwise"
+    runs_on = "CUDA or CPU"
     SCHEDULES = {"cuda": depthwise.schedule_cuda, "llvm": lambda func, target: depthwise.schedule_cpu(func)}
 
     def applies(self, wl: ConvWorkload, target) -> bool:
@@ -85,6 +86,7 @@ class Conv2dDepthwise(KernelImpl):
 class Conv2dDp4a(_Conv2dNCHW4c):
     name = "conv2d.nchw4c.dp4a"
     family = "dp4a"
+    runs_on = "CUDA sm_61+"
     spaces = dp4a_space.SPACES
     instruction = "dp4a"
 
@@ -109,6 +111,7 @@ class Conv2dDp4a(_Conv2dNCHW4c):
 class Conv2dCpu(_Conv2dNCHW4c):
     name = "conv2d.nchw4c.cpu"
     family = "cpu"
+    runs_on = "a CPU (llvm)"
     spaces = cpu_space.SPACES
     search = "replay_func"  # the oc tile is also the accumulator's layout (cpu_space.py)
 

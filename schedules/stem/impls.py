@@ -35,6 +35,7 @@ class Conv2dStem(KernelImpl):
     layout = NHWC32.name
     in_layout = NCHW4C.name
     family = "stem"
+    runs_on = "CUDA sm_80+"
     spaces = ()
     instruction = "mma.sync"
 

@@ -50,6 +50,7 @@ class Conv2dMma(KernelImpl):
     op = "conv2d"
     layout = LAYOUT.name
     family = "mma"
+    runs_on = "CUDA sm_80+"
     spaces = space.SPACES
     instruction = "mma.sync"
 
@@ -114,6 +115,7 @@ class DenseMma(KernelImpl):
     op = "dense"
     layout = "rows"
     family = "mma"
+    runs_on = "CUDA sm_80+"
     instruction = "mma.sync"
 
     def applies(self, wl: DenseWorkload, target) -> bool:

@@ -40,6 +40,7 @@ class Conv2dWgmma(Conv2dMma):
 
     name = "conv2d.nhwc32.wgmma"
     family = "wgmma"
+    runs_on = "--arch sm_90a (Hopper)"
     spaces = ("configs",)
     search = "exhaustive"
     own_task = True
