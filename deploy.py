@@ -18,7 +18,7 @@ import time
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float, positive_int as _positive
 from tvm_qconv.compare.baselines import BASELINE_KEYS
-from tvm_qconv.config import CALIBRATIONS, PRESETS
+from tvm_qconv.config import ACCURACY_TARGET_DB, CALIBRATIONS, PRESETS
 from tvm_qconv.errors import InputError
 
 EXIT_UNVERIFIED = 3  # built, but its outputs disagree with the float model's (2: bad input)
@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-floor-db", type=float, default=None, metavar="DB",
                    help="fail the build when its logits' SQNR against the float model is under DB, and then "
                         "print each layer's SQNR (default 15)")
+    b.add_argument("--accuracy-target", type=float, default=ACCURACY_TARGET_DB, metavar="DB",
+                   help="where the verified logits SQNR is under DB, also name the layers that lose the most "
+                        f"(a second build at batch 1 that returns every int8 activation; default {ACCURACY_TARGET_DB:g}, "
+                        "0 turns it off)")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -236,10 +240,13 @@ def cmd_build(args) -> int:
                             image_size=image_size, tuning_log=args.tuning_log, ignore_stale=args.ignore_stale,
                             cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
-                            families=tuple(args.family) if args.family else None, **floor)
+                            families=tuple(args.family) if args.family else None,
+                            accuracy_target_db=args.accuracy_target or None, **floor)
 
     floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
 
+    if args.accuracy_target < 0:
+        raise InputError(f"--accuracy-target is a logits SQNR in dB (>= 0, 0 = off), got {args.accuracy_target:g}")
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")

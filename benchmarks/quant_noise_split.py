@@ -104,8 +104,19 @@ def quantize_activations(model: nn.Module, calib: torch.Tensor, percentile: floa
         h.remove()
     amax = {k: float(np.percentile(torch.cat(v).numpy(), percentile)) for k, v in seen.items()}
     for m in mods:
-        m.register_forward_hook(lambda mod, i, o: fake_quant(o, amax[id(mod)]))
+        m.register_forward_hook(_rounding_hook(amax[id(m)]))
     return float(np.percentile(calib.abs().numpy(), percentile))
+
+
+OWN_SQNR: dict = {}  # module -> SQNR (dB) of its int8 output against its float output, last forward
+
+
+def _rounding_hook(amax: float):
+    def hook(mod, i, o):
+        q = fake_quant(o, amax)
+        OWN_SQNR[mod] = sqnr_db(o.numpy(), q.numpy())
+        return q
+    return hook
 
 
 def main(argv=None):
@@ -115,6 +126,9 @@ def main(argv=None):
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--calib", choices=["first", "last"], default="last",
                     help="calibrate on scikit-image's first 8 photos (objects) or last 7 (textures)")
+    ap.add_argument("--eval-on-calib", action="store_true",
+                    help="measure on the calibration photos themselves (no range mismatch: rounding and "
+                         "percentile clipping only)")
     ap.add_argument("--percentile", type=float, default=99.99)
     ap.add_argument("--per-tensor", action="store_true", help="also each kept activation alone in int8")
     ap.add_argument("--keep-float", nargs="+", default=[], metavar="MODULE",
@@ -126,6 +140,8 @@ def main(argv=None):
     KEEP_FLOAT = tuple(args.keep_float)
     photos = torch.from_numpy(skimage_photos(args.size))
     calib, held = (photos[:8], photos[8:]) if args.calib == "first" else (photos[8:], photos[:8])
+    if args.eval_on_calib:
+        held = calib
 
     def fresh():
         return fold_batch_norms(load_model(args.model, args.weights).eval())
@@ -154,18 +170,23 @@ def main(argv=None):
         for i, label in enumerate(labels):
             model = fresh()
             quantize_activations(model, calib, args.percentile, only=i)
+            OWN_SQNR.clear()
             with torch.no_grad():
-                alone.append(dict(tensor=label, sqnr_db=round(sqnr_db(ref, model(held).numpy()), 2)))
+                logits = sqnr_db(ref, model(held).numpy())
+            # own: the tensor's int8 rounding against its float value; the logits' SQNR below it
+            # is how much the rest of the network amplifies that noise
+            alone.append(dict(tensor=label, sqnr_db=round(logits, 2), own_sqnr_db=round(next(iter(OWN_SQNR.values())), 2)))
         alone.sort(key=lambda r: r["sqnr_db"])
         rows.append(dict(case="each activation alone in int8 (worst first)", tensors=alone))
         for r in alone[:12]:
-            print(f"{r['tensor']:>30} alone: {r['sqnr_db']:6.2f} dB", flush=True)
+            print(f"{r['tensor']:>30} alone: logits {r['sqnr_db']:6.2f} dB (the tensor itself {r['own_sqnr_db']:6.2f} dB)",
+                  flush=True)
     os.makedirs(args.out, exist_ok=True)
     res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="python " + " ".join(sys.argv),
                model=args.model, weights=os.path.basename(args.weights), size=args.size, calib=args.calib,
-               keep_float=list(args.keep_float),
+               keep_float=list(args.keep_float), eval_on_calib=args.eval_on_calib,
                percentile=args.percentile, rows=rows)
-    tag = "_keep_float" if args.keep_float else ""
+    tag = ("_keep_float" if args.keep_float else "") + ("_eval_on_calib" if args.eval_on_calib else "")
     with open(os.path.join(args.out, f"quant_noise_split_{args.model}{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res

@@ -5,11 +5,16 @@ of the int8 library (batch 1 and 64, Relax CUDA graphs) beside PyTorch fp16 with
     python benchmarks/zoo.py --size 64 --calibrations percentile max entropy mse --out results/
     python benchmarks/zoo.py --models mobilenet_v2 --per-layer --out results/          # where it is lost
     python benchmarks/zoo.py --target cuda --size 224 --batches 1 64 --jobs 8 --out results/   # on the GPU
+    python benchmarks/zoo.py --target cuda --arch sm_90a --size 224 --batches 1 64 --no-verify-builds \
+        --tuning-logs zoo_logs --tune --jobs 8 --out results/       # + tuned: every family's default, wgmma tiles
 
 The models are the zoo test's (``tests/test_zoo.py``: random init, last layer's bias zeroed,
 GoogLeNet with PyTorch's default init), calibrated on scikit-image's photos; SQNR is the build's
-own verification (logits on the calibration photos).  Writes ``<out>/zoo_<target>.json`` and
-prints a markdown table.
+own verification (logits on the calibration photos).  With ``--tuning-logs DIR`` each timed model
+is also built and timed with its database ``DIR/<model>-b<batch>-<arch>`` where there is one;
+``--tune`` first makes the missing ones (``tune.py``'s ``--trials 1``: each kernel family's
+default schedule and every wgmma tile measured once per layer, one model after another on the
+GPU).  Writes ``<out>/zoo_<target>.json`` and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.test_zoo import ZOO, zoo_model  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
+from tvm_qconv.compare.run import tuning_log_for  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.ranges import Calibrate  # noqa: E402
@@ -55,9 +61,10 @@ def _build(arg) -> dict:
     if kind == "verify":
         options = BuildOptions(target=target, arch=arch, image_size=size, **floor)
         lib = f"/tmp/tvm_qconv_zoo/{name}_{calibration}.so"
-    else:
-        options = BuildOptions(target="cuda", arch=arch, image_size=size, batch=bs, cuda_graph=True, verify=False)
-        lib = f"/tmp/tvm_qconv_zoo/{name}_b{bs}.so"
+    else:  # "time" (default schedules) or "tuned" (floor holds its tuning_log)
+        options = BuildOptions(target="cuda", arch=arch, image_size=size, batch=bs, cuda_graph=True, verify=False,
+                               **floor)
+        lib = f"/tmp/tvm_qconv_zoo/{name}_b{bs}_{kind}.so"
     t = time.time()
     res = compile_model(zoo_model(name), lib, name=name, progress=False, options=options,
                         config=QuantConfig(calibration=calibration, num_calib_images=images),
@@ -66,6 +73,27 @@ def _build(arg) -> dict:
     return dict(build_s=round(time.time() - t, 1), lib_path=res.lib_path, verify=res.report.get("verify", {}),
                 int8_layers=f"{sum(r['dtype'] == 'int8' for r in layers)}/{len(layers)}",
                 float_ops=res.report["float_ops"])
+
+
+def tune_missing(args) -> dict:
+    """Tune, one after another on this GPU, every (model, batch) of the run that has no database
+    in ``args.tuning_logs`` (``--trials 1``); returns the seconds each took."""
+    from tvm_qconv.tuning import tune_model
+    seconds = {}
+    for name in args.models:
+        for bs in args.batches:
+            if tuning_log_for(args.tuning_logs, name, bs, args.arch):
+                continue
+            t = time.time()
+            try:
+                tune_model(name, bs, arch=args.arch, trials_per_task=1, image_size=model_size(name, args.size),
+                           work_dir=os.path.join(args.tuning_logs, f"{name}-b{bs}-{args.arch}"), model=zoo_model(name))
+            except Exception as err:  # noqa: BLE001 - one model's failure is a result, not the end of the run
+                print(f"TUNING FAILED {name} b{bs}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                continue
+            seconds[(name, bs)] = round(time.time() - t, 1)
+            print(f"tuned {name} b{bs} in {seconds[(name, bs)]} s", flush=True)
+    return seconds
 
 
 def _save(args, rows) -> list:
@@ -94,18 +122,36 @@ def main(argv=None):
                     help="seconds for all builds; then time what was built and drop the rest")
     ap.add_argument("--no-verify-builds", action="store_true",
                     help="(cuda) only the timed libraries: skip the calibration-method builds and their SQNR")
+    ap.add_argument("--tuning-logs", default=None, metavar="DIR",
+                    help="(cuda) also time each model with its database DIR/<model>-b<batch>-<arch>, where there is one")
+    ap.add_argument("--tune", action="store_true",
+                    help="(with --tuning-logs) first tune the models that have no database there (tune.py --trials 1)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if (args.tune or args.tuning_logs) and (args.target != "cuda" or not args.batches):
+        ap.error("--tuning-logs / --tune time tuned GPU libraries: give --target cuda and --batches")
+    if args.tune and not args.tuning_logs:
+        ap.error("--tune writes into --tuning-logs DIR: give the folder")
+    if args.tuning_logs and not os.path.isdir(args.tuning_logs):
+        if not args.tune:
+            ap.error(f"--tuning-logs {args.tuning_logs}: no such folder (--tune makes it)")
+        os.makedirs(args.tuning_logs)
     if args.target == "cuda" and args.arch is None:
         major, minor = torch.cuda.get_device_capability(0)
         args.arch = f"sm_{major}{minor}"
+    tune_s = tune_missing(args) if args.tune else {}
     # a floor no build reaches makes the verification report every layer's SQNR
     floor = dict(verify_floor_db=float("inf")) if args.per_layer else {}
     jobs = [("verify", name, calibration, None, floor) for name in args.models for calibration in args.calibrations]
     if args.target == "cuda" and args.no_verify_builds:
         jobs = []
     jobs += [("time", name, "percentile", bs, {}) for name in args.models for bs in args.batches]
+    for name in args.models if args.target == "cuda" else ():
+        for bs in args.batches:
+            log = tuning_log_for(args.tuning_logs, name, bs, args.arch)
+            if log:
+                jobs.append(("tuned", name, "percentile", bs, dict(tuning_log=log)))
     # builds run in parallel worker processes; every timing runs afterwards, alone on the GPU
     rows = {name: dict(model=name, size=model_size(name, args.size)) for name in args.models}
     built = {}
@@ -147,18 +193,24 @@ def main(argv=None):
                 row[f"layers_{calibration}"] = {r["layer"]: round(r["sqnr_db"], 1) for r in res["verify"]["layers"]}
             continue
         row.setdefault("int8_layers", res["int8_layers"])
-        row[f"build_b{bs}_s"] = res["build_s"]
         size = row["size"]
         photos_b = np.concatenate([skimage_photos(size)] * (-(-bs // 15)))[:bs]
-        row[f"int8_b{bs}_ms"] = CompiledModel(res["lib_path"]).benchmark(photos_b, number=10 if bs == 1 else 3,
-                                                                         repeat=10)["median_ms"]
+        ms = CompiledModel(res["lib_path"]).benchmark(photos_b, number=10 if bs == 1 else 3, repeat=10)["median_ms"]
+        if kind == "tuned":
+            row[f"int8_tuned_b{bs}_ms"] = ms
+            row[f"tune_b{bs}_s"] = tune_s.get((name, bs))
+            print(json.dumps(row), flush=True)
+            _save(args, rows)
+            continue
+        row[f"build_b{bs}_s"] = res["build_s"]
+        row[f"int8_b{bs}_ms"] = ms
         row[f"torch_fp16_graph_b{bs}_ms"] = torch_fp16_graph_ms(zoo_model(name), photos_b)
         print(json.dumps(row), flush=True)
         _save(args, rows)
     rows = _save(args, rows)
     if not rows:
         return
-    cols = [k for k in rows[0] if k.startswith(("sqnr_", "int8_b", "torch_"))]
+    cols = list(dict.fromkeys(k for r in rows for k in r if k.startswith(("sqnr_", "int8_b", "int8_tuned_b", "torch_"))))
     print("| model | size | int8 layers | float ops | build s | " + " | ".join(cols) + " |")
     print("|---" * (5 + len(cols)) + "|")
     for r in rows:

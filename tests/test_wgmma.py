@@ -120,6 +120,24 @@ def test_the_measured_pick_charges_a_layout_change_its_two_relayouts():
     assert pick(big) == "conv2d.nhwc32.wgmma"                     # same layout: no charge
 
 
+def test_the_tuners_model_time_is_the_families_the_build_picks():
+    # the progress line and the table's total follow the build's rule (apply.pick), relayouts
+    # charged, not the fastest family's bare time
+    from tvm_qconv.tuning.apply import switch_seconds
+    from tvm_qconv.tuning.progress import model_conv_us
+    from tvm_qconv.tuning.tasks import KernelTask
+    wl = conv_wl(1, 64, 56, 56, 256, kernel=(1, 1), padding=(0, 0, 0, 0))
+    tasks = [KernelTask("l_mma", registry.get("conv2d.nhwc32.mma"), wl, None, 3, default=True),
+             KernelTask("l_dp4a", registry.get("conv2d.nchw4c.dp4a"), wl, None, 3, default=False),
+             KernelTask("l_wgmma", registry.get("conv2d.nhwc32.wgmma"), wl, None, 3, default=False)]
+    us = lambda **t: model_conv_us(tasks, {f"l_{k}": v * 1e-6 for k, v in t.items()})  # noqa: E731
+    assert us(mma=26.5, dp4a=25.8, wgmma=30.6) == pytest.approx(3 * 26.5)   # dp4a saves less than it costs
+    assert us(mma=26.5, dp4a=12.4, wgmma=30.6) == pytest.approx(3 * (12.4 + switch_seconds(wl) * 1e6))
+    assert us(mma=6.5, dp4a=5.8) == pytest.approx(3 * 6.5)                  # kept: under the floor, and relayouts
+    assert us(dp4a=5.8) == pytest.approx(3 * 5.8)     # default not tuned (--family dp4a): what was measured
+    assert us() is None
+
+
 def test_im2col_map_gets_the_corners_strides_and_box_of_the_conv(monkeypatch):
     # the host encoder's arguments reach cuTensorMapEncodeIm2col in the driver's order
     # (dims innermost first: C, W, H, N), checked against a stand-in driver

@@ -53,6 +53,9 @@ class BuildOptions:
         verify: run the built library on a few calibration images and compare its logits with
             the float model's (``tvm_qconv/verify.py``); under ``verify_floor_db`` the report
             names the first layer whose int8 activations diverge.
+        accuracy_target_db: where the verified logits SQNR is under this (e.g. 30), the report
+            also names the layers that lose the most (``verify.losses``: a second build at batch
+            1 that returns every int8 activation); None: only under the floor.
     """
 
     target: str = "llvm"
@@ -68,6 +71,7 @@ class BuildOptions:
     families: tuple[str, ...] | None = None
     verify: bool = True
     verify_floor_db: float = verify_mod.FLOOR_DB
+    accuracy_target_db: float | None = None
 
     def __post_init__(self):
         if self.batch < 1 or (self.image_size is not None and self.image_size < 8):
@@ -205,15 +209,21 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
     sqnr = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
                   images=len(images), floor_db=options.verify_floor_db)
-    if sqnr < options.verify_floor_db:
+    target = options.accuracy_target_db
+    if target is not None:
+        result["target_db"] = target
+    if sqnr < options.verify_floor_db or (target is not None and sqnr < target):
         # A twin at batch 1 that returns every int8 activation, from the same ranges and with the
         # same kernel per layer (a tuning database's chooser could pick others at batch 1).
+        t0 = time.time()
         kernels = {r["layer"]: r["kernel"] for r in q.report["layers"] if r["dtype"] == "int8"}
         debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
                                     kernels={**kernels, **options.kernels})
         dq, dex, dparams, *_ = _compile(model, tgt, debug, config, GivenRanges(q.amax), progress=False)
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
         result["layers"] = layers
+        result["losses"] = verify_mod.losses(layers, dq.report["exposed"])
+        result["per_layer_s"] = round(time.time() - t0, 1)
         result["first_bad_layer"] = next((ly["layer"] for ly in layers if ly["sqnr_db"] < options.verify_floor_db),
                                          None)
     return result

@@ -9,6 +9,9 @@ CONFIG_VERSION = 2
 OBSERVERS = ("max", "percentile", "entropy", "mse")
 # "search": per tensor, the observer whose range gives the logits closest to float (range_search.py)
 CALIBRATIONS = (*OBSERVERS, "search")
+# What `deploy.py build` calls accurate enough: logits SQNR against the float model.  Under it,
+# the build report names the layers that lose the most (BuildOptions.accuracy_target_db).
+ACCURACY_TARGET_DB = 30.0
 
 
 @dataclass(frozen=True)

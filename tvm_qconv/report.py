@@ -60,7 +60,7 @@ def format_verification(v: dict | None) -> list[str]:
     head = (f"logits SQNR {v['logits_sqnr_db']:.1f} dB vs the float model on {v['images']} calibration images "
             f"(floor {v['floor_db']:.0f} dB)")
     if v["status"] == "ok":
-        return ["verification: " + head]
+        return ["verification: " + head] + format_losses(v)
     lines = ["!" * 78, f"!! VERIFICATION FAILED: {head}",
              "!! the int8 library does not compute what the float model computes."]
     if v.get("first_bad_layer"):
@@ -72,4 +72,25 @@ def format_verification(v: dict | None) -> list[str]:
                      "--calibration, or --skip the most sensitive layers")
     lines.append("!! the library was written, marked unverified in its json; do not ship it as is")
     lines.append("!" * 78)
+    return lines + format_losses(v)
+
+
+def format_losses(v: dict, top: int = 5) -> list[str]:
+    """Under the accuracy target (``BuildOptions.accuracy_target_db``) or the floor: the layers
+    that lose the most, and the own SQNR of those that read no int8 layer (the first conv)."""
+    rows, target = v.get("losses"), v.get("target_db")
+    if not rows or (target is not None and v["logits_sqnr_db"] >= target):
+        return []
+    ranked = [r for r in rows if r["loss_db"]][:top]  # a layer as good as its input loses nothing
+    under = f", under the {target:g} dB target" if target is not None else ""
+    took = f", measured by a per-layer build in {v['per_layer_s']:.0f} s" if "per_layer_s" in v else ""
+    lines = [f"accuracy: logits {v['logits_sqnr_db']:.1f} dB{under}; the layers that lose the most "
+             f"(SQNR of the best int8 input -> of the output{took}):"]
+    lines += [f"  {r['layer']}: -{r['loss_db']:.1f} dB ({r['input_db']:.1f} -> {r['sqnr_db']:.1f})" for r in ranked]
+    first = [r for r in rows if r["loss_db"] is None]
+    if first:
+        lines.append("  reading the image or float ops: " + ", ".join(f"{r['layer']} {r['sqnr_db']:.1f} dB" for r in first[:top])
+                     + (f" (+{len(first) - top} more)" if len(first) > top else ""))
+    lines.append("  try --calibration mse / max / entropy / search, --bias-correction, or --skip the worst layers "
+                 "(docs/benchmarks.md: what each gained)")
     return lines

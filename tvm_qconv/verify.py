@@ -85,3 +85,37 @@ def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, imag
             noise[i] += ((got - ref) ** 2).sum()
     return [dict(layer=e["layer"], sqnr_db=float("inf") if n == 0 else float(10 * np.log10(s / n)))
             for e, s, n in zip(exposed, signal, noise) if e["point"] is not None]
+
+
+def losses(layers: list[dict], exposed: list[dict]) -> list[dict]:
+    """What each int8 layer loses: the SQNR of its best int8 input minus its output's, in dB.
+
+    Args:
+        layers: :func:`layer_sqnr`'s rows.
+        exposed: the report's ``exposed``, whose ``inputs`` name each layer's producers; a
+            producer with no float tensor of its own (a max-pool) passes its inputs' SQNR on.
+    Returns:
+        One row per layer of ``layers``: ``layer``, ``sqnr_db``, ``input_db`` and ``loss_db``,
+        the largest loss first.  A layer that reads no measured int8 layer (the first conv reads
+        the image; others read float ops) has ``input_db`` and ``loss_db`` None, last.
+    """
+    own = {ly["layer"]: ly["sqnr_db"] for ly in layers}
+    inputs = {e["layer"]: e.get("inputs", []) for e in exposed}
+
+    def input_sqnr(name: str, depth: int = 0) -> float | None:
+        found = []
+        for i in inputs.get(name, []):
+            v = own.get(i)
+            if v is None and depth < 32:  # a max-pool: as good as what it reads
+                v = input_sqnr(i, depth + 1)
+            if v is not None:
+                found.append(v)
+        return max(found) if found else None
+
+    rows = []
+    for ly in layers:
+        inp = input_sqnr(ly["layer"])
+        rows.append(dict(layer=ly["layer"], sqnr_db=round(ly["sqnr_db"], 2),
+                         input_db=None if inp is None else round(inp, 2),
+                         loss_db=None if inp is None else round(max(inp - ly["sqnr_db"], 0.0), 2)))
+    return sorted(rows, key=lambda r: (r["loss_db"] is None, -(r["loss_db"] or 0.0)))

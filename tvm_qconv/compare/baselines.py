@@ -210,6 +210,8 @@ def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
             raise Unavailable(f"onnxruntime {ort.__version__} here has no CUDA execution provider (it has "
                               f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu built for "
                               "this CUDA")
+        if hasattr(ort, "preload_dlls"):  # 1.21+: CUDA / cuDNN from the nvidia-* wheels PyTorch installed
+            ort.preload_dlls()
     path, export_s = ctx.onnx_model()
     t = time.perf_counter()
     options = ort.SessionOptions()
@@ -219,6 +221,9 @@ def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
     # without VNNI (README, "Export to ONNX")
     options.add_session_config_entry("session.qdqisint8allowed", "1")
     session = ort.InferenceSession(path, options, providers=[provider])
+    if session.get_providers()[0] != provider:  # ORT falls back to the CPU when the CUDA libraries do not load
+        raise Unavailable(f"onnxruntime {ort.__version__} could not start its {provider} (session runs on "
+                          f"{session.get_providers()[0]}): its CUDA / cuDNN libraries did not load")
     in_name, out_name = session.get_inputs()[0].name, session.get_outputs()[0].name
     build_s = export_s + time.perf_counter() - t
     if provider == "CPUExecutionProvider":

@@ -245,11 +245,14 @@ class _Rewriter:
                 result = self._output(func.body.body)
                 exposed = []
                 if self.p.expose_activations:
+                    made_by = {ly.output: ly.name for ly in self.g.layers}
                     for ly in self.g.layers:
                         q = self.quantized(ly.output)
                         if q is not None:
+                            # inputs: the layers whose outputs it reads (none: the image, or float ops)
                             exposed.append((dict(layer=ly.name, point=self.g.points.get(ly.output), layout=q.layout.name,
-                                                 channels=q.channels, scale=q.scale), q.var))
+                                                 channels=q.channels, scale=q.scale,
+                                                 inputs=[made_by[v] for v in ly.inputs if v in made_by]), q.var))
                     result = relax.Tuple([result] + [v for _, v in exposed])
                 out = self.bb.emit_output(result)
             self.bb.emit_func_output(out)

@@ -39,6 +39,18 @@ def switch_seconds(wl) -> float:
     return 2 * RELAYOUT_LAUNCH_S + 2 * moved / RELAYOUT_BYTES_PER_S
 
 
+def pick(wl, default, measured: dict):
+    """The implementation a build runs for ``wl`` (:func:`measured_chooser`'s rule), given
+    ``measured`` = {implementation: best seconds} and the registry's untuned ``default``: the
+    fastest, a layout change charged :func:`switch_seconds`, where the default and another were
+    measured and the default is not under ``RUNNER_FLOOR_S``; otherwise None (the default)."""
+    charged = {impl: secs + (switch_seconds(wl) if impl.layout != default.layout else 0.0)
+               for impl, secs in measured.items()}
+    if default not in charged or len(charged) < 2 or charged[default] < RUNNER_FLOOR_S:
+        return None
+    return min(charged, key=charged.get)
+
+
 def measured_chooser(db, target: tvm.target.Target):
     """A chooser for the quantize pass: of a layer's candidate implementations, the one whose
     kernel for that workload the database measured fastest, where it measured the candidate
@@ -64,14 +76,9 @@ def measured_chooser(db, target: tvm.target.Target):
         default = next((impl for impl in candidates if impl.preferred(wl, target_info)), None)
         if default is None or not default.spaces:
             return None
-        times = {}
-        for impl in candidates:
-            secs = best_seconds(impl, wl) if impl.spaces else None
-            if secs is not None:
-                times[impl.name] = secs + (switch_seconds(wl) if impl.layout != default.layout else 0.0)
-        if default.name not in times or len(times) < 2 or times[default.name] < RUNNER_FLOOR_S:
-            return None
-        return min(times, key=times.get)
+        measured = {impl: best_seconds(impl, wl) for impl in candidates if impl.spaces}
+        chosen = pick(wl, default, {impl: secs for impl, secs in measured.items() if secs is not None})
+        return None if chosen is None else chosen.name
 
     target_info = TargetInfo.from_target(target)
     return choose

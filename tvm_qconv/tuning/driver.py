@@ -40,7 +40,7 @@ from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
 from .database import (CONFIG_FILE, FAILED_RUN_SECS, canonicalize_database, db_files, mean_secs, prepare_implementations, repair_database,
                        unpack_database, workload_key)
-from .progress import Progress, format_table, valid_secs
+from .progress import Progress, format_table, model_conv_us, valid_secs
 from .tasks import KernelTask, extract_tasks
 
 CALIB_IMAGES = 2  # tuning depends on shapes only; calibration just has to run
@@ -309,16 +309,17 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     else:
         print(f"[tune] every task has its trials already ({trials_per_task} valid, or every point of a wgmma "
               f"tile space): nothing to tune", flush=True)
-    rows = []
+    rows, best = [], {}
     for t in tasks:
         trials, secs = _measured(db, t, 1 << 30, *pruned)
+        best[t.name] = secs or None
         row = dict(task=t.name, shape=t.workload.describe(), layer=str(t.workload), occurrences=t.weight, trials=trials,
                    best_us=secs * 1e6 if secs else None, tops=t.workload.ops / secs / 1e12 if secs else None)
         peak = (peaks or {}).get(t.impl.instruction)
         if peak:
             row["pct_peak"] = 100.0 * row["tops"] / peak if secs else None
         rows.append(row)
-    print(format_table(rows))
+    print(format_table(rows, model_conv_us(tasks, best)))
     return rows
 
 

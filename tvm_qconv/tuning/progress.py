@@ -9,9 +9,8 @@ import time
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from .database import mean_secs
-
-from .database import FAILED_RUN_SECS
+from .apply import pick, switch_seconds
+from .database import FAILED_RUN_SECS, mean_secs
 from .tasks import KernelTask
 
 
@@ -57,16 +56,26 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 
 
 def model_conv_us(tasks: list[KernelTask], best: dict) -> float | None:
-    """Sum over distinct layers of occurrences x the fastest family's ``best[task]`` (s) -> us;
-    None while a layer has no time."""
-    fastest: dict = {}  # workload -> (occurrences, best s)
+    """The model's conv time (us) as a build from these measurements would run it: per distinct
+    layer, occurrences x the time of the family the build picks (``apply.pick``: the fastest, a
+    layout change charged its two relayouts; the default where the rule keeps it), from
+    ``best[task name]`` (s); None while a layer has no time.  Where the layer's default was not
+    tuned (``--family``), its fastest measured family."""
+    layers: dict = {}  # workload -> its tasks
     for t in tasks:
-        secs = best.get(t.name)
-        weight, prev = fastest.get(t.workload, (t.weight, None))
-        fastest[t.workload] = (weight, secs if prev is None else prev if secs is None else min(prev, secs))
-    if any(secs is None for _, secs in fastest.values()):
-        return None
-    return sum(weight * secs for weight, secs in fastest.values()) * 1e6
+        layers.setdefault(t.workload, []).append(t)
+    total = 0.0
+    for wl, group in layers.items():
+        measured = {t.impl: best[t.name] for t in group if best.get(t.name) is not None}
+        if not measured:
+            return None
+        default = next((t.impl for t in group if t.default), None)
+        chosen = (pick(wl, default, measured) or default) if default in measured else None
+        if chosen is None:
+            total += group[0].weight * min(measured.values())
+        else:
+            total += group[0].weight * (measured[chosen] + (switch_seconds(wl) if chosen.layout != default.layout else 0.0))
+    return total * 1e6
 
 
 def valid_secs(builder_results, runner_results) -> list[float]:
@@ -76,10 +85,11 @@ def valid_secs(builder_results, runner_results) -> list[float]:
     return [s for s in ok if s < FAILED_RUN_SECS]
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], total_us: float | None = None) -> str:
     """The per-task table: task, layer shape, occurrences (x), trials, best us, TOPS, % of peak;
-    the last line sums, over the distinct layers, occurrences x the best us of any family's task
-    (the model's conv time with the faster family per layer) where every layer has one."""
+    the last line is ``total_us`` (the model's conv time as built: :func:`model_conv_us`), or
+    without it the sum over the distinct layers of occurrences x the best us of any family's
+    task, where every layer has one."""
     has_peak = any("pct_peak" in r for r in rows)
     wt = max([len("all convs (x * best)")] + [len(r["task"]) for r in rows])
     ws = max([len("shape")] + [len(r["shape"]) for r in rows])
@@ -99,7 +109,8 @@ def format_table(rows: list[dict]) -> str:
             occ, prev = fastest.get(layer(r), (r["occurrences"], r["best_us"]))
             fastest[layer(r)] = (occ, min(prev, r["best_us"]))
     if rows and len(fastest) == len({layer(r) for r in rows}):
-        total = sum(occ * us for occ, us in fastest.values())
-        out.append(f"{'all convs (x * best)':<{wt}} {'':<{ws}} {sum(occ for occ, _ in fastest.values()):>2} "
+        total = total_us if total_us is not None else sum(occ * us for occ, us in fastest.values())
+        label = "all convs, as built" if total_us is not None else "all convs (x * best)"
+        out.append(f"{label:<{wt}} {'':<{ws}} {sum(occ for occ, _ in fastest.values()):>2} "
                    f"{'':>6} {total:>9.1f}")
     return "\n".join(out)

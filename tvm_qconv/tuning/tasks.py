@@ -37,6 +37,8 @@ class KernelTask:
         workload: the layer, from the PrimFunc's ``tvm_qconv.workload`` attribute.
         func: the PrimFunc as MetaSchedule sees it (:func:`task_func`).
         weight: how many times the model calls it.
+        default: its implementation is the one the registry gives the layer untuned (the others
+            of a layer are the families a tuning database may move it to).
     """
 
     name: str
@@ -44,6 +46,7 @@ class KernelTask:
     workload: ConvWorkload
     func: tirx.PrimFunc
     weight: int
+    default: bool = True
 
 
 def task_func(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -110,7 +113,7 @@ def extract_tasks(mod: tvm.IRModule, target=None, families: list[str] | None = N
     tasks: list[KernelTask] = []
     by_hash: dict[int, list[KernelTask]] = {}
 
-    def add(impl, func, wl, count, family_in_name: bool) -> None:
+    def add(impl, func, wl, count, family_in_name: bool, default: bool) -> None:
         if families is not None and impl.family not in families:
             return
         canon = task_func(func)
@@ -123,7 +126,7 @@ def extract_tasks(mod: tvm.IRModule, target=None, families: list[str] | None = N
         name, taken, suffix = base, {t.name for t in tasks}, 2
         while name in taken:  # same shape, other padding: keep names unique
             name, suffix = f"{base}_{suffix}", suffix + 1
-        task = KernelTask(name, impl, wl, canon, count)
+        task = KernelTask(name, impl, wl, canon, count, default)
         bucket.append(task)
         tasks.append(task)
 
@@ -134,7 +137,7 @@ def extract_tasks(mod: tvm.IRModule, target=None, families: list[str] | None = N
         impl, wl = registry.of_func(func), ConvWorkload.of(func)
         others = [c for c in registry.candidates(impl.op, wl, target) if c.spaces and c is not impl] \
             if target is not None else []
-        add(impl, func, wl, count, bool(others))  # the family names the task where a layer has two
+        add(impl, func, wl, count, bool(others), True)  # the family names the task where a layer has two
         for other in others:
-            add(other, other.compute(wl), wl, count, True)
+            add(other, other.compute(wl), wl, count, True, False)
     return tasks
