@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-floor-db", type=float, default=None, metavar="DB",
                    help="fail the build when its logits' SQNR against the float model is under DB, and then "
                         "print each layer's SQNR (default 15)")
-    b.add_argument("--accuracy-target", type=float, default=ACCURACY_TARGET_DB, metavar="DB",
+    b.add_argument("--accuracy-target", type=float, default=None, metavar="DB",
                    help="where the verified logits SQNR is under DB, also name the layers that lose the most "
                         f"(a second build at batch 1 that returns every int8 activation; default {ACCURACY_TARGET_DB:g}, "
                         "0 turns it off)")
@@ -241,12 +241,18 @@ def cmd_build(args) -> int:
                             cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
                             families=tuple(args.family) if args.family else None,
-                            accuracy_target_db=args.accuracy_target or None, **floor)
+                            accuracy_target_db=target_db, **floor)
 
     floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
 
-    if args.accuracy_target < 0:
+    if args.accuracy_target is not None and not args.accuracy_target >= 0:
         raise InputError(f"--accuracy-target is a logits SQNR in dB (>= 0, 0 = off), got {args.accuracy_target:g}")
+    if args.no_verify and args.accuracy_target:
+        raise InputError("--accuracy-target measures the verification that --no-verify turns off; drop one of them")
+    if args.no_verify or args.accuracy_target == 0:
+        target_db = None
+    else:
+        target_db = ACCURACY_TARGET_DB if args.accuracy_target is None else args.accuracy_target
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")

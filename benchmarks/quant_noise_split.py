@@ -103,18 +103,25 @@ def quantize_activations(model: nn.Module, calib: torch.Tensor, percentile: floa
     for h in hooks:
         h.remove()
     amax = {k: float(np.percentile(torch.cat(v).numpy(), percentile)) for k, v in seen.items()}
+    names = {id(m): n for n, m in model.named_modules()}
     for m in mods:
-        m.register_forward_hook(_rounding_hook(amax[id(m)]))
+        m.register_forward_hook(_rounding_hook(amax[id(m)], names[id(m)] if only is not None else None))
     return float(np.percentile(calib.abs().numpy(), percentile))
 
 
-OWN_SQNR: dict = {}  # module -> SQNR (dB) of its int8 output against its float output, last forward
+OWN_ENERGY: dict = {}  # module name -> [signal, noise]: its int8 output against its float one (--per-tensor)
 
 
-def _rounding_hook(amax: float):
+def _rounding_hook(amax: float, name: str | None = None):
+    """Round the module's output to int8 at ``amax``; with ``name``, add up its rounding's
+    signal and noise over every call (a module may be called several times per forward, e.g.
+    ResNet's shared ReLU)."""
     def hook(mod, i, o):
         q = fake_quant(o, amax)
-        OWN_SQNR[mod] = sqnr_db(o.numpy(), q.numpy())
+        if name is not None:
+            energy = OWN_ENERGY.setdefault(name, [0.0, 0.0])
+            energy[0] += float((o.double() ** 2).sum())
+            energy[1] += float(((q - o).double() ** 2).sum())
         return q
     return hook
 
@@ -170,12 +177,14 @@ def main(argv=None):
         for i, label in enumerate(labels):
             model = fresh()
             quantize_activations(model, calib, args.percentile, only=i)
-            OWN_SQNR.clear()
+            OWN_ENERGY.clear()
             with torch.no_grad():
                 logits = sqnr_db(ref, model(held).numpy())
             # own: the tensor's int8 rounding against its float value; the logits' SQNR below it
             # is how much the rest of the network amplifies that noise
-            alone.append(dict(tensor=label, sqnr_db=round(logits, 2), own_sqnr_db=round(next(iter(OWN_SQNR.values())), 2)))
+            signal, noise = OWN_ENERGY[label]
+            alone.append(dict(tensor=label, sqnr_db=round(logits, 2),
+                              own_sqnr_db=round(10 * np.log10(signal / noise), 2) if noise else float("inf")))
         alone.sort(key=lambda r: r["sqnr_db"])
         rows.append(dict(case="each activation alone in int8 (worst first)", tensors=alone))
         for r in alone[:12]:

@@ -12,9 +12,10 @@ The models are the zoo test's (``tests/test_zoo.py``: random init, last layer's 
 GoogLeNet with PyTorch's default init), calibrated on scikit-image's photos; SQNR is the build's
 own verification (logits on the calibration photos).  With ``--tuning-logs DIR`` each timed model
 is also built and timed with its database ``DIR/<model>-b<batch>-<arch>`` where there is one;
-``--tune`` first makes the missing ones (``tune.py``'s ``--trials 1``: each kernel family's
-default schedule and every wgmma tile measured once per layer, one model after another on the
-GPU).  Writes ``<out>/zoo_<target>.json`` and prints a markdown table.
+``--tune`` first tunes each (``tune.py``'s ``--trials 1``: each kernel family's default
+schedule and every wgmma tile measured once per layer, one model after another on the GPU; a
+database already finished measures nothing, one a cut-short run left is resumed).  Writes
+``<out>/zoo_<target>.json`` and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -75,21 +76,21 @@ def _build(arg) -> dict:
                 float_ops=res.report["float_ops"])
 
 
-def tune_missing(args) -> dict:
-    """Tune, one after another on this GPU, every (model, batch) of the run that has no database
-    in ``args.tuning_logs`` (``--trials 1``); returns the seconds each took."""
+def tune_all(args) -> dict:
+    """Tune, one after another on this GPU, every (model, batch) of the run into
+    ``args.tuning_logs`` (``--trials 1``; a database a cut-short run left is resumed, a finished
+    one measures nothing).  Returns the seconds each took, None where it failed."""
     from tvm_qconv.tuning import tune_model
     seconds = {}
     for name in args.models:
         for bs in args.batches:
-            if tuning_log_for(args.tuning_logs, name, bs, args.arch):
-                continue
             t = time.time()
             try:
                 tune_model(name, bs, arch=args.arch, trials_per_task=1, image_size=model_size(name, args.size),
                            work_dir=os.path.join(args.tuning_logs, f"{name}-b{bs}-{args.arch}"), model=zoo_model(name))
             except Exception as err:  # noqa: BLE001 - one model's failure is a result, not the end of the run
                 print(f"TUNING FAILED {name} b{bs}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                seconds[(name, bs)] = None
                 continue
             seconds[(name, bs)] = round(time.time() - t, 1)
             print(f"tuned {name} b{bs} in {seconds[(name, bs)]} s", flush=True)
@@ -125,7 +126,8 @@ def main(argv=None):
     ap.add_argument("--tuning-logs", default=None, metavar="DIR",
                     help="(cuda) also time each model with its database DIR/<model>-b<batch>-<arch>, where there is one")
     ap.add_argument("--tune", action="store_true",
-                    help="(with --tuning-logs) first tune the models that have no database there (tune.py --trials 1)")
+                    help="(with --tuning-logs) first tune every model there (tune.py --trials 1; finished ones are "
+                         "skipped, cut-short ones resumed)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -140,7 +142,7 @@ def main(argv=None):
     if args.target == "cuda" and args.arch is None:
         major, minor = torch.cuda.get_device_capability(0)
         args.arch = f"sm_{major}{minor}"
-    tune_s = tune_missing(args) if args.tune else {}
+    tune_s = tune_all(args) if args.tune else {}
     # a floor no build reaches makes the verification report every layer's SQNR
     floor = dict(verify_floor_db=float("inf")) if args.per_layer else {}
     jobs = [("verify", name, calibration, None, floor) for name in args.models for calibration in args.calibrations]
@@ -150,7 +152,7 @@ def main(argv=None):
     for name in args.models if args.target == "cuda" else ():
         for bs in args.batches:
             log = tuning_log_for(args.tuning_logs, name, bs, args.arch)
-            if log:
+            if log and tune_s.get((name, bs), 0) is not None:  # a run that failed here leaves a partial one
                 jobs.append(("tuned", name, "percentile", bs, dict(tuning_log=log)))
     # builds run in parallel worker processes; every timing runs afterwards, alone on the GPU
     rows = {name: dict(model=name, size=model_size(name, args.size)) for name in args.models}

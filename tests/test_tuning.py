@@ -694,7 +694,7 @@ def test_the_table_totals_each_layer_once_with_its_fastest_family():
 
 def test_a_family_that_runs_no_layer_for_the_arch_is_named_with_what_it_needs(small_int8, tmp_path):
     model, _, _ = small_int8
-    with pytest.raises(InputError, match="no layer of small_vgg runs on kernel family wgmma for sm_90: wgmma "
-                                         "needs --arch sm_90a"):
+    with pytest.raises(InputError, match=r"no layer of small_vgg runs on kernel family wgmma for sm_90 \(wgmma "
+                                         r"runs on --arch sm_90a"):
         tune_model("small_vgg", 1, arch="sm_90", work_dir=str(tmp_path), image_size=SIZE, model=model,
                    families=["wgmma"], runner=_FakeRunner())

@@ -82,6 +82,9 @@ class BuildOptions:
         if unknown:
             raise InputError(f"unknown kernel famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}: "
                              f"choose from {', '.join(families)}")
+        if self.accuracy_target_db is not None and not self.accuracy_target_db >= 0:
+            raise InputError(f"accuracy_target_db is a logits SQNR in dB (>= 0, or None: off), got "
+                             f"{self.accuracy_target_db}")
         names = sorted(impl.name for impl in registry.IMPLEMENTATIONS)
         unknown = sorted({k for k in self.kernels.values() if k not in names})
         if unknown:
@@ -198,8 +201,9 @@ def _family_chooser(families, fallback):
 
 
 def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
-    """Compare the compiled logits with the float model's on calibration images; under the floor,
-    find the first layer that diverges (``tvm_qconv/verify.py``)."""
+    """Compare the compiled logits with the float model's on calibration images; under the floor
+    find the first layer that diverges, and under the floor or the accuracy target rank the
+    layers by what each loses (``tvm_qconv/verify.py``)."""
     if q.images is None:
         return dict(status="skipped", reason="the ranges were not calibrated: no images to check on")
     reason = verify_mod.cannot_run(tgt)
@@ -212,13 +216,15 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
     target = options.accuracy_target_db
     if target is not None:
         result["target_db"] = target
-    if sqnr < options.verify_floor_db or (target is not None and sqnr < target):
+    kernels = {r["layer"]: r["kernel"] for r in q.report["layers"] if r["dtype"] == "int8"}
+    if kernels and (sqnr < options.verify_floor_db or (target is not None and sqnr < target)):
         # A twin at batch 1 that returns every int8 activation, from the same ranges and with the
         # same kernel per layer (a tuning database's chooser could pick others at batch 1).
         t0 = time.time()
-        kernels = {r["layer"]: r["kernel"] for r in q.report["layers"] if r["dtype"] == "int8"}
+        # the kernels pinned, no database (one tuned at another batch matches nothing at batch
+        # 1, and says so): integer results do not depend on the schedule
         debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
-                                    kernels={**kernels, **options.kernels})
+                                    tuning_log=None, kernels={**kernels, **options.kernels})
         dq, dex, dparams, *_ = _compile(model, tgt, debug, config, GivenRanges(q.amax), progress=False)
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
         result["layers"] = layers

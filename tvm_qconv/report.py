@@ -79,17 +79,17 @@ def format_losses(v: dict, top: int = 5) -> list[str]:
     """Under the accuracy target (``BuildOptions.accuracy_target_db``) or the floor: the layers
     that lose the most, and the own SQNR of those that read no int8 layer (the first conv)."""
     rows, target = v.get("losses"), v.get("target_db")
-    if not rows or (target is not None and v["logits_sqnr_db"] >= target):
+    if not rows or (v["status"] == "ok" and target is not None and v["logits_sqnr_db"] >= target):
         return []
     ranked = [r for r in rows if r["loss_db"]][:top]  # a layer as good as its input loses nothing
-    under = f", under the {target:g} dB target" if target is not None else ""
+    under = f", under the {target:g} dB target" if target is not None and v["logits_sqnr_db"] < target else ""
     took = f", measured by a per-layer build in {v['per_layer_s']:.0f} s" if "per_layer_s" in v else ""
     lines = [f"accuracy: logits {v['logits_sqnr_db']:.1f} dB{under}; the layers that lose the most "
              f"(SQNR of the best int8 input -> of the output{took}):"]
     lines += [f"  {r['layer']}: -{r['loss_db']:.1f} dB ({r['input_db']:.1f} -> {r['sqnr_db']:.1f})" for r in ranked]
     first = [r for r in rows if r["loss_db"] is None]
     if first:
-        lines.append("  reading the image or float ops: " + ", ".join(f"{r['layer']} {r['sqnr_db']:.1f} dB" for r in first[:top])
+        lines.append("  no loss measured (they read the image or float ops): " + ", ".join(f"{r['layer']} {r['sqnr_db']:.1f} dB" for r in first[:top])
                      + (f" (+{len(first) - top} more)" if len(first) > top else ""))
     lines.append("  try --calibration mse / max / entropy / search, --bias-correction, or --skip the worst layers "
                  "(docs/benchmarks.md: what each gained)")

@@ -4,7 +4,9 @@ A compiler that returns wrong numbers without an error is the worst outcome for 
 ``compile_model`` runs the library it just compiled on a few calibration images, compares its
 logits with the float PyTorch model's (SQNR), and records the result in the build report.  Under
 ``FLOOR_DB`` it builds a debugging twin that returns every int8 activation and names the first
-layer whose activations diverge from the float graph's, which ``deploy.py build`` prints loudly.
+layer whose activations diverge from the float graph's, which ``deploy.py build`` prints loudly;
+under an accuracy target (``BuildOptions.accuracy_target_db``) the same twin ranks the layers by
+the SQNR each loses (:func:`losses`).
 """
 from __future__ import annotations
 
@@ -83,39 +85,51 @@ def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, imag
             got = registry.layout(e["layout"]).unpack(q, e["channels"]).astype(np.float64) * e["scale"]
             signal[i] += (ref ** 2).sum()
             noise[i] += ((got - ref) ** 2).sum()
-    return [dict(layer=e["layer"], sqnr_db=float("inf") if n == 0 else float(10 * np.log10(s / n)))
+    return [dict(layer=e["layer"], sqnr_db=_db(s, n), signal=float(s), noise=float(n))
             for e, s, n in zip(exposed, signal, noise) if e["point"] is not None]
 
 
+def _db(signal: float, noise: float) -> float:
+    return float("inf") if noise == 0 else float("-inf") if signal == 0 else float(10 * np.log10(signal / noise))
+
+
 def losses(layers: list[dict], exposed: list[dict]) -> list[dict]:
-    """What each int8 layer loses: the SQNR of its best int8 input minus its output's, in dB.
+    """What each int8 layer loses: the SQNR of its int8 inputs minus its output's, in dB.
+
+    A layer of several inputs (a concat, a residual add) is counted from their SQNR together,
+    ``10 log10(sum of signals / sum of noises)``: a concat of a 30 dB and a 20 dB input of equal
+    power starts at ~22.6 dB, and only what it adds beyond that is its loss (exact for a concat,
+    near it for an add of uncorrelated noises).
 
     Args:
-        layers: :func:`layer_sqnr`'s rows.
+        layers: :func:`layer_sqnr`'s rows (``signal`` and ``noise``: sums of squares).
         exposed: the report's ``exposed``, whose ``inputs`` name each layer's producers; a
-            producer with no float tensor of its own (a max-pool) passes its inputs' SQNR on.
+            producer with no float tensor of its own passes its inputs' on.
     Returns:
         One row per layer of ``layers``: ``layer``, ``sqnr_db``, ``input_db`` and ``loss_db``,
         the largest loss first.  A layer that reads no measured int8 layer (the first conv reads
-        the image; others read float ops) has ``input_db`` and ``loss_db`` None, last.
+        the image; others read float ops) has ``input_db`` and ``loss_db`` None, last; so has a
+        layer where either figure is not finite (an exact or an all-zero tensor).
     """
-    own = {ly["layer"]: ly["sqnr_db"] for ly in layers}
+    energy = {ly["layer"]: (ly["signal"], ly["noise"]) for ly in layers}
     inputs = {e["layer"]: e.get("inputs", []) for e in exposed}
 
-    def input_sqnr(name: str, depth: int = 0) -> float | None:
+    def input_energy(name: str, depth: int = 0) -> tuple[float, float] | None:
         found = []
         for i in inputs.get(name, []):
-            v = own.get(i)
-            if v is None and depth < 32:  # a max-pool: as good as what it reads
-                v = input_sqnr(i, depth + 1)
-            if v is not None:
-                found.append(v)
-        return max(found) if found else None
+            e = energy.get(i)
+            if e is None and depth < 32:  # e.g. a max-pool without a consumer's point
+                e = input_energy(i, depth + 1)
+            if e is not None:
+                found.append(e)
+        return (sum(s for s, _ in found), sum(n for _, n in found)) if found else None
 
     rows = []
     for ly in layers:
-        inp = input_sqnr(ly["layer"])
-        rows.append(dict(layer=ly["layer"], sqnr_db=round(ly["sqnr_db"], 2),
-                         input_db=None if inp is None else round(inp, 2),
-                         loss_db=None if inp is None else round(max(inp - ly["sqnr_db"], 0.0), 2)))
+        inp = input_energy(ly["layer"])
+        inp_db = None if inp is None else _db(*inp)
+        finite = inp_db is not None and np.isfinite(inp_db) and np.isfinite(ly["sqnr_db"])
+        rows.append(dict(layer=ly["layer"], sqnr_db=ly["sqnr_db"] if not np.isfinite(ly["sqnr_db"]) else round(ly["sqnr_db"], 2),
+                         input_db=round(inp_db, 2) if finite else None,
+                         loss_db=round(max(inp_db - ly["sqnr_db"], 0.0), 2) if finite else None))
     return sorted(rows, key=lambda r: (r["loss_db"] is None, -(r["loss_db"] or 0.0)))

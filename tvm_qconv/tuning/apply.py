@@ -73,7 +73,8 @@ def measured_chooser(db, target: tvm.target.Target):
         return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
-        default = next((impl for impl in candidates if impl.preferred(wl, target_info)), None)
+        # the registry's untuned pick (registry.select), which tasks.extract_tasks marks default
+        default = next((impl for impl in candidates if impl.preferred(wl, target_info)), candidates[0] if candidates else None)
         if default is None or not default.spaces:
             return None
         measured = {impl: best_seconds(impl, wl) for impl in candidates if impl.spaces}

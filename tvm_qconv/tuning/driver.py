@@ -250,10 +250,11 @@ def tune_model(model_name: str, batch: int, *, target: str = "cuda", arch: str =
     tasks = extract_tasks(int8_module(model, batch, image_size, tgt), TargetInfo.from_target(tgt), families)
     if not tasks:
         if families:  # e.g. --family wgmma on a plain sm_90 target
-            needs = sorted({f"{impl.family} needs {impl.runs_on}" for impl in registry.tunable()
+            needs = sorted({f"{impl.family} runs on {impl.runs_on}" for impl in registry.tunable()
                             if impl.family in families and impl.runs_on})
             raise InputError(f"no layer of {model_name} runs on kernel family {', '.join(families)} for "
-                             f"{arch or target}" + (f": {'; '.join(needs)}" if needs else ""))
+                             f"{arch or target}" + (f" ({'; '.join(needs)}, where a layer's shape allows it)"
+                                                    if needs else ""))
         raise InputError(f"{model_name} has no tunable int8 kernel")
     if only:
         names = [t.name for t in tasks]

@@ -29,9 +29,8 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.stop = threading.Event()  # set by Ctrl-C (driver._tune): the next round's callback ends the run
 
     def model_us(self) -> float | None:
-        """The model's conv time so far (us): over its distinct layers, occurrences x the best
-        time of any family's kernel for it (the tasks of one layer's families share its
-        workload); None while a layer has no time."""
+        """The model's conv time so far (us), as a build from the database would run it
+        (:func:`model_conv_us`); None while a layer's default has no time."""
         return model_conv_us(self.tasks, self.best)
 
     def record(self, task: KernelTask, ok: list[float], tried: int) -> None:
@@ -59,22 +58,20 @@ def model_conv_us(tasks: list[KernelTask], best: dict) -> float | None:
     """The model's conv time (us) as a build from these measurements would run it: per distinct
     layer, occurrences x the time of the family the build picks (``apply.pick``: the fastest, a
     layout change charged its two relayouts; the default where the rule keeps it), from
-    ``best[task name]`` (s); None while a layer has no time.  Where the layer's default was not
-    tuned (``--family``), its fastest measured family."""
+    ``best[task name]`` (s).  None while a layer's default has no time: the build would run
+    that layer's default untuned (or, tuned with ``--family`` leaving the default out, it does).
+    """
     layers: dict = {}  # workload -> its tasks
     for t in tasks:
         layers.setdefault(t.workload, []).append(t)
     total = 0.0
     for wl, group in layers.items():
         measured = {t.impl: best[t.name] for t in group if best.get(t.name) is not None}
-        if not measured:
-            return None
         default = next((t.impl for t in group if t.default), None)
-        chosen = (pick(wl, default, measured) or default) if default in measured else None
-        if chosen is None:
-            total += group[0].weight * min(measured.values())
-        else:
-            total += group[0].weight * (measured[chosen] + (switch_seconds(wl) if chosen.layout != default.layout else 0.0))
+        if default not in measured:
+            return None
+        chosen = pick(wl, default, measured) or default
+        total += group[0].weight * (measured[chosen] + (switch_seconds(wl) if chosen.layout != default.layout else 0.0))
     return total * 1e6
 
 
