@@ -64,6 +64,19 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
                    help="correct each conv / linear bias for its int8 weights' mean error on the calibration images")
 
 
+def accuracy_target(args: argparse.Namespace) -> float | None:
+    """`build`'s --accuracy-target as BuildOptions.accuracy_target_db: the flag, else 30 dB for
+    trained weights (--weights, --checkpoint, a model file) and None (off) for a random init."""
+    if args.accuracy_target is not None and not args.accuracy_target >= 0:
+        raise InputError(f"--accuracy-target is a logits SQNR in dB (>= 0, 0 = off), got {args.accuracy_target:g}")
+    if args.no_verify and args.accuracy_target:
+        raise InputError("--accuracy-target measures the verification that --no-verify turns off; drop one of them")
+    if args.accuracy_target is not None:
+        return args.accuracy_target or None
+    trained = bool(args.weights or args.checkpoint or ":" in (args.model or ""))
+    return ACCURACY_TARGET_DB if trained and not args.no_verify else None
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -112,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "print each layer's SQNR (default 15)")
     b.add_argument("--accuracy-target", type=float, default=None, metavar="DB",
                    help="where the verified logits SQNR is under DB, also name the layers that lose the most "
-                        f"(a second build at batch 1 that returns every int8 activation; default {ACCURACY_TARGET_DB:g}, "
-                        "0 turns it off)")
+                        f"(a second build at batch 1 that returns every int8 activation; default {ACCURACY_TARGET_DB:g} "
+                        "for trained weights (--weights, --checkpoint, a model file), off for a random init, whose "
+                        "float outputs are noise a per-layer hunt cannot improve; 0 turns it off)")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -245,14 +259,7 @@ def cmd_build(args) -> int:
 
     floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
 
-    if args.accuracy_target is not None and not args.accuracy_target >= 0:
-        raise InputError(f"--accuracy-target is a logits SQNR in dB (>= 0, 0 = off), got {args.accuracy_target:g}")
-    if args.no_verify and args.accuracy_target:
-        raise InputError("--accuracy-target measures the verification that --no-verify turns off; drop one of them")
-    if args.no_verify or args.accuracy_target == 0:
-        target_db = None
-    else:
-        target_db = ACCURACY_TARGET_DB if args.accuracy_target is None else args.accuracy_target
+    target_db = accuracy_target(args)
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")

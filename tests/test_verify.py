@@ -126,3 +126,17 @@ def test_the_cli_refuses_a_negative_target_and_one_without_verification(capsys, 
     assert deploy.main(["build", "--model", "vgg11", "--accuracy-target", "30", "--no-verify",
                         "-o", str(tmp_path / "m.so")]) == 2
     assert "--no-verify turns off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, target", [
+    (["--model", "vgg16"], None),                                    # random init: off
+    (["--model", "vgg16", "--weights", "w.pt"], 30.0),               # trained: the default
+    (["--model", "net.py:make"], 30.0),                              # a user's model file
+    (["--checkpoint", "c.pt"], 30.0),
+    (["--model", "vgg16", "--accuracy-target", "25"], 25.0),        # asked for
+    (["--model", "vgg16", "--weights", "w.pt", "--accuracy-target", "0"], None),
+    (["--model", "vgg16", "--weights", "w.pt", "--no-verify"], None),
+])
+def test_the_cli_target_is_on_for_trained_weights_and_off_for_a_random_init(flags, target):
+    args = deploy.build_parser().parse_args(["build", *flags, "-o", "m.so"])
+    assert deploy.accuracy_target(args) == target
