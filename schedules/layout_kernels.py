@@ -1,6 +1,7 @@
 """The memory-bound int8 kernels every activation layout has: max- and average pool, residual
-add, concat and stand-alone BatchNorm.  Their compute definitions are layout-generic
-(``pool_int8.py``, ``add_int8.py``, ``concat_int8.py``, ``affine_int8.py``), so each is one
+add, concat, channel gather (split pieces, shuffles) and stand-alone BatchNorm.  Their compute
+definitions are layout-generic (``pool_int8.py``, ``add_int8.py``, ``concat_int8.py``,
+``channels_int8.py``, ``affine_int8.py``), so each is one
 implementation class here, instantiated once per layout by :func:`layout_kernels` and named
 ``<op>.<layout>`` (``max_pool2d.nchw4c``, ``add.nhwc32``); a family's ``impls.py`` lists the
 instances of its layout.  Family ``generic``: every target runs them; on CUDA the pools have
@@ -8,7 +9,9 @@ their own schedule (``pool_int8.schedule_pool``), the others are left to dlight.
 """
 from __future__ import annotations
 
-from . import add_int8, affine_int8, concat_int8, pool_int8
+import numpy as np
+
+from . import add_int8, affine_int8, channels_int8, concat_int8, pool_int8
 from .elementwise_int8 import schedule_elementwise
 from .kernel import KernelImpl, Layout
 
@@ -81,6 +84,22 @@ class Concat(LayoutKernel):
         return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts)
 
 
+class Channels(LayoutKernel):
+    op = "channels"
+
+    def compute(self, wl):
+        return self.tag(channels_int8.gather_channels_int8(self.packing, wl.shape, wl.in_channels, wl.out_channels), wl)
+
+    def reference(self, wl, x, index):
+        return channels_int8.gather_channels_int8_ref(self.packing, x, wl.in_channels, index)
+
+    def pack_params(self, wl, index) -> list:
+        """The index table: output channel j reads input channel ``index[j]``."""
+        index = np.asarray(index, np.int32)
+        assert index.shape == (wl.out_channels,) and 0 <= index.min() and index.max() < wl.in_channels, index
+        return [index]
+
+
 class Affine(LayoutKernel):
     op = "affine"
 
@@ -98,5 +117,5 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, average pool and affine implementations of ``packing``."""
-    return MaxPool2d(packing), Add(packing), Concat(packing), AvgPool2d(packing), Affine(packing)
+    """The max-pool, add, concat, channel gather, average pool and affine implementations of ``packing``."""
+    return MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing)

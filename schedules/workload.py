@@ -192,6 +192,19 @@ class ConcatWorkload:
 
 
 @dataclass(frozen=True)
+class ChannelsWorkload:
+    """A channel gather of an int8 tensor of (N, H, W) = ``shape`` with ``in_channels`` real
+    channels into ``out_channels`` (``channels_int8.py``; the index is a parameter)."""
+
+    shape: tuple[int, int, int]
+    in_channels: int
+    out_channels: int
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
 class AvgPoolWorkload:
     """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``)."""
 

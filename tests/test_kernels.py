@@ -613,6 +613,31 @@ def test_nhwc32_concat_requantizes_each_branch_and_handles_channels_not_a_multip
     assert not out[..., 85:].any()  # padded channels are 0
 
 
+def _shuffle(c: int, g: int) -> np.ndarray:
+    """ShuffleNet's channel shuffle as an index: output j reads (j % g) * (c / g) + j // g."""
+    return np.array([(j % g) * (c // g) + j // g for j in range(c)], np.int32)
+
+
+# (input channels, index): ShuffleNet's 116-channel shuffle (116 is not a multiple of 32, its
+# halves of 58 not of 4), the second half of a split, and a shuffle then a split composed
+GATHERS = [(116, _shuffle(116, 2)), (116, np.arange(58, 116, dtype=np.int32)), (116, _shuffle(116, 2)[58:])]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+@pytest.mark.parametrize("channels,index", GATHERS, ids=["shuffle", "split_second_half", "shuffle_then_split"])
+def test_channel_gather_moves_int8_values_by_channel_and_zeroes_the_padding(layout, channels, index):
+    from tvm_qconv.schedules.channels_int8 import gather_channels_int8, gather_channels_int8_ref
+    x = RNG.integers(-128, 128, (2, channels, 3, 5)).astype(np.int8)
+    packed = layout.pack(x)
+    out_shape = layout.packed_shape((2, len(index), 3, 5))
+    out = run(gather_channels_int8(layout, (2, 3, 5), channels, len(index)), packed, index, out_shape=out_shape,
+              out_dtype="int8")
+    np.testing.assert_array_equal(out, gather_channels_int8_ref(layout, packed, channels, index))
+    np.testing.assert_array_equal(layout.unpack(out, len(index)), x[:, index])  # the plain NumPy meaning
+    padded = layout.pack(np.ones((2, len(index), 3, 5), np.int8)) == 0  # where the layout pads (58 and 116
+    assert not out[padded].any()                                      # channels in NHWC32, 58 in NCHW4c)
+
+
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]
 
 

@@ -13,6 +13,12 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
   ``count_include_pad``), and a classifier's global average pool: ``mean(x, axis=[2, 3],
   keepdims=True)`` whose one user is the flatten (``Layer.window`` holds the geometry of both);
 - ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
+- ``channels``: a pure channel gather, ``Layer.channel_index`` (output channel ``j`` is input
+  channel ``index[j]``): piece ``i`` of ``split(x, axis=1)`` (its ``TupleGetItem``, named
+  ``split_<k>.<i>``), or a channel
+  shuffle ``reshape(x, [n, g, c/g, h, w]) -> permute_dims([0, 2, 1, 3, 4]) -> reshape(x, [n, c, h, w])``
+  (ShuffleNet).  It moves int8 values and keeps the input's scale, so, like a max-pool, it has
+  no calibration points of its own.
 
 ``relu`` stands for any activation that is a clamp: ``relu``, and ``clip(x, lo, hi)`` with constant
 bounds (ReLU6, hardtanh), recorded as ``Layer.clip``; the kernel clamps in the integer domain.
@@ -33,7 +39,7 @@ from .relax_utils import free_vars
 
 @dataclass
 class Layer:
-    kind: str                      # conv2d | dense | add | max_pool2d
+    kind: str                      # conv2d | dense | add | max_pool2d | avg_pool2d | affine | concat | channels
     name: str                      # torch module path where known (features.0), else kind_k
     inputs: list                   # activation inputs: relax.Var of the float graph
     output: relax.Var              # last var of the pattern (after bias / relu)
@@ -46,6 +52,7 @@ class Layer:
     reason_float: str | None = None    # set when the pattern cannot run in int8
     # avg_pool2d: (pool, stride, padding) -- of the pool call, or the whole map for a global mean
     window: tuple | None = None
+    channel_index: tuple | None = None  # channels: output channel j reads input channel index[j]
 
     @property
     def quantizable(self) -> bool:
@@ -59,6 +66,7 @@ class Graph:
     layers: list = field(default_factory=list)
     layer_of_var: dict = field(default_factory=dict)   # first var of a pattern -> Layer
     consumed: set = field(default_factory=set)         # vars bound inside some pattern
+    lazy: set = field(default_factory=set)             # consumed vars emitted in float only if a float reader needs them
     points: dict = field(default_factory=dict)         # relax.Var -> point name
 
 
@@ -145,13 +153,28 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         lst = torch_names.get(kind, [])
         return lst[k] if k < len(lst) else f"{kind}_{k}"
 
+    splits: dict = {}  # split var -> (input, channel offset of each piece)
     for b in bindings:
         var, call = b.var, b.value
         if var in g.consumed:
             continue
         op = _op(call)
         layer = None
-        if op == "relax.nn.conv2d":
+        if op == "relax.split":
+            pieces = _channel_split(var, call, value, user)
+            if pieces is not None:  # each TupleGetItem becomes a layer; the split itself only if a float reader needs it
+                splits[var] = (call.args[0], pieces, name_for("split"))
+                g.consumed.add(var)
+                g.lazy.add(var)
+            continue
+        if isinstance(call, relax.TupleGetItem) and call.tuple_value in splits:
+            x, offsets, split_name = splits[call.tuple_value]
+            size = _shape(var)[1]
+            layer = Layer("channels", f"{split_name}.{call.index}", [x], var, [var], call,
+                          channel_index=tuple(range(offsets[call.index], offsets[call.index] + size)))
+        elif op == "relax.reshape":
+            layer = _shuffle_layer(var, call, value, sole_user, name_for)
+        elif op == "relax.nn.conv2d":
             layer = _conv_layer(var, call, value, sole_user, name_for("conv2d"))
         elif op == "relax.matmul" and _const(call.args[1]) is not None and len(_shape(call.args[0]) or ()) == 2:
             layer = _dense_layer(var, call, value, sole_user, name_for("dense"))
@@ -191,13 +214,48 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         g.consumed.update(layer.vars)
 
     for ly in g.layers:
-        if ly.kind == "max_pool2d":  # max commutes with the quantizer: the output keeps the input's scale
+        if ly.kind in ("max_pool2d", "channels"):  # they commute with the quantizer: the output keeps the input's scale
             continue
         for i, x in enumerate(ly.inputs):
             g.points.setdefault(x, f"{ly.name}.in{i}")
         if ly.kind != "dense":
             g.points[ly.output] = f"{ly.name}.out"
     return g
+
+
+def _channel_split(var, call, value, user) -> list[int] | None:
+    """The channel offset of each piece of ``split(x, axis=1)`` of a static 4-D ``x`` whose every
+    reader takes one piece (``TupleGetItem``); else None (it stays a float op)."""
+    shape = _shape(call.args[0])
+    fields = getattr(var.ty, "fields", None)
+    if (shape is None or len(shape) != 4 or int(call.attrs.axis) % 4 != 1 or not isinstance(call.args[0], relax.Var)
+            or not fields or any(static_shape(f) is None for f in fields)):
+        return None
+    if not user.get(var) or not all(isinstance(value[u], relax.TupleGetItem) for u in user[var]):
+        return None
+    sizes = [static_shape(f)[1] for f in fields]
+    return np.cumsum([0] + sizes[:-1]).tolist()
+
+
+def _shuffle_layer(var, call, value, sole_user, name_for):
+    """A channel shuffle: ``reshape`` [n, c, h, w] -> [n, g, c/g, h, w], ``permute_dims`` swapping the
+    two channel axes, ``reshape`` back to [n, c, h, w]; else None."""
+    src, mid = _shape(call.args[0]), _shape(var)
+    if src is None or mid is None or len(src) != 4 or len(mid) != 5 or not isinstance(call.args[0], relax.Var):
+        return None
+    n, c, h, w = src
+    g = mid[1]
+    if mid != (n, g, c // g, h, w) or g * (c // g) != c:
+        return None
+    perm = sole_user(var, "relax.permute_dims")
+    if perm is None or [int(a) for a in value[perm].attrs.axes] != [0, 2, 1, 3, 4]:
+        return None
+    back = sole_user(perm, "relax.reshape")
+    if back is None or _shape(back) != src:
+        return None
+    # y[n, b*g + a] = x[n, a*(c/g) + b]: output channel j reads (j % g) * (c/g) + j // g
+    return Layer("channels", name_for("shuffle"), [call.args[0]], back, [var, perm, back], value[perm],
+                 channel_index=tuple((j % g) * (c // g) + j // g for j in range(c)))
 
 
 def _affine_layer(var, call, value, user, uses, name_for):

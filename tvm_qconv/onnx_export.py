@@ -253,6 +253,7 @@ class _Emitter:
         self.qdq_pairs = 0
         self.int8_weights = 0
         self.zero = None
+        self.pending: dict = {}   # graph.lazy var -> its binding, emitted at the first float read
 
     # ---- names, constants, Q/DQ ---------------------------------------------------------
     def fresh(self, hint: str) -> str:
@@ -300,6 +301,8 @@ class _Emitter:
     def float_of(self, expr) -> str:
         if isinstance(expr, tvm.ir.expr.GenericConst):
             return self.const(expr.value.numpy(), "const")
+        if expr in self.pending:
+            self.emit_float(self.pending.pop(expr))
         if expr in self.fname:
             f = self.fname[expr]
             return self.dq(f) if isinstance(f, _QTensor) else f
@@ -336,9 +339,14 @@ class _Emitter:
                 self.float_layers.append(ly.name)
                 for v in ly.vars:
                     self.emit_float(binding[v])
+            elif b.var in self.g.lazy:  # a split whose pieces are int8 layers: ONNX needs it only for a float piece
+                self.pending[b.var] = b
+                self.track(b)
             elif b.var not in self.g.consumed:
                 self.emit_float(b)
         body = func.body.body
+        if body in self.pending:  # a split returned whole
+            self.emit_float(self.pending.pop(body))
         outs = self.tuples[body] if body in self.tuples else [self.float_of(body)]
         out_batch = self.batch.get(body) if body not in self.tuples else self.batch.get(("tuple", body))
         if self.dynamic and out_batch != (0, 1):
@@ -424,6 +432,13 @@ class _Emitter:
         y = self.node("Concat", xs, ly.name, axis=1)
         self.produce(ly.output, y, self.scale(ly.output))
 
+    def layer_channels(self, ly) -> None:
+        x = self.qver[ly.inputs[0]]
+        index = self.const(np.array(ly.channel_index, np.int64), ly.name + ".index")
+        y = self.node("Gather", [self.dq(x), index], ly.name, axis=1)
+        # values moved, not changed: requantized at the input's scale, exact (as the max-pool)
+        self.produce(ly.output, y, x.scale)
+
     def layer_max_pool2d(self, ly) -> None:
         x = self.qver[ly.inputs[0]]
         y = self.node("MaxPool", [self.dq(x)], ly.name, **self.pool_attrs(ly.call, "max"))
@@ -505,6 +520,8 @@ class _Emitter:
         if op == "Tuple":
             self.tuples[var] = [self.float_of(f) for f in value.fields]
         elif op == "TupleGetItem":
+            if value.tuple_value in self.pending:
+                self.emit_float(self.pending.pop(value.tuple_value))
             items = self.tuples[value.tuple_value]
             if items[value.index] is None:
                 raise InputError("a batch_norm's running statistics are read: this model cannot be exported to "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from tvm import relax
 
 from . import range_search
 from .calibrate import calibrate_candidates
@@ -99,9 +100,24 @@ RangeSource = Calibrate | GivenRanges | LearnedRanges
 
 
 # Ops between two int8 layers that commute with per-tensor quantization at one scale: a max-pool
-# keeps its int8 input's scale, and a reshape of a dequantized tensor requantized at the same
-# scale gives back the same integers.  The QAT input quantizer after them is the tensor's scale.
-_SCALE_PRESERVING = ("relax.nn.max_pool2d", "relax.reshape")
+# keeps its int8 input's scale, a reshape or a permute of a dequantized tensor requantized at the
+# same scale gives back the same integers, and so does a channel split's piece (graph.py's
+# channel gathers keep their input's scale).  The QAT input quantizer after them is the tensor's scale.
+_SCALE_PRESERVING = ("relax.nn.max_pool2d", "relax.reshape", "relax.permute_dims")
+
+
+def _scale_source(x, producer: dict):
+    """The tensor whose scale ``x`` is quantized at: back through ``_SCALE_PRESERVING`` ops and
+    split pieces (``TupleGetItem`` of a ``split``)."""
+    while True:
+        value = producer.get(x)
+        if isinstance(value, relax.TupleGetItem) and \
+                getattr(getattr(producer.get(value.tuple_value), "op", None), "name", None) == "relax.split":
+            x = producer[value.tuple_value].args[0]
+        elif getattr(getattr(value, "op", None), "name", None) in _SCALE_PRESERVING:
+            x = value.args[0]
+        else:
+            return x
 
 
 def map_learned_ranges(graph: Graph, learned: dict[str, float], source: str = "the checkpoint") -> tuple[dict, dict]:
@@ -111,7 +127,8 @@ def map_learned_ranges(graph: Graph, learned: dict[str, float], source: str = "t
     ``L.in0``; a layer's recorded output range ``L.out`` scales nothing.  The compiled model
     instead requantizes each int8 layer's output in its epilogue, at the scale of the point
     ``L.out``.  For the two to compute the same integers, a point takes the ``.in0`` range of the
-    layer that consumes it, following max-pools and reshapes (``_SCALE_PRESERVING``); a point
+    layer that consumes it, following max-pools, reshapes, permutes and split pieces
+    (:func:`_scale_source`); a point
     no int8 layer consumes keeps its own name (``L.out`` of the last conv before a float op).
 
     Args:
@@ -131,9 +148,7 @@ def map_learned_ranges(graph: Graph, learned: dict[str, float], source: str = "t
     for ly in graph.layers:
         if ly.kind not in ("conv2d", "dense"):
             continue
-        x = ly.inputs[0]
-        while getattr(getattr(producer.get(x), "op", None), "name", None) in _SCALE_PRESERVING:
-            x = producer[x].args[0]
+        x = _scale_source(ly.inputs[0], producer)
         if x in graph.points:
             used[graph.points[x]] = f"{ly.name}.in0"
     missing = sorted({key for key in used.values() if key not in learned})

@@ -9,6 +9,7 @@ name                         op           runs
 ``max_pool2d.nchw4c``        max_pool2d   any target (one thread per output on CUDA)
 ``add.nchw4c``               add          any target (dlight on CUDA)
 ``concat.nchw4c``            concat       any target (dlight on CUDA)
+``channels.nchw4c``          channels     split, shuffle; any target (dlight on CUDA)
 ``avg_pool2d.nchw4c``        avg_pool2d   any target (one thread per output on CUDA)
 ``affine.nchw4c``            affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 ===========================  ===========  =================================================

@@ -8,6 +8,7 @@ name                       op           runs
 ``max_pool2d.nhwc32``      max_pool2d   any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``             add          any target (dlight on CUDA)
 ``concat.nhwc32``          concat       any target (dlight on CUDA)
+``channels.nhwc32``        channels     split, shuffle; any target (dlight on CUDA)
 ``avg_pool2d.nhwc32``      avg_pool2d   any target (one thread per output on CUDA)
 ``affine.nhwc32``          affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 =========================  ===========  ==================================================

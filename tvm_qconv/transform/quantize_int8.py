@@ -33,8 +33,8 @@ from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, quantize_rows
 from ..schedules.relayout import relayout_int8
 from ..schedules.requantize import QMIN, add_multipliers, affine_params, quantize_multiplier
-from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ConcatWorkload, ConvWorkload,
-                                  PoolWorkload)
+from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ChannelsWorkload, ConcatWorkload,
+                                  ConvWorkload, PoolWorkload)
 from ..target import TargetInfo
 
 # Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
@@ -156,6 +156,8 @@ class _Rewriter:
         self.rows: list = []
         self.float_ops: Counter = Counter()
         self.conversions: list = []   # (kind, tensor) of every conversion kernel emitted
+        self.pending: dict = {}       # graph.lazy var -> its binding, emitted in float at the first float read
+        self.gathered: dict = {}      # channels layer output -> (int8 source var, channel index from it)
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
@@ -170,6 +172,9 @@ class _Rewriter:
         if not isinstance(expr, relax.Var):
             return substitute(expr, {})
         if expr in self.fenv:
+            return self.fenv[expr]
+        if expr in self.pending:  # e.g. a split whose piece stayed float
+            self.emit_float(self.pending.pop(expr))
             return self.fenv[expr]
         q = self.quantized(expr)
         if q is not None:
@@ -240,6 +245,8 @@ class _Rewriter:
                                               dtype="float32"))
                         for v in ly.vars:
                             self.emit_float(value[v])
+                    elif b.var in self.g.lazy:
+                        self.pending[b.var] = b
                     elif b.var not in self.g.consumed:
                         self.emit_float(b)
                 result = self._output(func.body.body)
@@ -279,7 +286,7 @@ class _Rewriter:
             return "in the skip list"
         if ly.kind == "dense" and not self.p.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind in ("max_pool2d", "avg_pool2d", "affine") and self.quantized(ly.inputs[0]) is None:
+        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels") and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         return None
 
@@ -369,6 +376,28 @@ class _Rewriter:
         self.produce(ly.output, var, x.scale, x.channels, impl.layout)
         self.rows.append(dict(layer=ly.name, kind="max_pool2d", kernel=impl.name, dtype="int8",
                               shape=f"{wl.pool} s{wl.stride[0]}"))
+        return None
+
+    def emit_channels(self, ly) -> str | None:
+        # A gather of a gather reads the first one's source with the two indices composed (a
+        # shuffle then a split is one kernel per piece; the shuffle's own kernel is then dead).
+        src, index = ly.inputs[0], list(ly.channel_index)
+        while src in self.gathered:
+            src, inner = self.gathered[src]
+            index = [inner[i] for i in index]
+        x = self.quantized(src)
+        impl = next(iter(registry.candidates("channels", None, self.p.target, layout=x.layout.name)), None)
+        if impl is None:
+            return self.no_kernel("channels", f"{x.layout.name} tensor")
+        n, c, h, w = static_shape(ly.output.ty)
+        wl = ChannelsWorkload((n, h, w), x.channels, c)
+        prim = impl.compute(wl)
+        args = [x.var] + [constant(p) for p in impl.pack_params(wl, np.array(index, np.int32))]
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, x.layout.packed_shape((n, c, h, w)), "int8")
+        self.produce(ly.output, var, x.scale, c, impl.layout)  # values moved, not changed: the input's scale
+        self.gathered[ly.output] = (src, index)
+        self.rows.append(dict(layer=ly.name, kind="channels", kernel=impl.name, dtype="int8",
+                              shape=f"{x.channels}->{c} channels"))
         return None
 
     def emit_avg_pool2d(self, ly) -> str | None:
