@@ -39,13 +39,18 @@ def switch_seconds(wl) -> float:
     return 2 * RELAYOUT_LAUNCH_S + 2 * moved / RELAYOUT_BYTES_PER_S
 
 
+def charged_seconds(wl, impl, default, secs: float) -> float:
+    """``impl``'s measured ``secs`` for ``wl`` plus the two relayouts it costs where its layout is
+    not the ``default``'s (:func:`switch_seconds`)."""
+    return secs + (switch_seconds(wl) if impl.layout != default.layout else 0.0)
+
+
 def pick(wl, default, measured: dict):
     """The implementation a build runs for ``wl`` (:func:`measured_chooser`'s rule), given
     ``measured`` = {implementation: best seconds} and the registry's untuned ``default``: the
     fastest, a layout change charged :func:`switch_seconds`, where the default and another were
     measured and the default is not under ``RUNNER_FLOOR_S``; otherwise None (the default)."""
-    charged = {impl: secs + (switch_seconds(wl) if impl.layout != default.layout else 0.0)
-               for impl, secs in measured.items()}
+    charged = {impl: charged_seconds(wl, impl, default, secs) for impl, secs in measured.items()}
     if default not in charged or len(charged) < 2 or charged[default] < RUNNER_FLOOR_S:
         return None
     return min(charged, key=charged.get)

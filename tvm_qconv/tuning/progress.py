@@ -9,7 +9,7 @@ import time
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from .apply import pick, switch_seconds
+from .apply import charged_seconds, pick
 from .database import FAILED_RUN_SECS, mean_secs
 from .tasks import KernelTask
 
@@ -71,7 +71,7 @@ def model_conv_us(tasks: list[KernelTask], best: dict) -> float | None:
         if default not in measured:
             return None
         chosen = pick(wl, default, measured) or default
-        total += group[0].weight * (measured[chosen] + (switch_seconds(wl) if chosen.layout != default.layout else 0.0))
+        total += group[0].weight * charged_seconds(wl, chosen, default, measured[chosen])
     return total * 1e6
 
 
