@@ -279,3 +279,20 @@ def test_a_captured_graph_keeps_the_model_it_reads_alive():
         got = call(x.flip(0)).flip(0)
     # cuDNN may pick other (TF32) algorithms inside the capture: ~1e-3 apart; freed weights: NaN
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_replay_is_checked_against_eager_and_an_overflowing_model_is_named():
+    # The check that keeps compare and the zoo from timing a replay that is not the model (CPU:
+    # the "replay" here is a plain call into the static output buffer).
+    model = nn.Linear(4, 2).eval()
+    x = torch.ones(3, 4)
+    out = torch.empty(3, 2)
+    with torch.no_grad():
+        baselines_mod.check_replay(lambda v: out.copy_(model(v)), out, model, x)        # the model: passes
+        with pytest.raises(RuntimeError, match="does not reproduce eager PyTorch"):
+            baselines_mod.check_replay(lambda v: out.copy_(model(v) + 1), out, model, x)  # off by ~1: refused
+        # random-init Inception-V3 in fp16 reaches 1.6e12 (zoo run on the H100, 2026-11-26): eager
+        # PyTorch itself gives inf / NaN, so the error must say it is the model, not the capture
+        model.weight.fill_(1e38)
+        with pytest.raises(baselines_mod.NonFiniteOutput, match=r"not finite \(6 of 6 values\).*float32"):
+            baselines_mod.check_replay(lambda v: out.copy_(model(v)), out, model, x)

@@ -165,6 +165,11 @@ def capture(model, static):
 REPLAY_TOLERANCE = 2e-2
 
 
+class NonFiniteOutput(RuntimeError):
+    """Eager PyTorch's own output overflowed (random-init Inception-V3 in fp16: activations reach
+    1.6e12): there is nothing to check a replay against, and nothing worth timing."""
+
+
 def check_replay(call, out, model, x) -> None:
     """Replay on ``x`` into a zeroed output and compare with eager PyTorch on ``x``.
 
@@ -174,6 +179,11 @@ def check_replay(call, out, model, x) -> None:
     model freed later; the agreement measured after the timing catches that.
     """
     expected = model(x).float()
+    bad = int((~expected.isfinite()).sum())
+    if bad:
+        raise NonFiniteOutput(f"eager PyTorch's output is not finite ({bad} of {expected.numel()} values): the model "
+                              f"overflows in {x.dtype}, so no replay can be checked against it "
+                              "and its timing would be of inf / NaN arithmetic (run it in a wider type, e.g. bf16)")
     out.zero_()
     got = call(x).float()
     err = float((got - expected).norm() / expected.norm().clamp_min(1e-30))
