@@ -547,13 +547,20 @@ DEPTHWISE = [
 DEPTHWISE_IDS = ["relu6_s2", "multiplier2_d2", "5x5_odd_channels_norelu", "asym_pad_s2_clip"]
 
 
-def _depthwise_args(wl):
-    from tvm_qconv.schedules.nchw4c.depthwise import pack_depthwise
-    a = pack_nchw4c(RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8))
-    w = pack_depthwise(RNG.integers(-127, 128, (wl.out_channels, 1, *wl.kernel)).astype(np.int8))
-    b = pack_channels(RNG.integers(-2000, 2000, wl.out_channels).astype(np.int32))
+def _depthwise_layer(wl):
+    """A depthwise layer's random int8 input [N, C, H, W], OIHW weight and int32 bias, mult, shift."""
+    x = RNG.integers(-128, 128, (wl.batch, wl.in_channels, wl.height, wl.width)).astype(np.int8)
+    w = RNG.integers(-127, 128, (wl.out_channels, 1, *wl.kernel)).astype(np.int8)
+    b = RNG.integers(-2000, 2000, wl.out_channels).astype(np.int32)
     m, s = quantize_multiplier(RNG.uniform(3e-3, 3e-2, wl.out_channels))
-    return [a, w, b, pack_channels(m), pack_channels(s, fill=1)]
+    return x, w, b, m, s
+
+
+def _packed(wl, impl, layer):
+    """``layer`` (:func:`_depthwise_layer`) as ``impl``'s arguments."""
+    from tvm_qconv import registry
+    x, *params = layer
+    return [registry.layout(impl.layout).pack(x), *impl.pack_params(wl, *params)]
 
 
 def _gpu_twin(func):
@@ -566,17 +573,30 @@ def _gpu_twin(func):
 
 
 @pytest.mark.parametrize("wl", DEPTHWISE, ids=DEPTHWISE_IDS)
-def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl):
-    from tvm_qconv.schedules.nchw4c.depthwise import (depthwise_nchw4c_int8, depthwise_nchw4c_int8_ref,
-                                                      schedule_cpu, schedule_cuda)
+@pytest.mark.parametrize("layout", ["nchw4c", "nhwc32"])
+def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl, layout):
+    # NCHW4c: the kernel of GPUs without int8 tensor cores and of the CPU; NHWC32: the one that
+    # runs between tensor-core convs (sm_80+), without a relayout on either side
+    from tvm_qconv import registry
     from tvm_qconv.target import cuda_source, make_target
-    args = _depthwise_args(wl)
-    ref = depthwise_nchw4c_int8_ref(wl, *args)
+    impl = registry.get(f"conv2d.{layout}.depthwise")
+    layer = _depthwise_layer(wl)
+    args = _packed(wl, impl, layer)
+    ref = impl.reference(wl, *args)
     assert 0.05 < (ref != 0).mean() and wl.act_min <= ref.min() and ref.max() <= wl.act_max
-    func = depthwise_nchw4c_int8(wl)
+    assert ref.shape == impl.out_shape(wl)
+    # the other layout's reference computes the same numbers for the same layer
+    other = registry.get(f"conv2d.{'nhwc32' if layout == 'nchw4c' else 'nchw4c'}.depthwise")
+    np.testing.assert_array_equal(
+        registry.layout(impl.layout).unpack(ref, wl.out_channels),
+        registry.layout(other.layout).unpack(other.reference(wl, *_packed(wl, other, layer)), wl.out_channels))
+    func = impl.compute(wl)
     target = make_target("cuda", "sm_90")
-    cuda = schedule_cuda(func, target)
-    for f in (func, schedule_cpu(func), _gpu_twin(cuda)):  # compute, llvm schedule, the CUDA schedule's twin
+    cuda = impl.schedule(func, target)
+    schedules = [func, _gpu_twin(cuda)]  # the compute, the CUDA schedule's twin
+    if layout == "nchw4c":
+        schedules.append(impl.schedule(func, make_target("llvm")))
+    for f in schedules:
         np.testing.assert_array_equal(run(f, *args, out_shape=ref.shape, out_dtype="int8"), ref)
     with target:
         src = cuda_source(tvm.compile(tvm.IRModule({"main": cuda}), target=target))

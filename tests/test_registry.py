@@ -60,6 +60,20 @@ def test_few_input_channels_go_to_dp4a_and_the_training_conv_never_to_tensor_cor
         "conv2d.nhwc32.mma", "conv2d.nchw4c.dp4a"]
 
 
+def test_a_depthwise_conv_runs_in_the_layout_of_the_convs_around_it():
+    # On sm_80+ the convs around a depthwise one run on tensor cores (NHWC32): the depthwise
+    # kernel in that layout saves a relayout on each side; without int8 tensor cores, NCHW4c.
+    # With --family dp4a (dp4a's layout is NCHW4c) the depthwise conv follows it there.
+    from tvm_qconv.build import _family_chooser
+    dw = conv_wl(1, 96, 28, 28, 96, groups=96)
+    assert registry.select("conv2d", dw, SM90).name == "conv2d.nhwc32.depthwise"
+    assert registry.select("conv2d", dw, SM75).name == "conv2d.nchw4c.depthwise"
+    assert registry.select("conv2d", dw, LLVM).name == "conv2d.nchw4c.depthwise"
+    candidates = registry.candidates("conv2d", dw, SM90)
+    assert _family_chooser(("dp4a", "generic"), None)("conv2d", dw, candidates) == "conv2d.nchw4c.depthwise"
+    assert _family_chooser(("mma",), None)("conv2d", dw, candidates) == "conv2d.nhwc32.depthwise"
+
+
 def test_target_info_comes_from_the_target_not_from_constants():
     assert SM90.has_dp4a and SM90.has_int8_mma and not SM90.has_wgmma and SM90.num_sm == 132
     assert TargetInfo.from_target(make_target("cuda", "sm_90a")).has_wgmma

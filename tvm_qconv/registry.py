@@ -26,16 +26,19 @@ from .schedules.wgmma import impls as wgmma
 from .target import TargetInfo
 
 # In priority order per op: select() takes the first that applies and is preferred untuned,
-# unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise, then Hopper's wgmma (sm_90a), then
-# int8 tensor cores (sm_80+, 16+ input channels), then the stem conv (sm_80+, 1-4 input
-# channels: dp4a into the tensor cores' layout), then dp4a (CUDA), then the CPU kernel.
+# unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise (in the
+# tensor cores' NHWC32 on sm_80+, where the convs around it run; else NCHW4c), then Hopper's
+# wgmma (sm_90a), then int8 tensor cores (sm_80+, 16+ input channels), then the stem conv
+# (sm_80+, 1-4 input channels: dp4a into the tensor cores' layout), then dp4a (CUDA), then the
+# CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
+    tensorcore.CONV2D_DEPTHWISE,
     nchw4c.CONV2D_DEPTHWISE,
     wgmma.CONV2D_WGMMA,
     tensorcore.CONV2D_MMA,
     stem.CONV2D_STEM,
     *(impl for impl in nchw4c.IMPLEMENTATIONS if impl is not nchw4c.CONV2D_DEPTHWISE),
-    *(impl for impl in tensorcore.IMPLEMENTATIONS if impl is not tensorcore.CONV2D_MMA),
+    *(impl for impl in tensorcore.IMPLEMENTATIONS if impl not in (tensorcore.CONV2D_MMA, tensorcore.CONV2D_DEPTHWISE)),
     dense_int8.DENSE,
     grad_input.GRAD_INPUT,
     grad_weight.GRAD_WEIGHT,

@@ -93,30 +93,34 @@ def pack_depthwise(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(wp.reshape(-1, 4, kh, kw).transpose(0, 2, 3, 1))
 
 
-def _epilogue_to_registers(sch, conv, requant, at) -> None:
-    """Accumulate in registers under ``at``; the epilogue computes from them, and a copy stores
-    int8x4 words (vectorizing the epilogue itself would make 32-byte int64x4 vectors)."""
-    sch.set_scope(conv, 0, "local")
-    sch.reverse_compute_at(requant, at, preserve_unit_loops=True)
-    store = sch.cache_write(requant, 0, "local")
-    sch.reverse_compute_at(store, at, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(store)[-1])
-
-
 def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
     """One thread per output word (4 channels), consecutive threads on consecutive columns
-    (coalesced loads and stores); the kh x kw taps unrolled.  With channel multiplier 1 each tap
-    is one int8x4 input word and one int8x4 filter word, loaded as such into registers (the
-    zero padding a predicate on the word); otherwise the input is read byte by byte."""
+    (coalesced loads and stores); the kh x kw taps unrolled (:func:`schedule_word_per_thread`)."""
     sch = tvm.s_tir.Schedule(func)
+    n, ob, y, x, oi, ry, rx = sch.get_loops(sch.get_sblock("conv"))
+    schedule_word_per_thread(sch, (n, ob, y, x), ry, rx, oi, ConvWorkload.of(func))
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def schedule_word_per_thread(sch, outer, ry, rx, oi, wl: ConvWorkload) -> None:
+    """The CUDA schedule of a depthwise kernel (blocks ``pad``, ``conv``, ``requant``) in either
+    layout, from its ``conv`` loops: ``outer`` fused into one thread per output word, the taps
+    ``ry, rx``, and ``oi`` the word's 4 channels (innermost in memory in both layouts).  The
+    accumulators stay in registers, the epilogue computes from them and a copy stores int8x4
+    words (vectorizing the epilogue itself would make 32-byte int64x4 vectors).  With channel
+    multiplier 1 each tap is one int8x4 input word and one int8x4 filter word, loaded as such
+    into registers (the zero padding a predicate on the word); otherwise the input is read byte
+    by byte."""
     conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
-    n, ob, y, x, oi, ry, rx = sch.get_loops(conv)
-    sch.reorder(n, ob, y, x, ry, rx, oi)
-    bx, tx = sch.split(sch.fuse(n, ob, y, x), [None, THREADS])
+    sch.reorder(*outer, ry, rx, oi)
+    bx, tx = sch.split(sch.fuse(*outer), [None, THREADS])
     sch.bind(bx, "blockIdx.x")
     sch.bind(tx, "threadIdx.x")
-    _epilogue_to_registers(sch, conv, requant, tx)
-    wl = ConvWorkload.of(func)
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
+    store = sch.cache_write(requant, 0, "local")
+    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(store)[-1])
     if wl.out_channels == wl.in_channels:
         sch.set_scope(pad, 0, "local")
         sch.compute_at(pad, rx, preserve_unit_loops=True)
@@ -129,7 +133,6 @@ def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
     init = sch.decompose_reduction(conv, ry)
     for loop in (ry, rx, oi, *sch.get_loops(init)[2:], *sch.get_loops(requant)[2:]):
         sch.unroll(loop)
-    return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
 def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:

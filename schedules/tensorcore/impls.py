@@ -1,17 +1,18 @@
 """The tensor-core family's kernel implementations, as the registry (``tvm_qconv/registry.py``) sees them.
 
-=========================  ===========  ==================================================
-name                       op           runs
-=========================  ===========  ==================================================
-``conv2d.nhwc32.mma``      conv2d       CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
-``dense.rows.mma``         dense        CUDA sm_80+, 2+ rows: the same template, float epilogue
-``max_pool2d.nhwc32``      max_pool2d   any target (16 channels per thread on CUDA: ``pool.py``)
-``add.nhwc32``             add          any target (dlight on CUDA)
-``concat.nhwc32``          concat       any target (dlight on CUDA)
-``channels.nhwc32``        channels     split, shuffle; any target (dlight on CUDA)
-``avg_pool2d.nhwc32``      avg_pool2d   any target (one thread per output on CUDA)
-``affine.nhwc32``          affine       inference BatchNorm no conv absorbs (dlight on CUDA)
-=========================  ===========  ==================================================
+===========================  ==========  ==============================================================
+name                         op          runs
+===========================  ==========  ==============================================================
+``conv2d.nhwc32.mma``        conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
+``conv2d.nhwc32.depthwise``  conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
+``dense.rows.mma``           dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
+``max_pool2d.nhwc32``        max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
+``add.nhwc32``               add         any target (dlight on CUDA)
+``concat.nhwc32``            concat      any target (dlight on CUDA)
+``channels.nhwc32``          channels    split, shuffle; any target (dlight on CUDA)
+``avg_pool2d.nhwc32``        avg_pool2d  any target (one thread per output on CUDA)
+``affine.nhwc32``            affine      inference BatchNorm no conv absorbs (dlight on CUDA)
+===========================  ==========  ==============================================================
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..kernel import KernelImpl
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, dense, mma, pipeline, space
+from . import conv2d, dense, depthwise, mma, pipeline, space
 from .pool import MaxPool2dNhwc32
 from .layout import LAYOUT
 
@@ -101,6 +102,36 @@ class Conv2dMma(KernelImpl):
         return pipeline.compile_options()
 
 
+class Conv2dDepthwise(KernelImpl):
+    """Depthwise convs (any channel multiplier) in the tensor cores' layout, where the convs
+    around them run: ``depthwise.py``.  GPUs without int8 tensor cores keep the NCHW4c kernel."""
+
+    name = "conv2d.nhwc32.depthwise"
+    op = "conv2d"
+    layout = LAYOUT.name
+    family = "depthwise"
+    runs_on = "CUDA sm_80+"
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        return target.kind == "cuda" and target.has_int8_mma and wl.is_depthwise and wl.out_dtype == "int8"
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(depthwise.depthwise_nhwc32_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return depthwise.depthwise_nhwc32_int8_ref(wl, *args)
+
+    def schedule(self, func, target):
+        return depthwise.schedule_cuda(func, target)
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        return [depthwise.pack_depthwise(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
+                conv2d.pack_channels(shift, fill=1)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
+
+
 # Fewer rows than this and a linear layer is a GEMV, which dlight's GEMV rule streams at the
 # weights' read speed.  From 2 rows on, dlight has only its SIMT matmul rule: VGG16's fc6 at
 # batch 16 took 781 us there (30 % of the model's GPU time, H100, 2026-11-25,
@@ -145,7 +176,8 @@ class DenseMma(KernelImpl):
 
 
 CONV2D_MMA = Conv2dMma()
+CONV2D_DEPTHWISE = Conv2dDepthwise()
 DENSE_MMA = DenseMma()
 # the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
-IMPLEMENTATIONS = (CONV2D_MMA, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
+IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
                    *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))

@@ -1,0 +1,106 @@
+"""Depthwise int8 conv in NHWC32, the tensor-core family's layout (MobileNet, EfficientNet,
+ShuffleNet, ConvNeXt on sm_80+): the same kernel as ``schedules/nchw4c/depthwise.py`` with the
+channels innermost, so a depthwise conv between two tensor-core convs reads and writes their
+layout instead of paying a relayout in and one out (ShuffleNet-V2 on CUDA: 20 of its 22 layout
+conversions were those, 2026-11-26).
+
+Each output channel reads one input channel (``o // k`` for a channel multiplier ``k``), so the
+kernel is memory-bound: kh * kw multiply-adds per output byte.  Same fused epilogue as every conv:
+int32 accumulate, + bias, fixed-point requantize, clamp to [act_min, act_max] (ReLU6 included).
+
+Layouts: data ``[n, h, w, ceil32(c)]``; weight ``[kh, kw, ceil32(o)]`` (one filter tap of 4
+consecutive output channels is one int8x4 word); bias / mult / shift ``[ceil32(o)]``, padded so the
+padded output channels are exactly 0 (``conv2d.pack_channels``).
+
+Read top to bottom: the compute definition, the NumPy reference, the weight packing, the CUDA
+schedule.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import te, tirx
+
+from ..requantize import requantize_ref, requantize_tir
+from ..nchw4c.depthwise import schedule_word_per_thread
+from ..workload import ConvWorkload
+from .layout import ceil32
+
+KERNEL_NAME = "depthwise_nhwc32_int8"
+LANES = 4      # channels per thread: one int8x4 word
+
+
+def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Compute definition: blocks ``pad``, ``conv`` (int32 reduction over ry, rx), ``requant``."""
+    assert wl.is_depthwise, wl
+    k = wl.out_channels // wl.in_channels
+    cip, cop = ceil32(wl.in_channels), ceil32(wl.out_channels)
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    h, w = wl.height, wl.width
+    A = te.placeholder((wl.batch, h, w, cip), "int8", name="A")
+    W = te.placeholder((kh, kw, cop), "int8", name="W")
+    pad = te.compute(
+        (wl.batch, h + pt + pb, w + pl + pr, cip),
+        lambda n, y, x, c: tirx.if_then_else(
+            tirx.all(y >= pt, y < h + pt, x >= pl, x < w + pl), A[n, y - pt, x - pl, c], tirx.const(0, "int8")),
+        name="pad")
+    ry = te.reduce_axis((0, kh), name="ry")
+    rx = te.reduce_axis((0, kw), name="rx")
+
+    def source(o):  # the input channel output channel o reads (a padded o reads a padded or real one)
+        return o if k == 1 else tirx.min(o // k, cip - 1)
+
+    conv = te.compute(
+        (wl.batch, wl.out_height, wl.out_width, cop),
+        lambda n, y, x, o: te.sum(
+            pad[n, y * sh + ry * dh, x * sw + rx * dw, source(o)].astype("int32") * W[ry, rx, o].astype("int32"),
+            axis=[ry, rx]),
+        name="conv")
+    bias = te.placeholder((cop,), "int32", name="Bias")
+    mult = te.placeholder((cop,), "int32", name="Mult")
+    shift = te.placeholder((cop,), "int32", name="Shift")
+    out = te.compute(
+        conv.shape,
+        lambda n, y, x, o: requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"),
+                                          mult[o], shift[o], wl.act_min, wl.act_max),
+        name="requant")
+    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
+        {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def depthwise_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
+    """NumPy int64 reference of :func:`depthwise_nhwc32_int8` (same layouts)."""
+    k = wl.out_channels // wl.in_channels
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow = wl.out_height, wl.out_width
+    x = np.pad(a.astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    cop = w.shape[-1]
+    src = np.minimum(np.arange(cop) // k, a.shape[-1] - 1)
+    acc = np.zeros((a.shape[0], oh, ow, cop), np.int64)
+    for y in range(kh):
+        for xx in range(kw):
+            win = x[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, xx * dw: xx * dw + (ow - 1) * sw + 1: sw, src]
+            acc += win * w[y, xx].astype(np.int64)
+    return requantize_ref(acc + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+
+
+def pack_depthwise(w: np.ndarray) -> np.ndarray:
+    """[O, 1, KH, KW] -> [KH, KW, ceil32(O)], output channels zero-padded."""
+    o, _, kh, kw = w.shape
+    wp = np.zeros((kh, kw, ceil32(o)), w.dtype)
+    wp[..., :o] = w[:, 0].transpose(1, 2, 0)
+    return wp
+
+
+def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
+    """One thread per output word (4 channels of one pixel), consecutive threads on consecutive
+    words (a pixel's channels, then the next pixel's: coalesced loads and stores); the kh x kw
+    taps unrolled.  The NCHW4c kernel's schedule (:func:`schedule_word_per_thread`) with the
+    word's lanes split off the channel axis instead of being their own dimension."""
+    sch = tvm.s_tir.Schedule(func)
+    n, y, x, o, ry, rx = sch.get_loops(sch.get_sblock("conv"))
+    ob, oi = sch.split(o, [None, LANES])
+    schedule_word_per_thread(sch, (n, y, x, ob), ry, rx, oi, ConvWorkload.of(func))
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
