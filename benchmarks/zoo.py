@@ -112,7 +112,8 @@ def tune_all(args) -> dict:
             t = time.time()
             try:
                 tune_model(name, bs, arch=args.arch, trials_per_task=1, image_size=model_size(name, args.size),
-                           max_workers=args.jobs, work_dir=os.path.join(args.tuning_logs, f"{name}-b{bs}-{args.arch}"), model=zoo_model(name))
+                           max_workers=args.tune_workers, model=zoo_model(name),
+                           work_dir=os.path.join(args.tuning_logs, f"{name}-b{bs}-{args.arch}"))
             except Exception as err:  # noqa: BLE001 - one model's failure is a result, not the end of the run
                 print(f"TUNING FAILED {name} b{bs}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                 seconds[(name, bs)] = None
@@ -143,8 +144,7 @@ def main(argv=None):
     ap.add_argument("--per-layer", action="store_true",
                     help="also record each int8 layer's SQNR against float (the verification's report)")
     ap.add_argument("--batches", type=int, nargs="+", default=[], help="(cuda) also time these batch sizes")
-    ap.add_argument("--jobs", type=int, default=1, help="builds in parallel: the model builds, and with --tune each tuning's candidate builds "
-                         "(timings always run alone)")
+    ap.add_argument("--jobs", type=int, default=1, help="builds in parallel (timings always run alone)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds for all builds; then time what was built and drop the rest")
     ap.add_argument("--no-verify-builds", action="store_true",
@@ -154,6 +154,8 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true",
                     help="(with --tuning-logs) first tune every model there (tune.py --trials 1; finished ones are "
                          "skipped, cut-short ones resumed)")
+    ap.add_argument("--tune-workers", type=int, default=None,
+                    help="(with --tune) parallel candidate builds of each tuning (default: all CPU cores)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="(cuda) a model's default and tuned libraries are timed in turn this many times")
     ap.add_argument("--out", default="results")
@@ -230,7 +232,13 @@ def main(argv=None):
     for (name, bs), libs in timed.items():
         row = rows[name]
         photos_b = np.concatenate([skimage_photos(row["size"])] * (-(-bs // 15)))[:bs]
-        ms = time_interleaved({kind: res["lib_path"] for kind, res in libs.items()}, photos_b, args.rounds)
+        try:
+            ms = time_interleaved({kind: res["lib_path"] for kind, res in libs.items()}, photos_b, args.rounds)
+        except Exception as err:  # noqa: BLE001 - a library that does not run is this row's result
+            row.setdefault("errors", []).append(f"timing b{bs}: {type(err).__name__}: {str(err)[:300]}")
+            print(f"FAILED timing {name} b{bs}: {type(err).__name__}", flush=True)
+            _save(args, rows)
+            continue
         if "tuned" in ms:
             row[f"int8_tuned_b{bs}_ms"] = ms["tuned"]
             row[f"tune_b{bs}_s"] = tune_s.get((name, bs))

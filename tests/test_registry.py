@@ -60,18 +60,25 @@ def test_few_input_channels_go_to_dp4a_and_the_training_conv_never_to_tensor_cor
         "conv2d.nhwc32.mma", "conv2d.nchw4c.dp4a"]
 
 
-def test_a_depthwise_conv_runs_in_the_layout_of_the_convs_around_it():
-    # On sm_80+ the convs around a depthwise one run on tensor cores (NHWC32): the depthwise
-    # kernel in that layout saves a relayout on each side; without int8 tensor cores, NCHW4c.
-    # With --family dp4a (dp4a's layout is NCHW4c) the depthwise conv follows it there.
-    from tvm_qconv.build import _family_chooser
+def test_a_depthwise_conv_runs_in_the_layout_of_the_conv_before_it():
+    # A depthwise conv has a kernel in each layout; it takes its int8 input's, so it costs no
+    # relayout whichever family ran the conv before it.  Untuned on sm_80+ the registry's first
+    # is NHWC32 (the tensor cores' layout); on sm_75 and the CPU only NCHW4c exists.
     dw = conv_wl(1, 96, 28, 28, 96, groups=96)
     assert registry.select("conv2d", dw, SM90).name == "conv2d.nhwc32.depthwise"
     assert registry.select("conv2d", dw, SM75).name == "conv2d.nchw4c.depthwise"
     assert registry.select("conv2d", dw, LLVM).name == "conv2d.nchw4c.depthwise"
-    candidates = registry.candidates("conv2d", dw, SM90)
-    assert _family_chooser(("dp4a", "generic"), None)("conv2d", dw, candidates) == "conv2d.nchw4c.depthwise"
-    assert _family_chooser(("mma",), None)("conv2d", dw, candidates) == "conv2d.nhwc32.depthwise"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(32, 32, 1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 3, padding=1, groups=32), torch.nn.ReLU(),
+                                torch.nn.Conv2d(32, 32, 1), torch.nn.ReLU()).eval()
+    x = np.random.default_rng(0).normal(0, 1, (4, 32, 12, 12)).astype(np.float32)
+    for family, depthwise in (("conv2d.nhwc32.mma", "conv2d.nhwc32.depthwise"),
+                              ("conv2d.nchw4c.dp4a", "conv2d.nchw4c.depthwise")):
+        choices = {"0": family, "4": family}  # the two 1x1 convs; the depthwise conv is left to the pass
+        q = quantize_module(model, (1, 32, 12, 12), SM90, ranges=Calibrate(x), choices=choices, progress=False)
+        assert [r["kernel"] for r in q.report["layers"]] == [family, depthwise, family]
+        assert q.report["relayouts"] == 0, q.report["conversions"]
 
 
 def test_target_info_comes_from_the_target_not_from_constants():

@@ -190,20 +190,11 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
 
 
 def _family_chooser(families, fallback):
-    """Prefer the first of ``families`` that can run a layer; a layer none of them runs (a
-    depthwise conv has its own kernels) in the activation layout of the first that has one,
-    so ``--family dp4a`` keeps MobileNet's depthwise convs in NCHW4c between its dp4a convs;
-    else ask ``fallback``."""
-    layouts = [impl.layout for family in families for impl in registry.IMPLEMENTATIONS if impl.family == family]
-
+    """Prefer the first of ``families`` that can run a layer; else ask ``fallback``."""
     def choose(op, wl, candidates):
         for family in families:
             for impl in candidates:
                 if impl.family == family:
-                    return impl.name
-        for layout in layouts:
-            for impl in candidates:
-                if impl.layout == layout:
                     return impl.name
         return fallback(op, wl, candidates) if fallback else None
     return choose

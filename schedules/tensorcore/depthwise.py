@@ -1,8 +1,8 @@
 """Depthwise int8 conv in NHWC32, the tensor-core family's layout (MobileNet, EfficientNet,
 ShuffleNet, ConvNeXt on sm_80+): the same kernel as ``schedules/nchw4c/depthwise.py`` with the
 channels innermost, so a depthwise conv between two tensor-core convs reads and writes their
-layout instead of paying a relayout in and one out (ShuffleNet-V2 on CUDA: 20 of its 22 layout
-conversions were those, 2026-11-26).
+layout instead of paying a relayout in and one out (ShuffleNet-V2 at 224 px on sm_90a: 38 of its
+40 layout conversions were those, 2026-11-26).
 
 Each output channel reads one input channel (``o // k`` for a channel multiplier ``k``), so the
 kernel is memory-bound: kh * kw multiply-adds per output byte.  Same fused epilogue as every conv:

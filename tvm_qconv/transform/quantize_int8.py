@@ -290,12 +290,16 @@ class _Rewriter:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         return None
 
-    def pick(self, op: str, wl, layer: str):
+    def pick(self, op: str, wl, layer: str, follow: str | None = None):
         """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
-        chooser's (measured), else the registry's first that applies."""
+        chooser's (measured), else the first of the registry's that applies, in the layout
+        ``follow`` if one is given and has a kernel preferred for ``wl``."""
         prefer = self.p.choices.get(layer)
         if prefer is None and self.p.chooser is not None:
             prefer = self.p.chooser(op, wl, registry.candidates(op, wl, self.p.target))
+        if prefer is None and follow is not None:
+            prefer = next((impl.name for impl in registry.candidates(op, wl, self.p.target, layout=follow)
+                           if impl.preferred(wl, self.p.target)), None)
         return registry.select(op, wl, self.p.target, prefer=prefer)
 
     def no_kernel(self, op, wl) -> str:
@@ -324,7 +328,11 @@ class _Rewriter:
                      stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
                      dilation=tuple(map(int, a.dilation)))
         wl = ConvWorkload.with_activation(activation, act_min, act_max, groups=groups, **shape)
-        impl = self.pick("conv2d", wl, ly.name)
+        # a depthwise conv (memory-bound, a kernel in each layout) takes its int8 input's layout:
+        # no relayout before it, whichever family ran the conv before (dp4a's NCHW4c at small
+        # maps, the tensor cores' NHWC32)
+        x_in = self.quantized(ly.inputs[0]) if wl.is_depthwise else None
+        impl = self.pick("conv2d", wl, ly.name, follow=x_in.layout.name if x_in else None)
         note = ""
         if impl is None and groups > 1:
             # Groups no kernel takes as they are (channels per group not a multiple of 4):
