@@ -65,24 +65,31 @@ def depthwise_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
 
 def depthwise_nchw4c_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
     """NumPy int64 reference of :func:`depthwise_nchw4c_int8` (same layouts)."""
+    n, occ = a.shape[0], w.shape[0]
+    x = a.transpose(0, 2, 3, 1, 4).reshape(n, wl.height, wl.width, -1)            # NHWC, padded C
+    taps = w.transpose(1, 2, 0, 3).reshape(*wl.kernel, occ * 4)                      # [kh, kw, O]
+    acc = depthwise_acc_nhwc(wl, x, taps).reshape(n, wl.out_height, wl.out_width, occ, 4).transpose(0, 3, 1, 2, 4)
+    return requantize_ref(acc + bias.astype(np.int64)[None, :, None, None, :], mult[None, :, None, None, :],
+                          shift[None, :, None, None, :], wl.act_min, wl.act_max)
+
+
+def depthwise_acc_nhwc(wl: ConvWorkload, x: np.ndarray, taps: np.ndarray) -> np.ndarray:
+    """The int64 accumulators of a depthwise conv, both layouts' references' core: input ``x``
+    ``[n, h, w, C]`` (channels padded or not), filter ``taps`` ``[kh, kw, O]``; output channel
+    ``o`` reads input channel ``o // k`` (``k`` the channel multiplier, clamped into ``C`` for
+    padded ``o``).  Returns ``[n, oh, ow, O]``."""
     k = wl.out_channels // wl.in_channels
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
-    n = a.shape[0]
-    x = a.astype(np.int64).transpose(0, 1, 4, 2, 3).reshape(n, -1, wl.height, wl.width)  # NCHW, padded C
-    x = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
-    o4 = w.shape[0] * 4
-    src = np.minimum(np.arange(o4) // k, x.shape[1] - 1)
-    wk = w.astype(np.int64).transpose(0, 3, 1, 2).reshape(o4, kh, kw)
-    acc = np.zeros((n, o4, oh, ow), np.int64)
+    xp = np.pad(x.astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    src = np.minimum(np.arange(taps.shape[-1]) // k, x.shape[-1] - 1)
+    acc = np.zeros((x.shape[0], oh, ow, taps.shape[-1]), np.int64)
     for y in range(kh):
         for xx in range(kw):
-            win = x[:, src, y * dh: y * dh + (oh - 1) * sh + 1: sh, xx * dw: xx * dw + (ow - 1) * sw + 1: sw]
-            acc += win * wk[None, :, y, xx, None, None]
-    acc = acc.reshape(n, o4 // 4, 4, oh, ow).transpose(0, 1, 3, 4, 2)
-    return requantize_ref(acc + bias.astype(np.int64)[None, :, None, None, :], mult[None, :, None, None, :],
-                          shift[None, :, None, None, :], wl.act_min, wl.act_max)
+            win = xp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, xx * dw: xx * dw + (ow - 1) * sw + 1: sw, src]
+            acc += win * taps[y, xx].astype(np.int64)
+    return acc
 
 
 def pack_depthwise(w: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ import tvm
 from tvm import te, tirx
 
 from ..requantize import requantize_ref, requantize_tir
-from ..nchw4c.depthwise import schedule_word_per_thread
+from ..nchw4c.depthwise import depthwise_acc_nhwc, schedule_word_per_thread
 from ..workload import ConvWorkload
 from .layout import ceil32
 
@@ -71,18 +71,7 @@ def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
 
 def depthwise_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
     """NumPy int64 reference of :func:`depthwise_nhwc32_int8` (same layouts)."""
-    k = wl.out_channels // wl.in_channels
-    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    pt, pl, pb, pr = wl.padding
-    oh, ow = wl.out_height, wl.out_width
-    x = np.pad(a.astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)))
-    cop = w.shape[-1]
-    src = np.minimum(np.arange(cop) // k, a.shape[-1] - 1)
-    acc = np.zeros((a.shape[0], oh, ow, cop), np.int64)
-    for y in range(kh):
-        for xx in range(kw):
-            win = x[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, xx * dw: xx * dw + (ow - 1) * sw + 1: sw, src]
-            acc += win * w[y, xx].astype(np.int64)
+    acc = depthwise_acc_nhwc(wl, a, w)
     return requantize_ref(acc + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
 
 
