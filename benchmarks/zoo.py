@@ -165,6 +165,8 @@ def main(argv=None):
         ap.error("--tuning-logs / --tune time tuned GPU libraries: give --target cuda and --batches")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give at least 1")
+    if args.tune_workers is not None and args.tune_workers < 1:
+        ap.error(f"--tune-workers {args.tune_workers}: give at least 1 (or leave it out: all CPU cores)")
     if args.tune and not args.tuning_logs:
         ap.error("--tune writes into --tuning-logs DIR: give the folder")
     if args.tuning_logs and not os.path.isdir(args.tuning_logs):
