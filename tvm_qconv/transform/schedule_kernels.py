@@ -11,15 +11,20 @@ from __future__ import annotations
 import tvm
 
 from .. import registry
+from ..schedules.channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
 from ..schedules.elementwise_int8 import schedule_elementwise
 from ..schedules.kernel import KERNEL_ATTR
 
 # Kernels of no implementation (the quantize pass's layout conversions) with a schedule of their
 # own, by their compute's name.  The model input's quantize to NCHW4c (the stem's input): one
 # thread per pixel, its 4 channels stored as one 32-bit word (dlight's took 65 us of ResNet-50's
-# forward at batch 64 on an H200, ~5x its 51 MB of traffic).
+# forward at batch 64 on an H200, ~5x its 51 MB of traffic).  The float <-> NHWC32 conversions
+# around float ops: threads on pixels (``channels_last_conversions.py``; dlight's read the float
+# side a feature map apart per thread).
 CONVERSION_SCHEDULES = {
     "quantize_pack": lambda func, target: schedule_elementwise(func, target, "quantize_pack", operands=()),
+    "quantize_pack_nhwc32": schedule_quantize_nhwc32,
+    "dequantize_unpack_nhwc32": schedule_dequantize_nhwc32,
 }
 
 
