@@ -93,6 +93,35 @@ def test_the_search_never_ends_worse_than_it_starts(setup):
     assert got == pytest.approx(report["sqnr_db"], abs=0.01)
 
 
+def test_the_unsigned_grid_and_int8_weights_round_as_the_scheme_says(setup):
+    """``benchmarks/unsigned_activations.py``'s two knobs.  A point on the 0..255 grid has half
+    the step of -127..127 at the same range (the script gives it only to never-negative points,
+    where the two grids cover the values alike); given to every point, all the rounding noise
+    falls 4x, so the logits' SQNR rises ~6 dB.  ``int8_weights`` rounds every conv / linear
+    weight per output channel: the network with its weights rounded by hand gives the same
+    logits."""
+    model, graph, photos, candidates = setup
+    amax = {p: c["max"] for p, c in candidates.items()}
+    sim = range_search.FakeQuantModel(graph)
+    ref = sim.logits(photos)
+    signed = sqnr_db(ref, sim.logits(photos, amax))
+    finer = sqnr_db(ref, sim.logits(photos, amax, set(amax)))
+    assert 4.5 < finer - signed < 7.5, (signed, finer)  # 20 log10(2) = 6.02 dB, +-1.5 for 6 photos
+    rounded = Net().eval()  # the same network with its weights rounded by hand
+    rounded.load_state_dict(model.state_dict())
+    for m in rounded.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            w = m.weight.detach()
+            step = w.abs().amax(dim=tuple(range(1, w.dim())), keepdim=True) / 127
+            m.weight.data = torch.clamp(torch.round(w / step), -127, 127) * step
+    mod, names = export_to_relax(rounded, (1, 3, SIZE, SIZE))
+    by_hand = range_search.FakeQuantModel(analyze(simplify(mod)["main"], names)).logits(photos, amax)
+    got = range_search.FakeQuantModel(graph, int8_weights=True).logits(photos, amax)
+    # the same roundings; an activation landing on a rounding tie may differ by one step: > 50 dB
+    assert sqnr_db(by_hand, got) > 50
+    assert sqnr_db(by_hand, sim.logits(photos, amax)) < 45  # and the weights' rounding shows
+
+
 @pytest.fixture(scope="module")
 def searched(setup):
     model, _, photos, _ = setup
