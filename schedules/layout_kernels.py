@@ -1,17 +1,19 @@
 """The memory-bound int8 kernels every activation layout has: max- and average pool, residual
-add, concat, channel gather (split pieces, shuffles) and stand-alone BatchNorm.  Their compute
-definitions are layout-generic (``pool_int8.py``, ``add_int8.py``, ``concat_int8.py``,
-``channels_int8.py``, ``affine_int8.py``), so each is one
+add, concat, channel gather (split pieces, shuffles), stand-alone BatchNorm and lookup-table
+activations.  Their compute definitions are layout-generic (``pool_int8.py``, ``add_int8.py``,
+``concat_int8.py``, ``channels_int8.py``, ``affine_int8.py``, ``lut_int8.py``), so each is one
 implementation class here, instantiated once per layout by :func:`layout_kernels` and named
 ``<op>.<layout>`` (``max_pool2d.nchw4c``, ``add.nhwc32``); a family's ``impls.py`` lists the
 instances of its layout.  Family ``generic``: every target runs them; on CUDA the pools have
-their own schedule (``pool_int8.schedule_pool``), the others are left to dlight.
+their own schedule (``pool_int8.schedule_pool``), add, affine and lut the vectorized elementwise
+one (``elementwise_int8.py``), concat and the channel gather are left to dlight.
 """
 from __future__ import annotations
 
 import numpy as np
+import tvm
 
-from . import add_int8, affine_int8, channels_int8, concat_int8, pool_int8
+from . import add_int8, affine_int8, channels_int8, concat_int8, lut_int8, pool_int8
 from .elementwise_int8 import schedule_elementwise
 from .kernel import KernelImpl, Layout
 
@@ -100,6 +102,30 @@ class Channels(LayoutKernel):
         return [index]
 
 
+class Lut(LayoutKernel):
+    op = "lut"
+
+    def compute(self, wl):
+        n, h, w = wl.shape
+        return self.tag(lut_int8.lut_int8(self.packing, self.packing.packed_shape((n, wl.channels, h, w)),
+                                          wl.channels), wl)
+
+    def reference(self, wl, x, table):
+        return lut_int8.lut_int8_ref(self.packing, x, wl.channels, table)
+
+    def schedule(self, func, target):
+        # vectorize the reads of X (the table's index makes the Table read data-dependent)
+        sch = tvm.s_tir.Schedule(func)
+        names = [r.source.name for r in sch.get(sch.get_sblock("lut")).reads]
+        return schedule_elementwise(func, target, "lut", operands=(names.index("X"),))
+
+    def pack_params(self, wl, table) -> list:
+        """The table: entry ``q + 128`` is the output integer for input ``q``."""
+        table = np.asarray(table)
+        assert table.shape == (256,) and table.min() >= -128 and table.max() <= 127, table
+        return [table.astype(np.int8)]
+
+
 class Affine(LayoutKernel):
     op = "affine"
 
@@ -117,5 +143,7 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, channel gather, average pool and affine implementations of ``packing``."""
-    return MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing)
+    """The max-pool, add, concat, channel gather, average pool, affine and lookup-table
+    implementations of ``packing``."""
+    return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing),
+            Lut(packing))

@@ -205,6 +205,18 @@ class ChannelsWorkload:
 
 
 @dataclass(frozen=True)
+class LutWorkload:
+    """A 256-entry lookup table over an int8 tensor of (N, H, W) = ``shape`` with ``channels``
+    real channels (``lut_int8.py``; the table is a parameter)."""
+
+    shape: tuple[int, int, int]
+    channels: int
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
 class AvgPoolWorkload:
     """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``)."""
 

@@ -726,3 +726,31 @@ def test_nhwc32_conversions_cuda_schedule_puts_threads_on_pixels_and_computes_th
     np.testing.assert_array_equal(q, ref)
     back = run(twin(deq), q, out_shape=shape, out_dtype="float32")
     np.testing.assert_array_equal(back, NHWC32.unpack(q, shape[1]).astype(np.float32) * np.float32(s))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+def test_lut_kernel_reads_its_table_and_zeroes_padded_channels(layout):
+    """``out = table[x + 128]`` on every real channel, 0 on the padded ones (a table whose entry
+    for 0 is not 0, as a sigmoid's); the CUDA schedule (vectorized elementwise) has a bit-exact
+    CPU twin."""
+    from tvm.script import parser as tvmscript
+
+    from tvm_qconv import registry
+    from tvm_qconv.schedules.workload import LutWorkload
+    from tvm_qconv.target import TargetInfo, make_target
+
+    x = packed_input(layout, (2, 5, 3, 7))  # 5 channels: padded to 8 (NCHW4c) or 32 (NHWC32)
+    table = RNG.integers(-127, 128, 256).astype(np.int8)
+    table[128] = 77  # f(0) != 0: the padded channels must still come out 0
+    impl = next(i for i in registry.IMPLEMENTATIONS if i.op == "lut" and i.layout == layout.name)
+    wl = LutWorkload((2, 3, 7), 5)
+    func = impl.compute(wl)
+    want = impl.reference(wl, x, table)
+    np.testing.assert_array_equal(layout.unpack(want, 5), table[layout.unpack(x, 5).astype(np.int32) + 128])
+    got = run(func, x, table, out_shape=x.shape, out_dtype="int8")
+    np.testing.assert_array_equal(got, want)
+    assert not got[layout.pack(np.ones((2, 5, 3, 7), np.int8)) == 0].any()  # padded channels: 0
+    scheduled = impl.schedule(func, make_target("cuda", "sm_90"))
+    text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"T.serial(\1)", scheduled.script())
+    twin = tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
+    np.testing.assert_array_equal(run(twin, x, table, out_shape=x.shape, out_dtype="int8"), want)

@@ -26,7 +26,7 @@ from tvm_qconv.ranges import Calibrate
 # resnet50 29.2, wide_resnet50_2 29.1, resnext50_32x4d 27.7, regnet_x_400mf 28.0, mobilenet_v2 23.2,
 # mobilenet_v3_small 24.0, efficientnet_b0 21.5, shufflenet_v2_x1_0 17.6, squeezenet1_0 29.7,
 # googlenet 27.7, inception_v3 21.8, densenet121 31.5, convnext_tiny 30.3 dB.
-# "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms; the classifier's
+# "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms, lookup tables; the classifier's
 # global average pool is an int8 average pool where it is a mean that flattens into the
 # classifier); float ops are what stays float besides them: the flatten everywhere (AlexNet's and
 # VGG16's adaptive pool, which upsamples at 64 px, too), and the listed ones.
@@ -41,11 +41,15 @@ ZOO = {
     "regnet_x_400mf": (64, 95, 95, {"relax.reshape": 1}, 25.0),
     # depthwise convs and ReLU6 (fused as an int8 clamp)
     "mobilenet_v2": (64, 64, 64, {"relax.reshape": 1}, 20.0),
-    # hardswish and squeeze-excite (sigmoid / hardsigmoid gates) stay float, and so does the global
-    # pool after the last hardswish (its input is float)
-    "mobilenet_v3_small": (64, 60, 61, None, 21.0),
-    # SiLU and squeeze-excite stay float, and the global pool after the last SiLU
-    "efficientnet_b0": (64, 91, 92, None, 18.0),
+    # hardswish as an int8 lookup table where an int8 layer reads it (10 of 19, and the global pool
+    # after the last one is int8); the squeeze-excite blocks stay float: their 9 means, hardsigmoid
+    # gates and the hardswish before each (read by the mean and the gate's multiply)
+    "mobilenet_v3_small": (64, 71, 71, {"relax.mean": 9, "relax.add": 18, "relax.clip": 36, "relax.divide": 18,
+                                        "relax.multiply": 18, "relax.reshape": 1}, 21.0),
+    # SiLU as an int8 lookup table where an int8 layer reads it (33 of 49); the squeeze-excite blocks
+    # stay float: 16 means, sigmoid gates and multiplies, and the SiLU before each
+    "efficientnet_b0": (64, 125, 125, {"relax.sigmoid": 32, "relax.multiply": 32, "relax.mean": 16,
+                                       "relax.reshape": 1}, 18.0),
     # channel split and shuffle in int8 (gathers, test_channels.py): 16 shuffles and 26 split pieces
     # beside the 74 convs, pools and concats; the global pool is a float mean (no keepdims). Max
     # calibration: 17.6 dB against percentile's 15.7 and entropy's 1.8 (KL clips these small

@@ -13,6 +13,11 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
   ``count_include_pad``), and a classifier's global average pool: ``mean(x, axis=[2, 3],
   keepdims=True)`` whose one user is the flatten (``Layer.window`` holds the geometry of both);
 - ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
+- ``lut``: an elementwise function of one activation ``x``, as a lookup table: a chain of
+  elementwise ops (``ELEMENTWISE``) whose only non-scalar operand is ``x`` or an earlier op of
+  the chain, with one output read outside it -- SiLU (``x * sigmoid(x)``), hardswish
+  (``x * clip(x + 3, 0, 6) / 6``), GELU, sigmoid.  Kept only where an int8 layer reads its output
+  (a squeeze-excite gate, multiplied into another tensor, stays float).
 - ``channels``: a pure channel gather, ``Layer.channel_index`` (output channel ``j`` is input
   channel ``index[j]``): piece ``i`` of ``split(x, axis=1)`` (its ``TupleGetItem``, named
   ``split_<k>.<i>``), or a channel
@@ -37,9 +42,15 @@ from tvm import relax
 from .relax_utils import free_vars
 
 
+# The ops a lookup-table region may hold (``lut`` layers): elementwise, one tensor operand.
+ELEMENTWISE = ("relax.sigmoid", "relax.tanh", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu",
+               "relax.clip", "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.minimum",
+               "relax.maximum", "relax.negative", "relax.exp", "relax.erf")
+
+
 @dataclass
 class Layer:
-    kind: str                      # conv2d | dense | add | max_pool2d | avg_pool2d | affine | concat | channels
+    kind: str                      # conv2d | dense | add | max_pool2d | avg_pool2d | affine | concat | channels | lut
     name: str                      # torch module path where known (features.0), else kind_k
     inputs: list                   # activation inputs: relax.Var of the float graph
     output: relax.Var              # last var of the pattern (after bias / relu)
@@ -136,6 +147,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
     for b in bindings:
         for a in free_vars(b.value):
             user.setdefault(a, []).append(b.var)
+    returned = set(free_vars(func.body.body))
 
     def sole_user(var, op):
         """The one binding that reads ``var``, if it is a call of ``op`` (a name or a tuple of names)."""
@@ -205,6 +217,8 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         elif op == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(_shape(var) or ()) == 4 \
                 and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
             layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
+        elif op in ELEMENTWISE:
+            layer = _lut_layer(var, call, value, user, returned, name_for)
         if layer is None:
             continue
         if layer.kind in ("add",):
@@ -213,6 +227,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         g.layer_of_var[layer.vars[0]] = layer
         g.consumed.update(layer.vars)
 
+    _drop_luts_without_int8_reader(g)
     for ly in g.layers:
         if ly.kind in ("max_pool2d", "channels"):  # they commute with the quantizer: the output keeps the input's scale
             continue
@@ -221,6 +236,68 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         if ly.kind != "dense":
             g.points[ly.output] = f"{ly.name}.out"
     return g
+
+
+def scalar_value(expr) -> float | None:
+    """The number a constant of one element (``add(x, 3.0)``) or a prim value (``clip``'s bounds)
+    holds, else None."""
+    if isinstance(expr, (tvm.ir.prim.expr.FloatImm, tvm.ir.prim.expr.IntImm)):
+        return float(expr.value)
+    c = _const(expr)
+    return float(c.reshape(())) if c is not None and c.size == 1 else None
+
+
+def _scalar(expr) -> bool:
+    return scalar_value(expr) is not None
+
+
+def _lut_layer(var, call, value, user, returned, name_for):
+    """The elementwise region that starts at ``var`` (see ``lut`` in the module docstring), or None.
+
+    Grown from the region's input ``x`` (``call``'s one tensor operand): a binding joins when it
+    is an ``ELEMENTWISE`` op of ``x``'s shape whose operands are scalars, ``x`` or region members.
+    It is a layer when exactly one member is read outside the region (or returned)."""
+    tensors = {a for a in call.args if not _scalar(a)}
+    if len(tensors) != 1:
+        return None
+    (x,) = tensors
+    shape = _shape(x) if isinstance(x, relax.Var) else None
+    if shape is None or len(shape) != 4:
+        return None
+    inside: set = set()
+
+    def fits(v) -> bool:
+        c = value.get(v)
+        return (_op(c) in ELEMENTWISE and _shape(v) == shape
+                and all(_scalar(a) or (isinstance(a, relax.Var) and (a.same_as(x) or a in inside)) for a in c.args))
+
+    grown = True
+    while grown:
+        grown = False
+        for v in [x, *inside]:
+            for u in user.get(v, []):
+                if u not in inside and fits(u):
+                    inside.add(u)
+                    grown = True
+    order = {v: i for i, v in enumerate(value)}
+    members = sorted(inside, key=order.get)
+    outputs = [v for v in members if v in returned or any(u not in inside for u in user.get(v, []))]
+    if not members or not members[0].same_as(var) or len(outputs) != 1:
+        return None
+    return Layer("lut", "lut", [x], outputs[0], members, call)  # named once kept (_drop_luts_without_int8_reader)
+
+
+def _drop_luts_without_int8_reader(g: Graph) -> None:
+    """A ``lut`` layer whose output no layer reads goes back to float ops: its int8 output would
+    only be dequantized again, for a float reader that saw the float value before.  The kept ones
+    are named ``lut_<k>`` in graph order."""
+    read = {v for ly in g.layers for v in ly.inputs}
+    for ly in [ly for ly in g.layers if ly.kind == "lut" and ly.output not in read]:
+        g.layers.remove(ly)
+        del g.layer_of_var[ly.vars[0]]
+        g.consumed.difference_update(ly.vars)
+    for k, ly in enumerate(ly for ly in g.layers if ly.kind == "lut"):
+        ly.name = f"lut_{k}"
 
 
 def _channel_split(var, call, value, user) -> list[int] | None:

@@ -20,7 +20,9 @@ What the file holds mirrors the project's int8 model (``transform/quantize_int8.
   ``QLinearConv`` of the convs with no activation; with a ReLU between it keeps a float
   ``FusedConv`` (it folds a ReLU into ``QuantizeLinear`` only at zero point -128, and these
   activations are symmetric), and on x86 it wants ``session.qdqisint8allowed=1`` (see README);
-- everything the project runs in float (skipped layers, layers without an int8 kernel, GELU,
+- a lookup-table activation (``lut``: SiLU, hardswish... after an int8 layer) is its float ops
+  between a DequantizeLinear and a QuantizeLinear at its output's scale, what the table tabulates;
+- everything the project runs in float (skipped layers, layers without an int8 kernel,
   LayerNorm, the classifier's flatten...) is float here too.
 
 The two differ only in rounding: ONNX rounds half to even and requantizes in float, the project
@@ -438,6 +440,14 @@ class _Emitter:
         y = self.node("Gather", [self.dq(x), index], ly.name, axis=1)
         # values moved, not changed: requantized at the input's scale, exact (as the max-pool)
         self.produce(ly.output, y, x.scale)
+
+    def layer_lut(self, ly) -> None:
+        # The table's definition: the region's float ops between the input's DequantizeLinear and a
+        # QuantizeLinear at the output's scale (TensorRT and ONNX Runtime fuse such pointwise chains).
+        value = {b.var: b.value for b in self.g.bindings}
+        for v in ly.vars:
+            self.fname[v] = getattr(self, "op_" + _op_name(value[v]).removeprefix("relax.").replace(".", "_"))(value[v], v)
+        self.produce(ly.output, self.fname[ly.output], self.scale(ly.output))
 
     def layer_max_pool2d(self, ly) -> None:
         x = self.qver[ly.inputs[0]]

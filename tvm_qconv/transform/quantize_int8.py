@@ -33,8 +33,9 @@ from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, quantize_rows
 from ..schedules.relayout import relayout_int8
 from ..schedules.requantize import QMIN, add_multipliers, affine_params, quantize_multiplier
+from ..lut_table import lut_table
 from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ChannelsWorkload, ConcatWorkload,
-                                  ConvWorkload, PoolWorkload)
+                                  ConvWorkload, LutWorkload, PoolWorkload)
 from ..target import TargetInfo
 
 # Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
@@ -158,6 +159,7 @@ class _Rewriter:
         self.conversions: list = []   # (kind, tensor) of every conversion kernel emitted
         self.pending: dict = {}       # graph.lazy var -> its binding, emitted in float at the first float read
         self.gathered: dict = {}      # channels layer output -> (int8 source var, channel index from it)
+        self.value = {b.var: b.value for b in graph.bindings}  # the float graph's expressions (lut tables)
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
@@ -286,7 +288,7 @@ class _Rewriter:
             return "in the skip list"
         if ly.kind == "dense" and not self.p.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels") and self.quantized(ly.inputs[0]) is None:
+        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut") and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         return None
 
@@ -406,6 +408,23 @@ class _Rewriter:
         self.gathered[ly.output] = (src, index)
         self.rows.append(dict(layer=ly.name, kind="channels", kernel=impl.name, dtype="int8",
                               shape=f"{x.channels}->{c} channels"))
+        return None
+
+    def emit_lut(self, ly) -> str | None:
+        x = self.quantized(ly.inputs[0])
+        impl = next(iter(registry.candidates("lut", None, self.p.target, layout=x.layout.name)), None)
+        if impl is None:
+            return self.no_kernel("lut", f"{x.layout.name} tensor")
+        n, c, h, w = static_shape(ly.output.ty)
+        wl = LutWorkload((n, h, w), c)
+        s_y = self.scale(ly.output)
+        table = lut_table(ly, self.value, x.scale, s_y)
+        prim = impl.compute(wl)
+        args = [x.var] + [constant(p) for p in impl.pack_params(wl, table)]
+        var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, x.layout.packed_shape((n, c, h, w)), "int8")
+        self.produce(ly.output, var, s_y, c, impl.layout)
+        ops = " ".join(str(self.value[v].op.name).removeprefix("relax.") for v in ly.vars)
+        self.rows.append(dict(layer=ly.name, kind="lut", kernel=impl.name, dtype="int8", shape=f"table of {ops}"))
         return None
 
     def emit_avg_pool2d(self, ly) -> str | None:
