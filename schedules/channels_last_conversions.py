@@ -34,7 +34,7 @@ def _vector(channels: int) -> int:
     return next(v for v in (VEC, 8, 4, 2, 1) if channels % v == 0)
 
 
-def _pixel_threads(sch, blk, loops, channel: int):
+def _pixel_threads(sch, loops, channel: int):
     """Split ``loops[channel]`` into vectors, order (image, vector, row, column, lane), bind the
     first four fused to blocks x threads; returns (thread loop, or None when the grid has a tail
     or the vector is one channel: no vector access then, lane loop)."""
@@ -58,7 +58,7 @@ def schedule_quantize_nhwc32(func: tirx.PrimFunc, target: tvm.target.Target) -> 
         return None
     sch = tvm.s_tir.Schedule(func)
     blk = sch.get_sblock("quantize_pack")
-    tx, lane = _pixel_threads(sch, blk, sch.get_loops(blk), channel=3)
+    tx, lane = _pixel_threads(sch, sch.get_loops(blk), channel=3)
     if tx is not None:
         store = sch.cache_write(blk, 0, "local")
         sch.reverse_compute_at(store, tx)
@@ -74,7 +74,7 @@ def schedule_dequantize_nhwc32(func: tirx.PrimFunc, target: tvm.target.Target) -
         return None
     sch = tvm.s_tir.Schedule(func)
     blk = sch.get_sblock("dequantize_unpack")
-    tx, lane = _pixel_threads(sch, blk, sch.get_loops(blk), channel=1)
+    tx, lane = _pixel_threads(sch, sch.get_loops(blk), channel=1)
     if tx is not None:
         load = sch.cache_read(blk, 0, "local")
         sch.compute_at(load, tx)

@@ -145,3 +145,16 @@ def test_onnx_export_puts_the_tables_ops_between_dq_and_q(net, photos, tmp_path)
     ref = CompiledModel(lib.lib_path)(photos[:1])
     # ONNX Runtime requantizes in float and rounds half to even: rounding differences only
     assert sqnr_db(ref, got) > 35, sqnr_db(ref, got)
+
+
+def test_a_table_whose_reader_stays_float_stays_float_too(net, builds, tmp_path):
+    # the depthwise conv after the SiLU skipped: lut_0's int8 output would only be dequantized
+    # for it, adding a rounding the float path does not have
+    with_tables, _ = builds
+    res = compile_model(net, str(tmp_path / "skip.so"), options=BuildOptions(image_size=SIZE, verify=False),
+                        config=QuantConfig(skip=["b"]), ranges=GivenRanges(with_tables.meta["amax"]), progress=False)
+    rows = {r["layer"]: r for r in res.report["layers"]}
+    assert rows["b"]["dtype"] == rows["lut_0"]["dtype"] == "float32"
+    assert rows["lut_0"]["kernel"] == "float (no int8 reader)"
+    assert rows["lut_1"]["kernel"] == "float (input is float)"  # the hardswish after the float conv
+    assert rows["lut_2"]["dtype"] == "int8"  # the GELU between two int8 convs

@@ -146,10 +146,17 @@ def test_skip_list_keeps_the_named_layer_in_float(digits_model):
     assert report["float_ops"].get("relax.matmul") == 1
 
 
+class _SpatialGate(torch.nn.Module):
+    """``x * sigmoid(mean over channels)``: a multiply of two activations, which no int8 kernel runs."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(x.mean(1, keepdim=True))
+
+
 def test_ragged_groups_run_block_diagonal_and_an_op_without_kernel_stays_float_and_reported(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=4), torch.nn.GELU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1, groups=4), _SpatialGate(),
                                 torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.ReLU()).eval()
     x = np.random.default_rng(0).normal(0, 1, (4, 3, 8, 8)).astype(np.float32)
     res = compile_model(model, str(tmp_path / "m.so"), options=BuildOptions(image_size=8),
@@ -158,7 +165,7 @@ def test_ragged_groups_run_block_diagonal_and_an_op_without_kernel_stays_float_a
     assert [r["dtype"] for r in rows] == ["int8", "int8", "int8"]
     # groups of 2 channels: no kernel takes them as they are; the same conv with a block-diagonal weight does
     assert "groups=4 as block-diagonal" in rows[1]["shape"]
-    assert res.report["float_ops"] == {"relax.nn.gelu": 1}
+    assert res.report["float_ops"] == {"relax.mean": 1, "relax.sigmoid": 1, "relax.multiply": 1}
     assert [c.split()[0] for c in res.report["conversions"]] == ["quantize", "dequantize", "quantize", "dequantize"]
     with torch.no_grad():
         ref = model(torch.from_numpy(x[:1])).numpy()

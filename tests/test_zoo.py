@@ -42,12 +42,14 @@ ZOO = {
     # depthwise convs and ReLU6 (fused as an int8 clamp)
     "mobilenet_v2": (64, 64, 64, {"relax.reshape": 1}, 20.0),
     # hardswish as an int8 lookup table where an int8 layer reads it (10 of 19, and the global pool
-    # after the last one is int8); the squeeze-excite blocks stay float: their 9 means, hardsigmoid
-    # gates and the hardswish before each (read by the mean and the gate's multiply)
+    # after the last conv's is int8); the squeeze-excite blocks stay float: their 9 means, hardsigmoid
+    # gates and the 8 hardswishes before them (read by the mean and the gate's multiply); the
+    # classifier's hardswish follows a Linear layer (float output)
     "mobilenet_v3_small": (64, 71, 71, {"relax.mean": 9, "relax.add": 18, "relax.clip": 36, "relax.divide": 18,
                                         "relax.multiply": 18, "relax.reshape": 1}, 21.0),
-    # SiLU as an int8 lookup table where an int8 layer reads it (33 of 49); the squeeze-excite blocks
-    # stay float: 16 means, sigmoid gates and multiplies, and the SiLU before each
+    # SiLU as an int8 lookup table where an int8 layer reads it (33 of 49: the stem's, the head's, the
+    # expansions', and between each squeeze-excite's two 1x1 convs); the squeeze-excite blocks stay
+    # float: 16 means, sigmoid gates and multiplies, and the SiLU before each
     "efficientnet_b0": (64, 125, 125, {"relax.sigmoid": 32, "relax.multiply": 32, "relax.mean": 16,
                                        "relax.reshape": 1}, 18.0),
     # channel split and shuffle in int8 (gathers, test_channels.py): 16 shuffles and 26 split pieces

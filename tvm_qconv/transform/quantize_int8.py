@@ -160,6 +160,10 @@ class _Rewriter:
         self.pending: dict = {}       # graph.lazy var -> its binding, emitted in float at the first float read
         self.gathered: dict = {}      # channels layer output -> (int8 source var, channel index from it)
         self.value = {b.var: b.value for b in graph.bindings}  # the float graph's expressions (lut tables)
+        self.readers: dict = {}       # var -> the layers that read it
+        for ly in graph.layers:
+            for v in ly.inputs:
+                self.readers.setdefault(v, []).append(ly)
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
@@ -290,7 +294,16 @@ class _Rewriter:
             return "quantize_dense=False"
         if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut") and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
+        if ly.kind == "lut" and not any(self.may_run_int8(r) for r in self.readers.get(ly.output, [])):
+            # its int8 output would be dequantized at once, a rounding the float path does not have
+            return "no int8 reader"
         return None
+
+    def may_run_int8(self, ly) -> bool:
+        """Whether ``ly`` is not kept float by the analysis or the scheme (whether a kernel exists
+        is known only when it is emitted)."""
+        return not (ly.reason_float or self.p.config.skips(ly.name)
+                    or (ly.kind == "dense" and not self.p.config.quantize_dense))
 
     def pick(self, op: str, wl, layer: str, follow: str | None = None):
         """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
