@@ -148,6 +148,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         for a in free_vars(b.value):
             user.setdefault(a, []).append(b.var)
     returned = set(free_vars(func.body.body))
+    position = {b.var: i for i, b in enumerate(bindings)}
 
     def sole_user(var, op):
         """The one binding that reads ``var``, if it is a call of ``op`` (a name or a tuple of names)."""
@@ -218,7 +219,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
                 and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
             layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
         elif op in ELEMENTWISE:
-            layer = _lut_layer(var, call, value, user, returned, name_for)
+            layer = _lut_layer(var, call, value, user, returned, position)
         if layer is None:
             continue
         if layer.kind in ("add",):
@@ -251,7 +252,7 @@ def _scalar(expr) -> bool:
     return scalar_value(expr) is not None
 
 
-def _lut_layer(var, call, value, user, returned, name_for):
+def _lut_layer(var, call, value, user, returned, position):
     """The elementwise region that starts at ``var`` (see ``lut`` in the module docstring), or None.
 
     Grown from the region's input ``x`` (``call``'s one tensor operand): a binding joins when it
@@ -279,8 +280,7 @@ def _lut_layer(var, call, value, user, returned, name_for):
                 if u not in inside and fits(u):
                     inside.add(u)
                     grown = True
-    order = {v: i for i, v in enumerate(value)}
-    members = sorted(inside, key=order.get)
+    members = sorted(inside, key=position.get)
     outputs = [v for v in members if v in returned or any(u not in inside for u in user.get(v, []))]
     if not members or not members[0].same_as(var) or len(outputs) != 1:
         return None
