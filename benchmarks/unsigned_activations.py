@@ -20,6 +20,7 @@ calibration photos, as the build's own verification measures it.  Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,12 +49,14 @@ def never_negative(graph, images: np.ndarray) -> set[str]:
     return {n for n, lo in low.items() if lo >= 0}
 
 
-def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
+def simulate(name: str, size: int, images: int, verify_images: int, calibration: str | None = None) -> dict:
     model = zoo_model(name)
     mod, names = export_to_relax(model, (1, 3, size, size))
     graph = analyze(simplify(mod)["main"], names)
     photos = skimage_photos(size)[:images]
     config = zoo_config(name, images)
+    if calibration is not None:
+        config = dataclasses.replace(config, calibration=calibration)
     candidates, _ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
     amax = {p: c[config.calibration] for p, c in candidates.items()}
     unsigned = never_negative(graph, photos)
@@ -76,17 +79,19 @@ def main(argv=None):
     ap.add_argument("--size", type=int, default=None, help="image size (default: each model's zoo-test size)")
     ap.add_argument("--images", type=int, default=4, help="calibration photos (the zoo test: 4 on CPU, 8 on GPU)")
     ap.add_argument("--verify-images", type=int, default=4, help="photos the logits are compared on (the build's 4)")
+    ap.add_argument("--calibration", choices=["percentile", "max", "entropy", "mse"], default=None,
+                    help="the observer (default: the zoo test's, tests/test_zoo.py zoo_config)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"unsigned_activations_{args.size or 'zoo'}px.json")
+    path = os.path.join(args.out, f"unsigned_activations_{args.size or 'zoo'}px{'_' + args.calibration if args.calibration else ''}.json")
     rows = []
     print("| model | size | never-negative points | acts int8: signed dB | unsigned | acts + weights int8: signed "
           "dB | unsigned | gain dB |\n|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.models:
         t0 = time.time()
-        row = simulate(name, args.size or ZOO[name][0], args.images, args.verify_images)
+        row = simulate(name, args.size or ZOO[name][0], args.images, args.verify_images, args.calibration)
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         print(f"| {name} | {row['size']} | {row['never_negative']}/{row['points']} | {row['acts_signed_db']} | "
