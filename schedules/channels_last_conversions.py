@@ -51,33 +51,31 @@ def _pixel_threads(sch, loops, channel: int):
     return (tx if threads and vec > 1 else None), lane
 
 
-def schedule_quantize_nhwc32(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """float [N, C, H, W] -> int8 [N, H, W, C32]: threads on pixels, a vector of channels stored
-    at once.  None off CUDA (llvm runs the compute definition)."""
+def _schedule(func: tirx.PrimFunc, target, block: str, channel: int, int8_is_output: bool):
+    """Threads on pixels; the int8 side (the output of a quantize, the input of a dequantize)
+    staged in registers and accessed as one vector.  None off CUDA (llvm runs the compute)."""
     if target.kind.name != "cuda":
         return None
     sch = tvm.s_tir.Schedule(func)
-    blk = sch.get_sblock("quantize_pack")
-    tx, lane = _pixel_threads(sch, sch.get_loops(blk), channel=3)
+    blk = sch.get_sblock(block)
+    tx, lane = _pixel_threads(sch, sch.get_loops(blk), channel)
     if tx is not None:
-        store = sch.cache_write(blk, 0, "local")
-        sch.reverse_compute_at(store, tx)
-        sch.vectorize(sch.get_loops(store)[-1])
+        if int8_is_output:
+            stage = sch.cache_write(blk, 0, "local")
+            sch.reverse_compute_at(stage, tx)
+        else:
+            stage = sch.cache_read(blk, 0, "local")
+            sch.compute_at(stage, tx)
+        sch.vectorize(sch.get_loops(stage)[-1])
     sch.unroll(lane)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
+
+
+def schedule_quantize_nhwc32(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """float [N, C, H, W] -> int8 [N, H, W, C32]: a vector of channels stored at once."""
+    return _schedule(func, target, "quantize_pack", channel=3, int8_is_output=True)
 
 
 def schedule_dequantize_nhwc32(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
-    """int8 [N, H, W, C32] -> float [N, C, H, W]: threads on pixels, a vector of channels loaded
-    at once.  None off CUDA."""
-    if target.kind.name != "cuda":
-        return None
-    sch = tvm.s_tir.Schedule(func)
-    blk = sch.get_sblock("dequantize_unpack")
-    tx, lane = _pixel_threads(sch, sch.get_loops(blk), channel=1)
-    if tx is not None:
-        load = sch.cache_read(blk, 0, "local")
-        sch.compute_at(load, tx)
-        sch.vectorize(sch.get_loops(load)[-1])
-    sch.unroll(lane)
-    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    """int8 [N, H, W, C32] -> float [N, C, H, W]: a vector of channels loaded at once."""
+    return _schedule(func, target, "dequantize_unpack", channel=1, int8_is_output=False)
