@@ -41,14 +41,15 @@ from tvm_qconv.runtime import CompiledModel  # noqa: E402
 def measure(arg) -> dict:
     """One (model, method): build for llvm at batch 1 from the calibration photos, then the
     logits SQNR and top-1 agreement against float PyTorch on the held-out photos."""
-    name, method, size, calib, workdir, weights, correct = arg
+    name, method, size, calib, workdir, weights, correct, unsigned = arg
     size = model_size(name, size)
     photos = skimage_photos(size)
     model = load_model(name, weights) if weights else zoo_model(name)
-    lib = os.path.join(workdir, f"{name}_{method}{'_bc' if correct else ''}.so")
+    lib = os.path.join(workdir, f"{name}_{method}{'_bc' if correct else ''}{'_u8' if unsigned else ''}.so")
     t = time.perf_counter()
     res = compile_model(model, lib, options=BuildOptions(image_size=size, verify=False),
-                        config=QuantConfig(calibration=method, num_calib_images=calib, bias_correction=correct),
+                        config=QuantConfig(calibration=method, num_calib_images=calib, bias_correction=correct,
+                                           unsigned_activations=unsigned),
                         ranges=Calibrate(photos[:calib]), progress=False)
     build_s = time.perf_counter() - t
     with torch.no_grad():
@@ -57,7 +58,7 @@ def measure(arg) -> dict:
     got = np.concatenate([lib_model(x[None]) for x in photos])
     held = slice(calib, None)
     row = dict(model=name, weights=weights or "random init (the zoo test's)", method=method,
-               bias_correction=correct, size=size, calib_images=calib, heldout_images=len(photos) - calib,
+               bias_correction=correct, unsigned_activations=unsigned, size=size, calib_images=calib, heldout_images=len(photos) - calib,
                sqnr_db=round(sqnr_db(ref[held], got[held]), 2),
                top1_agree=float((ref[held].argmax(1) == got[held].argmax(1)).mean()),
                sqnr_calib_db=round(sqnr_db(ref[:calib], got[:calib]), 2),
@@ -79,6 +80,8 @@ def main(argv=None):
     ap.add_argument("--weights", help="a state-dict file for the model(s), e.g. torchvision's trained weights")
     ap.add_argument("--bias-correction", choices=["off", "on", "both"], default="off",
                     help="build each method without it, with it, or both")
+    ap.add_argument("--unsigned", choices=["off", "on", "both"], default="off",
+                    help="QuantConfig.unsigned_activations: off, on, or a build of each")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
@@ -91,8 +94,9 @@ def main(argv=None):
     if args.weights and not os.path.isfile(args.weights):
         sys.exit(f"error: --weights {args.weights}: no such file")
     corrections = {"off": [False], "on": [True], "both": [False, True]}[args.bias_correction]
-    jobs = [(m, c, args.size, args.calib, workdir, args.weights, bc)
-            for m in args.models for c in args.methods for bc in corrections]
+    unsigned = {"off": [False], "on": [True], "both": [False, True]}[args.unsigned]
+    jobs = [(m, c, args.size, args.calib, workdir, args.weights, bc, u)
+            for m in args.models for c in args.methods for bc in corrections for u in unsigned]
     rows = []
     t0 = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -103,11 +107,12 @@ def main(argv=None):
                seconds=round(time.perf_counter() - t0), rows=rows)
     with open(os.path.join(args.out, "calibration_heldout.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print("\n| model | size | method | bias correction | held-out SQNR dB (top-1) | calibration photos SQNR dB (top-1) "
-          "| search: simulated start -> end |\n|---|---|---|---|---|---|---|")
+    print("\n| model | size | method | bias correction | unsigned | held-out SQNR dB (top-1) | calibration photos SQNR dB "
+          "(top-1) | search: simulated start -> end |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r.get("search")
         print(f"| {r['model']} | {r['size']} | {r['method']} | {'on' if r['bias_correction'] else 'off'} | "
+              f"{'on' if r['unsigned_activations'] else 'off'} | "
               f"{r['sqnr_db']:.1f} ({r['top1_agree']:.0%}) | {r['sqnr_calib_db']:.1f} ({r['top1_agree_calib']:.0%}) | "
               + (f"{s['sqnr_start_db']} -> {s['sqnr_db']}" if s else "-") + " |")
     return res

@@ -2,12 +2,12 @@
 
     python benchmarks/unsigned_activations.py --models mobilenet_v2 googlenet --size 224 --images 8 --out results/
 
-Every int8 tensor of the build is symmetric today: ``s = amax / 127``, values -127..127.  A
+By default every int8 tensor of the build is symmetric: ``s = amax / 127``, values -127..127.  A
 tensor that is never negative (after a ReLU / ReLU6, a max pool of one, a concat of such) uses
 only 0..127 of that grid: 7 bits.  Rounded to 0..255 at the same range (``s = amax / 255``, u8, or
-s8 with zero point -128) its rounding noise falls 4x (+6 dB on that tensor).  dp4a, mma.sync and
-wgmma all multiply u8 by s8, so the kernels could take such inputs; this script says, before
-anything is built, what it would do to the logits.
+s8 with zero point -128) its rounding noise falls 4x (+6 dB on that tensor).  This script says
+what that does to the logits with every never-negative tensor unsigned; the build does it where
+every reader can take it (``QuantConfig.unsigned_activations``, ``tvm_qconv/zero_points.py``).
 
 Per zoo model (``tests/test_zoo.py``'s random-init network and calibration), the float graph the
 build quantizes is run with every int8 point fake-quantized (``range_search.FakeQuantModel``:

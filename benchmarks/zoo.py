@@ -81,7 +81,7 @@ def model_size(name: str, size: int) -> int:
 def _build(arg) -> dict:
     """One build in a worker process: ("verify", ...) is the calibrated build with its verification,
     ("time", ..., batch) the CUDA-graph library that the parent process times."""
-    (kind, name, calibration, bs, floor), target, arch, size, images = arg
+    (kind, name, calibration, bs, floor), target, arch, size, images, unsigned = arg
     size = model_size(name, size)
     photos = skimage_photos(size)[:images]
     if kind == "verify":
@@ -93,7 +93,8 @@ def _build(arg) -> dict:
         lib = f"/tmp/tvm_qconv_zoo/{name}_b{bs}_{kind}.so"
     t = time.time()
     res = compile_model(zoo_model(name), lib, name=name, progress=False, options=options,
-                        config=QuantConfig(calibration=calibration, num_calib_images=images),
+                        config=QuantConfig(calibration=calibration, num_calib_images=images,
+                                           unsigned_activations=unsigned),
                         ranges=Calibrate(photos))
     layers = res.report["layers"]
     return dict(build_s=round(time.time() - t, 1), lib_path=res.lib_path, verify=res.report.get("verify", {}),
@@ -158,6 +159,8 @@ def main(argv=None):
                     help="(with --tune) parallel candidate builds of each tuning (default: all CPU cores)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="(cuda) a model's default and tuned libraries are timed in turn this many times")
+    ap.add_argument("--unsigned-activations", action="store_true",
+                    help="QuantConfig.unsigned_activations (never-negative tensors at zero point -128)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -193,7 +196,7 @@ def main(argv=None):
     built = {}
     start = time.time()
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-    futures = {pool.submit(_build, (job, args.target, args.arch, args.size, args.images)): i
+    futures = {pool.submit(_build, (job, args.target, args.arch, args.size, args.images, args.unsigned_activations)): i
                for i, job in enumerate(jobs)}
     try:
         for fut in concurrent.futures.as_completed(futures, timeout=args.deadline):

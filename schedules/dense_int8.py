@@ -14,19 +14,21 @@ from tvm import te, tirx
 
 from .kernel import KernelImpl
 from .nchw4c.layout import ceil4  # K is padded to 4 as the NCHW4c channels are
-from .quantize import quantize_tir
+from .quantize import quantize_clamp, quantize_tir
 
 KERNEL_NAME = "dense_int8"
 
 
-def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None) -> tirx.PrimFunc:
+def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None, zero: int = 0) -> tirx.PrimFunc:
     """float [N, K] -> int8 [N, k_padded] (zero-padded; default ceil(K/4)*4), the input of an int8
-    dense layer (``k_padded``: the dense implementation's, ``in_features_padded``)."""
+    dense layer (``k_padded``: the dense implementation's, ``in_features_padded``; ``zero``: the
+    zero point, -128 for an unsigned input: ``quantize.quantize_clamp``)."""
     n, k = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
         (n, k_padded or ceil4(k)),
-        lambda b, i: tirx.if_then_else(i < k, quantize_tir(x[b, tirx.min(i, k - 1)], scale), tirx.const(0, "int8")),
+        lambda b, i: tirx.if_then_else(i < k, quantize_tir(x[b, tirx.min(i, k - 1)], scale, *quantize_clamp(zero)),
+                                        tirx.const(0, "int8")),
         name="quantize_rows")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
 

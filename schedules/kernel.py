@@ -43,12 +43,14 @@ class Layout:
         """The NCHW shape of a packed buffer, its channels counted with the padding."""
         raise NotImplementedError
 
-    def quantize(self, shape: tuple[int, int, int, int], scale: float) -> tirx.PrimFunc:
-        """Kernel: float NCHW of ``shape`` -> int8 in this layout (round half to even, clamp)."""
+    def quantize(self, shape: tuple[int, int, int, int], scale: float, zero: int = 0) -> tirx.PrimFunc:
+        """Kernel: float NCHW of ``shape`` -> int8 in this layout (round half to even, clamp);
+        ``zero``: the zero point (0: symmetric, -128..127 unused -128; -128: unsigned, 0..255
+        stored as -128..127; ``quantize.quantize_clamp``)."""
         raise NotImplementedError
 
-    def dequantize(self, packed: tuple[int, ...], channels: int, scale: float) -> tirx.PrimFunc:
-        """Kernel: int8 in this layout -> float NCHW with ``channels`` channels."""
+    def dequantize(self, packed: tuple[int, ...], channels: int, scale: float, zero: int = 0) -> tirx.PrimFunc:
+        """Kernel: int8 in this layout -> float NCHW with ``channels`` channels, ``(q - zero) * scale``."""
         raise NotImplementedError
 
     def pack(self, x: np.ndarray) -> np.ndarray:

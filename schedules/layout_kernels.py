@@ -52,10 +52,11 @@ class AvgPool2d(LayoutKernel):
 
     def compute(self, wl):
         return self.tag(pool_int8.avg_pool2d_int8(self.packing, wl.shape, wl.pool, wl.stride, wl.padding,
-                                                  wl.mult, wl.shift), wl)
+                                                  wl.mult, wl.shift, wl.in_zero, wl.out_zero), wl)
 
     def reference(self, wl, x):
-        return pool_int8.avg_pool2d_int8_ref(self.packing, x, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift)
+        return pool_int8.avg_pool2d_int8_ref(self.packing, x, wl.pool, wl.stride, wl.padding, wl.mult, wl.shift,
+                                             wl.in_zero, wl.out_zero)
 
     def schedule(self, func, target):
         return pool_int8.schedule_pool(func, target)

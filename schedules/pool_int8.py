@@ -3,7 +3,8 @@
 ResNet's max-pools, Inception's 3x3 average pools in its branches, DenseNet's transitions).
 
 The kernels compute on the logical ``(n, c, y, x)`` index through the layout's index maps, as
-the concat does (``concat_int8.py``); padded channels pool zeros to zeros.
+the concat does (``concat_int8.py``); padded channels pool zeros to zeros (to whatever the
+zero points make of them in an average pool of an unsigned tensor: no reader uses them).
 
 - Max-pool: max commutes with the (monotonic) quantizer, so pooling int8 values at an unchanged
   scale is exact; padding reads as -128, the int8 minimum.
@@ -66,13 +67,23 @@ def max_pool2d_int8(layout: Layout, shape, pool, stride, padding, dilation=(1, 1
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": f"max_pool2d_{layout.name.lower()}_int8"})
 
 
-def avg_pool2d_int8(layout: Layout, shape, pool, stride, padding, mult: int, shift: int) -> tirx.PrimFunc:
+def avg_pool2d_int8(layout: Layout, shape, pool, stride, padding, mult: int, shift: int,
+                    in_zero: int = 0, out_zero: int = 0) -> tirx.PrimFunc:
     """Kernel: int8 average pool (``count_include_pad=True``) of packed ``shape`` in ``layout``,
-    requantized by (``mult``, ``shift``)."""
-    x, total = _window(layout, shape, pool, stride, padding, (1, 1), False, "window_sum", te.sum, 0, "int32")
-    out = te.compute(total.shape, lambda *i: requantize_tir(total(*i), tirx.const(mult, "int32"),
-                                                            tirx.const(shift, "int32"), QMIN, 127),
-                     name="avg_requant")
+    requantized by (``mult``, ``shift``).  Zero points (0, or -128 for an unsigned tensor): the
+    padding reads ``in_zero`` (a real zero), the window sum less ``kh * kw * in_zero`` is
+    requantized, and ``out_zero`` is added after the rounding, before the clamp."""
+    x, total = _window(layout, shape, pool, stride, padding, (1, 1), False, "window_sum", te.sum, in_zero, "int32")
+    lo = QMIN if out_zero == 0 else -128
+    if in_zero == 0 and out_zero == 0:
+        def body(*i):
+            return requantize_tir(total(*i), tirx.const(mult, "int32"), tirx.const(shift, "int32"), lo, 127)
+    else:
+        def body(*i):
+            acc = total(*i).astype("int64") - tirx.const(pool[0] * pool[1] * in_zero, "int64")
+            return requantize_tir(acc, tirx.const(mult, "int32"), tirx.const(shift, "int32"), lo, 127,
+                                  zero=out_zero)
+    out = te.compute(total.shape, body, name="avg_requant")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": f"avg_pool2d_{layout.name.lower()}_int8"})
 
 
@@ -97,11 +108,14 @@ def max_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, di
     return layout.pack(np.maximum.reduce(list(_windows_ref(logical, pool, stride, padding, dilation, ceil_mode, -128))))
 
 
-def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mult: int, shift: int) -> np.ndarray:
+def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mult: int, shift: int,
+                        in_zero: int = 0, out_zero: int = 0) -> np.ndarray:
     """NumPy twin of :func:`avg_pool2d_int8` (packed in, packed out)."""
     logical = layout.unpack(x, layout.logical_shape(x.shape)[1]).astype(np.int64)
-    total = sum(_windows_ref(logical, pool, stride, padding, (1, 1), False, 0))
-    return layout.pack(requantize_ref(total, np.int64(mult), np.int64(shift), QMIN, 127).astype(np.int8))
+    total = sum(_windows_ref(logical, pool, stride, padding, (1, 1), False, in_zero)) - pool[0] * pool[1] * in_zero
+    out = requantize_ref(total, np.int64(mult), np.int64(shift), QMIN if out_zero == 0 else -128, 127,
+                         zero=out_zero)
+    return layout.pack(out.astype(np.int8))
 
 
 THREADS = 256  # outputs per thread block (one per thread)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import tirx
 
-from .requantize import QMIN
+from .requantize import QMIN, UNSIGNED_ZERO
 
 
 def _div_exact(x, scale: float):
@@ -38,8 +38,9 @@ def _div_exact(x, scale: float):
     return q.astype("float32")
 
 
-def dequantize_tir(q, scale: float):
-    """TIR: int8 ``q`` -> float32 ``q * float32(scale)``, rounded once, on llvm and CUDA alike.
+def dequantize_tir(q, scale: float, zero: int = 0):
+    """TIR: int8 ``q`` -> float32 ``(q - zero) * float32(scale)``, rounded once, on llvm and CUDA alike
+    (``zero``: the tensor's zero point, -128 for an unsigned one; ``q - zero`` is an exact integer).
 
     The scale is written ``m * 2**e`` (``m`` a 24-bit integer) and applied in float64, where
     ``q * m`` (at most 32 bits) and the division by ``2**-e`` are exact, so the one rounding is
@@ -49,18 +50,28 @@ def dequantize_tir(q, scale: float):
     """
     frac, exp = np.frexp(np.float32(scale))
     m, e = int(frac * (1 << 24)), int(exp) - 24
-    v = q.astype("float64") * tirx.const(m, "float64")
+    v = (q.astype("float64") if zero == 0 else q.astype("float64") - tirx.const(zero, "float64")) * tirx.const(m, "float64")
     v = v / tirx.const(2.0 ** -e, "float64") if e < 0 else v * tirx.const(2.0 ** e, "float64")
     return v.astype("float32")
 
 
-def quantize_tir(x, scale: float, lo: int = QMIN, hi: int = 127):
-    """TIR expression: float ``x`` -> int8 ``clamp(nearbyint(x / scale), lo, hi)``."""
+def quantize_clamp(zero: int) -> tuple[int, int, int]:
+    """``(lo, hi, zero)`` of a tensor of zero point ``zero``: symmetric int8 ``(-127, 127, 0)``, or
+    unsigned ``(-128, 127, -128)`` (0..255 at the same scale, stored minus 128)."""
+    if zero not in (0, UNSIGNED_ZERO):
+        raise ValueError(f"zero point must be 0 (symmetric) or {UNSIGNED_ZERO} (unsigned), got {zero}")
+    return (QMIN, 127, 0) if zero == 0 else (-128, 127, zero)
+
+
+def quantize_tir(x, scale: float, lo: int = QMIN, hi: int = 127, zero: int = 0):
+    """TIR expression: float ``x`` -> int8 ``clamp(nearbyint(x / scale) + zero, lo, hi)``."""
     v = tirx.nearbyint(_div_exact(x, scale))  # ties to even (module docstring)
+    if zero:
+        v = v + tirx.const(zero, "float32")
     return tirx.max(tirx.min(v, tirx.const(hi, "float32")), tirx.const(lo, "float32")).astype("int8")
 
 
-def quantize_ref(x: np.ndarray, scale: float, lo: int = QMIN, hi: int = 127) -> np.ndarray:
+def quantize_ref(x: np.ndarray, scale: float, lo: int = QMIN, hi: int = 127, zero: int = 0) -> np.ndarray:
     """NumPy twin of :func:`quantize_tir`: float32 division, round half to even."""
-    v = np.rint(x.astype(np.float32) / np.float32(scale))
+    v = np.rint(x.astype(np.float32) / np.float32(scale)) + np.float32(zero)
     return np.clip(v, lo, hi).astype(np.int8)

@@ -15,7 +15,11 @@ MULT_BITS = 31  # mult lies in [2**30, 2**31): 31 significant bits of M
 # Symmetric int8: activations and weights use [-127, 127] and -128 never occurs, as the
 # observers' scales (amax / 127) and the QAT fake-quantizers (``tvm_qconv.nn.functional``) assume,
 # so a QAT model compiles to the same integers wherever values clip at the negative end too.
+# (An unsigned activation, below, is the exception: there -128 is its real zero.)
 QMIN, QMAX = -127, 127
+# An unsigned tensor (never negative: after a ReLU / ReLU6) is 0..255 at scale amax / 255, stored
+# in int8 as value - 128: zero point -128, the whole int8 range (QuantConfig.unsigned_activations).
+UNSIGNED_ZERO = -128
 
 
 def quantize_multiplier(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,29 +47,32 @@ def quantize_multiplier(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mult.astype(np.int32), shift.astype(np.int32)
 
 
-def requantize_tir(acc, mult, shift, lo: int, hi: int = 127, offset=None):
-    """TIR expression: clip(round_half_up((acc * mult + offset) * 2**-shift), lo, hi) as int8.
+def requantize_tir(acc, mult, shift, lo: int, hi: int = 127, offset=None, zero: int = 0):
+    """TIR expression: clip(round_half_up((acc * mult + offset) * 2**-shift) + zero, lo, hi) as int8.
 
     ``acc`` is an int8, int32 or int64 expression; ``mult`` and ``shift`` int32 expressions;
     ``offset`` (None: 0) an int64 expression added to the product, at its scale ``2**shift``
-    (the affine kernel's bias, ``affine_params``).
+    (the affine kernel's bias, ``affine_params``); ``zero``: the output's zero point (0, or -128
+    for an unsigned output), added after the rounding.
     """
     v = acc.astype("int64") * mult.astype("int64")
     if offset is not None:
         v = v + offset
     s = shift.astype("int64")
     v = tirx.shift_right(v + tirx.shift_left(tirx.const(1, "int64"), s - 1), s)
+    if zero:
+        v = v + tirx.const(zero, "int64")
     return tirx.max(tirx.min(v, tirx.const(hi, "int64")), tirx.const(lo, "int64")).astype("int8")
 
 
 def requantize_ref(acc: np.ndarray, mult: np.ndarray, shift: np.ndarray, lo: int, hi: int = 127,
-                   offset: np.ndarray | None = None) -> np.ndarray:
+                   offset: np.ndarray | None = None, zero: int = 0) -> np.ndarray:
     """NumPy twin of :func:`requantize_tir` (broadcasting mult/shift/offset against acc)."""
     v = acc.astype(np.int64) * mult.astype(np.int64)
     if offset is not None:
         v = v + offset.astype(np.int64)
     s = shift.astype(np.int64)
-    v = (v + (np.int64(1) << (s - 1))) >> s
+    v = ((v + (np.int64(1) << (s - 1))) >> s) + np.int64(zero)
     return np.clip(v, lo, hi).astype(np.int8)
 
 

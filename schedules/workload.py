@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from dataclasses import asdict, dataclass
 
-from .requantize import QMIN
+from .requantize import QMIN, UNSIGNED_ZERO
 
 # The epilogue's activation, as a clamp of the requantized int8 output (integer domain): ``none``
 # is [-127, 127] (symmetric int8: ``requantize.QMIN``), ``relu`` is [0, 127], ``clip`` (ReLU6, hardtanh) is [act_min, act_max].
@@ -37,6 +37,11 @@ class ConvWorkload:
         act_min, act_max: the int8 clamp of ``clip`` (``relu``: 0, 127; ``none``: -127, 127).
         out_dtype: ``int8`` (the fused, requantized layer) or ``int32`` (the raw accumulator:
             the training path and the unfused benchmark).
+        in_zero: the input's zero point: 0 (symmetric) or -128 (an unsigned input, 0..255
+            stored minus 128; ``requantize.UNSIGNED_ZERO``).  The kernel's padding reads it (a
+            padded tap is a real zero); the accumulator's ``-in_zero * sum(w)`` is the bias's.
+            Only depthwise kernels pad with it: the dense families' padding is the tensor cores'
+            zero-fill (cp.async, TMA), so an unsigned input there must need no padding.
     """
 
     batch: int
@@ -53,6 +58,7 @@ class ConvWorkload:
     act_min: int = 0
     act_max: int = 127
     out_dtype: str = "int8"
+    in_zero: int = 0
 
     def __post_init__(self):
         # ValueError, not InputError: a workload is built by the passes and the training
@@ -76,9 +82,14 @@ class ConvWorkload:
         expected = {"none": (QMIN, 127), "relu": (0, 127)}.get(self.activation)
         if expected is not None and (self.act_min, self.act_max) != expected:
             raise ValueError(f"activation {self.activation!r} clamps to {expected}, got ({self.act_min}, {self.act_max})")
-        if not QMIN <= self.act_min <= self.act_max <= 127:
-            raise ValueError(f"act_min/act_max must satisfy {QMIN} <= min <= max <= 127 (symmetric int8), got "
+        if not UNSIGNED_ZERO <= self.act_min <= self.act_max <= 127:
+            raise ValueError(f"act_min/act_max must satisfy {UNSIGNED_ZERO} <= min <= max <= 127, got "
                              f"({self.act_min}, {self.act_max})")
+        if self.in_zero not in (0, UNSIGNED_ZERO):
+            raise ValueError(f"in_zero must be 0 or {UNSIGNED_ZERO}, got {self.in_zero}")
+        if self.in_zero and any(self.padding) and not self.is_depthwise:
+            raise ValueError(f"an unsigned input (in_zero {self.in_zero}) needs a depthwise or unpadded conv: "
+                             f"this one pads {self.padding} with zeros")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -126,7 +137,8 @@ class ConvWorkload:
         d = f" d{self.dilation[0]}" + (f"x{self.dilation[1]}" if self.dilation[1] != self.dilation[0] else "") \
             if self.dilation != (1, 1) else ""
         s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
-        return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d} "
+        u = " u8" if self.in_zero else ""
+        return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
                 f"@{self.height}x{self.width} b{self.batch}")
 
     def to_dict(self) -> dict:
@@ -218,7 +230,8 @@ class LutWorkload:
 
 @dataclass(frozen=True)
 class AvgPoolWorkload:
-    """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``)."""
+    """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``); input and
+    output zero points ``in_zero`` / ``out_zero`` (0, or -128 for an unsigned tensor)."""
 
     shape: tuple[int, ...]
     pool: tuple[int, int]
@@ -226,6 +239,8 @@ class AvgPoolWorkload:
     padding: tuple[int, int, int, int]
     mult: int
     shift: int
+    in_zero: int = 0
+    out_zero: int = 0
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

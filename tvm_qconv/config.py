@@ -25,7 +25,8 @@ class QuantConfig:
             (``range_search.py``; slower: ~2 forwards of the calibration images per tensor).
         percentile: the percentile of |x| used when ``calibration == "percentile"``.
         weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
-        activation: activation granularity; only ``per_tensor`` (symmetric).
+        activation: activation granularity; only ``per_tensor`` (symmetric, or unsigned where
+            ``unsigned_activations`` allows).
         skip: layers kept in float: torch module paths (``classifier.6``) or shell-style
             patterns (``classifier.*``; ``*`` keeps every layer in float).
         quantize_dense: run linear layers in int8 (else every linear layer stays float).
@@ -34,6 +35,10 @@ class QuantConfig:
             weights add to its output, ``(W_q - W) E[x]`` with ``E[x]`` the input's per-channel
             mean on the calibration images (Nagel et al., "Data-Free Quantization", 2019;
             needs calibration, not given or learned ranges).
+        unsigned_activations: store a never-negative int8 tensor (after a ReLU / ReLU6) as
+            0..255 at scale ``amax / 255``, zero point -128, where every layer reading it can
+            take that (``zero_points.py``): half the rounding step there.  Off: every tensor is
+            symmetric (``amax / 127``), as QAT's fake quantizers train for.
     """
 
     calibration: str = "percentile"
@@ -44,6 +49,7 @@ class QuantConfig:
     quantize_dense: bool = True
     num_calib_images: int = 32
     bias_correction: bool = False
+    unsigned_activations: bool = False
     version: int = CONFIG_VERSION
 
     def __post_init__(self):

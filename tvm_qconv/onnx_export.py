@@ -7,7 +7,8 @@ pairs carrying this project's own scales -- the "QDQ" form TensorRT and ONNX Run
 What the file holds mirrors the project's int8 model (``transform/quantize_int8.py``) tensor by tensor:
 
 - every activation that is int8 there is quantized once, by one ``QuantizeLinear`` (int8, zero point
-  0, scale ``max(amax, 1e-30) / 127``) where it is made (or where its first int8 reader needs it,
+  0, scale ``max(amax, 1e-30) / 127``; zero point -128 and ``amax / 255`` for the tensors the
+  library keeps unsigned, ``QuantConfig.unsigned_activations``) where it is made (or where its first int8 reader needs it,
   for a float tensor), and each node that reads it has its own ``DequantizeLinear`` of it;
 - the weights of int8 conv / linear layers are int8 initializers (``quantize_weight_per_channel``:
   the project's own integers) dequantized per output channel (axis 0);
@@ -18,8 +19,8 @@ What the file holds mirrors the project's int8 model (``transform/quantize_int8.
 - a layer absorbs its bias and ReLU / clip (``graph.Layer.vars``): ``DQ -> Conv [-> Relu] -> Q``,
   TensorRT's explicit-quantization pattern for an int8 conv.  ONNX Runtime (CPU) makes a
   ``QLinearConv`` of the convs with no activation; with a ReLU between it keeps a float
-  ``FusedConv`` (it folds a ReLU into ``QuantizeLinear`` only at zero point -128, and these
-  activations are symmetric), and on x86 it wants ``session.qdqisint8allowed=1`` (see README);
+  ``FusedConv`` (it folds a ReLU into ``QuantizeLinear`` only at zero point -128: the unsigned
+  activations'), and on x86 it wants ``session.qdqisint8allowed=1`` (see README);
 - a lookup-table activation (``lut``: SiLU, hardswish... after an int8 layer) is its float ops
   between a DequantizeLinear and a QuantizeLinear at its output's scale, what the table tabulates;
 - everything the project runs in float (skipped layers, layers without an int8 kernel,
@@ -45,6 +46,7 @@ from .fileio import atomic_path, check_output_file
 from .graph import static_shape
 from .observers import quantize_weight_per_channel
 from .ranges import Calibrate, LearnedRanges
+from .schedules.requantize import UNSIGNED_ZERO
 from .transform.quantize_int8 import activation_scale
 
 # Opsets this exporter writes: 17 has LayerNormalization and per-channel QDQ; from 18 ReduceMean
@@ -220,12 +222,13 @@ def _version() -> str:
 @dataclass
 class _QTensor:
     """An int8 tensor of the ONNX graph: its QuantizeLinear output, its scale (and the scale's
-    initializer), and the float tensor it quantized."""
+    initializer), the float tensor it quantized, and its zero point's initializer."""
 
     q: str
     scale: float
     scale_name: str
     source: str
+    zero_name: str
 
 
 class _Emitter:
@@ -254,7 +257,9 @@ class _Emitter:
         self.float_layers: list = []
         self.qdq_pairs = 0
         self.int8_weights = 0
-        self.zero = None
+        self.zeros: dict = {}     # zero point -> its initializer
+        # the library's unsigned tensors (zero point -128, scale amax / 255): zero_points.py
+        self.unsigned = set(q.report.get("unsigned", []))
         self.pending: dict = {}   # graph.lazy var -> its binding, emitted at the first float read
 
     # ---- names, constants, Q/DQ ---------------------------------------------------------
@@ -278,27 +283,32 @@ class _Emitter:
         self.nodes.append(onnx.helper.make_node(op, list(inputs), outs, name=self.fresh(f"{op}_{hint}"), **attrs))
         return outs[0] if outputs == 1 else outs
 
-    def zero_point(self) -> str:
-        if self.zero is None:
-            self.zero = self.const(np.int8(0), "zero_point_int8")
-        return self.zero
+    def zero_point(self, zero: int = 0) -> str:
+        if zero not in self.zeros:
+            self.zeros[zero] = self.const(np.int8(zero), "zero_point_int8" if zero == 0 else f"zero_point_int8_{-zero}")
+        return self.zeros[zero]
 
-    def quantize(self, src: str, scale: float, hint: str) -> _QTensor:
-        """``QuantizeLinear(src)`` at ``scale`` (int8, zero point 0): one per int8 tensor."""
+    def zero(self, var) -> int:
+        return UNSIGNED_ZERO if self.g.points.get(var) in self.unsigned else 0
+
+    def quantize(self, src: str, scale: float, hint: str, zero: int = 0) -> _QTensor:
+        """``QuantizeLinear(src)`` at ``scale`` (int8, zero point 0, or -128 for an unsigned
+        tensor): one per int8 tensor."""
         s = self.const(np.float32(scale), f"{hint}_scale")
         self.qdq_pairs += 1
-        return _QTensor(self.node("QuantizeLinear", [src, s, self.zero_point()], f"{hint}_q"), scale, s, src)
+        z = self.zero_point(zero)
+        return _QTensor(self.node("QuantizeLinear", [src, s, z], f"{hint}_q"), scale, s, src, z)
 
     def dq(self, t: _QTensor) -> str:
         """A DequantizeLinear of ``t`` for one reading node.  One per reader rather than one shared
         by all: each ``DQ... -> op -> Q`` group is then a self-contained "node unit" that a runtime
         fuses without touching its neighbours (ONNX Runtime makes these copies itself before
         fusing, EnsureUniqueDQForNodeUnit; measured the same QLinearConv count either way)."""
-        return self.node("DequantizeLinear", [t.q, t.scale_name, self.zero_point()], f"{t.q.removesuffix('_q')}_dq")
+        return self.node("DequantizeLinear", [t.q, t.scale_name, t.zero_name], f"{t.q.removesuffix('_q')}_dq")
 
     def scale(self, var) -> float:
         """The scale of a point, the library's (``activation_scale``)."""
-        return activation_scale(self.amax[self.g.points[var]])
+        return activation_scale(self.amax[self.g.points[var]], self.g.points[var] in self.unsigned)
 
     def float_of(self, expr) -> str:
         if isinstance(expr, tvm.ir.expr.GenericConst):
@@ -314,12 +324,12 @@ class _Emitter:
         """``var``'s int8 version, dequantized for one reader: as produced, or quantized from float
         at its point's scale (once; later int8 readers share the QuantizeLinear)."""
         if var not in self.qver:
-            self.qver[var] = self.quantize(self.float_of(var), self.scale(var), var.name)
+            self.qver[var] = self.quantize(self.float_of(var), self.scale(var), var.name, self.zero(var))
         return self.dq(self.qver[var])
 
     def produce(self, var, out: str, scale: float) -> None:
         """An int8 layer's output: requantized at ``scale``; every consumer reads the int8 tensor."""
-        self.qver[var] = self.fname[var] = self.quantize(out, scale, var.name)
+        self.qver[var] = self.fname[var] = self.quantize(out, scale, var.name, self.zero(var))
 
     # ---- the walk -----------------------------------------------------------------------
     def run(self):
@@ -419,7 +429,7 @@ class _Emitter:
         if have is not None and have.scale == s_x and (made is have or made == have.source):
             x = self.dq(have)
         else:
-            x = self.dq(self.quantize(self.float_of(var), s_x, f"{ly.name}.input"))
+            x = self.dq(self.quantize(self.float_of(var), s_x, f"{ly.name}.input", self.zero(var)))
         w, _ = self.weight(ly.weight, f"{ly.name}.weight")  # [O, K]: Gemm's transB
         inputs = [x, w] + ([self.const(ly.bias.astype(np.float32), f"{ly.name}.bias")] if ly.bias is not None else [])
         y = self.node("Gemm", inputs, ly.name, transB=1)

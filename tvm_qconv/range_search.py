@@ -8,9 +8,10 @@ model gives logits closest to the float model's on the calibration images (greed
 descent, one pass, starting from every point at the MSE observer's range).
 
 The fake-quantized model is the float graph with every point rounded to its int8 grid,
-``clip(round(x / s), -127, 127) * s`` with ``s = amax / 127``, conv and matmul in float (torch,
-as in calibration).  Weights stay float there: their per-channel rounding does not depend on the
-activation ranges this chooses (``FakeQuantModel(int8_weights=True)`` rounds them too, for
+``clip(round(x / s), -127, 127) * s`` with ``s = amax / 127`` (0..255 at ``amax / 255`` for the
+points the build stores unsigned, ``QuantConfig.unsigned_activations``), conv and matmul in
+float (torch, as in calibration).  Weights stay float there: their per-channel rounding does not
+depend on the activation ranges this chooses (``FakeQuantModel(int8_weights=True)`` rounds them too, for
 ``benchmarks/unsigned_activations.py``).  Cost: two compiles and, per point, one forward of the
 calibration images per distinct candidate (VGG16: 63 forwards; MobileNet-V2: 64
 points, 192 forwards, ~20 min for 8 photos at 224 px on 2 CPU cores).
@@ -122,9 +123,10 @@ class FakeQuantModel:
 
 
 def search(graph: Graph, images: np.ndarray, candidates: dict[str, dict[str, float]],
-           progress: bool = True) -> tuple[dict[str, float], dict]:
+           progress: bool = True, unsigned=frozenset()) -> tuple[dict[str, float], dict]:
     """Each point's range chosen among its ``candidates`` (``{point: {method: amax}}``, every
-    point having ``START``'s) by the fake-quantized logits' SQNR against float on ``images``.
+    point having ``START``'s) by the fake-quantized logits' SQNR against float on ``images``;
+    ``unsigned``: the points the build stores unsigned (rounded to 0..255 there).
 
     Returns:
         ``(amax, report)``: ``{point: amax}``, and ``dict(choices={point: method}, counts=
@@ -135,7 +137,7 @@ def search(graph: Graph, images: np.ndarray, candidates: dict[str, dict[str, flo
     reference = model.logits(images)
     current = {p: c[START] for p, c in candidates.items()}
     choices = {p: START for p in candidates}
-    best = start = sqnr_db(reference, model.logits(images, current))
+    best = start = sqnr_db(reference, model.logits(images, current, unsigned))
     forwards = 2
     for point in tqdm(model.names, desc="search ranges", disable=not progress, unit="tensor"):
         tried = {current[point]}
@@ -143,7 +145,7 @@ def search(graph: Graph, images: np.ndarray, candidates: dict[str, dict[str, flo
             if amax in tried or not np.isfinite(amax) or amax <= 0:
                 continue
             tried.add(amax)
-            trial = sqnr_db(reference, model.logits(images, {**current, point: amax}))
+            trial = sqnr_db(reference, model.logits(images, {**current, point: amax}, unsigned))
             forwards += 1
             if trial > best + MIN_GAIN_DB:
                 best, current[point], choices[point] = trial, amax, method

@@ -21,6 +21,7 @@ import numpy as np
 from tvm import relax
 
 from . import range_search
+from .zero_points import planned_unsigned
 from .calibrate import calibrate_candidates
 from .config import OBSERVERS, QuantConfig
 from .data import load_calibration_images
@@ -64,7 +65,9 @@ class Calibrate:
         methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
         candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
         if cfg.calibration == "search":
-            amax, report["search"] = range_search.search(graph, images, candidates, progress=ctx.progress)
+            unsigned = {graph.points[v] for v in planned_unsigned(graph, cfg)}  # rounded as the build will
+            amax, report["search"] = range_search.search(graph, images, candidates, progress=ctx.progress,
+                                                         unsigned=unsigned)
         else:
             amax = {n: c[cfg.calibration] for n, c in candidates.items()}
         ctx.images = images

@@ -70,7 +70,7 @@ def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, imag
 
     Args:
         ex, params: a build with ``expose_activations`` at batch ``graph``'s.
-        exposed: its report's ``exposed`` (layer, layout, channels, scale per activation).
+        exposed: its report's ``exposed`` (layer, layout, channels, scale, zero point per activation).
         graph: the float graph's analysis at that batch.
     """
     batch = int(graph.func.params[0].ty.shape.values[0])
@@ -82,7 +82,8 @@ def layer_sqnr(ex, params: list, target, exposed: list[dict], graph: Graph, imag
             if e["point"] is None:  # a max-pool's output: no tensor of its own in the float graph
                 continue
             ref = floats[e["point"]].astype(np.float64)
-            got = registry.layout(e["layout"]).unpack(q, e["channels"]).astype(np.float64) * e["scale"]
+            got = (registry.layout(e["layout"]).unpack(q, e["channels"]).astype(np.float64) - e.get("zero", 0)) \
+                * e["scale"]
             signal[i] += (ref ** 2).sum()
             noise[i] += ((got - ref) ** 2).sum()
     return [dict(layer=e["layer"], sqnr_db=_db(s, n), signal=float(s), noise=float(n))

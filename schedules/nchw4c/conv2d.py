@@ -32,14 +32,15 @@ def group_blocks(wl: ConvWorkload) -> tuple[int, int]:
 
 
 def zero_pad(A: te.Tensor, wl: ConvWorkload) -> te.Tensor:
-    """Stage ``pad``: the NCHW4c input ``A`` zero-padded by ``wl.padding`` (zero point 0: exact)."""
+    """Stage ``pad``: the NCHW4c input ``A`` padded by ``wl.padding`` with its zero point
+    ``wl.in_zero`` (a real zero: 0, or -128 for an unsigned input)."""
     pt, pl, pb, pr = wl.padding
     n, cc, h, w, _ = A.shape
     return te.compute(
         (n, cc, h + pt + pb, w + pl + pr, 4),
         lambda b, c, y, x, ci: tirx.if_then_else(
             tirx.all(y >= pt, y < pt + wl.height, x >= pl, x < pl + wl.width),
-            A[b, c, y - pt, x - pl, ci], tirx.const(0, "int8")),
+            A[b, c, y - pt, x - pl, ci], tirx.const(wl.in_zero, "int8")),
         name="pad")
 
 

@@ -82,7 +82,7 @@ def depthwise_acc_nhwc(wl: ConvWorkload, x: np.ndarray, taps: np.ndarray) -> np.
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
-    xp = np.pad(x.astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    xp = np.pad(x.astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=wl.in_zero)
     src = np.minimum(np.arange(taps.shape[-1]) // k, x.shape[-1] - 1)
     acc = np.zeros((x.shape[0], oh, ow, taps.shape[-1]), np.int64)
     for y in range(kh):

@@ -13,7 +13,7 @@ import numpy as np
 from tvm import te, tirx
 
 from ..kernel import Layout
-from ..quantize import dequantize_tir, quantize_tir
+from ..quantize import dequantize_tir, quantize_clamp, quantize_tir
 
 
 def ceil4(c: int) -> int:
@@ -34,24 +34,24 @@ def unpack_nchw4c(x: np.ndarray, channels: int) -> np.ndarray:
     return np.ascontiguousarray(x.transpose(0, 1, 4, 2, 3).reshape(n, cc * 4, h, w)[:, :channels])
 
 
-def quantize_pack(shape: tuple[int, int, int, int], scale: float) -> tirx.PrimFunc:
+def quantize_pack(shape: tuple[int, int, int, int], scale: float, zero: int = 0) -> tirx.PrimFunc:
     n, c, h, w = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
         (n, ceil4(c) // 4, h, w, 4),
         lambda b, cc, y, xx, ci: tirx.if_then_else(
-            cc * 4 + ci < c, quantize_tir(x[b, tirx.min(cc * 4 + ci, c - 1), y, xx], scale),
+            cc * 4 + ci < c, quantize_tir(x[b, tirx.min(cc * 4 + ci, c - 1), y, xx], scale, *quantize_clamp(zero)),
             tirx.const(0, "int8")),
         name="quantize_pack")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack"})
 
 
-def dequantize_unpack(shape: tuple[int, int, int, int, int], channels: int, scale: float) -> tirx.PrimFunc:
+def dequantize_unpack(shape: tuple[int, int, int, int, int], channels: int, scale: float, zero: int = 0) -> tirx.PrimFunc:
     n, cc, h, w, _ = shape
     x = te.placeholder(shape, "int8", name="X")
     out = te.compute(
         (n, channels, h, w),
-        lambda b, c, y, xx: dequantize_tir(x[b, c // 4, y, xx, c % 4], scale),
+        lambda b, c, y, xx: dequantize_tir(x[b, c // 4, y, xx, c % 4], scale, zero),
         name="dequantize_unpack")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack"})
 
@@ -67,11 +67,11 @@ class NCHW4c(Layout):
         n, cb, h, w, _ = packed
         return (n, cb * 4, h, w)
 
-    def quantize(self, shape, scale):
-        return quantize_pack(shape, scale)
+    def quantize(self, shape, scale, zero=0):
+        return quantize_pack(shape, scale, zero)
 
-    def dequantize(self, packed, channels, scale):
-        return dequantize_unpack(packed, channels, scale)
+    def dequantize(self, packed, channels, scale, zero=0):
+        return dequantize_unpack(packed, channels, scale, zero)
 
     def pack(self, x):
         return pack_nchw4c(x)

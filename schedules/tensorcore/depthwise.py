@@ -43,7 +43,8 @@ def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     pad = te.compute(
         (wl.batch, h + pt + pb, w + pl + pr, cip),
         lambda n, y, x, c: tirx.if_then_else(
-            tirx.all(y >= pt, y < h + pt, x >= pl, x < w + pl), A[n, y - pt, x - pl, c], tirx.const(0, "int8")),
+            tirx.all(y >= pt, y < h + pt, x >= pl, x < w + pl), A[n, y - pt, x - pl, c],
+            tirx.const(wl.in_zero, "int8")),  # a padded tap is a real zero: the zero point
         name="pad")
     ry = te.reduce_axis((0, kh), name="ry")
     rx = te.reduce_axis((0, kw), name="rx")

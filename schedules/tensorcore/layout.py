@@ -14,7 +14,7 @@ import numpy as np
 from tvm import te, tirx
 
 from ..kernel import Layout
-from ..quantize import dequantize_tir, quantize_tir
+from ..quantize import dequantize_tir, quantize_clamp, quantize_tir
 
 ALIGN = 32
 
@@ -47,20 +47,20 @@ class NHWC32(Layout):
         n, h, w, c = packed
         return (n, c, h, w)
 
-    def quantize(self, shape, scale):
+    def quantize(self, shape, scale, zero=0):
         n, c, h, w = shape
         x = te.placeholder(shape, "float32", name="X")
         out = te.compute(
             (n, h, w, ceil32(c)),
-            lambda b, y, xx, cc: tirx.if_then_else(cc < c, quantize_tir(x[b, tirx.min(cc, c - 1), y, xx], scale),
+            lambda b, y, xx, cc: tirx.if_then_else(cc < c, quantize_tir(x[b, tirx.min(cc, c - 1), y, xx], scale, *quantize_clamp(zero)),
                                                    tirx.const(0, "int8")),
             name="quantize_pack")
         return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack_nhwc32"})
 
-    def dequantize(self, packed, channels, scale):
+    def dequantize(self, packed, channels, scale, zero=0):
         n, h, w, _ = packed
         x = te.placeholder(packed, "int8", name="X")
-        out = te.compute((n, channels, h, w), lambda b, c, y, xx: dequantize_tir(x[b, y, xx, c], scale),
+        out = te.compute((n, channels, h, w), lambda b, c, y, xx: dequantize_tir(x[b, y, xx, c], scale, zero),
                          name="dequantize_unpack")
         return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack_nhwc32"})
 

@@ -32,11 +32,12 @@ from ..observers import quantize_weight_per_channel
 from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.dense_int8 import DenseWorkload, quantize_rows
 from ..schedules.relayout import relayout_int8
-from ..schedules.requantize import QMIN, add_multipliers, affine_params, quantize_multiplier
+from ..schedules.requantize import QMIN, UNSIGNED_ZERO, add_multipliers, affine_params, quantize_multiplier
 from ..lut_table import lut_table
 from ..schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ChannelsWorkload, ConcatWorkload,
                                   ConvWorkload, LutWorkload, PoolWorkload)
 from ..target import TargetInfo
+from ..zero_points import PASS_THROUGH, may_run_int8, planned_unsigned
 
 # Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
 # values are all ~1e-9 (deep random-init networks) is quantized as well as one of ~1.  (It was
@@ -44,28 +45,32 @@ from ..target import TargetInfo
 AMAX_FLOOR = 1e-30
 
 
-def activation_scale(amax: float) -> float:
-    """The int8 scale of an activation of range ``amax``: ``amax / 127`` (symmetric), floored at
-    ``AMAX_FLOOR``; a dead (all-zero or NaN) tensor gets 1/127, as any positive scale holds it."""
+def activation_scale(amax: float, unsigned: bool = False) -> float:
+    """The int8 scale of an activation of range ``amax``: ``amax / 127`` (symmetric), or
+    ``amax / 255`` for an unsigned tensor (``zero_points.py``), floored at ``AMAX_FLOOR``; a dead
+    (all-zero or NaN) tensor gets 1/127, as any positive scale holds it."""
     amax = float(amax)
     if not (np.isfinite(amax) and amax > 0):
         amax = 1.0
-    return max(amax, AMAX_FLOOR) / 127.0
+    return max(amax, AMAX_FLOOR) / (255.0 if unsigned else 127.0)
 
 
-def int8_clamp(ly, s_y: float) -> tuple[str, int, int]:
-    """The activation of ``ly`` as an int8 clamp at output scale ``s_y``: (name, lo, hi).
+def int8_clamp(ly, s_y: float, zero: int = 0) -> tuple[str, int, int]:
+    """The activation of ``ly`` as an int8 clamp at output scale ``s_y`` and zero point ``zero``:
+    (name, lo, hi).
 
     ``clip(x, lo, hi)`` then quantizing is ``clamp(round(x / s), round(lo / s), round(hi / s))``
     (rounding is monotonic), so ReLU6 costs nothing in the epilogue; a bound beyond the int8
     range is the range's end.  A clamp equal to ReLU's or to none is named so, and its kernel
-    is then the one ReLU / no-activation layers share (one tuning task, not two).
+    is then the one ReLU / no-activation layers share (one tuning task, not two).  An unsigned
+    output (``zero`` -128) stores ``round(x / s) - 128``: ReLU is the clamp [-128, 127].
     """
     if not ly.relu:
         return "none", QMIN, 127
     lo, hi = ly.clip or (0.0, float("inf"))
-    q_lo = QMIN if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y), QMIN, 127))
-    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y), QMIN, 127))
+    least = QMIN if zero == 0 else -128
+    q_lo = least if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y) + zero, least, 127))
+    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y) + zero, least, 127))
     name = {(0, 127): "relu", (QMIN, 127): "none"}.get((q_lo, q_hi), "clip")
     return name, q_lo, q_hi
 
@@ -101,10 +106,11 @@ def block_diagonal(weight: np.ndarray, groups: int) -> np.ndarray:
 
 
 class _QTensor:
-    """An int8 tensor of the new graph: its var, scale, real channel count and layout."""
+    """An int8 tensor of the new graph: its var, scale, real channel count, layout and zero point
+    (0, or -128 for an unsigned tensor: ``zero_points.py``)."""
 
-    def __init__(self, var, scale: float, channels: int, layout):
-        self.var, self.scale, self.channels, self.layout = var, scale, channels, layout
+    def __init__(self, var, scale: float, channels: int, layout, zero: int = 0):
+        self.var, self.scale, self.channels, self.layout, self.zero = var, scale, channels, layout, zero
 
 
 @tvm.transform.module_pass(opt_level=0, name="QuantizeInt8")
@@ -164,10 +170,16 @@ class _Rewriter:
         for ly in graph.layers:
             for v in ly.inputs:
                 self.readers.setdefault(v, []).append(ly)
+        # the tensors stored unsigned (zero point -128, scale amax / 255), decided before any is made
+        self.unsigned = planned_unsigned(graph, qpass.config)
+        self.symmetric_fallback: list = []   # planned unsigned, made symmetric (output_zero_fits)
 
     # ---- values -------------------------------------------------------------------------
     def scale(self, var) -> float:
-        return activation_scale(self.p.amax[self.g.points[var]])
+        return activation_scale(self.p.amax[self.g.points[var]], var in self.unsigned)
+
+    def zero(self, var) -> int:
+        return UNSIGNED_ZERO if var in self.unsigned else 0
 
     def quantized(self, expr) -> _QTensor | None:
         """The int8 version of ``expr`` in the layout its producer wrote, if any."""
@@ -187,7 +199,7 @@ class _Rewriter:
             shape = static_shape(q.var.ty)
             n, _, h, w = static_shape(expr.ty)
             out = (n, q.channels, h, w)
-            f = q.layout.dequantize(shape, q.channels, q.scale)
+            f = q.layout.dequantize(shape, q.channels, q.scale, q.zero)
             self.fenv[expr] = self.call(f, "dequantize_unpack", [q.var], out, "float32")
             self.conversions.append(("dequantize", f"{expr.name} ({q.layout.name})"))
             return self.fenv[expr]
@@ -205,18 +217,20 @@ class _Rewriter:
             var = self.call(relayout_int8(src.layout, layout, shape), "relayout_int8", [src.var],
                             layout.packed_shape(shape), "int8")
             self.conversions.append(("relayout", f"{expr.name} ({src.layout.name}->{layout.name})"))
-            versions[layout_name] = _QTensor(var, src.scale, src.channels, layout)
+            versions[layout_name] = _QTensor(var, src.scale, src.channels, layout, src.zero)
             return versions[layout_name]
         x = self.float_of(expr)
         shape = static_shape(x.ty)
-        s = self.scale(expr)
-        var = self.call(layout.quantize(shape, s), "quantize_pack", [x], layout.packed_shape(shape), "int8")
+        s, zero = self.scale(expr), self.zero(expr)
+        var = self.call(layout.quantize(shape, s, zero), "quantize_pack", [x], layout.packed_shape(shape), "int8")
         self.conversions.append(("quantize", f"{expr.name} ({layout.name})"))
-        versions[layout_name] = _QTensor(var, s, shape[1], layout)
+        versions[layout_name] = _QTensor(var, s, shape[1], layout, zero)
         return versions[layout_name]
 
-    def produce(self, old_var, var, scale: float, channels: int, layout_name: str) -> None:
-        self.qenv[old_var] = {layout_name: _QTensor(var, scale, channels, registry.layout(layout_name))}
+    def produce(self, old_var, var, scale: float, channels: int, layout_name: str, zero: int = 0) -> None:
+        if zero != self.zero(old_var):
+            raise RuntimeError(f"{old_var.name}: made with zero point {zero}, planned {self.zero(old_var)}")
+        self.qenv[old_var] = {layout_name: _QTensor(var, scale, channels, registry.layout(layout_name), zero)}
 
     def call(self, prim, name, args, shape, dtype):
         if "global_symbol" in prim.attrs:
@@ -264,7 +278,7 @@ class _Rewriter:
                         if q is not None:
                             # inputs: the layers whose outputs it reads (none: the image, or float ops)
                             exposed.append((dict(layer=ly.name, point=self.g.points.get(ly.output), layout=q.layout.name,
-                                                 channels=q.channels, scale=q.scale,
+                                                 channels=q.channels, scale=q.scale, zero=q.zero,
                                                  inputs=[made_by[v] for v in ly.inputs if v in made_by]), q.var))
                     result = relax.Tuple([result] + [v for _, v in exposed])
                 out = self.bb.emit_output(result)
@@ -277,6 +291,8 @@ class _Rewriter:
         self.p.report = {"layers": self.rows, "float_ops": dict(self.float_ops),
                          "conversions": [f"{kind} {at}" for kind, at in self.conversions],
                          "relayouts": kinds.get("relayout", 0),
+                         "unsigned": sorted(self.g.points[v] for v in self.unsigned if v in self.g.points),
+                         "unsigned_fallback": self.symmetric_fallback,
                          "exposed": [e for e, _ in exposed]}
         return relax.transform.DeadCodeElimination(["main"])(new_mod)
 
@@ -300,10 +316,7 @@ class _Rewriter:
         return None
 
     def may_run_int8(self, ly) -> bool:
-        """Whether ``ly`` is not kept float by the analysis or the scheme (whether a kernel exists
-        is known only when it is emitted)."""
-        return not (ly.reason_float or self.p.config.skips(ly.name)
-                    or (ly.kind == "dense" and not self.p.config.quantize_dense))
+        return may_run_int8(ly, self.p.config)
 
     def pick(self, op: str, wl, layer: str, follow: str | None = None):
         """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
@@ -337,11 +350,14 @@ class _Rewriter:
         weight = ly.weight
         o, _, kh, kw = weight.shape
         groups = int(a.groups)
-        s_y = self.scale(ly.output)
-        activation, act_min, act_max = int8_clamp(ly, s_y)
+        qw, s_w = quantize_weight_per_channel(weight)   # per output channel: block-diagonal or not
+        if self.zero(ly.output) and not self.output_zero_fits(ly, s_w):
+            self.make_symmetric(ly.output)
+        s_y, z_y = self.scale(ly.output), self.zero(ly.output)
+        activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
         shape = dict(batch=n, in_channels=c, height=h, width=w, out_channels=o, kernel=(kh, kw),
                      stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
-                     dilation=tuple(map(int, a.dilation)))
+                     dilation=tuple(map(int, a.dilation)), in_zero=self.zero(ly.inputs[0]))
         wl = ConvWorkload.with_activation(activation, act_min, act_max, groups=groups, **shape)
         # a depthwise conv (memory-bound, a kernel in each layout) takes its int8 input's layout:
         # no relayout before it, whichever family ran the conv before (dp4a's NCHW4c at small
@@ -359,20 +375,25 @@ class _Rewriter:
         if impl is None:
             return self.no_kernel("conv2d", wl)
         x = self.int8_of(ly.inputs[0], impl.input_layout())
-        qw, s_w = quantize_weight_per_channel(weight)
+        if note:
+            qw, s_w = quantize_weight_per_channel(weight)
         acc_scale = x.scale * s_w.astype(np.float64)
         bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
         mean = self.input_mean(ly)
         if mean is not None:  # weight is groups=1 here when it was made block-diagonal
             bias = bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)
         bias_q = np.round(bias / acc_scale)
+        # zero points: the kernel reads q_x = x / s_x + z_x, so its sum holds z_x * sum(w) too; and
+        # adds z_y to the output as z_y / M in the accumulator (off by at most M / 2 of a step)
+        bias_q = bias_q - x.zero * qw.reshape(o, -1).astype(np.float64).sum(axis=1) \
+            + np.round(z_y * s_y / acc_scale)
         clipped = int(np.count_nonzero(np.abs(bias_q) > 2**31 - 1))
         bias_q = np.clip(bias_q, -2**31, 2**31 - 1).astype(np.int32)
         mult, shift = quantize_multiplier(acc_scale / s_y)
         args = [x.var] + [constant(p) for p in impl.pack_params(wl, qw, bias_q, mult, shift)]
         prim = impl.compute(wl)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, impl.out_shape(wl), "int8")
-        self.produce(ly.output, var, s_y, o, impl.layout)
+        self.produce(ly.output, var, s_y, o, impl.layout, z_y)
         act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
         row = dict(layer=ly.name, kind="conv2d" + ("+bias" if ly.bias is not None else "") + act,
                    kernel=impl.name, dtype="int8", shape=wl.describe() + note, in_scale=x.scale, out_scale=s_y)
@@ -382,6 +403,26 @@ class _Rewriter:
             row["bias_corrected"] = True
         self.rows.append(row)
         return None
+
+    def output_zero_fits(self, ly, s_w: np.ndarray) -> bool:
+        """Whether a conv's unsigned output zero point, folded into its int32 bias as ``-128 / M``
+        (``M = s_x * s_w / s_y`` per channel), fits there with the bias itself: not where a
+        channel's ``M`` is under ~1e-7 (a dead filter, a BatchNorm's zero gamma folded in), whose
+        output would then saturate instead of reading the real zero."""
+        m = self.scale(ly.inputs[0]) * s_w.astype(np.float64) / self.scale(ly.output)
+        bias = np.zeros(len(m)) if ly.bias is None else np.abs(ly.bias.astype(np.float64))
+        fold = np.where(m > 0, (-UNSIGNED_ZERO + bias / self.scale(ly.output)) / np.maximum(m, 1e-300), np.inf)
+        headroom = 2**30   # |bias_q| <= 2**30 also keeps the 32-bit requantize (I32_MAX_BIAS) usable
+        return bool(np.all(fold < headroom) and np.all(quantize_multiplier(np.maximum(m, 1e-300))[0] > 0))
+
+    def make_symmetric(self, var) -> None:
+        """Take ``var`` out of the unsigned plan, with the max pools and gathers that pass its
+        integers on (their outputs are the same tensor); none of its readers is made yet."""
+        self.unsigned.discard(var)
+        self.symmetric_fallback.append(self.g.points.get(var, var.name))
+        for r in self.readers.get(var, []):
+            if r.kind in PASS_THROUGH and r.output in self.unsigned:
+                self.make_symmetric(r.output)
 
     def emit_max_pool2d(self, ly) -> str | None:
         a = ly.call.attrs
@@ -396,7 +437,7 @@ class _Rewriter:
         out_shape = x.layout.packed_shape((n, x.channels, oh, ow))
         prim = impl.compute(wl)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [x.var], out_shape, "int8")
-        self.produce(ly.output, var, x.scale, x.channels, impl.layout)
+        self.produce(ly.output, var, x.scale, x.channels, impl.layout, x.zero)  # the same integers
         self.rows.append(dict(layer=ly.name, kind="max_pool2d", kernel=impl.name, dtype="int8",
                               shape=f"{wl.pool} s{wl.stride[0]}"))
         return None
@@ -417,14 +458,21 @@ class _Rewriter:
         prim = impl.compute(wl)
         args = [x.var] + [constant(p) for p in impl.pack_params(wl, np.array(index, np.int32))]
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, x.layout.packed_shape((n, c, h, w)), "int8")
-        self.produce(ly.output, var, x.scale, c, impl.layout)  # values moved, not changed: the input's scale
+        self.produce(ly.output, var, x.scale, c, impl.layout, x.zero)  # values moved, not changed: the input's scale
         self.gathered[ly.output] = (src, index)
         self.rows.append(dict(layer=ly.name, kind="channels", kernel=impl.name, dtype="int8",
                               shape=f"{x.channels}->{c} channels"))
         return None
 
+    def symmetric(self, ly, *qs) -> None:
+        """Kernels without zero points (lut, affine, add, concat) read symmetric tensors only;
+        ``zero_points.unsigned_points`` plans none of their inputs unsigned."""
+        if any(q.zero for q in qs):
+            raise RuntimeError(f"{ly.name} ({ly.kind}) reads an unsigned tensor: zero_points.py should not allow it")
+
     def emit_lut(self, ly) -> str | None:
         x = self.quantized(ly.inputs[0])
+        self.symmetric(ly, x)
         impl = next(iter(registry.candidates("lut", None, self.p.target, layout=x.layout.name)), None)
         if impl is None:
             return self.no_kernel("lut", f"{x.layout.name} tensor")
@@ -443,9 +491,9 @@ class _Rewriter:
     def emit_avg_pool2d(self, ly) -> str | None:
         x = self.quantized(ly.inputs[0])
         pool, stride, padding = ly.window
-        s_y = self.scale(ly.output)
+        s_y, z_y = self.scale(ly.output), self.zero(ly.output)
         mult, shift = quantize_multiplier(np.array([x.scale / (pool[0] * pool[1] * s_y)]))
-        wl = AvgPoolWorkload(static_shape(x.var.ty), pool, stride, padding, int(mult[0]), int(shift[0]))
+        wl = AvgPoolWorkload(static_shape(x.var.ty), pool, stride, padding, int(mult[0]), int(shift[0]), x.zero, z_y)
         impl = registry.select("avg_pool2d", wl, self.p.target, layout=x.layout.name)
         if impl is None:
             return self.no_kernel("avg_pool2d", f"{x.layout.name} tensor")
@@ -453,13 +501,14 @@ class _Rewriter:
         prim = impl.compute(wl)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [x.var],
                         x.layout.packed_shape((n, x.channels, oh, ow)), "int8")
-        self.produce(ly.output, var, s_y, x.channels, impl.layout)
+        self.produce(ly.output, var, s_y, x.channels, impl.layout, z_y)
         self.rows.append(dict(layer=ly.name, kind="avg_pool2d", kernel=impl.name, dtype="int8",
                               shape=f"{pool} s{wl.stride[0]}"))
         return None
 
     def emit_affine(self, ly) -> str | None:
         x = self.quantized(ly.inputs[0])
+        self.symmetric(ly, x)
         s_y = self.scale(ly.output)
         activation, act_min, act_max = int8_clamp(ly, s_y)
         wl = AffineWorkload(static_shape(x.var.ty), act_min, act_max)
@@ -494,6 +543,7 @@ class _Rewriter:
         else:
             return self.no_kernel("add", "these inputs")
         qa, qb = (self.int8_of(v, impl.layout) for v in ly.inputs)
+        self.symmetric(ly, qa, qb)
         s_y = self.scale(ly.output)
         mult_a, mult_b, shift = add_multipliers(qa.scale, qb.scale, s_y)
         activation, act_min, act_max = int8_clamp(ly, s_y)
@@ -520,6 +570,7 @@ class _Rewriter:
         if impl is None:
             return self.no_kernel("concat", "these inputs")
         qs = [self.int8_of(v, impl.layout) for v in ly.inputs]
+        self.symmetric(ly, *qs)
         s_y = self.scale(ly.output)
         mult, shift = quantize_multiplier(np.array([q.scale / s_y for q in qs]))
         n, c, h, w = static_shape(ly.output.ty)
@@ -541,14 +592,16 @@ class _Rewriter:
         impl = registry.select("dense", wl, self.p.target)
         if impl is None:
             return self.no_kernel("dense", f"{k}->{o}")
-        s_x = self.scale(ly.inputs[0])
+        s_x, z_x = self.scale(ly.inputs[0]), self.zero(ly.inputs[0])
         kp = impl.in_features_padded(wl)
-        xq = self.call(quantize_rows((n, k), s_x, kp), "quantize_rows", [x], (n, kp), "int8")
+        xq = self.call(quantize_rows((n, k), s_x, kp, z_x), "quantize_rows", [x], (n, kp), "int8")
         qw, s_w = quantize_weight_per_channel(ly.weight)
         bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
         mean = self.input_mean(ly)
         if mean is not None:
             bias = bias - weight_error_mean(ly.weight, qw, s_w, mean)
+        if z_x:  # the kernel sums q_x = x / s_x + z_x: z_x * sum(w), at scale s_x * s_w, comes off the bias
+            bias = bias - z_x * qw.astype(np.float64).sum(axis=1) * s_x * s_w
         args = [xq, *map(constant, impl.pack_params(wl, qw, (s_x * s_w).astype(np.float32), bias.astype(np.float32)))]
         prim = impl.compute(wl)
         self.fenv[ly.output] = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, (n, o), "float32")

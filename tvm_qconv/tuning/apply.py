@@ -3,6 +3,7 @@ schedule; the others keep their implementation's default (``ScheduleInt8Kernels`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import sys
 
 import tvm
@@ -11,6 +12,7 @@ from .. import registry
 from ..errors import InputError
 from ..target import TargetInfo
 from ..schedules.kernel import IMPL_ATTR
+from ..schedules.requantize import UNSIGNED_ZERO
 from ..schedules.workload import ConvWorkload
 from .database import corrupt, load_database, mean_secs, tune_command
 from .tasks import is_tunable, task_func
@@ -28,6 +30,32 @@ RELAYOUT_BYTES_PER_S = 1e12
 # layer whose default kernel measured under this keeps it: the times cannot tell (ResNet-50 at
 # batch 1: one layer moved to wgmma on 10.3 against 11.7 us, and the model ran 3 % slower).
 RUNNER_FLOOR_S = 12e-6
+
+
+def symmetric_twin(wl):
+    """The conv workload a symmetric build has where ``wl`` reads or writes an unsigned tensor
+    (``QuantConfig.unsigned_activations``), else None.  Its kernel differs only in constants (the
+    padding's value, the clamp's bounds), so a schedule tuned for the twin applies as it is: the
+    tuner's tasks are the symmetric build's, and one tuning log serves both schemes."""
+    if not isinstance(wl, ConvWorkload) or (wl.in_zero == 0 and wl.act_min != UNSIGNED_ZERO):
+        return None
+    if wl.act_min == UNSIGNED_ZERO:   # an unsigned output: ReLU at zero point -128 -> ReLU
+        return dataclasses.replace(wl, in_zero=0, activation="relu", act_min=0, act_max=127)
+    return dataclasses.replace(wl, in_zero=0)
+
+
+def lookup(db, impl, func):
+    """``(workload module, tuning record)`` of the database's best schedule for ``func`` (a kernel
+    of ``impl``), or of its :func:`symmetric_twin`; ``(None, None)`` where it has neither."""
+    for mod in (tvm.IRModule({"main": task_func(func)}), _twin_module(impl, func)):
+        if mod is not None and db.has_workload(mod):  # has_workload first: a query would add it
+            return mod, db.get_top_k(db.commit_workload(mod), 1)
+    return None, None
+
+
+def _twin_module(impl, func):
+    twin = symmetric_twin(ConvWorkload.of(func)) if "tvm_qconv.workload" in func.attrs else None
+    return None if twin is None else tvm.IRModule({"main": task_func(impl.compute(twin))})
 
 
 def switch_seconds(wl) -> float:
@@ -71,10 +99,7 @@ def measured_chooser(db, target: tvm.target.Target):
     default measured under ``RUNNER_FLOOR_S`` keeps it.
     """
     def best_seconds(impl, wl) -> float | None:
-        mod = tvm.IRModule({"main": task_func(impl.compute(wl))})
-        if not db.has_workload(mod):
-            return None
-        top = db.get_top_k(db.commit_workload(mod), 1)
+        _, top = lookup(db, impl, impl.compute(wl))
         return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
@@ -119,20 +144,20 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         if not is_tunable(func):
             continue
         convs += 1
-        workload = tvm.IRModule({"main": task_func(func)})
-        # has_workload first: a query of an unknown workload would add it to the database.
-        if not db.has_workload(workload):
-            uncovered[str(func.attrs[IMPL_ATTR])] += 1
-            continue
+        impl = registry.of_func(func)
         try:
-            record = db.query_tuning_record(workload, target, "main")
+            workload, top = lookup(db, impl, func)
         except Exception as err:  # the record itself cannot be read back
             raise corrupt(work_dir, err) from err
-        if record is None:  # its only records were left out (--ignore-stale)
+        if not top:  # no workload, or its only records were left out (--ignore-stale)
             uncovered[str(func.attrs[IMPL_ATTR])] += 1
             continue
+        record = top[0]
         try:
-            sch = db.query_schedule(workload, target, "main")  # replays the trace
+            # replays the trace on this kernel (its twin's trace, for an unsigned one)
+            # on a deep copy: a schedule may rewrite in place the statements it shares with ``func``
+            sch = tvm.s_tir.Schedule(tvm.ir.load_json(tvm.ir.save_json(tvm.IRModule({"main": task_func(func)}))))
+            record.trace.apply_to_schedule(sch, remove_postproc=False)
         except Exception as err:  # the file is fine; the template changed since it was tuned
             if not ignore_stale:
                 raise InputError(
@@ -146,7 +171,6 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         # sm_90 and sm_90a are one GPU (sm_90a only adds instructions): no warning between them
         if arch is not None and str(arch).rstrip("a") != str(target.attrs.get("arch")).rstrip("a"):
             other_archs.add(str(arch))
-        impl = registry.of_func(func)
         mod[gv] = impl.tuned(sch.mod["main"], func, target)
         decision = impl.decision(sch.mod["main"])
         tuned[gv.name_hint] = ConvWorkload.of(func).describe() + (f" ({decision})" if decision else "")

@@ -1,0 +1,307 @@
+"""``QuantConfig.unsigned_activations``: never-negative tensors stored 0..255 at zero point -128
+(``tvm_qconv/zero_points.py``), the kernels that read and write them, and what it buys."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from torch import nn
+
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.data import skimage_photos
+from tvm_qconv.ranges import Calibrate
+from tvm_qconv.schedules.dense_int8 import quantize_rows
+from tvm_qconv.schedules.nchw4c.depthwise import depthwise_acc_nhwc
+from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
+from tvm_qconv.schedules.pool_int8 import avg_pool2d_int8, avg_pool2d_int8_ref
+from tvm_qconv.schedules.quantize import quantize_clamp, quantize_ref
+from tvm_qconv.schedules.requantize import UNSIGNED_ZERO, quantize_multiplier
+from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
+from tvm_qconv.schedules.workload import ConvWorkload
+
+RNG = np.random.default_rng(0)
+CPU = tvm.cpu()
+LAYOUTS = [NCHW4C, NHWC32]
+Z = UNSIGNED_ZERO
+
+
+def run(func, *arrays, out_shape, out_dtype):
+    lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+    out = tvm.runtime.tensor(np.zeros(out_shape, out_dtype), CPU)
+    lib["main"](*[tvm.runtime.tensor(a, CPU) for a in arrays], out)
+    return out.numpy()
+
+
+# ---- conversions -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+def test_unsigned_quantize_uses_all_256_levels_and_dequantizes_back_within_half_a_step(layout):
+    s = 0.01
+    x = RNG.uniform(-0.5, 3.0, (2, 5, 4, 3)).astype(np.float32)   # some below 0, some above 255 * s
+    q = layout.unpack(run(layout.quantize(x.shape, s, Z), x, out_shape=layout.packed_shape(x.shape), out_dtype="int8"), 5)
+    np.testing.assert_array_equal(q, quantize_ref(x, s, *quantize_clamp(Z)))
+    assert q.min() == -128 and q.max() == 127          # 0 and 255 * s: the two ends of uint8
+    np.testing.assert_array_equal(q[x < 0], -128)      # a negative value clamps to the real zero
+    back = run(layout.dequantize(layout.packed_shape(x.shape), 5, s, Z), layout.pack(q), out_shape=x.shape,
+               out_dtype="float32")
+    inside = (x >= 0) & (x <= 255 * s)
+    assert np.abs(back - x)[inside].max() <= s / 2 + 1e-6   # half of the unsigned step, half the symmetric one
+
+
+def test_zero_points_other_than_0_and_minus_128_are_refused():
+    with pytest.raises(ValueError, match="zero point must be 0"):
+        quantize_clamp(-3)
+    with pytest.raises(ValueError, match="in_zero must be 0 or -128"):
+        ConvWorkload(1, 8, 4, 4, 8, kernel=(1, 1), padding=(0, 0, 0, 0), in_zero=5)
+
+
+def test_quantize_rows_of_an_unsigned_input_pads_k_with_zeros():
+    x = RNG.uniform(0, 2, (3, 10)).astype(np.float32)
+    q = run(quantize_rows(x.shape, 0.01, 12, Z), x, out_shape=(3, 12), out_dtype="int8")
+    np.testing.assert_array_equal(q[:, :10], quantize_ref(x, 0.01, *quantize_clamp(Z)))
+    assert not q[:, 10:].any()   # the padded K reads zero weights whatever it holds
+
+
+# ---- kernels -----------------------------------------------------------------------------
+
+def test_an_unsigned_input_to_a_padded_dense_conv_is_refused():
+    # the tensor-core families pad by hardware zero-fill (cp.async, TMA): they cannot read -128 there
+    with pytest.raises(ValueError, match="depthwise or unpadded"):
+        ConvWorkload(1, 8, 4, 4, 8, kernel=(3, 3), padding=(1, 1, 1, 1), in_zero=Z)
+    ConvWorkload(1, 8, 4, 4, 8, kernel=(1, 1), padding=(0, 0, 0, 0), in_zero=Z)            # 1x1: no padding
+    ConvWorkload(1, 8, 4, 4, 8, kernel=(3, 3), padding=(1, 1, 1, 1), groups=8, in_zero=Z)  # depthwise
+
+
+@pytest.mark.parametrize("padding,stride", [((1, 1, 1, 1), (1, 1)), ((0, 0, 1, 1), (2, 2))], ids=["p1", "asym_s2"])
+def test_depthwise_padding_reads_the_zero_point_so_the_bias_fold_is_exact(padding, stride):
+    # the kernel sums q = v - 128 (v: the uint8 value); padded taps read -128 (v = 0), so
+    # acc(q) + 128 * sum(w) is the conv of v with zero padding at every pixel, border included
+    wl = ConvWorkload.with_activation("relu", batch=1, in_channels=8, height=7, width=6, out_channels=8, groups=8,
+                                      padding=padding, stride=stride, in_zero=Z)
+    v = RNG.integers(0, 256, (1, 7, 6, 8))
+    taps = RNG.integers(-127, 128, (3, 3, 8))
+    acc = depthwise_acc_nhwc(wl, v - 128, taps) + 128 * taps.sum(axis=(0, 1))
+    np.testing.assert_array_equal(acc, depthwise_acc_nhwc(dataclasses.replace(wl, in_zero=0), v, taps))
+
+
+@pytest.mark.parametrize("layout", ["nchw4c", "nhwc32"])
+def test_depthwise_kernel_with_an_unsigned_input_is_bit_exact_against_its_reference(layout):
+    from tvm_qconv import registry
+    wl = ConvWorkload.with_activation("clip", -128, 60, batch=1, in_channels=12, height=9, width=9, out_channels=12,
+                                      groups=12, stride=(2, 2), padding=(1, 1, 1, 1), in_zero=Z)
+    impl = registry.get(f"conv2d.{layout}.depthwise")
+    x = RNG.integers(-128, 128, (1, 12, 9, 9)).astype(np.int8)
+    w = RNG.integers(-127, 128, (12, 1, 3, 3)).astype(np.int8)
+    b = RNG.integers(-2000, 2000, 12).astype(np.int32)
+    m, s = quantize_multiplier(RNG.uniform(3e-3, 3e-2, 12))
+    args = [registry.layout(impl.layout).pack(x), *impl.pack_params(wl, w, b, m, s)]
+    ref = impl.reference(wl, *args)
+    assert ref.min() == -128 and ref.max() == 60   # the unsigned output's clamp: [real 0, ReLU6's bound]
+    np.testing.assert_array_equal(run(impl.compute(wl), *args, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+@pytest.mark.parametrize("out_zero", [Z, 0], ids=["to_unsigned", "to_signed"])
+def test_avg_pool_of_an_unsigned_tensor_is_the_float_average_within_half_a_step(layout, out_zero):
+    v = RNG.integers(0, 256, (2, 12, 9, 7))               # the uint8 values; stored minus 128
+    x = layout.pack((v - 128).astype(np.int8))
+    pool, stride, pad = (3, 3), (1, 1), (1, 1, 1, 1)      # Inception's: the padding counts as zeros
+    s_in, s_out = 0.02, 0.01 if out_zero else 0.025
+    (m,), (s,) = quantize_multiplier(np.array([s_in / (9 * s_out)]))
+    ref = avg_pool2d_int8_ref(layout, x, pool, stride, pad, int(m), int(s), Z, out_zero)
+    out = run(avg_pool2d_int8(layout, x.shape, pool, stride, pad, int(m), int(s), Z, out_zero), x,
+              out_shape=ref.shape, out_dtype="int8")
+    np.testing.assert_array_equal(out, ref)
+    exact = torch.nn.functional.avg_pool2d(torch.from_numpy(v * s_in), pool, stride, pad[:2],
+                                           count_include_pad=True).numpy() / s_out + out_zero
+    got = layout.unpack(ref, 12).astype(np.float64)
+    assert np.abs(got - np.clip(exact, -128, 127)).max() <= 0.5 + 1e-9   # one rounding
+
+
+# ---- the pass ----------------------------------------------------------------------------
+
+class MobileBlock(nn.Module):
+    """A stem, a MobileNet-V2 block (1x1 expand, ReLU6 depthwise, 1x1 project), a max pool into a
+    padded 3x3 conv, global average pool, linear: every kind of reader the plan decides on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.expand = nn.Conv2d(16, 32, 1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.project = nn.Conv2d(32, 16, 1)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.stem(x))
+        b = nn.functional.relu6(self.expand(a))
+        c = nn.functional.relu6(self.dw(b))
+        d = nn.functional.max_pool2d(torch.relu(self.project(c)), 2)
+        f = torch.relu(self.conv(d))
+        return self.fc(nn.functional.adaptive_avg_pool2d(f, 1).flatten(1))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    photos = skimage_photos(32)[:4]
+    out = {}
+    for unsigned in (False, True):
+        res = compile_model(MobileBlock().eval(), str(tmp_path_factory.mktemp("u") / "m.so"), name="block",
+                            options=BuildOptions(image_size=32, accuracy_target_db=99),  # 99: per-layer SQNR
+                            config=QuantConfig(num_calib_images=4, unsigned_activations=unsigned),
+                            ranges=Calibrate(photos), progress=False)
+        out[unsigned] = res.report
+    return out
+
+
+def test_the_plan_makes_unsigned_what_every_reader_can_take(builds):
+    # stem, expand, dw outputs: read by 1x1 / depthwise convs; conv's: by the average pool, whose
+    # output reaches the linear layer through a flatten.  project's output feeds a max pool whose
+    # output (the same integers) a padded 3x3 conv reads: both stay symmetric.
+    assert builds[True]["unsigned"] == ["avg_pool2d_0.out", "conv.out", "dw.out", "expand.out", "fc.in0", "stem.out"]
+    assert builds[False]["unsigned"] == []
+    kinds = {r["layer"]: r for r in builds[True]["layers"]}
+    assert kinds["stem"]["kind"] == "conv2d+bias+clip[-128,127]"      # ReLU at zero point -128
+    assert kinds["project"]["kind"] == "conv2d+bias+relu" and kinds["project"]["shape"].endswith("u8 @32x32 b1")
+
+
+def test_unsigned_tensors_halve_the_rounding_step_and_the_logits_gain(builds):
+    # the stem's output is rounded at amax / 255 instead of amax / 127; its noise also holds the
+    # (identical) input's, so it gains less than 6 dB; the logits gain what every tensor gains
+    # (measured: stem 37.9 -> 40.6 dB, logits 57.6 -> 61.0 dB)
+    layer = {u: {r["layer"]: r["sqnr_db"] for r in builds[u]["verify"]["layers"]} for u in (False, True)}
+    assert layer[True]["stem"] > layer[False]["stem"] + 2.0
+    assert builds[True]["verify"]["logits_sqnr_db"] > builds[False]["verify"]["logits_sqnr_db"] + 2.0
+
+
+def test_onnx_export_writes_zero_point_minus_128_where_the_library_keeps_a_tensor_unsigned(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import numpy_helper
+
+    from tvm_qconv.evaluate import sqnr_db
+    from tvm_qconv.onnx_export import export_onnx
+    from tvm_qconv.ranges import GivenRanges
+    from tvm_qconv.runtime import CompiledModel
+    photos = skimage_photos(32)
+    config = QuantConfig(num_calib_images=4, unsigned_activations=True)
+    res = export_onnx(MobileBlock().eval(), str(tmp_path / "m.onnx"), input_shape=(1, 3, 32, 32), config=config,
+                      ranges=Calibrate(photos[:4]), progress=False)
+    lib = compile_model(MobileBlock().eval(), str(tmp_path / "m.so"), options=BuildOptions(image_size=32, verify=False),
+                        config=config, ranges=GivenRanges(res.amax), progress=False)
+    model = onnx.load(str(tmp_path / "m.onnx"))
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    zeros = [int(init[n.input[2]]) for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    # stem, expand, dw and conv outputs, the average pool's and the linear layer's input: the six of the plan
+    assert zeros.count(-128) == len(lib.report["unsigned"]) == 6
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    # without it ONNX Runtime's x86 path rewrites the int8 Q/DQ pairs to uint8 and, at zero
+    # point -128, computes other numbers: 23.7 dB from the library and from float (measured)
+    so.add_session_config_entry("session.qdqisint8allowed", "1")
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), so, providers=["CPUExecutionProvider"]).run(
+        None, {"input": photos})[0]
+    library = CompiledModel(lib.lib_path)
+    ref = np.concatenate([library(photos[i:i + 1]) for i in range(len(photos))])
+    # rounding differences only (ONNX: half to even, float requantize; the library: fixed point):
+    # measured 80.6 dB (77.7 with ONNX Runtime's optimizations off), the library 59.8 dB from float
+    assert sqnr_db(ref, got) >= 65.0
+
+
+@pytest.mark.gpu
+def test_cuda_build_of_unsigned_tensors_equals_the_cpu_build_integer_for_integer(tmp_path):
+    # the tensor-core 1x1 convs reading u8 (bias fold), the NHWC32 depthwise padding with -128 and
+    # the average pool's zero points under their CUDA schedules, against the llvm build
+    from tvm_qconv import registry
+    from tvm_qconv.runtime import CompiledModel
+    from tvm_qconv.target import device_arch
+    x = np.random.default_rng(0).normal(0, 1, (8, 3, 32, 32)).astype(np.float32)
+    outs, exposed = {}, {}
+    for target in ("llvm", "cuda"):
+        lib = compile_model(MobileBlock().eval(), str(tmp_path / f"{target}.so"),
+                            config=QuantConfig(num_calib_images=8, unsigned_activations=True),
+                            options=BuildOptions(target=target, arch=device_arch() if target == "cuda" else None,
+                                                 batch=8, image_size=32, expose_activations=True),
+                            ranges=Calibrate(x), progress=False)
+        outs[target] = CompiledModel(lib.lib_path).outputs(x)
+        exposed[target] = lib.report["exposed"]
+    assert [e["zero"] for e in exposed["cuda"]] == [e["zero"] for e in exposed["llvm"]]
+    assert sum(e["zero"] == Z for e in exposed["cuda"]) == 5   # stem, expand, dw, conv, the average pool
+    for e_cpu, e_gpu, a, b in zip(exposed["llvm"], exposed["cuda"], outs["llvm"][1:], outs["cuda"][1:]):
+        np.testing.assert_array_equal(registry.layout(e_cpu["layout"]).unpack(a, e_cpu["channels"]),
+                                      registry.layout(e_gpu["layout"]).unpack(b, e_gpu["channels"]))
+    np.testing.assert_allclose(outs["llvm"][0], outs["cuda"][0], rtol=1e-5, atol=1e-5)  # float dense epilogue
+
+
+def test_the_cli_flag_turns_it_on_and_a_qat_checkpoint_refuses_it(capsys):
+    import deploy
+    args = deploy.build_parser().parse_args(["build", "--model", "resnet18", "--unsigned-activations", "-o", "x.so"])
+    assert deploy.quant_config(args).unsigned_activations
+    assert not deploy.quant_config(deploy.build_parser().parse_args(["build", "--model", "resnet18", "-o", "x.so"])
+                                   ).unsigned_activations
+    # a QAT checkpoint's ranges were learned for the symmetric grid its fake quantizers use
+    assert deploy.main(["build", "--checkpoint", "ckpt.pt", "--unsigned-activations", "-o", "x.so"]) == 2
+    assert "--unsigned-activations cannot be used with --checkpoint" in capsys.readouterr().err
+
+
+class DeadChannel(nn.Module):
+    """A 1x1 conv + ReLU whose first filter is ~1e-9 of the others (a dead channel: its
+    requantize multiplier M underflows), read by another 1x1 conv: -128 / M fits no int32 bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 8, 1)
+        self.c2 = nn.Conv2d(8, 4, 1)
+        with torch.no_grad():
+            self.c1.weight[0] *= 1e-9
+            self.c1.bias[0] = 0.0
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c1(x))).mean((2, 3))
+
+
+def test_an_output_whose_zero_point_fits_no_int32_bias_stays_symmetric(tmp_path):
+    # folded as -128 / M, the zero point of the dead channel would saturate the bias and read 0.5
+    # of the range there instead of 0; the layer's output is made symmetric instead, and says so
+    photos = skimage_photos(16)[:4]
+    res = compile_model(DeadChannel().eval(), str(tmp_path / "d.so"), name="dead", options=BuildOptions(image_size=16),
+                        config=QuantConfig(num_calib_images=4, unsigned_activations=True), ranges=Calibrate(photos),
+                        progress=False)
+    assert res.report["unsigned_fallback"] == ["c1.out"] and "c1.out" not in res.report["unsigned"]
+    assert not any(r.get("bias_saturated") for r in res.report["layers"])
+    assert res.report["verify"]["logits_sqnr_db"] > 35.0   # measured 41.0 (the symmetric build: 41.0); -2.3 dB saturated
+
+
+class FloatGroupedReader(nn.Module):
+    """A ReLU output read by a grouped conv whose weight is computed at run time (kept float)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 8, 1)
+        self.w = nn.Parameter(torch.randn(8, 4, 3, 3))
+
+    def forward(self, x):
+        h = torch.relu(self.c1(x))
+        return nn.functional.conv2d(h, self.w * h.mean(), padding=1, groups=2).mean((2, 3))
+
+
+def test_a_float_conv_reads_an_unsigned_tensor_dequantized(tmp_path):
+    # the plan asked such a conv for its groups' input channels from a weight it does not have
+    photos = skimage_photos(16)[:4]
+    sqnr = {}
+    for unsigned in (False, True):
+        res = compile_model(FloatGroupedReader().eval(), str(tmp_path / f"f{unsigned}.so"), name="f",
+                            options=BuildOptions(image_size=16), ranges=Calibrate(photos), progress=False,
+                            config=QuantConfig(num_calib_images=4, unsigned_activations=unsigned))
+        sqnr[unsigned] = res.report["verify"]["logits_sqnr_db"]
+    assert res.report["unsigned"] == ["c1.out"]   # its readers: the float conv and the mean, both float
+    # this network amplifies c1's rounding (its conv weight scales with mean(h)): 14.2 dB both ways
+    assert sqnr[True] > sqnr[False] - 1.0

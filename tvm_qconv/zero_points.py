@@ -1,0 +1,114 @@
+"""Which int8 tensors are unsigned (``QuantConfig.unsigned_activations``).
+
+A tensor that is never negative -- a ReLU / ReLU6 output, a pool or channel gather of one -- uses
+only 0..127 of symmetric int8: 7 bits.  Unsigned, it is 0..255 at scale ``amax / 255``, stored in
+int8 as ``value - 128`` (zero point -128): half the rounding step, +6 dB on that tensor, and the
+same int8 buffers and dp4a / mma.sync / wgmma kernels as before, because the zero point folds
+into the reader's bias (a conv reads ``q + 128``: its accumulator gains ``128 * sum(w)`` per output
+channel, a constant).
+
+Where it cannot fold -- a padded conv, whose padding must read the zero point -- the padding is
+the kernel's: depthwise kernels pad with it, but the dense families' padding is the tensor cores'
+hardware zero-fill (cp.async, TMA), which has no other value.  So a tensor is unsigned only when
+every layer that reads it can take it:
+
+- a conv that is depthwise or has no padding (1x1 convs, the projections and expansions of
+  MobileNet-style blocks);
+- a max / average pool, a channel gather (ShuffleNet's shuffle and split);
+- a linear layer (it quantizes its float input itself, and folds the zero point into its bias),
+  or any float op (they read the dequantized tensor, ``(q - zero) * s``).
+
+Adds, concatenations, affine layers and lookup tables read symmetric tensors only (their kernels
+take no zero point yet), and a max pool or channel gather passes its input's zero point through
+(its output is the same integers), so the rule holds for those outputs' readers too.
+"""
+from __future__ import annotations
+
+from tvm import relax
+
+from .graph import Graph
+
+# Layers whose output can be unsigned: a conv whose activation is a ReLU / ReLU6 (clip at >= 0),
+# and the ops that keep a never-negative input never negative.
+PASS_THROUGH = ("max_pool2d", "channels")     # the same integers, zero point and scale as the input
+READERS = ("max_pool2d", "avg_pool2d", "channels", "dense")
+SHAPE_OPS = ("relax.reshape", "relax.flatten")    # float ops that keep a never-negative tensor so
+
+
+def never_negative_activation(ly) -> bool:
+    """The layer's fused activation clamps at or above 0 (ReLU, ReLU6, hardtanh(0, x))."""
+    return bool(ly.relu) and (ly.clip is None or ly.clip[0] >= 0)
+
+
+def reads_unsigned(ly) -> bool:
+    """``ly``'s int8 kernel can read an unsigned input (the module docstring's list)."""
+    if ly.reason_float:   # kept float by the analysis (e.g. a weight computed at run time): reads the dequantized tensor
+        return True
+    if ly.kind == "conv2d":
+        groups = int(ly.call.attrs.groups)
+        depthwise = groups > 1 and ly.weight.shape[1] == 1
+        return depthwise or not any(int(p) for p in ly.call.attrs.padding)
+    return ly.kind in READERS
+
+
+def may_run_int8(ly, config) -> bool:
+    """Whether ``ly`` is not kept float by the analysis or the scheme ``config`` (whether a kernel
+    exists is known only when the quantize pass emits it)."""
+    return not (ly.reason_float or config.skips(ly.name) or (ly.kind == "dense" and not config.quantize_dense))
+
+
+def planned_unsigned(graph: Graph, config) -> set:
+    """:func:`unsigned_points` under ``config`` (none unless ``config.unsigned_activations``)."""
+    if not config.unsigned_activations:
+        return set()
+    return unsigned_points(graph, lambda ly: may_run_int8(ly, config))
+
+
+def unsigned_points(graph: Graph, may_run_int8) -> set:
+    """The float graph's vars whose int8 tensor is unsigned: never negative by construction and
+    read only by layers that take an unsigned tensor.
+
+    Never negative: a conv's or linear layer's output after a ReLU / ReLU6, a pool or channel
+    gather of such a tensor, a reshape / flatten of one (the classifier's input).
+
+    Args:
+        graph: the analysis (``graph.analyze``).
+        may_run_int8: ``layer -> bool``: whether the scheme may run it in int8 (only those tie
+            a pass-through layer's input and output together).
+    """
+    readers: dict = {}
+    for ly in graph.layers:
+        for v in ly.inputs:
+            readers.setdefault(v, []).append(ly)
+    made_by = {ly.output: ly for ly in graph.layers}
+    inside = {v for ly in graph.layers for v in ly.vars[:-1]}   # a layer's intermediate vars
+
+    nonneg: set = set()
+    for b in graph.bindings:
+        var, ly = b.var, made_by.get(b.var)
+        if ly is not None:
+            if ly.kind in ("conv2d", "dense"):
+                positive = never_negative_activation(ly)
+            elif ly.kind in PASS_THROUGH or ly.kind == "avg_pool2d":
+                positive = ly.inputs[0] in nonneg
+            else:
+                positive = False
+        elif var in inside:
+            positive = False
+        else:
+            op = getattr(b.value.op, "name", None) if isinstance(b.value, relax.Call) else None
+            positive = op in SHAPE_OPS and b.value.args[0] in nonneg
+        if positive:
+            nonneg.add(var)
+    unsigned = {v for v in nonneg if v in graph.points and all(reads_unsigned(r) for r in readers.get(v, []))}
+    # A pass-through layer's input and output are one tensor: both unsigned or neither.
+    through = [ly for ly in graph.layers if ly.kind in PASS_THROUGH and may_run_int8(ly)]
+    changed = True
+    while changed:
+        changed = False
+        for ly in through:
+            if (ly.inputs[0] in unsigned) != (ly.output in unsigned):
+                unsigned.discard(ly.inputs[0])
+                unsigned.discard(ly.output)
+                changed = True
+    return unsigned
