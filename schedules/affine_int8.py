@@ -19,9 +19,10 @@ from .kernel import Layout
 from .requantize import QMIN, requantize_ref, requantize_tir
 
 
-def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = QMIN, act_max: int = 127):
+def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = QMIN, act_max: int = 127, out_zero: int = 0):
     """Kernel: int8 X of packed ``shape`` in ``layout``, Mult/Shift int32 [C_p], Bias int64 [C_p]
-    (C_p: the padded channel count) -> int8 in ``layout``."""
+    (C_p: the padded channel count) -> int8 in ``layout``; ``out_zero``: the output's zero point
+    (an input's folds into Bias: ``requantize.affine_params``)."""
     channels = layout.logical_shape(shape)[1]
     x = te.placeholder(shape, "int8", name="X")
     mult = te.placeholder((channels,), "int32", name="Mult")
@@ -30,18 +31,19 @@ def affine_int8(layout: Layout, shape: tuple[int, ...], act_min: int = QMIN, act
 
     def body(*index):  # the conv epilogue's arithmetic, the bias added at the product's scale
         c = layout.to_logical(index)[1]
-        return requantize_tir(x[index], mult[c], shift[c], act_min, act_max, offset=bias[c])
+        return requantize_tir(x[index], mult[c], shift[c], act_min, act_max, offset=bias[c], zero=out_zero)
 
     out = te.compute(shape, body, name="affine")
     return te.create_prim_func([x, mult, shift, bias, out]).with_attr(
         {"tvm_qconv.kernel": f"affine_{layout.name.lower()}_int8"})
 
 
-def affine_int8_ref(layout: Layout, x, mult, shift, bias, act_min=QMIN, act_max=127) -> np.ndarray:
+def affine_int8_ref(layout: Layout, x, mult, shift, bias, act_min=QMIN, act_max=127, out_zero: int = 0) -> np.ndarray:
     """NumPy twin of :func:`affine_int8` (packed in, packed out)."""
     logical = layout.unpack(x, layout.logical_shape(x.shape)[1])
     per_channel = (slice(None), None, None)  # [C_p] -> [C_p, 1, 1]
-    y = requantize_ref(logical, mult[per_channel], shift[per_channel], act_min, act_max, offset=bias[per_channel])
+    y = requantize_ref(logical, mult[per_channel], shift[per_channel], act_min, act_max, offset=bias[per_channel],
+                       zero=out_zero)
     return layout.pack(y.astype(np.int8))
 
 

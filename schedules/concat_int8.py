@@ -14,7 +14,7 @@ from .requantize import QMIN, requantize_ref, requantize_tir
 
 
 def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int], mults: list[int],
-                shifts: list[int]) -> tirx.PrimFunc:
+                shifts: list[int], zeros: list[int] | None = None, out_zero: int = 0) -> tirx.PrimFunc:
     """Kernel: int8 inputs of ``channels[i]`` channels in ``layout`` -> their concatenation in it.
 
     Args:
@@ -22,7 +22,11 @@ def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int]
         shape: (N, H, W).
         channels: the real channel count of each input.
         mults, shifts: each input's fixed-point multiplier to the output scale.
+        zeros, out_zero: the inputs' and the output's zero points (0, or -128 for an unsigned
+            tensor): ``(q_i - zeros[i])`` is requantized, ``out_zero`` added before the clamp.
     """
+    zeros = list(zeros) if zeros is not None else [0] * len(channels)
+    lo = QMIN if out_zero == 0 else -128
     n, h, w = shape
     ins = [te.placeholder(layout.packed_shape((n, c, h, w)), "int8", name=f"X{i}") for i, c in enumerate(channels)]
     offsets = np.cumsum([0] + list(channels)).tolist()
@@ -32,8 +36,11 @@ def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int]
         value = tirx.const(0, "int8")
         for i in reversed(range(len(ins))):
             local = tirx.max(tirx.min(c - offsets[i], channels[i] - 1), 0)
-            v = requantize_tir(ins[i][layout.to_packed(b, local, y, x)].astype("int64"),
-                               tirx.const(mults[i], "int32"), tirx.const(shifts[i], "int32"), QMIN, 127)
+            q = ins[i][layout.to_packed(b, local, y, x)].astype("int64")
+            if zeros[i]:
+                q = q - tirx.const(zeros[i], "int64")
+            v = requantize_tir(q, tirx.const(mults[i], "int32"), tirx.const(shifts[i], "int32"), lo, 127,
+                               zero=out_zero)
             value = tirx.if_then_else(c < offsets[i + 1], v, value)
         return tirx.if_then_else(c < offsets[-1], value, tirx.const(0, "int8"))  # padded channels: 0
 
@@ -41,8 +48,11 @@ def concat_int8(layout: Layout, shape: tuple[int, int, int], channels: list[int]
     return te.create_prim_func([*ins, out]).with_attr({"tvm_qconv.kernel": f"concat_{layout.name.lower()}_int8"})
 
 
-def concat_int8_ref(layout: Layout, xs: list[np.ndarray], channels: list[int], mults, shifts) -> np.ndarray:
+def concat_int8_ref(layout: Layout, xs: list[np.ndarray], channels: list[int], mults, shifts,
+                    zeros=None, out_zero: int = 0) -> np.ndarray:
     """NumPy twin of :func:`concat_int8`."""
-    parts = [requantize_ref(layout.unpack(x, c).astype(np.int64), np.int64(m), np.int64(s), QMIN, 127)
-             for x, c, m, s in zip(xs, channels, mults, shifts)]
+    zeros = list(zeros) if zeros is not None else [0] * len(xs)
+    lo = QMIN if out_zero == 0 else -128
+    parts = [requantize_ref(layout.unpack(x, c).astype(np.int64) - z, np.int64(m), np.int64(s), lo, 127, zero=out_zero)
+             for x, c, m, s, z in zip(xs, channels, mults, shifts, zeros)]
     return layout.pack(np.concatenate(parts, axis=1))

@@ -67,10 +67,11 @@ class Add(LayoutKernel):
 
     def compute(self, wl):
         return self.tag(add_int8.add_int8(wl.shape, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max,
-                                          f"add_{self.layout.lower()}_int8"), wl)
+                                          f"add_{self.layout.lower()}_int8", (wl.zero_a, wl.zero_b, wl.zero_out)), wl)
 
     def reference(self, wl, a, b):
-        return add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max)
+        return add_int8.add_int8_ref(a, b, wl.mult_a, wl.mult_b, wl.shift, wl.act_min, wl.act_max,
+                                     (wl.zero_a, wl.zero_b, wl.zero_out))
 
     def schedule(self, func, target):
         return schedule_elementwise(func, target, "add_requant", operands=(0, 1))
@@ -81,10 +82,11 @@ class Concat(LayoutKernel):
 
     def compute(self, wl):
         return self.tag(concat_int8.concat_int8(self.packing, wl.shape, list(wl.channels), list(wl.mults),
-                                                list(wl.shifts)), wl)
+                                                list(wl.shifts), list(wl.zeros) or None, wl.out_zero), wl)
 
     def reference(self, wl, *xs):
-        return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts)
+        return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts,
+                                           list(wl.zeros) or None, wl.out_zero)
 
 
 class Channels(LayoutKernel):
@@ -131,10 +133,10 @@ class Affine(LayoutKernel):
     op = "affine"
 
     def compute(self, wl):
-        return self.tag(affine_int8.affine_int8(self.packing, wl.shape, wl.act_min, wl.act_max), wl)
+        return self.tag(affine_int8.affine_int8(self.packing, wl.shape, wl.act_min, wl.act_max, wl.out_zero), wl)
 
     def reference(self, wl, x, mult, shift, bias):
-        return affine_int8.affine_int8_ref(self.packing, x, mult, shift, bias, wl.act_min, wl.act_max)
+        return affine_int8.affine_int8_ref(self.packing, x, mult, shift, bias, wl.act_min, wl.act_max, wl.out_zero)
 
     def schedule(self, func, target):
         return schedule_elementwise(func, target, "affine", operands=(0,))

@@ -91,15 +91,17 @@ def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int
 MAX_AFFINE_BIAS = 2 ** 62  # |bias| beyond it saturates the output whatever x is (|q_x * mult| < 2**38)
 
 
-def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float) -> tuple[np.ndarray, ...]:
+def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float, z_x: int = 0) -> tuple[np.ndarray, ...]:
     """Fixed-point form of a per-channel affine ``y = a * x + b`` from scale ``s_x`` to ``s_y``:
     (mult int32, shift int32, bias int64), each [C], with ``q_y = (q_x * mult + bias) >> shift``
-    rounded (``mult`` signed: a BatchNorm's gamma may be negative; a zero ``a`` gives mult 0)."""
+    rounded (``mult`` signed: a BatchNorm's gamma may be negative; a zero ``a`` gives mult 0).
+    ``z_x``: the input's zero point (``x = s_x * (q_x - z_x)``), ``-z_x * mult`` in the bias: exact."""
     m = np.asarray(a, np.float64) * s_x / s_y
     mag = np.abs(m)
     mult, shift = quantize_multiplier(np.where(mag > 0, mag, 1.0))
     mult = np.where(mag > 0, np.sign(m) * mult.astype(np.int64), 0).astype(np.int32)
-    bias = np.clip(np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)), -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)
+    bias = np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)) - z_x * mult.astype(np.float64)
+    bias = np.clip(bias, -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)
     return mult, shift, bias.astype(np.int64)
 
 

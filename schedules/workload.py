@@ -176,7 +176,8 @@ class PoolWorkload:
 
 @dataclass(frozen=True)
 class AddWorkload:
-    """``clamp(a * mult_a + b * mult_b >> shift, act_min, act_max)`` on two int8 tensors of ``shape``."""
+    """``clamp((a - zero_a) * mult_a + (b - zero_b) * mult_b >> shift + zero_out, act_min, act_max)``
+    on two int8 tensors of ``shape`` (zero points: 0, or -128 for an unsigned tensor)."""
 
     shape: tuple[int, ...]
     mult_a: int
@@ -184,6 +185,9 @@ class AddWorkload:
     shift: int
     act_min: int = QMIN
     act_max: int = 127
+    zero_a: int = 0
+    zero_b: int = 0
+    zero_out: int = 0
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -192,12 +196,15 @@ class AddWorkload:
 @dataclass(frozen=True)
 class ConcatWorkload:
     """Channel concatenation of int8 tensors of (N, H, W) = ``shape`` with ``channels`` real
-    channels each, each requantized to the output scale by (``mults[i]``, ``shifts[i]``)."""
+    channels each, each requantized to the output scale by (``mults[i]``, ``shifts[i]``) from its
+    zero point ``zeros[i]`` to ``out_zero`` (0, or -128 for an unsigned tensor; ``()``: all 0)."""
 
     shape: tuple[int, int, int]
     channels: tuple[int, ...]
     mults: tuple[int, ...]
     shifts: tuple[int, ...]
+    zeros: tuple[int, ...] = ()
+    out_zero: int = 0
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
@@ -248,11 +255,13 @@ class AvgPoolWorkload:
 
 @dataclass(frozen=True)
 class AffineWorkload:
-    """An int8 per-channel affine (inference BatchNorm) of packed ``shape``, clamped to [act_min, act_max]."""
+    """An int8 per-channel affine (inference BatchNorm) of packed ``shape``, clamped to [act_min, act_max];
+    ``out_zero``: the output's zero point (the input's is in the bias)."""
 
     shape: tuple[int, ...]
     act_min: int = QMIN
     act_max: int = 127
+    out_zero: int = 0
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

@@ -222,3 +222,21 @@ def test_mse_keeps_the_whole_range_of_a_uniform_tensor():
     obs = MSEObserver()
     obs.update(x)
     assert obs.amax() == pytest.approx(3.0, rel=0.02)  # nothing to clip: the full range is best
+
+
+@pytest.mark.parametrize("method", ["mse", "entropy"])
+def test_on_the_unsigned_grid_the_least_error_threshold_clips_less(method):
+    # a never-negative tensor stored 0..255 (zero_points.py): rounding at amax / 255 costs 4x less
+    # than at amax / 127, so against the same clipping error the best threshold moves out
+    x = np.abs(np.random.default_rng(9).standard_t(3, 400_000)).astype(np.float32)
+    amax = {}
+    for levels in (127, 255):
+        obs = make_observer(method, levels=levels)
+        obs.update(x)
+        amax[levels] = obs.amax()
+    assert amax[255] > 1.05 * amax[127]   # measured: mse 55.7 -> 94.6, entropy 23.6 -> 25.6
+    if method == "mse":   # and it is the least-error threshold of that grid, on the data itself
+        def err(t):
+            s = t / 255
+            return float(((np.minimum(np.rint(x / s), 255) * s - x) ** 2).mean())
+        assert err(amax[255]) <= 1.01 * min(err(amax[255] * f) for f in (0.8, 0.9, 1.1, 1.25))

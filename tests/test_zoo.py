@@ -25,10 +25,10 @@ from tvm_qconv.ranges import Calibrate
 
 # model -> (image size, int8 layers, all layers, float ops left, logits SQNR floor in dB).  Measured
 # on this 2-core box (2026-11-26, unsigned activations; in brackets without them): alexnet 37.6 (36.2),
-# vgg16 27.1 (26.8), resnet18 30.6 (30.6), resnet50 29.6 (29.2), wide_resnet50_2 29.7 (29.1),
-# resnext50_32x4d 27.7 (27.7), regnet_x_400mf 28.0 (28.0), mobilenet_v2 24.5 (23.2), mobilenet_v3_small
-# 23.9 (24.0), efficientnet_b0 21.5 (21.5), shufflenet_v2_x1_0 17.1 (17.6), squeezenet1_0 29.8 (29.7),
-# googlenet 28.9 (28.9; max calibration, 27.7 percentile), inception_v3 21.2 (21.8), densenet121 31.5
+# vgg16 27.1 (26.8), resnet18 31.0 (30.6), resnet50 30.7 (29.2), wide_resnet50_2 31.1 (29.1),
+# resnext50_32x4d 31.1 (27.7), regnet_x_400mf 31.4 (28.0), mobilenet_v2 24.5 (23.2), mobilenet_v3_small
+# 23.9 (24.0), efficientnet_b0 21.5 (21.5), shufflenet_v2_x1_0 18.7 (17.5), squeezenet1_0 31.5 (29.7),
+# googlenet 33.3 (28.9; max calibration, 27.7 percentile), inception_v3 23.2 (21.8), densenet121 32.4
 # (31.5), convnext_tiny 30.3 (30.3) dB.
 # "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms, lookup tables; the classifier's
 # global average pool is an int8 average pool where it is a mean that flattens into the

@@ -18,6 +18,7 @@ from tvm import relax
 
 from .config import QuantConfig
 from .data import static_batches
+from .zero_points import planned_unsigned
 from .errors import InputError
 from .graph import Graph
 from .observers import make_observer
@@ -87,7 +88,8 @@ class FloatPoints:
 
 def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, methods: tuple[str, ...],
                          progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
-    """Every point's range (amax of |x|; the int8 scale is amax / 127) by each observer of
+    """Every point's range (amax of |x|; the int8 scale is amax / 127, or amax / 255 where the
+    build stores the point unsigned, whose grid the observers then weigh) by each observer of
     ``methods``, and every point's mean per channel (axis 1; what bias correction needs), from one
     pass over ``images`` (float32 [N, C, H, W], preprocessed, the model's H and W): ``({point
     name: {method: amax}}, {point name: float64 [channels]})``."""
@@ -96,7 +98,9 @@ def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, 
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
                          "give images of the model's input size")
     points = FloatPoints(graph)
-    observers = {n: {m: make_observer(m, config.percentile) for m in methods} for n in points.names}
+    unsigned = {graph.points[v] for v in planned_unsigned(graph, config)}   # their grid: 255 steps
+    observers = {n: {m: make_observer(m, config.percentile, 255 if n in unsigned else 127) for m in methods}
+                 for n in points.names}
     sums: dict = {}
     counts: dict = {}
     for _, values in points(images[: config.num_calib_images], progress, f"calibrate ({', '.join(methods)})"):

@@ -38,10 +38,10 @@ BINARY = {
 }
 
 
-def dequantized_inputs(s_x: float) -> np.ndarray:
-    """The 256 float32 values an int8 tensor of scale ``s_x`` holds, for q = -128..127 (the
-    dequantize kernel's one rounding: the float32 product)."""
-    return (np.arange(-128, 128, dtype=np.float64) * float(np.float32(s_x))).astype(np.float32)
+def dequantized_inputs(s_x: float, z_x: int = 0) -> np.ndarray:
+    """The 256 float32 values an int8 tensor of scale ``s_x`` and zero point ``z_x`` holds, for
+    q = -128..127 (the dequantize kernel's one rounding: the float32 product)."""
+    return ((np.arange(-128, 128, dtype=np.float64) - z_x) * float(np.float32(s_x))).astype(np.float32)
 
 
 def evaluate(layer: Layer, value: dict, x: np.ndarray) -> np.ndarray:
@@ -70,7 +70,7 @@ def evaluate(layer: Layer, value: dict, x: np.ndarray) -> np.ndarray:
     return env[layer.output]
 
 
-def lut_table(layer: Layer, value: dict, s_x: float, s_y: float) -> np.ndarray:
-    """int8 [256]: entry ``q + 128`` is the output integer for input integer ``q``."""
-    y = evaluate(layer, value, dequantized_inputs(s_x))
+def lut_table(layer: Layer, value: dict, s_x: float, s_y: float, z_x: int = 0) -> np.ndarray:
+    """int8 [256]: entry ``q + 128`` is the output integer for input integer ``q`` (of zero point ``z_x``)."""
+    y = evaluate(layer, value, dequantized_inputs(s_x, z_x))
     return quantize_ref(y.astype(np.float32), s_y, QMIN, 127)

@@ -263,14 +263,16 @@ class MSEObserver(_HistogramObserver):
 
     For each candidate threshold ``t`` (the upper edge of histogram bin ``i``, for every ``i``
     from ``min_bin`` up) every bin's values, taken at the bin centre, are quantized at scale
-    ``t / 127`` (rounded to nearest, clipped at 127) and the squared errors summed, weighted by
-    the bin counts: rounding error inside the range against clipping error beyond it.  Exact
-    zeros cost nothing at any scale and are left out.  Ties go to the largest threshold.
+    ``t / levels`` (rounded to nearest, clipped at ``levels``: 127, or 255 for an unsigned tensor)
+    and the squared errors summed, weighted by the bin counts: rounding error inside the range
+    against clipping error beyond it.  Exact zeros cost nothing at any scale and are left out.
+    Ties go to the largest threshold.
     """
 
-    def __init__(self, num_bins: int = 2048, min_bin: int = 32) -> None:
+    def __init__(self, num_bins: int = 2048, min_bin: int = 32, levels: int = QMAX) -> None:
         super().__init__(num_bins)
         self.min_bin = int(min_bin)
+        self.levels = int(levels)
 
     def amax(self) -> float:
         self._check_seen()
@@ -285,19 +287,22 @@ class MSEObserver(_HistogramObserver):
         errors = np.empty(len(candidates))
         for k in range(0, len(candidates), 256):  # bounded temporaries: 256 x stop floats at a time
             t = candidates[k:k + 256, None] * self.bin_width
-            s = t / QMAX
-            q = np.minimum(np.rint(centres[None, :] / s), QMAX) * s
+            s = t / self.levels
+            q = np.minimum(np.rint(centres[None, :] / s), self.levels) * s
             errors[k:k + 256] = ((q - centres[None, :]) ** 2 * hist[None, :stop]).sum(axis=1)
         best = candidates[np.flatnonzero(errors <= errors.min() * (1 + 1e-9))[-1]]
         return min(best * self.bin_width, self._max)
 
 
-def make_observer(method: str, percentile: float = 99.99) -> Observer:
+def make_observer(method: str, percentile: float = 99.99, levels: int = QMAX) -> Observer:
     """Create the observer for a calibration method.
 
     Args:
         method: ``"max"``, ``"percentile"``, ``"entropy"`` or ``"mse"``.
         percentile: used by ``"percentile"`` only.
+        levels: the grid's steps above zero: 127 (symmetric int8), 255 for a tensor stored
+            unsigned (``zero_points.py``); ``entropy`` and ``mse`` weigh rounding against
+            clipping on it.
 
     Returns:
         A fresh observer.
@@ -310,9 +315,9 @@ def make_observer(method: str, percentile: float = 99.99) -> Observer:
     if method == "percentile":
         return PercentileObserver(percentile)
     if method == "entropy":
-        return EntropyObserver()
+        return EntropyObserver(num_quant_bins=levels + 1)
     if method == "mse":
-        return MSEObserver()
+        return MSEObserver(levels=levels)
     raise ValueError(
         f"unknown calibration method {method!r}; choose one of 'max', 'percentile', 'entropy', 'mse'"
     )

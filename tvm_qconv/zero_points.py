@@ -15,12 +15,13 @@ every layer that reads it can take it:
 - a conv that is depthwise or has no padding (1x1 convs, the projections and expansions of
   MobileNet-style blocks);
 - a max / average pool, a channel gather (ShuffleNet's shuffle and split);
+- a residual add, a concatenation, an affine layer (DenseNet's BatchNorm), a lookup table: each
+  subtracts the zero point from its input (or folds it into its offset, or its table);
 - a linear layer (it quantizes its float input itself, and folds the zero point into its bias),
   or any float op (they read the dequantized tensor, ``(q - zero) * s``).
 
-Adds, concatenations, affine layers and lookup tables read symmetric tensors only (their kernels
-take no zero point yet), and a max pool or channel gather passes its input's zero point through
-(its output is the same integers), so the rule holds for those outputs' readers too.
+A max pool or channel gather passes its input's zero point through (its output is the same
+integers), so the rule holds for those outputs' readers too.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .graph import Graph
 # Layers whose output can be unsigned: a conv whose activation is a ReLU / ReLU6 (clip at >= 0),
 # and the ops that keep a never-negative input never negative.
 PASS_THROUGH = ("max_pool2d", "channels")     # the same integers, zero point and scale as the input
-READERS = ("max_pool2d", "avg_pool2d", "channels", "dense")
+READERS = ("max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut")
 SHAPE_OPS = ("relax.reshape", "relax.flatten")    # float ops that keep a never-negative tensor so
 
 
@@ -68,8 +69,9 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
     """The float graph's vars whose int8 tensor is unsigned: never negative by construction and
     read only by layers that take an unsigned tensor.
 
-    Never negative: a conv's or linear layer's output after a ReLU / ReLU6, a pool or channel
-    gather of such a tensor, a reshape / flatten of one (the classifier's input).
+    Never negative: a conv's, linear layer's, add's or affine layer's output after a ReLU / ReLU6,
+    a pool, channel gather or concatenation of such tensors, a reshape / flatten of one (the
+    classifier's input).
 
     Args:
         graph: the analysis (``graph.analyze``).
@@ -87,10 +89,12 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
     for b in graph.bindings:
         var, ly = b.var, made_by.get(b.var)
         if ly is not None:
-            if ly.kind in ("conv2d", "dense"):
+            if ly.kind in ("conv2d", "dense", "add", "affine"):
                 positive = never_negative_activation(ly)
             elif ly.kind in PASS_THROUGH or ly.kind == "avg_pool2d":
                 positive = ly.inputs[0] in nonneg
+            elif ly.kind == "concat":
+                positive = all(v in nonneg for v in ly.inputs)
             else:
                 positive = False
         elif var in inside:

@@ -464,22 +464,15 @@ class _Rewriter:
                               shape=f"{x.channels}->{c} channels"))
         return None
 
-    def symmetric(self, ly, *qs) -> None:
-        """Kernels without zero points (lut, affine, add, concat) read symmetric tensors only;
-        ``zero_points.unsigned_points`` plans none of their inputs unsigned."""
-        if any(q.zero for q in qs):
-            raise RuntimeError(f"{ly.name} ({ly.kind}) reads an unsigned tensor: zero_points.py should not allow it")
-
     def emit_lut(self, ly) -> str | None:
         x = self.quantized(ly.inputs[0])
-        self.symmetric(ly, x)
         impl = next(iter(registry.candidates("lut", None, self.p.target, layout=x.layout.name)), None)
         if impl is None:
             return self.no_kernel("lut", f"{x.layout.name} tensor")
         n, c, h, w = static_shape(ly.output.ty)
         wl = LutWorkload((n, h, w), c)
         s_y = self.scale(ly.output)
-        table = lut_table(ly, self.value, x.scale, s_y)
+        table = lut_table(ly, self.value, x.scale, s_y, x.zero)
         prim = impl.compute(wl)
         args = [x.var] + [constant(p) for p in impl.pack_params(wl, table)]
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, x.layout.packed_shape((n, c, h, w)), "int8")
@@ -508,18 +501,17 @@ class _Rewriter:
 
     def emit_affine(self, ly) -> str | None:
         x = self.quantized(ly.inputs[0])
-        self.symmetric(ly, x)
-        s_y = self.scale(ly.output)
-        activation, act_min, act_max = int8_clamp(ly, s_y)
-        wl = AffineWorkload(static_shape(x.var.ty), act_min, act_max)
+        s_y, z_y = self.scale(ly.output), self.zero(ly.output)
+        activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
+        wl = AffineWorkload(static_shape(x.var.ty), act_min, act_max, z_y)
         impl = registry.select("affine", wl, self.p.target, layout=x.layout.name)
         if impl is None:
             return self.no_kernel("affine", f"{x.layout.name} tensor")
-        mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y)
+        mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y, x.zero)
         prim = impl.compute(wl)
         args = [x.var] + [constant(p) for p in impl.pack_params(wl, mult, shift, bias)]
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), args, static_shape(x.var.ty), "int8")
-        self.produce(ly.output, var, s_y, x.channels, impl.layout)
+        self.produce(ly.output, var, s_y, x.channels, impl.layout, z_y)
         act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
         self.rows.append(dict(layer=ly.name, kind="batch_norm" + act, kernel=impl.name, dtype="int8",
                               shape=str(static_shape(ly.output.ty))))
@@ -543,14 +535,13 @@ class _Rewriter:
         else:
             return self.no_kernel("add", "these inputs")
         qa, qb = (self.int8_of(v, impl.layout) for v in ly.inputs)
-        self.symmetric(ly, qa, qb)
-        s_y = self.scale(ly.output)
+        s_y, z_y = self.scale(ly.output), self.zero(ly.output)
         mult_a, mult_b, shift = add_multipliers(qa.scale, qb.scale, s_y)
-        activation, act_min, act_max = int8_clamp(ly, s_y)
+        activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
         shape = static_shape(qa.var.ty)
-        prim = impl.compute(AddWorkload(shape, mult_a, mult_b, shift, act_min, act_max))
+        prim = impl.compute(AddWorkload(shape, mult_a, mult_b, shift, act_min, act_max, qa.zero, qb.zero, z_y))
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [qa.var, qb.var], shape, "int8")
-        self.produce(ly.output, var, s_y, qa.channels, impl.layout)
+        self.produce(ly.output, var, s_y, qa.channels, impl.layout, z_y)
         act = {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
         self.rows.append(dict(layer=ly.name, kind="add" + act, kernel=impl.name, dtype="int8",
                               shape=str(static_shape(ly.output.ty))))
@@ -570,16 +561,17 @@ class _Rewriter:
         if impl is None:
             return self.no_kernel("concat", "these inputs")
         qs = [self.int8_of(v, impl.layout) for v in ly.inputs]
-        self.symmetric(ly, *qs)
-        s_y = self.scale(ly.output)
+        s_y, z_y = self.scale(ly.output), self.zero(ly.output)
         mult, shift = quantize_multiplier(np.array([q.scale / s_y for q in qs]))
         n, c, h, w = static_shape(ly.output.ty)
-        wl = ConcatWorkload((n, h, w), tuple(q.channels for q in qs), tuple(map(int, mult)), tuple(map(int, shift)))
+        zeros = tuple(q.zero for q in qs) if any(q.zero for q in qs) else ()
+        wl = ConcatWorkload((n, h, w), tuple(q.channels for q in qs), tuple(map(int, mult)), tuple(map(int, shift)),
+                            zeros, z_y)
         prim = impl.compute(wl)
         layout = registry.layout(impl.layout)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), [q.var for q in qs],
                         layout.packed_shape((n, c, h, w)), "int8")
-        self.produce(ly.output, var, s_y, c, impl.layout)
+        self.produce(ly.output, var, s_y, c, impl.layout, z_y)
         self.rows.append(dict(layer=ly.name, kind=f"concat x{len(qs)}", kernel=impl.name, dtype="int8",
                               shape=str((n, c, h, w))))
         return None
