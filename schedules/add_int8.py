@@ -1,6 +1,7 @@
 """int8 residual add with rescaling, elementwise, so in any layout (both inputs in the same one): ``out = requant(a * s_a + b * s_b) / s_out`` (+ReLU / clip),
 computed as ``(a * mult_a + b * mult_b) >> shift`` with one shared shift, integer-only like the
-conv epilogue (``requantize.py``).
+conv epilogue (``requantize.py``).  An unsigned input (zero point -128) enters as ``q + 128``
+(up to 255), an unsigned output leaves as the rounded value ``- 128``.
 
 In 32 bits where that is exact (:func:`split_multipliers`): with ``mult = hi * 2**k + lo``,
 
@@ -56,7 +57,7 @@ def split_multipliers(mult_a: int, mult_b: int, shift: int, span: int = 128) -> 
     """``(k, hi_a, lo_a, hi_b, lo_b)``, ``mult = hi * 2**k + lo``, for which the 32-bit form of the
     module docstring holds for every pair of inputs of magnitude at most ``span`` (128: int8; 256:
     an unsigned input less its zero point, up to 255), or None (the int64 form): ``k`` as large as
-    the low products allow (``|a*lo_a + b*lo_b| < 2**(k+8)``), so the high terms stay small."""
+    the low products allow (``|a*lo_a + b*lo_b| < 2 * span * 2**k``), so the high terms stay small."""
     k = min(22, shift - 1)
     if k < 1 or min(mult_a, mult_b) < 0:
         return None

@@ -81,7 +81,7 @@ def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int
     (mult_a, mult_b, shift), both multipliers on the shift of the larger one."""
     m_a, m_b = s_a / s_out, s_b / s_out
     _, shift = quantize_multiplier(np.array([max(m_a, m_b)]))
-    shift = int(min(shift[0], 62 - 8))  # |a| <= 128 = 2**7: keep a*mult inside int64
+    shift = int(min(shift[0], 62 - 8))  # |a| <= 255 (an unsigned input less its zero point): a*mult < 2**41
     mult_a, mult_b = (int(round(m * 2.0 ** shift)) for m in (m_a, m_b))
     if max(mult_a, mult_b) >= 2 ** (MULT_BITS + 1):
         raise ValueError(f"add rescale factors {m_a:.3g}, {m_b:.3g} too large: scales are inconsistent")
@@ -100,9 +100,10 @@ def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float, z_x: int
     mag = np.abs(m)
     mult, shift = quantize_multiplier(np.where(mag > 0, mag, 1.0))
     mult = np.where(mag > 0, np.sign(m) * mult.astype(np.int64), 0).astype(np.int32)
-    bias = np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)) - z_x * mult.astype(np.float64)
-    bias = np.clip(bias, -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)
-    return mult, shift, bias.astype(np.int64)
+    bias = np.clip(np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)),
+                   -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS).astype(np.int64)
+    bias = np.clip(bias - np.int64(z_x) * mult.astype(np.int64), -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)  # in integers
+    return mult, shift, bias
 
 
 # ---------------------------------------------------------------- the 32-bit form (CUDA epilogues)

@@ -134,14 +134,21 @@ def test_add_concat_and_affine_subtract_their_inputs_zero_points_exactly():
     qb = RNG.integers(-127, 128, shape).astype(np.int8)         # symmetric
     s_a, s_b, s_y = 0.01, 0.02, 0.015
     ma, mb, sh = add_multipliers(s_a, s_b, s_y)
-    for zeros in [(Z, 0, Z), (Z, Z, 0)]:
+    for zeros in [(Z, 0, Z), (Z, Z, 0), (0, 0, Z), (Z, Z, Z)]:
+        qa_in = qa if zeros[0] else qb[::-1].copy()
         qb_in = qb if zeros[1] == 0 else RNG.integers(-128, 128, shape).astype(np.int8)
         lo = -128 if zeros[2] else 0                            # ReLU at the output's zero
-        ref = add_int8_ref(qa, qb_in, ma, mb, sh, lo, 127, zeros)
-        np.testing.assert_array_equal(run(add_int8(shape, ma, mb, sh, lo, 127, zeros=zeros), qa, qb_in,
+        ref = add_int8_ref(qa_in, qb_in, ma, mb, sh, lo, 127, zeros)
+        np.testing.assert_array_equal(run(add_int8(shape, ma, mb, sh, lo, 127, zeros=zeros), qa_in, qb_in,
                                           out_shape=shape, out_dtype="int8"), ref)
-        real = np.maximum((qa.astype(np.float64) - zeros[0]) * s_a + (qb_in.astype(np.float64) - zeros[1]) * s_b, 0)
+        real = np.maximum((qa_in.astype(np.float64) - zeros[0]) * s_a + (qb_in.astype(np.float64) - zeros[1]) * s_b, 0)
         assert np.abs(ref - np.clip(real / s_y + zeros[2], lo, 127)).max() <= 0.5 + 1e-6  # one rounding
+    from tvm_qconv.schedules.add_int8 import split_multipliers
+    assert split_multipliers(ma, mb, sh, span=256) is not None      # the 32-bit form above; the int64 one:
+    assert split_multipliers(3, 5, 1, span=256) is None
+    np.testing.assert_array_equal(run(add_int8(shape, 3, 5, 1, -128, 127, zeros=(Z, Z, Z)), qa, qa[::-1].copy(),
+                                      out_shape=shape, out_dtype="int8"),
+                                  add_int8_ref(qa, qa[::-1].copy(), 3, 5, 1, -128, 127, (Z, Z, Z)))
     layout = NHWC32
     xs = [layout.pack(qa), layout.pack(qb)]
     (m1, m2), (h1, h2) = quantize_multiplier(np.array([s_a / s_y, s_b / s_y]))

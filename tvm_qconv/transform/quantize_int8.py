@@ -409,7 +409,9 @@ class _Rewriter:
         (``M = s_x * s_w / s_y`` per channel), fits there with the bias itself: not where a
         channel's ``M`` is under ~1e-7 (a dead filter, a BatchNorm's zero gamma folded in), whose
         output would then saturate instead of reading the real zero."""
-        m = self.scale(ly.inputs[0]) * s_w.astype(np.float64) / self.scale(ly.output)
+        x = self.quantized(ly.inputs[0])   # a max pool's or gather's output: its source's scale
+        s_x = x.scale if x is not None else self.scale(ly.inputs[0])
+        m = s_x * s_w.astype(np.float64) / self.scale(ly.output)
         bias = np.zeros(len(m)) if ly.bias is None else np.abs(ly.bias.astype(np.float64))
         fold = np.where(m > 0, (-UNSIGNED_ZERO + bias / self.scale(ly.output)) / np.maximum(m, 1e-300), np.inf)
         headroom = 2**30   # |bias_q| <= 2**30 also keeps the 32-bit requantize (I32_MAX_BIAS) usable
