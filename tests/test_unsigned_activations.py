@@ -404,3 +404,8 @@ def test_joins_read_and_make_unsigned_tensors(tmp_path):
         assert layer[True][name] > layer[False][name] + 1.5, name
     assert layer[True]["lut_0"] > layer[False]["lut_0"] and layer[True]["head"] > layer[False]["head"]
     assert reports[True]["verify"]["logits_sqnr_db"] > 40.0
+
+
+def test_a_non_boolean_setting_is_refused_by_name():
+    with pytest.raises(ValueError, match="unsigned_activations must be True or False, got 'yes'"):
+        QuantConfig(unsigned_activations="yes")

@@ -60,6 +60,8 @@ class QuantConfig:
             (self.weight == "per_channel", f"weight granularity must be 'per_channel', got {self.weight!r}"),
             (self.activation == "per_tensor", f"activation granularity must be 'per_tensor', got {self.activation!r}"),
             (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),
+            (isinstance(self.unsigned_activations, bool),
+             f"unsigned_activations must be True or False, got {self.unsigned_activations!r}"),
             (self.version == CONFIG_VERSION, f"config version {self.version} is not {CONFIG_VERSION}: rebuild"),
             (all(isinstance(p, str) and p for p in self.skip), f"skip entries must be non-empty strings, got {self.skip}"),
         ]

@@ -44,13 +44,15 @@ def symmetric_twin(wl):
     return dataclasses.replace(wl, in_zero=0)
 
 
-def lookup(db, impl, func):
-    """``(workload module, tuning record)`` of the database's best schedule for ``func`` (a kernel
-    of ``impl``), or of its :func:`symmetric_twin`; ``(None, None)`` where it has neither."""
-    for mod in (tvm.IRModule({"main": task_func(func)}), _twin_module(impl, func)):
-        if mod is not None and db.has_workload(mod):  # has_workload first: a query would add it
-            return mod, db.get_top_k(db.commit_workload(mod), 1)
-    return None, None
+def lookup(db, impl, func) -> list:
+    """The database's best record (a list of at most one) for ``func`` (a kernel of ``impl``), or
+    for its :func:`symmetric_twin` (made only where ``func`` has none); ``[]`` where it has neither."""
+    mod = tvm.IRModule({"main": task_func(func)})
+    if not db.has_workload(mod):  # has_workload first: a query would add it
+        mod = _twin_module(impl, func)
+        if mod is None or not db.has_workload(mod):
+            return []
+    return db.get_top_k(db.commit_workload(mod), 1)
 
 
 def _twin_module(impl, func):
@@ -99,7 +101,7 @@ def measured_chooser(db, target: tvm.target.Target):
     default measured under ``RUNNER_FLOOR_S`` keeps it.
     """
     def best_seconds(impl, wl) -> float | None:
-        _, top = lookup(db, impl, impl.compute(wl))
+        top = lookup(db, impl, impl.compute(wl))
         return mean_secs(top[0].run_secs) if top else None
 
     def choose(op, wl, candidates) -> str | None:
@@ -146,7 +148,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
         convs += 1
         impl = registry.of_func(func)
         try:
-            workload, top = lookup(db, impl, func)
+            top = lookup(db, impl, func)
         except Exception as err:  # the record itself cannot be read back
             raise corrupt(work_dir, err) from err
         if not top:  # no workload, or its only records were left out (--ignore-stale)
