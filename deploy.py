@@ -62,6 +62,9 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
     b.add_argument("--bias-correction", action="store_const", const=True, default=None,
                    help="correct each conv / linear bias for its int8 weights' mean error on the calibration images")
+    b.add_argument("--weight-rounding", choices=["nearest", "gptq"], default=None,
+                   help="round int8 weights to nearest (default), or by GPTQ: column by column so that each layer's "
+                        "output on the calibration images moves least")
     b.add_argument("--unsigned-activations", action="store_const", const=True, default=None,
                    help="store never-negative activations (after ReLU / ReLU6) as 0..255 at zero point -128 where "
                         "every reader can take it: half the rounding step there")
@@ -222,17 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
 # checkpoint holds the weights, so they are refused rather than silently ignored.
 _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile", "calib_dir": "--calib-dir",
                       "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes",
-                      "bias_correction": "--bias-correction", "unsigned_activations": "--unsigned-activations"}
+                      "bias_correction": "--bias-correction", "unsigned_activations": "--unsigned-activations",
+                      "weight_rounding": "--weight-rounding"}
 
 
 def quant_config(args):
     """The scheme of `build` / `export-onnx`: the --scheme preset with --calibration, --percentile,
-    --num-calib, --bias-correction, --unsigned-activations and --skip applied."""
+    --num-calib, --bias-correction, --unsigned-activations, --weight-rounding and --skip applied."""
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
                                    num_calib_images=args.num_calib,
                                    bias_correction=getattr(args, "bias_correction", None),
-                                   unsigned_activations=getattr(args, "unsigned_activations", None)).items()
+                                   unsigned_activations=getattr(args, "unsigned_activations", None),
+                                   weight_rounding=getattr(args, "weight_rounding", None)).items()
             if v is not None}
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)

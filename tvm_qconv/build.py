@@ -225,7 +225,9 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         # 1, and says so): integer results do not depend on the schedule
         debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
                                     tuning_log=None, kernels={**kernels, **options.kernels})
-        dq, dex, dparams, *_ = _compile(model, tgt, debug, config, GivenRanges(q.amax), progress=False)
+        # (GPTQ's rounded weights are the quantized model's: taken as they are, on their grid)
+        dq, dex, dparams, *_ = _compile(q.model, tgt, debug, dataclasses.replace(config, weight_rounding="nearest"),
+                                        GivenRanges(q.amax), progress=False)
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
         result["layers"] = layers
         result["losses"] = verify_mod.losses(layers, dq.report["exposed"])

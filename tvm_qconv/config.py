@@ -9,6 +9,8 @@ CONFIG_VERSION = 2
 OBSERVERS = ("max", "percentile", "entropy", "mse")
 # "search": per tensor, the observer whose range gives the logits closest to float (range_search.py)
 CALIBRATIONS = (*OBSERVERS, "search")
+# How int8 weights are rounded: to nearest, or by GPTQ on the calibration images (weight_rounding.py)
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # What `deploy.py build` calls accurate enough: logits SQNR against the float model.  Under it,
 # the build report names the layers that lose the most (BuildOptions.accuracy_target_db).
 ACCURACY_TARGET_DB = 30.0
@@ -39,6 +41,9 @@ class QuantConfig:
             0..255 at scale ``amax / 255``, zero point -128, where every layer reading it can
             take that (``zero_points.py``): half the rounding step there.  Off: every tensor is
             symmetric (``amax / 127``), as QAT's fake quantizers train for.
+        weight_rounding: ``nearest``, or ``gptq``: each int8 conv / linear layer's weights
+            rounded column by column so that its output on the calibration images moves least
+            (``weight_rounding.py``; the same per-channel grid; needs calibration images).
     """
 
     calibration: str = "percentile"
@@ -50,6 +55,7 @@ class QuantConfig:
     num_calib_images: int = 32
     bias_correction: bool = False
     unsigned_activations: bool = False
+    weight_rounding: str = "nearest"
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -62,6 +68,11 @@ class QuantConfig:
             (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),
             (isinstance(self.unsigned_activations, bool),
              f"unsigned_activations must be True or False, got {self.unsigned_activations!r}"),
+            (self.weight_rounding in WEIGHT_ROUNDINGS,
+             f"weight_rounding must be one of {WEIGHT_ROUNDINGS}, got {self.weight_rounding!r}"),
+            (not (self.bias_correction and self.weight_rounding == "gptq"),
+             "bias_correction and weight_rounding='gptq' are alternatives: GPTQ already minimizes the layer's whole "
+             "output error on the calibration images, mean included; choose one"),
             (self.version == CONFIG_VERSION, f"config version {self.version} is not {CONFIG_VERSION}: rebuild"),
             (all(isinstance(p, str) and p for p in self.skip), f"skip entries must be non-empty strings, got {self.skip}"),
         ]

@@ -229,6 +229,7 @@ class _QTensor:
     scale_name: str
     source: str
     zero_name: str
+    zero: int = 0
 
 
 class _Emitter:
@@ -297,7 +298,7 @@ class _Emitter:
         s = self.const(np.float32(scale), f"{hint}_scale")
         self.qdq_pairs += 1
         z = self.zero_point(zero)
-        return _QTensor(self.node("QuantizeLinear", [src, s, z], f"{hint}_q"), scale, s, src, z)
+        return _QTensor(self.node("QuantizeLinear", [src, s, z], f"{hint}_q"), scale, s, src, z, zero)
 
     def dq(self, t: _QTensor) -> str:
         """A DequantizeLinear of ``t`` for one reading node.  One per reader rather than one shared
@@ -327,9 +328,11 @@ class _Emitter:
             self.qver[var] = self.quantize(self.float_of(var), self.scale(var), var.name, self.zero(var))
         return self.dq(self.qver[var])
 
-    def produce(self, var, out: str, scale: float) -> None:
-        """An int8 layer's output: requantized at ``scale``; every consumer reads the int8 tensor."""
-        self.qver[var] = self.fname[var] = self.quantize(out, scale, var.name, self.zero(var))
+    def produce(self, var, out: str, scale: float, zero: int | None = None) -> None:
+        """An int8 layer's output: requantized at ``scale`` and ``zero`` (default: its point's);
+        every consumer reads the int8 tensor."""
+        zero = self.zero(var) if zero is None else zero
+        self.qver[var] = self.fname[var] = self.quantize(out, scale, var.name, zero)
 
     # ---- the walk -----------------------------------------------------------------------
     def run(self):
@@ -448,8 +451,8 @@ class _Emitter:
         x = self.qver[ly.inputs[0]]
         index = self.const(np.array(ly.channel_index, np.int64), ly.name + ".index")
         y = self.node("Gather", [self.dq(x), index], ly.name, axis=1)
-        # values moved, not changed: requantized at the input's scale, exact (as the max-pool)
-        self.produce(ly.output, y, x.scale)
+        # values moved, not changed: requantized at the input's scale and zero point, exact (as the max-pool)
+        self.produce(ly.output, y, x.scale, x.zero)
 
     def layer_lut(self, ly) -> None:
         # The table's definition: the region's float ops between the input's DequantizeLinear and a
@@ -465,7 +468,7 @@ class _Emitter:
         # No point of its own: the max of int8 values is int8 at the input's scale.  The pair is
         # numerically a no-op; it keeps the next conv's input a DequantizeLinear, so ONNX Runtime
         # and TensorRT run that conv in int8.
-        self.produce(ly.output, y, x.scale)
+        self.produce(ly.output, y, x.scale, x.zero)
 
     def layer_avg_pool2d(self, ly) -> None:
         x = self.qver[ly.inputs[0]]

@@ -1,8 +1,9 @@
 """The quantize pipeline: a float torch model in, the int8 Relax module out (weights still inline).
 
     torch model --torch.export--> Relax (float) --fold BN / constants--> analysis (graph.py)
-      --range source (ranges.py: calibrate | given | learned)--> QuantizeInt8 (kernel per layer
-      from the registry, for the target)
+      --range source (ranges.py: calibrate | given | learned)--> [GPTQ weight rounding on the
+      calibration images (weight_rounding.py), the model exported again] --> QuantizeInt8 (kernel
+      per layer from the registry, for the target)
 
 ``build.py`` takes it from there (lift weights, schedule, compile, save); the tuner uses it to
 find the kernels a model calls.
@@ -23,14 +24,18 @@ from .graph import Graph, analyze
 from .ranges import Calibrate, RangeContext, RangeSource
 from .target import TargetInfo
 from .transform import QuantizeInt8
+from .weight_rounding import gptq_model
+from .zero_points import may_run_int8
 
 
 @dataclass
 class QuantizedModule:
     """``mod``: the int8 module; ``report``: the pass's report plus ``ranges`` (where they came
     from); ``amax``: the range of every point; ``names``: torch names of conv / linear layers;
-    ``graph``: the float graph's analysis at the build shape; ``images``: the calibration images
-    (None when the ranges were not calibrated)."""
+    ``graph``: the float graph's analysis at the build shape (with GPTQ, of the rounded
+    weights); ``images``: the calibration images (None when the ranges were not calibrated);
+    ``model``: the torch model quantized (``QuantConfig.weight_rounding="gptq"``: a copy with the
+    rounded weights, which a rebuild from the same ranges takes with nearest rounding)."""
 
     mod: tvm.IRModule
     report: dict
@@ -38,6 +43,7 @@ class QuantizedModule:
     names: dict
     graph: Graph | None = None
     images: np.ndarray | None = None
+    model: object = None
 
 
 def dump_ir(debug_dump: str | None, step: str, mod) -> None:
@@ -101,8 +107,23 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         raise InputError(f"bias correction needs the inputs' means from calibration images; these ranges come from "
                          f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or turn "
                          "bias correction off")
+    rounding = None
+    if config.weight_rounding == "gptq":
+        if ctx.images is None:
+            raise InputError(f"GPTQ weight rounding needs calibration images; these ranges come from "
+                             f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or round "
+                             "to nearest")
+        layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
+        model, rounding = gptq_model(model, ctx.images[: config.num_calib_images], layers)
+        mod, names = export_to_relax(model, input_shape)
+        mod = simplify(mod)
+        graph = analyze(mod["main"], names)
+        dump_ir(debug_dump, "02b_weights_rounded", mod)
     qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser,
                          channel_means=ctx.channel_means if config.bias_correction else None)
     qmod = qpass(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
-    return QuantizedModule(qmod, dict(qpass.report, ranges=ranges_report), amax, names, graph, ctx.images)
+    report = dict(qpass.report, ranges=ranges_report)
+    if rounding is not None:
+        report["weight_rounding"] = rounding
+    return QuantizedModule(qmod, report, amax, names, graph, ctx.images, model)

@@ -104,7 +104,10 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
             positive = op in SHAPE_OPS and b.value.args[0] in nonneg
         if positive:
             nonneg.add(var)
-    unsigned = {v for v in nonneg if v in graph.points and all(reads_unsigned(r) for r in readers.get(v, []))}
+    # A tensor with no int8 point of its own is one a gather reads through (a channel shuffle whose
+    # readers are its split pieces: one gather from the shuffle's input) or a float intermediate;
+    # it is kept here so that the chain through it holds, and is in no report (not a point).
+    unsigned = {v for v in nonneg if all(reads_unsigned(r) for r in readers.get(v, []))}
     # A pass-through layer's input and output are one tensor: both unsigned or neither.
     through = [ly for ly in graph.layers if ly.kind in PASS_THROUGH and may_run_int8(ly)]
     changed = True
