@@ -241,7 +241,10 @@ def quant_config(args):
             if v is not None}
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
-    return dataclasses.replace(cfg, **over)
+    try:
+        return dataclasses.replace(cfg, **over)
+    except ValueError as err:   # flags that contradict each other (--bias-correction with --weight-rounding gptq)
+        raise InputError(str(err)) from None
 
 
 def refuse_model_only_flags(args) -> None:

@@ -10,7 +10,8 @@ that chooses ranges by the logits they give (``search``) could fit those few pho
 model (the zoo test's random-init networks) is calibrated on the first ``--calib`` of
 scikit-image's photos and measured on the rest.  Builds run in parallel worker processes
 (``--jobs``).  ``--weights`` loads a state-dict file (e.g. torchvision's ImageNet weights) into
-the model instead of the random init.  Writes ``<out>/calibration_heldout.json`` and prints a markdown table.
+the model instead of the random init; ``--weight-rounding both`` builds each with GPTQ too (fitted
+on the calibration photos like the ranges).  Writes ``<out>/calibration_heldout.json`` and prints a markdown table.
 """
 from __future__ import annotations
 
@@ -41,15 +42,15 @@ from tvm_qconv.runtime import CompiledModel  # noqa: E402
 def measure(arg) -> dict:
     """One (model, method): build for llvm at batch 1 from the calibration photos, then the
     logits SQNR and top-1 agreement against float PyTorch on the held-out photos."""
-    name, method, size, calib, workdir, weights, correct, unsigned = arg
+    name, method, size, calib, workdir, weights, correct, unsigned, rounding = arg
     size = model_size(name, size)
     photos = skimage_photos(size)
     model = load_model(name, weights) if weights else zoo_model(name)
-    lib = os.path.join(workdir, f"{name}_{method}{'_bc' if correct else ''}{'_u8' if unsigned else ''}.so")
+    lib = os.path.join(workdir, f"{name}_{method}{'_bc' if correct else ''}{'_u8' if unsigned else ''}_{rounding}.so")
     t = time.perf_counter()
     res = compile_model(model, lib, options=BuildOptions(image_size=size, verify=False),
                         config=QuantConfig(calibration=method, num_calib_images=calib, bias_correction=correct,
-                                           unsigned_activations=unsigned),
+                                           unsigned_activations=unsigned, weight_rounding=rounding),
                         ranges=Calibrate(photos[:calib]), progress=False)
     build_s = time.perf_counter() - t
     with torch.no_grad():
@@ -58,7 +59,7 @@ def measure(arg) -> dict:
     got = np.concatenate([lib_model(x[None]) for x in photos])
     held = slice(calib, None)
     row = dict(model=name, weights=weights or "random init (the zoo test's)", method=method,
-               bias_correction=correct, unsigned_activations=unsigned, size=size, calib_images=calib, heldout_images=len(photos) - calib,
+               bias_correction=correct, unsigned_activations=unsigned, weight_rounding=rounding, size=size, calib_images=calib, heldout_images=len(photos) - calib,
                sqnr_db=round(sqnr_db(ref[held], got[held]), 2),
                top1_agree=float((ref[held].argmax(1) == got[held].argmax(1)).mean()),
                sqnr_calib_db=round(sqnr_db(ref[:calib], got[:calib]), 2),
@@ -82,6 +83,9 @@ def main(argv=None):
                     help="build each method without it, with it, or both")
     ap.add_argument("--unsigned", choices=["off", "on", "both"], default="off",
                     help="QuantConfig.unsigned_activations: off, on, or a build of each")
+    ap.add_argument("--weight-rounding", choices=["nearest", "gptq", "both"], default="nearest",
+                    help="QuantConfig.weight_rounding: nearest, gptq, or a build of each (gptq is not combined with "
+                         "bias correction)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
@@ -95,8 +99,10 @@ def main(argv=None):
         sys.exit(f"error: --weights {args.weights}: no such file")
     corrections = {"off": [False], "on": [True], "both": [False, True]}[args.bias_correction]
     unsigned = {"off": [False], "on": [True], "both": [False, True]}[args.unsigned]
-    jobs = [(m, c, args.size, args.calib, workdir, args.weights, bc, u)
-            for m in args.models for c in args.methods for bc in corrections for u in unsigned]
+    roundings = {"nearest": ["nearest"], "gptq": ["gptq"], "both": ["nearest", "gptq"]}[args.weight_rounding]
+    jobs = [(m, c, args.size, args.calib, workdir, args.weights, bc, u, r)
+            for m in args.models for c in args.methods for bc in corrections for u in unsigned for r in roundings
+            if not (bc and r == "gptq")]
     rows = []
     t0 = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -107,12 +113,12 @@ def main(argv=None):
                seconds=round(time.perf_counter() - t0), rows=rows)
     with open(os.path.join(args.out, "calibration_heldout.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print("\n| model | size | method | bias correction | unsigned | held-out SQNR dB (top-1) | calibration photos SQNR dB "
-          "(top-1) | search: simulated start -> end |\n|---|---|---|---|---|---|---|---|")
+    print("\n| model | size | method | bias correction | unsigned | weights | held-out SQNR dB (top-1) | calibration photos "
+          "SQNR dB (top-1) | search: simulated start -> end |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r.get("search")
         print(f"| {r['model']} | {r['size']} | {r['method']} | {'on' if r['bias_correction'] else 'off'} | "
-              f"{'on' if r['unsigned_activations'] else 'off'} | "
+              f"{'on' if r['unsigned_activations'] else 'off'} | {r['weight_rounding']} | "
               f"{r['sqnr_db']:.1f} ({r['top1_agree']:.0%}) | {r['sqnr_calib_db']:.1f} ({r['top1_agree_calib']:.0%}) | "
               + (f"{s['sqnr_start_db']} -> {s['sqnr_db']}" if s else "-") + " |")
     return res

@@ -72,20 +72,61 @@ class ConvBN(nn.Module):
 
 def test_rounded_weights_are_on_the_builds_grid_with_the_same_scale():
     model = ConvBN().eval()
-    rounded, report = gptq_model(model, skimage_photos(32)[:4], ["conv", "dw", "pw", "fc"])
-    assert report["rounded"] == ["conv", "dw", "fc", "pw"] and report["nearest"] == {}
-    for name in ("conv", "dw", "pw", "fc"):
+    rounded, report, integers = gptq_model(model, skimage_photos(32)[:4], ["conv", "dw", "pw", "fc"])
+    # the linear layer reads one row per image: 4 rows for 32 columns, too few to fit
+    assert report["rounded"] == ["conv", "dw", "pw"]
+    assert report["nearest"] == {"fc": "4 input rows < 32 columns: give more calibration images"}
+    np.testing.assert_array_equal(rounded.fc.weight.detach().numpy(), model.fc.weight.detach().numpy())
+    for name in ("conv", "dw", "pw"):
         w0 = getattr(model, name).weight.detach().numpy()
         w1 = getattr(rounded, name).weight.detach().numpy()
         q0, s0 = quantize_weight_per_channel(w0)
         q1, s1 = quantize_weight_per_channel(w1)
         np.testing.assert_array_equal(s1, s0)                       # each channel's largest weight kept at +-127
         np.testing.assert_array_equal(w1, q1 * s1.reshape((-1,) + (1,) * (w1.ndim - 1)))   # on the grid exactly
+        np.testing.assert_array_equal(q1, integers[name])
         assert 0 < report["moved"][name] < 0.5, name                # some integers moved, most did not
     # the BatchNorm scales each output channel: the folded weights' grid scales with it, the integers do not move
     g = (model.bn.weight / torch.sqrt(model.bn.running_var + model.bn.eps)).detach().numpy()[:, None, None, None]
     w1 = rounded.conv.weight.detach().numpy()
     np.testing.assert_array_equal(quantize_weight_per_channel(w1 * g)[0], quantize_weight_per_channel(w1)[0])
+
+
+def test_padding_modes_computed_and_shared_weights():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.reflect = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+            self.same = nn.Conv2d(8, 8, 4, padding="same")               # asymmetric: 1 before, 2 after
+            self.norm = nn.utils.parametrizations.weight_norm(nn.Conv2d(8, 8, 1))
+            self.a = nn.Conv2d(8, 8, 1)
+            self.b = nn.Conv2d(8, 8, 1)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(self.norm(self.same(self.reflect(x)))))
+
+    model = Odd().eval()
+    x = skimage_photos(16)[:2]
+    rounded, report, _ = gptq_model(model, x, ["reflect", "same", "norm", "a", "b"])
+    assert report["rounded"] == ["reflect", "same"]
+    assert report["nearest"] == {"norm": "its weight is computed (weight norm, a parametrization)",
+                                 "a": "its weight is shared with ['b']", "b": "its weight is shared with ['a']"}
+    # the columns are the padded input's, as the conv itself pads: GPTQ's objective is the conv's
+    # own output error, so it is no larger than nearest rounding's on these images
+    for name in ("reflect", "same"):
+        conv, feats = getattr(model, name), {}
+        hook = conv.register_forward_hook(lambda m, a, o: feats.update(x=a[0]))
+        with torch.no_grad():
+            model(torch.from_numpy(x))
+        hook.remove()
+        w, s = conv.weight.detach(), torch.from_numpy(quantize_weight_per_channel(conv.weight.detach().numpy())[1])
+        nearest = torch.clamp(torch.round(w / s[:, None, None, None]), -127, 127) * s[:, None, None, None]
+
+        def err(weight):
+            return float(((conv._conv_forward(feats["x"], weight, None) - conv._conv_forward(feats["x"], w, None)) ** 2).sum())
+        assert err(getattr(rounded, name).weight.detach()) < err(nearest), name
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +142,7 @@ def builds(tmp_path_factory):
 
 
 def test_a_build_with_gptq_weights_is_closer_to_float(builds):
-    assert builds["gptq"]["weight_rounding"]["rounded"] == ["conv", "dw", "fc", "pw"]
+    assert builds["gptq"]["weight_rounding"]["rounded"] == ["conv", "dw", "pw"]
     assert "weight_rounding" not in builds["nearest"]
     # measured (2026-11-26): logits 47.95 -> 49.71 dB; 12-23% of the convs' integers moved
     assert builds["gptq"]["verify"]["logits_sqnr_db"] > builds["nearest"]["verify"]["logits_sqnr_db"] + 1.0
@@ -112,6 +153,9 @@ def test_gptq_needs_calibration_images_and_excludes_bias_correction(tmp_path):
         QuantConfig(bias_correction=True, weight_rounding="gptq")
     with pytest.raises(ValueError, match="weight_rounding must be one of"):
         QuantConfig(weight_rounding="adaround")
+    import deploy
+    assert deploy.main(["build", "--model", "resnet18", "--bias-correction", "--weight-rounding", "gptq",
+                        "-o", str(tmp_path / "x.so")]) == 2
     with pytest.raises(InputError, match="GPTQ weight rounding needs calibration images"):
         compile_model(ConvBN().eval(), str(tmp_path / "m.so"), options=BuildOptions(image_size=32, verify=False),
                       config=QuantConfig(weight_rounding="gptq"), ranges=GivenRanges({}), progress=False)

@@ -21,7 +21,8 @@ from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import load_model, weights_digest
+from .frontend import export_to_relax, load_model, simplify, weights_digest
+from .graph import analyze
 from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
@@ -228,13 +229,21 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         # (GPTQ's rounded weights are the quantized model's: taken as they are, on their grid)
         dq, dex, dparams, *_ = _compile(q.model, tgt, debug, dataclasses.replace(config, weight_rounding="nearest"),
                                         GivenRanges(q.amax), progress=False)
-        layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], dq.graph, images)
+        # against the float model's own activations (with GPTQ, dq.graph is the rounded model's)
+        reference = dq.graph if q.model is model else _graph_at_batch1(model, options)
+        layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], reference, images)
         result["layers"] = layers
         result["losses"] = verify_mod.losses(layers, dq.report["exposed"])
         result["per_layer_s"] = round(time.time() - t0, 1)
         result["first_bad_layer"] = next((ly["layer"] for ly in layers if ly["sqnr_db"] < options.verify_floor_db),
                                          None)
     return result
+
+
+def _graph_at_batch1(model, options: BuildOptions):
+    """The float model's analysis at batch 1 (the per-layer twin's shape)."""
+    mod, names = export_to_relax(model, (1, *options.input_shape[1:]))
+    return analyze(simplify(mod)["main"], names)
 
 
 def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions | None = None,

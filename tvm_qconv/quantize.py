@@ -21,6 +21,7 @@ from .config import QuantConfig
 from .errors import InputError
 from .frontend import export_to_relax, simplify
 from .graph import Graph, analyze
+from .observers import quantize_weight_per_channel
 from .ranges import Calibrate, RangeContext, RangeSource
 from .target import TargetInfo
 from .transform import QuantizeInt8
@@ -69,6 +70,18 @@ def check_skip(graph: Graph, config: QuantConfig) -> None:
                          f"conv and linear layers are {listed[:12]}{' ...' if len(listed) > 12 else ''}")
 
 
+def check_rounded(graph: Graph, integers: dict) -> None:
+    """The folded graph's weights, rounded to nearest as the pass will, give GPTQ's integers.
+
+    Raises:
+        RuntimeError: naming a layer whose rounding the export lost (a bug, not bad input).
+    """
+    weights = {ly.name: ly.weight for ly in graph.layers if ly.weight is not None}
+    for name, q in integers.items():
+        if name in weights and not np.array_equal(quantize_weight_per_channel(weights[name])[0], q.reshape(weights[name].shape)):
+            raise RuntimeError(f"GPTQ: {name}'s rounded weights were not found again after export and folding")
+
+
 def quantize_module(model, input_shape: tuple[int, int, int, int], target: TargetInfo, *,
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
                     choices: dict | None = None, chooser=None, expose_activations: bool = False,
@@ -114,11 +127,12 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                              f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or round "
                              "to nearest")
         layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
-        model, rounding = gptq_model(model, ctx.images[: config.num_calib_images], layers)
+        model, rounding, integers = gptq_model(model, ctx.images[: config.num_calib_images], layers)
         mod, names = export_to_relax(model, input_shape)
         mod = simplify(mod)
         graph = analyze(mod["main"], names)
         dump_ir(debug_dump, "02b_weights_rounded", mod)
+        check_rounded(graph, integers)
     qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser,
                          channel_means=ctx.channel_means if config.bias_correction else None)
     qmod = qpass(mod)

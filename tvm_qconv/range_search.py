@@ -107,13 +107,17 @@ class FakeQuantModel:
         self._quant = relax.VirtualMachine(tvm.compile(_logits_module(graph, True, int8_weights)[0], target=target),
                                            tvm.cpu())
 
-    def logits(self, images: np.ndarray, amax: dict | None = None, unsigned=frozenset()) -> np.ndarray:
+    def logits(self, images: np.ndarray, amax: dict | None = None, unsigned=frozenset(),
+               levels: float | None = None) -> np.ndarray:
+        """``levels``: every point's grid instead (``amax / levels`` steps of ``+-levels``; with a
+        huge one, a point that is not rounded)."""
         if amax is None:
             vm, scalars = self._float, []
         else:
             vm, scalars = self._quant, []
+            grid = levels
             for n in self.names:
-                levels = 255.0 if n in unsigned else 127.0
+                levels = grid if grid is not None else 255.0 if n in unsigned else 127.0
                 scalars += [tvm.runtime.tensor(np.array(max(amax[n], 1e-30) / levels, np.float32), tvm.cpu()),
                             tvm.runtime.tensor(np.array(levels, np.float32), tvm.cpu())]
         out = []

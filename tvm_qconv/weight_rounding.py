@@ -20,9 +20,13 @@ It runs on the torch model before it is exported, on its ``nn.Conv2d`` / ``nn.Li
 that the build runs in int8: a BatchNorm folded into a conv later scales each output channel,
 which scales that channel's grid and objective alike, so the integers are the same.  A layer's
 inputs are the float model's, recorded by forward hooks on the calibration images.  Grouped and
-depthwise convs are rounded per group (one ``H`` per group).  A linear layer with more than
-``MAX_COLUMNS`` inputs (VGG16's first classifier layer: 25088) keeps nearest rounding: its ``H``
-would take 2.5 GB.
+depthwise convs are rounded per group (one ``H`` per group).  A layer keeps nearest rounding
+(the report's ``nearest`` says why) where GPTQ would fit the photos rather than the layer: its
+inputs give fewer rows (pixels times images) than it has input columns K, so ``H`` is singular
+and the rounding error could hide where these photos have no energy (a classifier after the
+global pool: one row per image; more calibration images lift it); where K is over
+``MAX_COLUMNS`` (VGG16's first classifier layer, 25088: ``H`` would take 5 GB); and for a module
+whose weight is computed (weight norm, a parametrization) or shared with another module.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .observers import weight_scales_per_channel
 
@@ -41,13 +46,16 @@ BLOCK = 128          # columns rounded between the trailing updates (the algorit
 MAX_COLUMNS = 8192   # K above this: nearest rounding (H is K x K float64)
 
 
-def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor, pin: bool = True) -> torch.Tensor:
     """The int8 integers of ``weight`` by GPTQ.
 
     Args:
         weight: float ``[G, O, K]`` (G groups of O output channels, K inputs each).
         hessian: ``[G, K, K]``, ``X^T X`` of each group's inputs.
         scale: ``[G, O]`` per output channel (the grid: ``q * scale``, ``|q| <= 127``).
+        pin: each channel's largest weight is rounded to +-127 at its turn (its error passed on
+            like any other), so that ``max|q| * scale`` is the channel's ``max|w|``: the build,
+            deriving the scale from the rounded weights, finds ``scale`` again.
 
     Returns:
         float64 ``[G, O, K]`` integers in [-127, 127]; where ``hessian`` is a multiple of the
@@ -64,6 +72,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor)
     order = torch.argsort(diag, dim=1, descending=True)   # the most active inputs first
     h = torch.gather(torch.gather(h, 1, order[:, :, None].expand(g, k, k)), 2, order[:, None, :].expand(g, k, k))
     w = torch.gather(w, 2, order[:, None, :].expand(g, o, k))
+    top = torch.abs(w).argmax(dim=2)                          # [G, O]: the largest weight's turn
+    top_sign = torch.sign(torch.gather(w, 2, top[..., None]))[..., 0]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros_like(w)
     for i0 in range(0, k, BLOCK):
@@ -73,6 +83,8 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor)
         for j in range(i1 - i0):
             col = wb[:, :, j]
             qj = torch.clamp(torch.round(col / s[..., 0]), -QMAX, QMAX)
+            if pin:
+                qj = torch.where((top == i0 + j) & (top_sign != 0), top_sign * QMAX, qj)
             q[:, :, i0 + j] = qj
             e = (col - qj * s[..., 0]) / hb[:, j, j][:, None]
             wb[:, :, j:] -= e[:, :, None] * hb[:, j, j:][:, None, :]
@@ -81,17 +93,6 @@ def gptq_round(weight: torch.Tensor, hessian: torch.Tensor, scale: torch.Tensor)
     out = torch.empty_like(q)
     out.scatter_(2, order[:, None, :].expand(g, o, k), q)
     return out
-
-
-def _pin_largest(q: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Each channel's largest float weight set to +-127 (where GPTQ's updates moved it to 126):
-    the build then recovers the scale ``max|w| / 127`` from the rounded weights exactly."""
-    flat_q, flat_w = q.reshape(len(q), -1), weight.reshape(len(weight), -1)
-    top = np.abs(flat_w).argmax(axis=1)
-    rows = np.arange(len(flat_q))
-    live = np.abs(flat_w[rows, top]) > 0
-    flat_q[rows[live], top[live]] = np.sign(flat_w[rows[live], top[live]]) * QMAX
-    return flat_q.reshape(q.shape)
 
 
 class _Inputs:
@@ -107,11 +108,9 @@ class _Inputs:
         m = self.module
         if isinstance(m, nn.Linear):
             return x.reshape(1, -1, x.shape[-1])
-        if m.padding_mode != "zeros":
-            raise ValueError(f"padding mode {m.padding_mode!r}")
-        pad = m._reversed_padding_repeated_twice if isinstance(m.padding, str) else None
-        if pad is not None:
-            x, padding = F.pad(x, pad), 0
+        if m.padding_mode != "zeros" or isinstance(m.padding, str):   # as Conv2d._conv_forward pads
+            x = F.pad(x, m._reversed_padding_repeated_twice, mode="constant" if m.padding_mode == "zeros" else m.padding_mode)
+            padding = 0
         else:
             padding = m.padding
         cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=padding, stride=m.stride)  # [N, C*kh*kw, L]
@@ -126,7 +125,7 @@ class _Inputs:
         self.rows += cols.shape[1]
 
 
-def gptq_model(model: nn.Module, images: np.ndarray, layers: list[str]) -> tuple[nn.Module, dict]:
+def gptq_model(model: nn.Module, images: np.ndarray, layers: list[str]) -> tuple[nn.Module, dict, dict]:
     """A copy of ``model`` whose modules ``layers`` (``nn.Conv2d`` / ``nn.Linear`` paths) hold
     their GPTQ-rounded weights, on the int8 grid (``q * s``, as floats).
 
@@ -136,16 +135,27 @@ def gptq_model(model: nn.Module, images: np.ndarray, layers: list[str]) -> tuple
         layers: module paths to round (the build's int8 conv / linear layers).
 
     Returns:
-        ``(model copy, report)``: ``report`` = ``dict(rounded=[...], nearest={layer: reason},
-        moved={layer: share of weights GPTQ rounded away from the nearest integer})``.
+        ``(model copy, report, integers)``: ``report`` = ``dict(rounded=[...], nearest={layer:
+        reason}, moved={layer: share of weights GPTQ rounded away from the nearest integer})``;
+        ``integers``: ``{layer: int8 weights}`` (what the build must find again).
     """
     model = copy.deepcopy(model).eval()
     modules = dict(model.named_modules())
+    owners: dict = {}
+    for mod_name, m in modules.items():
+        if isinstance(getattr(m, "weight", None), torch.Tensor):
+            owners.setdefault(id(m.weight), []).append(mod_name)
     hooks, inputs, nearest = [], {}, {}
     for name in layers:
         m = modules.get(name)
         if not isinstance(m, (nn.Conv2d, nn.Linear)):
             nearest[name] = "not an nn.Conv2d / nn.Linear module"
+            continue
+        if not isinstance(m.weight, nn.Parameter) or parametrize.is_parametrized(m):
+            nearest[name] = "its weight is computed (weight norm, a parametrization)"
+            continue
+        if len(owners.get(id(m.weight), [])) > 1:
+            nearest[name] = f"its weight is shared with {[n for n in owners[id(m.weight)] if n != name]}"
             continue
         k = m.weight[0].numel()
         if k > MAX_COLUMNS:
@@ -160,10 +170,15 @@ def gptq_model(model: nn.Module, images: np.ndarray, layers: list[str]) -> tuple
     finally:
         for hk in hooks:
             hk.remove()
-    moved = {}
+    moved, integers = {}, {}
     for name, rec in list(inputs.items()):
         if rec.h is None:   # a module the forward did not call (an auxiliary head in eval mode)
             nearest[name] = "not run on the calibration images"
+            del inputs[name]
+            continue
+        k = rec.h.shape[-1]
+        if rec.rows < k:
+            nearest[name] = f"{rec.rows} input rows < {k} columns: give more calibration images"
             del inputs[name]
             continue
         m = rec.module
@@ -173,9 +188,9 @@ def gptq_model(model: nn.Module, images: np.ndarray, layers: list[str]) -> tuple
         o = w.shape[0]
         q = gptq_round(torch.from_numpy(w.reshape(g, o // g, -1)), rec.h,
                        torch.from_numpy(scale.reshape(g, o // g))).numpy().reshape(w.shape)
-        q = _pin_largest(q, w)
         nearest_q = np.clip(np.rint(w / scale.reshape((-1,) + (1,) * (w.ndim - 1))), -QMAX, QMAX)
         moved[name] = round(float(np.mean(q != nearest_q)), 4)
+        integers[name] = q.astype(np.int8)
         rounded = q * scale.reshape((-1,) + (1,) * (w.ndim - 1))
         m.weight.data = torch.from_numpy(rounded).to(m.weight.dtype)
-    return model, dict(rounded=sorted(inputs), nearest=nearest, moved=moved)
+    return model, dict(rounded=sorted(inputs), nearest=nearest, moved=moved), integers
