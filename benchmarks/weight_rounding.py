@@ -70,7 +70,7 @@ def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
 
     layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
     t0 = time.time()
-    rounded, report = gptq_model(model, photos, layers)
+    rounded, report, _ = gptq_model(model, photos, layers)
     gptq_s = time.time() - t0
     g2 = graph_of(rounded)
     return dict(model=name, size=size, calibration=config.calibration, unsigned_points=len(unsigned),

@@ -27,12 +27,15 @@ from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
 
 # model -> (image size, int8 layers, all layers, float ops left, logits SQNR floor in dB).  Measured
-# on this 2-core box (2026-11-26, unsigned activations; in brackets without them): alexnet 37.6 (36.2),
-# vgg16 27.1 (26.8), resnet18 31.0 (30.6), resnet50 30.7 (29.2), wide_resnet50_2 31.1 (29.1),
-# resnext50_32x4d 31.1 (27.7), regnet_x_400mf 31.4 (28.0), mobilenet_v2 24.5 (23.2), mobilenet_v3_small
-# 23.9 (24.0), efficientnet_b0 21.5 (21.5), shufflenet_v2_x1_0 18.7 (17.5), squeezenet1_0 31.5 (29.7),
-# googlenet 33.3 (28.9; max calibration, 27.7 percentile), inception_v3 23.2 (21.8), densenet121 32.4
-# (31.5), convnext_tiny 30.3 (30.3) dB.
+# on this 2-core box (2026-11-26, unsigned activations and GPTQ weights; in brackets unsigned with
+# nearest weights, then symmetric): alexnet 37.7 (37.6, 36.2), vgg16 27.7 (27.1, 26.8), resnet18 31.1
+# (31.0, 30.6), resnet50 30.4 (30.7, 29.2), wide_resnet50_2 31.1 (31.1, 29.1), resnext50_32x4d 31.1
+# (31.1, 27.7), regnet_x_400mf 31.6 (31.4, 28.0), mobilenet_v2 24.0 (24.5, 23.2), mobilenet_v3_small
+# 24.8 (23.9, 24.0), efficientnet_b0 21.0 (21.5, 21.5), shufflenet_v2_x1_0 19.6 (18.7, 17.5),
+# squeezenet1_0 30.5 (31.5, 29.7), googlenet 33.4 (33.3, 28.9; max calibration, 27.7 percentile),
+# inception_v3 23.3 (23.2, 21.8), densenet121 33.5 (32.4, 31.5), convnext_tiny 30.6 (30.3, 30.3) dB.
+# At 64 px most late layers see fewer input rows than columns and keep nearest rounding (GPTQ's
+# gains are at 224 px: docs/benchmarks.md, "GPTQ weight rounding").
 # "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms, lookup tables; the classifier's
 # global average pool is an int8 average pool where it is a mean that flattens into the
 # classifier); float ops are what stays float besides them: the flatten everywhere (AlexNet's and
@@ -106,7 +109,7 @@ def zoo_model(name: str) -> torch.nn.Module:
 
 # The default scheme (symmetric, weights to nearest) end to end too, on the models whose plans differ most: every
 # ReLU6 output unsigned (MobileNet-V2), the residual adds' inputs (ResNet-18), concats
-# (SqueezeNet), channel gathers (ShuffleNet).  Measured: 30.6, 23.2, 29.7, 17.5 dB.
+# (SqueezeNet), channel gathers (ShuffleNet).  Measured: 30.6, 23.2, 29.9, 17.5 dB.
 SYMMETRIC_CHECK = ("resnet18", "mobilenet_v2", "squeezenet1_0", "shufflenet_v2_x1_0")
 
 
