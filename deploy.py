@@ -18,7 +18,7 @@ import time
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float, positive_int as _positive
 from tvm_qconv.compare.baselines import BASELINE_KEYS
-from tvm_qconv.config import ACCURACY_TARGET_DB, CALIBRATIONS, PRESETS
+from tvm_qconv.config import ACCURACY_TARGET_DB, CALIBRATIONS, PRESETS, WEIGHT_ROUNDINGS
 from tvm_qconv.errors import InputError
 
 EXIT_UNVERIFIED = 3  # built, but its outputs disagree with the float model's (2: bad input)
@@ -62,7 +62,7 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
     b.add_argument("--bias-correction", action="store_const", const=True, default=None,
                    help="correct each conv / linear bias for its int8 weights' mean error on the calibration images")
-    b.add_argument("--weight-rounding", choices=["nearest", "gptq"], default=None,
+    b.add_argument("--weight-rounding", choices=WEIGHT_ROUNDINGS, default=None,
                    help="round int8 weights to nearest (default), or by GPTQ: column by column so that each layer's "
                         "output on the calibration images moves least")
     b.add_argument("--unsigned-activations", action="store_const", const=True, default=None,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -35,8 +34,8 @@ from tests.test_zoo import ZOO, zoo_config, zoo_model  # noqa: E402
 from tvm_qconv.calibrate import FloatPoints, calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
-from tvm_qconv.frontend import export_to_relax, simplify  # noqa: E402
-from tvm_qconv.graph import analyze  # noqa: E402
+from tvm_qconv.fileio import write_json  # noqa: E402
+from tvm_qconv.quantize import float_graph  # noqa: E402
 from tvm_qconv.range_search import FakeQuantModel  # noqa: E402
 
 
@@ -51,8 +50,7 @@ def never_negative(graph, images: np.ndarray) -> set[str]:
 
 def simulate(name: str, size: int, images: int, verify_images: int, calibration: str | None = None) -> dict:
     model = zoo_model(name)
-    mod, names = export_to_relax(model, (1, 3, size, size))
-    graph = analyze(simplify(mod)["main"], names)
+    graph = float_graph(model, (1, 3, size, size))
     photos = skimage_photos(size)[:images]
     config = zoo_config(name, images)
     if calibration is not None:
@@ -99,9 +97,7 @@ def main(argv=None):
               f"{row['weights_acts_unsigned_db'] - row['weights_acts_signed_db']:+.2f} |", flush=True)
         res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="python " + " ".join(sys.argv),
                    images=args.images, verify_images=args.verify_images, rows=rows)
-        with open(path + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, res, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,10 @@ Writes ``<out>/weight_rounding_<size>px.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,11 +32,11 @@ from tests.test_zoo import ZOO, zoo_config, zoo_model  # noqa: E402
 from tvm_qconv.calibrate import calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
-from tvm_qconv.frontend import export_to_relax, simplify  # noqa: E402
-from tvm_qconv.graph import analyze  # noqa: E402
 from tvm_qconv.range_search import FakeQuantModel  # noqa: E402
 from tvm_qconv.weight_rounding import gptq_model  # noqa: E402
-from tvm_qconv.zero_points import may_run_int8, planned_unsigned  # noqa: E402
+from tvm_qconv.fileio import write_json  # noqa: E402
+from tvm_qconv.quantize import float_graph  # noqa: E402
+from tvm_qconv.zero_points import may_run_int8, planned_unsigned_names  # noqa: E402
 
 # activations left float: a step of 1e-30 (float32's rounding is coarser) out to +-1e8
 FLOAT_AMAX, FLOAT_LEVELS = 1e8, 1e38
@@ -47,16 +45,12 @@ FLOAT_AMAX, FLOAT_LEVELS = 1e8, 1e38
 def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
     model = zoo_model(name)
 
-    def graph_of(m):
-        mod, names = export_to_relax(m, (1, 3, size, size))
-        return analyze(simplify(mod)["main"], names)
-
-    graph = graph_of(model)
+    graph = float_graph(model, (1, 3, size, size))
     photos = skimage_photos(size)[:images]
     config = zoo_config(name, images)
     candidates, _ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
     amax = {p: c[config.calibration] for p, c in candidates.items()}
-    unsigned = {graph.points[v] for v in planned_unsigned(graph, config) if v in graph.points}
+    unsigned = planned_unsigned_names(graph, config)
     check = photos[:verify_images]
     with torch.no_grad():
         ref = model(torch.from_numpy(check)).numpy()
@@ -72,7 +66,7 @@ def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
     t0 = time.time()
     rounded, report, _ = gptq_model(model, photos, layers)
     gptq_s = time.time() - t0
-    g2 = graph_of(rounded)
+    g2 = float_graph(rounded, (1, 3, size, size))
     return dict(model=name, size=size, calibration=config.calibration, unsigned_points=len(unsigned),
                 acts_db=db(graph, False, True), weights_db=db(graph, True, False), both_db=db(graph, True, True),
                 gptq_weights_db=db(g2, False, False), gptq_both_db=db(g2, False, True),
@@ -102,9 +96,7 @@ def main(argv=None):
               f"{row['gptq_weights_db']} | {row['gptq_both_db']} |", flush=True)
         res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command="python " + " ".join(sys.argv),
                    images=args.images, verify_images=args.verify_images, rows=rows)
-        with open(path + ".tmp", "w") as f:
-            json.dump(res, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(path, res, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ from .artifact import ARTIFACT_VERSION, save_artifact
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import export_to_relax, load_model, simplify, weights_digest
-from .graph import analyze
-from .quantize import dump_ir, quantize_module
+from .frontend import load_model, weights_digest
+from .quantize import dump_ir, float_graph, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
@@ -230,7 +229,7 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         dq, dex, dparams, *_ = _compile(q.model, tgt, debug, dataclasses.replace(config, weight_rounding="nearest"),
                                         GivenRanges(q.amax), progress=False)
         # against the float model's own activations (with GPTQ, dq.graph is the rounded model's)
-        reference = dq.graph if q.model is model else _graph_at_batch1(model, options)
+        reference = dq.graph if q.model is model else float_graph(model, (1, *options.input_shape[1:]))
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], reference, images)
         result["layers"] = layers
         result["losses"] = verify_mod.losses(layers, dq.report["exposed"])
@@ -238,12 +237,6 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         result["first_bad_layer"] = next((ly["layer"] for ly in layers if ly["sqnr_db"] < options.verify_floor_db),
                                          None)
     return result
-
-
-def _graph_at_batch1(model, options: BuildOptions):
-    """The float model's analysis at batch 1 (the per-layer twin's shape)."""
-    mod, names = export_to_relax(model, (1, *options.input_shape[1:]))
-    return analyze(simplify(mod)["main"], names)
 
 
 def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions | None = None,

@@ -18,7 +18,7 @@ from tvm import relax
 
 from .config import QuantConfig
 from .data import static_batches
-from .zero_points import planned_unsigned
+from .zero_points import planned_unsigned_names
 from .errors import InputError
 from .graph import Graph
 from .observers import make_observer
@@ -98,7 +98,7 @@ def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, 
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
                          "give images of the model's input size")
     points = FloatPoints(graph)
-    unsigned = {graph.points[v] for v in planned_unsigned(graph, config) if v in graph.points}   # their grid: 255 steps
+    unsigned = planned_unsigned_names(graph, config)   # their grid: 255 steps
     observers = {n: {m: make_observer(m, config.percentile, 255 if n in unsigned else 127) for m in methods}
                  for n in points.names}
     sums: dict = {}

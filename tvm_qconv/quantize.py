@@ -70,6 +70,12 @@ def check_skip(graph: Graph, config: QuantConfig) -> None:
                          f"conv and linear layers are {listed[:12]}{' ...' if len(listed) > 12 else ''}")
 
 
+def float_graph(model, input_shape: tuple) -> Graph:
+    """The analysis of ``model``'s float graph at ``input_shape`` (exported, BatchNorms folded)."""
+    mod, names = export_to_relax(model, input_shape)
+    return analyze(simplify(mod)["main"], names)
+
+
 def check_rounded(graph: Graph, integers: dict) -> None:
     """The folded graph's weights, rounded to nearest as the pass will, give GPTQ's integers.
 
@@ -78,7 +84,7 @@ def check_rounded(graph: Graph, integers: dict) -> None:
     """
     weights = {ly.name: ly.weight for ly in graph.layers if ly.weight is not None}
     for name, q in integers.items():
-        if name in weights and not np.array_equal(quantize_weight_per_channel(weights[name])[0], q.reshape(weights[name].shape)):
+        if name not in weights or not np.array_equal(quantize_weight_per_channel(weights[name])[0], q):
             raise RuntimeError(f"GPTQ: {name}'s rounded weights were not found again after export and folding")
 
 
@@ -110,8 +116,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     def graph_at_batch1() -> Graph:
         if input_shape[0] == 1:
             return graph
-        one, one_names = export_to_relax(model, (1, *input_shape[1:]))
-        return analyze(simplify(one)["main"], one_names)
+        return float_graph(model, (1, *input_shape[1:]))
 
     ranges = ranges if ranges is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress)

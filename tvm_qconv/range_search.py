@@ -115,11 +115,10 @@ class FakeQuantModel:
             vm, scalars = self._float, []
         else:
             vm, scalars = self._quant, []
-            grid = levels
             for n in self.names:
-                levels = grid if grid is not None else 255.0 if n in unsigned else 127.0
-                scalars += [tvm.runtime.tensor(np.array(max(amax[n], 1e-30) / levels, np.float32), tvm.cpu()),
-                            tvm.runtime.tensor(np.array(levels, np.float32), tvm.cpu())]
+                grid = levels if levels is not None else 255.0 if n in unsigned else 127.0
+                scalars += [tvm.runtime.tensor(np.array(max(amax[n], 1e-30) / grid, np.float32), tvm.cpu()),
+                            tvm.runtime.tensor(np.array(grid, np.float32), tvm.cpu())]
         out = []
         for n, x in static_batches(images, self.batch):
             out.append(vm["main"](tvm.runtime.tensor(x, tvm.cpu()), *scalars).numpy()[:n])

@@ -21,7 +21,7 @@ import numpy as np
 from tvm import relax
 
 from . import range_search
-from .zero_points import planned_unsigned
+from .zero_points import planned_unsigned_names
 from .calibrate import calibrate_candidates
 from .config import OBSERVERS, QuantConfig
 from .data import load_calibration_images
@@ -65,7 +65,7 @@ class Calibrate:
         methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
         candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
         if cfg.calibration == "search":
-            unsigned = {graph.points[v] for v in planned_unsigned(graph, cfg) if v in graph.points}  # rounded as the build will
+            unsigned = planned_unsigned_names(graph, cfg)  # rounded as the build will
             amax, report["search"] = range_search.search(graph, images, candidates, progress=ctx.progress,
                                                          unsigned=unsigned)
         else:

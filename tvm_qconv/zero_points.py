@@ -65,6 +65,11 @@ def planned_unsigned(graph: Graph, config) -> set:
     return unsigned_points(graph, lambda ly: may_run_int8(ly, config))
 
 
+def planned_unsigned_names(graph: Graph, config) -> set:
+    """The point names of :func:`planned_unsigned` (the tensors calibrated on the 255-step grid)."""
+    return {graph.points[v] for v in planned_unsigned(graph, config) if v in graph.points}
+
+
 def unsigned_points(graph: Graph, may_run_int8) -> set:
     """The float graph's vars whose int8 tensor is unsigned: never negative by construction and
     read only by layers that take an unsigned tensor.
