@@ -40,8 +40,8 @@ class ConvWorkload:
         in_zero: the input's zero point: 0 (symmetric) or -128 (an unsigned input, 0..255
             stored minus 128; ``requantize.UNSIGNED_ZERO``).  The kernel's padding reads it (a
             padded tap is a real zero); the accumulator's ``-in_zero * sum(w)`` is the bias's.
-            Only depthwise kernels pad with it: the dense families' padding is the tensor cores'
-            zero-fill (cp.async, TMA), so an unsigned input there must need no padding.
+            A family whose padding cannot be that value (wgmma: TMA's out-of-bounds fill is 0)
+            adds the padding's share through a bias per border class (``border_bias.py``).
     """
 
     batch: int
@@ -87,9 +87,6 @@ class ConvWorkload:
                              f"({self.act_min}, {self.act_max})")
         if self.in_zero not in (0, UNSIGNED_ZERO):
             raise ValueError(f"in_zero must be 0 or {UNSIGNED_ZERO}, got {self.in_zero}")
-        if self.in_zero and any(self.padding) and not self.is_depthwise:
-            raise ValueError(f"an unsigned input (in_zero {self.in_zero}) needs a depthwise or unpadded conv: "
-                             f"this one pads {self.padding} with zeros")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -140,6 +137,11 @@ class ConvWorkload:
         u = " u8" if self.in_zero else ""
         return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
                 f"@{self.height}x{self.width} b{self.batch}")
+
+    @property
+    def pads_with_zero_point(self) -> bool:
+        """The padding must read a nonzero zero point (an unsigned input of a padded conv)."""
+        return bool(self.in_zero) and any(self.padding)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -123,8 +123,9 @@ def test_unsigned_tensors_keep_their_zero_point_through_a_shuffle_its_pieces_rea
                                 options=BuildOptions(image_size=SIZE, accuracy_target_db=99),  # 99: per-layer SQNR
                                 config=QuantConfig(num_calib_images=4, unsigned_activations=u),
                                 ranges=Calibrate(skimage_photos(SIZE)[:4])).report for u in (False, True)}
+    # (head.in0: the float global mean of a never-negative tensor, the linear layer's input)
     assert reports[True]["unsigned"] == [
-        "concat_0.in0", "concat_0.out", "concat_1.in0", "concat_1.out", "stem.0.out", "units.0.branch.0.in0",
+        "concat_0.in0", "concat_0.out", "concat_1.in0", "concat_1.out", "head.in0", "stem.0.out", "units.0.branch.0.in0",
         "units.0.branch.0.out", "units.0.branch.3.out", "units.1.branch.0.in0", "units.1.branch.0.out",
         "units.1.branch.3.out"]
     layer = {u: {r["layer"]: r["sqnr_db"] for r in reports[u]["verify"]["layers"]} for u in (False, True)}

@@ -39,9 +39,12 @@ CONV_WORKLOADS = [
     W("none", batch=1, in_channels=9, height=7, width=6, out_channels=6, groups=3, stride=(2, 2)),
     W("clip", 0, 100, batch=1, in_channels=12, height=9, width=9, out_channels=12, groups=12, dilation=(2, 2),
       padding=(2, 2, 2, 2)),
+    # an unsigned input (zero point -128): the padding reads -128, its real zero
+    W("relu", batch=1, in_channels=8, height=6, width=5, out_channels=12, padding=(0, 1, 2, 1), in_zero=-128),
+    W("none", batch=1, in_channels=9, height=7, width=6, out_channels=6, groups=3, stride=(2, 2), in_zero=-128),
 ]
 CONV_IDS = ["3to8", "odd_stride_dilation", "1x1_norelu", "7x7_s2_stem", "asym_pad_norelu", "groups2_aligned",
-            "groups3_padded_s2", "depthwise_d2_clip"]
+            "groups3_padded_s2", "depthwise_d2_clip", "u8_asym_pad", "u8_groups3_s2"]
 
 
 def run(func, *arrays, out_shape, out_dtype):
@@ -90,7 +93,7 @@ def test_grouped_conv_reference_matches_float64_grouped_convolution(wl):
                                  pack_channels(one, groups=wl.groups), pack_channels(one * 0 + 30, fill=1,
                                                                                        groups=wl.groups))
     pt, pl, pb, pr = wl.padding
-    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)), constant_values=wl.in_zero)
     acc = torch.nn.functional.conv2d(torch.from_numpy(xp), torch.from_numpy(w.astype(np.float64)), stride=wl.stride,
                                      dilation=wl.dilation, groups=wl.groups).numpy()
     np.testing.assert_array_equal(unpack_output_groups(got, wl.out_channels, wl.groups),

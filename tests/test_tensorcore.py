@@ -34,8 +34,12 @@ WORKLOADS = [
     conv_wl(1, 32, 12, 12, 32, dilation=(2, 2), padding=(2, 2, 2, 2)),
     conv_wl(3, 24, 7, 7, 96, kernel=(5, 5), padding=(2, 2, 2, 2)),
     ConvWorkload.with_activation("clip", 0, 80, batch=1, in_channels=32, height=8, width=8, out_channels=32),
+    # an unsigned input (zero point -128): the gather's padding is -128 (the copy's fill word)
+    ConvWorkload.with_activation("relu", batch=2, in_channels=40, height=9, width=11, out_channels=64,
+                                 padding=(1, 2, 1, 0), stride=(2, 1), in_zero=-128),
 ]
-IDS = ["20to40_7x7_b2", "40to64_asym_pad_norelu", "s2_b2", "1x1_40out", "dilation2", "5x5_b3", "clip_0_80"]
+IDS = ["20to40_7x7_b2", "40to64_asym_pad_norelu", "s2_b2", "1x1_40out", "dilation2", "5x5_b3", "clip_0_80",
+       "u8_asym_pad_s2"]
 
 
 def args_of(wl, seed=0):

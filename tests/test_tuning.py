@@ -330,9 +330,10 @@ def test_apply_schedules_exactly_the_tuned_kernel_and_the_model_builds(small_int
 
 
 def test_an_unsigned_activations_kernel_takes_its_symmetric_twins_schedule(small_int8, tmp_path):
-    # tune.py tunes the symmetric build; the unsigned build's last conv (its ReLU output read only
-    # through the classifier: zero point -128, clamp [-128, 127]) differs in that constant alone
-    # and takes the same record (tuning/apply.py: symmetric_twin)
+    # tune.py tunes the symmetric build; in the unsigned build the 32->32 conv (used twice) reads and
+    # writes unsigned tensors (zero point -128: its padding reads it, its clamp is [-128, 127]),
+    # which changes those constants alone, so it takes the same record (tuning/apply.py: symmetric_twin)
+    from tvm_qconv.tuning.apply import symmetric_twin
     model, _, tasks = small_int8
     commit(tmp_path, tasks[3], [5e-6])                     # 32->32 3x3 @16x16, used twice
     images = np.random.default_rng(0).normal(size=(4, 3, SIZE, SIZE)).astype(np.float32)
@@ -342,12 +343,12 @@ def test_an_unsigned_activations_kernel_takes_its_symmetric_twins_schedule(small
     qmod = LiftConstantsToParams()(q.mod)
     convs = {gv.name_hint: ConvWorkload.of(f) for gv, f in qmod.functions.items()
              if registry.of_func(f) is not None and registry.of_func(f).op == "conv2d"}
-    (last,) = [n for n, wl in convs.items() if wl.act_min == -128]
+    (same,) = [n for n, wl in convs.items() if wl.in_channels == wl.out_channels == 32]   # one kernel, twice
+    assert (convs[same].in_zero, convs[same].act_min) == (-128, -128)
     assert tvm_ffi.structural_equal(tasks[3].func, task_func(registry.get("conv2d.nchw4c.dp4a").compute(
-        __import__("tvm_qconv.tuning.apply", fromlist=["x"]).symmetric_twin(convs[last]))))
+        symmetric_twin(convs[same]))))
     mod, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA)
-    assert {n for n, wl in convs.items() if wl.out_channels == 32 and wl.in_channels == 32} == set(tuned)
-    assert last in tuned and mod[last].attrs["tir.is_scheduled"]
+    assert {same} == set(tuned) and mod[same].attrs["tir.is_scheduled"]
     with CUDA:
         tvm.compile(ScheduleInt8Kernels(CUDA)(mod), target=CUDA)
 

@@ -68,12 +68,38 @@ def test_quantize_rows_of_an_unsigned_input_pads_k_with_zeros():
 
 # ---- kernels -----------------------------------------------------------------------------
 
-def test_an_unsigned_input_to_a_padded_dense_conv_is_refused():
-    # the tensor-core families pad by hardware zero-fill (cp.async, TMA): they cannot read -128 there
-    with pytest.raises(ValueError, match="depthwise or unpadded"):
-        ConvWorkload(1, 8, 4, 4, 8, kernel=(3, 3), padding=(1, 1, 1, 1), in_zero=Z)
-    ConvWorkload(1, 8, 4, 4, 8, kernel=(1, 1), padding=(0, 0, 0, 0), in_zero=Z)            # 1x1: no padding
-    ConvWorkload(1, 8, 4, 4, 8, kernel=(3, 3), padding=(1, 1, 1, 1), groups=8, in_zero=Z)  # depthwise
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_padded_conv_reads_the_zero_point_in_its_padding_so_the_bias_fold_is_exact(groups):
+    # every conv family pads an unsigned input with -128 (v = 0): the kernel's sum of q = v - 128
+    # plus 128 * sum(w) is the conv of v with zero padding at every pixel, border included
+    from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8_ref, pack_channels, pack_input_groups,
+                                                   pack_oihw4o4i)
+    wl = ConvWorkload.with_activation("none", batch=1, in_channels=6, height=7, width=5, out_channels=9,
+                                      stride=(2, 1), padding=(1, 2, 0, 1), groups=groups, out_dtype="int32",
+                                      in_zero=Z)
+    v = RNG.integers(0, 256, (1, 6, 7, 5))
+    w = RNG.integers(-127, 128, (9, 6 // groups, 3, 3))
+    acc = conv2d_nchw4c_int8_ref(wl, pack_input_groups(v - 128, groups), pack_oihw4o4i(w, groups))
+    acc_v = conv2d_nchw4c_int8_ref(dataclasses.replace(wl, in_zero=0), pack_input_groups(v, groups),
+                                   pack_oihw4o4i(w, groups))
+    fold = pack_channels(128 * w.reshape(9, -1).sum(axis=1), groups=groups)
+    np.testing.assert_array_equal(acc + fold[None, :, None, None, :], acc_v)
+
+
+def test_a_padded_conv_of_an_unsigned_input_keeps_the_family_a_symmetric_one_gets():
+    # mma.sync's gather pads with -128; wgmma's TMA pads with 0, so its bias becomes a table per
+    # border class (schedules/border_bias.py): 9 rows for a 3x3 conv with padding 1
+    from tvm_qconv import registry
+    from tvm_qconv.target import TargetInfo, make_target
+    target = TargetInfo.from_target(make_target("cuda", "sm_90a"))
+    for batch, family in ((64, "conv2d.nhwc32.wgmma"), (1, "conv2d.nhwc32.mma")):
+        wl = ConvWorkload.with_activation("relu", batch=batch, in_channels=256, height=56, width=56, out_channels=256)
+        unsigned = dataclasses.replace(wl, in_zero=Z)
+        assert registry.select("conv2d", wl, target).name == registry.select("conv2d", unsigned, target).name == family
+        w = RNG.integers(-127, 128, (256, 256, 3, 3)).astype(np.int8)
+        bias = registry.get(family).pack_params(unsigned, w, np.zeros(256, np.int32), np.ones(256, np.int32),
+                                                np.ones(256, np.int32))[1]
+        assert bias.shape == ((9, 256) if family.endswith("wgmma") else (256,))
 
 
 @pytest.mark.parametrize("padding,stride", [((1, 1, 1, 1), (1, 1)), ((0, 0, 1, 1), (2, 2))], ids=["p1", "asym_s2"])
@@ -207,14 +233,16 @@ def builds(tmp_path_factory):
 
 
 def test_the_plan_makes_unsigned_what_every_reader_can_take(builds):
-    # stem, expand, dw outputs: read by 1x1 / depthwise convs; conv's: by the average pool, whose
-    # output reaches the linear layer through a flatten.  project's output feeds a max pool whose
-    # output (the same integers) a padded 3x3 conv reads: both stay symmetric.
-    assert builds[True]["unsigned"] == ["avg_pool2d_0.out", "conv.out", "dw.out", "expand.out", "fc.in0", "stem.out"]
+    # stem, expand, dw outputs: read by 1x1 / depthwise convs; project's: by a max pool whose output
+    # (the same integers, conv.in0) a padded 3x3 conv reads, its padding -128; conv's: by the
+    # average pool, whose output reaches the linear layer through a flatten
+    assert builds[True]["unsigned"] == ["avg_pool2d_0.out", "conv.in0", "conv.out", "dw.out", "expand.out", "fc.in0",
+                                        "project.out", "stem.out"]
     assert builds[False]["unsigned"] == []
     kinds = {r["layer"]: r for r in builds[True]["layers"]}
     assert kinds["stem"]["kind"] == "conv2d+bias+clip[-128,127]"      # ReLU at zero point -128
-    assert kinds["project"]["kind"] == "conv2d+bias+relu" and kinds["project"]["shape"].endswith("u8 @32x32 b1")
+    assert kinds["project"]["kind"] == "conv2d+bias+clip[-128,127]" and kinds["project"]["shape"].endswith("u8 @32x32 b1")
+    assert kinds["conv"]["shape"].endswith("u8 @16x16 b1")              # the padded 3x3 conv reads it
 
 
 def test_unsigned_tensors_halve_the_rounding_step_and_the_logits_gain(builds):
@@ -244,8 +272,9 @@ def test_onnx_export_writes_zero_point_minus_128_where_the_library_keeps_a_tenso
     model = onnx.load(str(tmp_path / "m.onnx"))
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     zeros = [int(init[n.input[2]]) for n in model.graph.node if n.op_type == "QuantizeLinear"]
-    # stem, expand, dw and conv outputs, the average pool's and the linear layer's input: the six of the plan
-    assert zeros.count(-128) == len(lib.report["unsigned"]) == 6
+    # stem, expand, dw, project, max pool and conv outputs, the average pool's and the linear layer's
+    # input: the eight of the plan
+    assert zeros.count(-128) == len(lib.report["unsigned"]) == 8
     so = ort.SessionOptions()
     so.log_severity_level = 3
     # without it ONNX Runtime's x86 path rewrites the int8 Q/DQ pairs to uint8 and, at zero
@@ -261,10 +290,10 @@ def test_onnx_export_writes_zero_point_minus_128_where_the_library_keeps_a_tenso
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,unsigned_outputs", [("MobileBlock", 5), ("Joins", 6)])
+@pytest.mark.parametrize("model,unsigned_outputs", [("MobileBlock", 7), ("Joins", 6)])
 def test_cuda_build_of_unsigned_tensors_equals_the_cpu_build_integer_for_integer(model, unsigned_outputs, tmp_path):
     # MobileBlock: the tensor-core 1x1 convs reading u8 (bias fold), the NHWC32 depthwise padding
-    # with -128, the average pool's zero points; Joins: the concat, affine, add and table kernels
+    # with -128, the padded 3x3 conv's gather filling -128, the average pool's zero points; Joins: the concat, affine, add and table kernels
     # with zero points under their CUDA schedules; each against the llvm build
     from tvm_qconv import registry
     from tvm_qconv.runtime import CompiledModel

@@ -12,12 +12,14 @@ import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from tests.test_tensorcore import IDS, WORKLOADS, args_of
-from tests.workloads import conv_wl, slow_requantize_args
+from tests.test_tensorcore import IDS, WORKLOADS, args_of, run_llvm
+from tests.workloads import conv_wl, random_conv_args, slow_requantize_args
 from tvm_qconv import registry
+from tvm_qconv.schedules import border_bias
 from tvm_qconv.schedules.tensorcore.conv2d import gemm_shape
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32, ceil32
 from tvm_qconv.schedules.wgmma import conv2d, space
+from tvm_qconv.schedules.workload import ConvWorkload
 from tvm_qconv.tuning.tasks import task_func
 from tvm_qconv.target import TargetInfo, cuda_source, device_arch, make_target
 
@@ -350,6 +352,33 @@ def test_a_database_that_measured_wgmma_fastest_builds_it_with_its_tile(tmp_path
 
 WGMMA_WLS = WORKLOADS + [conv_wl(16, 128, 28, 28, 256), conv_wl(8, 512, 14, 14, 512)]
 WGMMA_IDS = IDS + ["ping_pong_392_tiles", "64x256_tile"]
+MMA = registry.get("conv2d.nhwc32.mma")
+# padded convs of an unsigned input (zero point -128), which TMA pads with 0: 3x3 s2x1 with
+# asymmetric padding (tests/test_tensorcore.py), a 5x5 wider than its 3-column image (every
+# column its own border class), dilation 2 with stride 2
+UNSIGNED_PADDED = [wl for wl in WORKLOADS if wl.pads_with_zero_point] + [
+    ConvWorkload.with_activation("relu", batch=1, in_channels=32, height=5, width=3, out_channels=32, kernel=(5, 5),
+                                 padding=(2, 2, 2, 2), in_zero=-128),
+    ConvWorkload.with_activation("none", batch=2, in_channels=16, height=9, width=9, out_channels=40,
+                                 dilation=(2, 2), padding=(2, 2, 2, 2), stride=(2, 2), in_zero=-128)]
+
+
+def wgmma_args(wl, seed=0):
+    x, w, bias, mult, shift = random_conv_args(wl, seed)
+    return [NHWC32.pack(x)] + IMPL.pack_params(wl, w, bias, mult, shift)
+
+
+@pytest.mark.parametrize("wl", UNSIGNED_PADDED, ids=["3x3_s2x1_asym", "5x5_on_3_columns", "d2_s2"])
+def test_the_bias_per_border_class_gives_what_padding_with_the_zero_point_gives(wl):
+    # wgmma's form (pads with 0, a bias table per border class) against mma.sync's (pads with
+    # -128, one bias): the same integers, in the references and in the compute definition on llvm
+    args = wgmma_args(wl, seed=3)
+    table = border_bias.bias_table(wl, random_conv_args(wl, 3)[1], random_conv_args(wl, 3)[2])
+    assert args[2].shape == (border_bias.table_rows(wl), ceil32(wl.out_channels)) and len(np.unique(table, axis=0)) > 1
+    ref = MMA.reference(wl, *args_of(wl, seed=3))
+    assert 0.05 < (ref != 0).mean()
+    np.testing.assert_array_equal(IMPL.reference(wl, *args), ref)
+    np.testing.assert_array_equal(run_llvm(IMPL.compute(wl), args, IMPL.out_shape(wl)), ref)
 
 
 @pytest.mark.parametrize("wl", WGMMA_WLS, ids=WGMMA_IDS)
@@ -370,7 +399,9 @@ def test_cuda_code_compiles_for_sm_90a_without_spills(tmp_path):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found: CUDA source built, not compiled")
-    for i, wl in enumerate((conv_wl(64, 256, 56, 56, 256), conv_wl(64, 512, 14, 14, 512))):
+    u8 = ConvWorkload.with_activation("relu", batch=64, in_channels=256, height=56, width=56, out_channels=256,
+                                      in_zero=-128)   # the border-class bias table in the epilogue
+    for i, wl in enumerate((conv_wl(64, 256, 56, 56, 256), conv_wl(64, 512, 14, 14, 512), u8)):
         cu = tmp_path / f"k{i}.cu"
         cu.write_text(cuda_source(registry.compile_kernel(IMPL, wl, SM90A)))
         done = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / f"k{i}.cubin"), str(cu),
@@ -380,8 +411,9 @@ def test_cuda_code_compiles_for_sm_90a_without_spills(tmp_path):
         # of the 256->256 layer spill (24 bytes, at the 168-register launch bound of 384
         # threads; its measured speed includes them); an accumulator set would be >= 256 bytes.
         log = done.stdout + done.stderr
+        # The border-class table's indices cost the unsigned layer 16 bytes more (40, measured).
         spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", log)]
-        assert spills and max(spills) <= 32, log[-2000:]
+        assert spills and max(spills) <= (64 if wl.pads_with_zero_point else 32), log[-2000:]
 
 
 def test_a_module_of_wgmma_and_s_tir_kernels_compiles():
@@ -418,17 +450,21 @@ def test_a_model_builds_for_sm_90a_with_wgmma_and_mma_layers_side_by_side(tmp_pa
 # ----------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wl", WGMMA_WLS + [conv_wl(64, 512, 14, 14, 512)], ids=WGMMA_IDS + ["512@14_b64"])
+@pytest.mark.parametrize("wl", WGMMA_WLS + [conv_wl(64, 512, 14, 14, 512), UNSIGNED_PADDED[2],
+                                ConvWorkload.with_activation("relu", batch=64, in_channels=256, height=28, width=28,
+                                                             out_channels=256, in_zero=-128)],
+                         ids=WGMMA_IDS + ["512@14_b64", "u8_d2_s2", "u8_256@28_b64"])
 def test_wgmma_kernel_on_gpu_is_bit_exact(wl):
     arch = device_arch()
     if arch != "sm_90":
         pytest.skip(f"wgmma needs an sm_90 GPU (H100 / H200), this one is {arch}")
     lib = registry.compile_kernel(IMPL, wl, SM90A)
     dev = tvm.cuda(0)
-    args = args_of(wl, seed=1)
+    args = wgmma_args(wl, seed=1)
     out = tvm.runtime.tensor(np.full(IMPL.out_shape(wl), 77, np.int8), dev)  # poisoned
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), IMPL.reference(wl, *args))
+    np.testing.assert_array_equal(out.numpy(), MMA.reference(wl, *args_of(wl, seed=1)))  # the same layer
 
 
 @pytest.mark.gpu

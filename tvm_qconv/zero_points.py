@@ -7,13 +7,14 @@ same int8 buffers and dp4a / mma.sync / wgmma kernels as before, because the zer
 into the reader's bias (a conv reads ``q + 128``: its accumulator gains ``128 * sum(w)`` per output
 channel, a constant).
 
-Where it cannot fold -- a padded conv, whose padding must read the zero point -- the padding is
-the kernel's: depthwise kernels pad with it, but the dense families' padding is the tensor cores'
-hardware zero-fill (cp.async, TMA), which has no other value.  So a tensor is unsigned only when
-every layer that reads it can take it:
+A padded conv's padding must read the zero point (a padded tap is a real zero): every conv kernel
+pads with ``ConvWorkload.in_zero`` -- dp4a's and the CPU's padding stage, the depthwise kernels,
+the mma.sync gather's predicated copy (its fill word, ``tensorcore/pipeline.py``) -- except the
+wgmma family's TMA gather, whose out-of-bounds fill is 0: its bias is then a table per border
+class that adds what -128 in the padding would have (``schedules/border_bias.py``).  So a tensor
+is unsigned when every layer that reads it can take it:
 
-- a conv that is depthwise or has no padding (1x1 convs, the projections and expansions of
-  MobileNet-style blocks);
+- a conv (any padding, groups, stride);
 - a max / average pool, a channel gather (ShuffleNet's shuffle and split);
 - a residual add, a concatenation, an affine layer (DenseNet's BatchNorm), a lookup table: each
   subtracts the zero point from its input (or folds it into its offset, or its table);
@@ -32,8 +33,11 @@ from .graph import Graph
 # Layers whose output can be unsigned: a conv whose activation is a ReLU / ReLU6 (clip at >= 0),
 # and the ops that keep a never-negative input never negative.
 PASS_THROUGH = ("max_pool2d", "channels")     # the same integers, zero point and scale as the input
-READERS = ("max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut")
-SHAPE_OPS = ("relax.reshape", "relax.flatten")    # float ops that keep a never-negative tensor so
+READERS = ("conv2d", "max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut")
+# float ops that keep a never-negative tensor so: shapes, and the pools a model leaves float (VGG16's
+# and AlexNet's adaptive average pool before the classifier, ShuffleNet's global mean)
+NONNEG_FLOAT_OPS = ("relax.reshape", "relax.flatten", "relax.nn.adaptive_avg_pool2d", "relax.mean", "relax.nn.avg_pool2d",
+             "relax.nn.max_pool2d")
 
 
 def never_negative_activation(ly) -> bool:
@@ -45,10 +49,6 @@ def reads_unsigned(ly) -> bool:
     """``ly``'s int8 kernel can read an unsigned input (the module docstring's list)."""
     if ly.reason_float:   # kept float by the analysis (e.g. a weight computed at run time): reads the dequantized tensor
         return True
-    if ly.kind == "conv2d":
-        groups = int(ly.call.attrs.groups)
-        depthwise = groups > 1 and ly.weight.shape[1] == 1
-        return depthwise or not any(int(p) for p in ly.call.attrs.padding)
     return ly.kind in READERS
 
 
@@ -75,8 +75,8 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
     read only by layers that take an unsigned tensor.
 
     Never negative: a conv's, linear layer's, add's or affine layer's output after a ReLU / ReLU6,
-    a pool, channel gather or concatenation of such tensors, a reshape / flatten of one (the
-    classifier's input).
+    a pool, channel gather or concatenation of such tensors, a reshape / flatten or float pool of
+    one (the classifier's input).
 
     Args:
         graph: the analysis (``graph.analyze``).
@@ -106,7 +106,7 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
             positive = False
         else:
             op = getattr(b.value.op, "name", None) if isinstance(b.value, relax.Call) else None
-            positive = op in SHAPE_OPS and b.value.args[0] in nonneg
+            positive = op in NONNEG_FLOAT_OPS and b.value.args[0] in nonneg
         if positive:
             nonneg.add(var)
     # A tensor with no int8 point of its own is one a gather reads through (a channel shuffle whose

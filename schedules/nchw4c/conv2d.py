@@ -112,7 +112,7 @@ def conv2d_nchw4c_int8_ref(wl: ConvWorkload, a, w, bias=None, mult=None, shift=N
     pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
     cgb, ogb = group_blocks(wl)
-    ap = np.pad(a.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr), (0, 0)))
+    ap = np.pad(a.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=wl.in_zero)
     n = a.shape[0]
     accs = []
     for g in range(wl.groups):

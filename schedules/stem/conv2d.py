@@ -67,8 +67,9 @@ def tile_channels(op: int) -> int:
 
 
 def supports(wl: ConvWorkload) -> bool:
-    """An int8-out, ungrouped conv of at most 4 input channels whose weights fit in shared memory."""
-    return (wl.groups == 1 and wl.out_dtype == "int8" and wl.in_channels <= MAX_IN_CHANNELS
+    """An int8-out, ungrouped conv of at most 4 input channels whose weights fit in shared memory,
+    of a symmetric input (the image's: its padding is 0)."""
+    return (wl.groups == 1 and wl.out_dtype == "int8" and wl.in_channels <= MAX_IN_CHANNELS and not wl.in_zero
             and k_steps(wl.kernel[0] * wl.kernel[1]) * TAPS_PER_STEP * ceil32(wl.out_channels) * 4 <= SMEM_BYTES)
 
 

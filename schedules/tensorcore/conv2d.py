@@ -8,7 +8,8 @@ GEMM view of one conv layer::
 
 Blocks of :func:`conv2d_nhwc_int8`::
 
-    im2col   A[m, k]  int8 [M_p, K]: the gathered input (zero padding; rows m >= M are 0)
+    im2col   A[m, k]  int8 [M_p, K]: the gathered input (padding and rows m >= M read the input's
+             zero point ``wl.in_zero``: 0, or -128 for an unsigned input, a real zero)
     conv     C[m, o]  int32 [M_p, O_p]: sum_k A[m, k] * W[o, k]
     requant  Out[n, y, x, o] int8 for m = (n*OH + y)*OW + x < M: + bias, fixed-point multiply,
              clamp to [act_min, act_max] (``schedules/requantize.py``, as every family)
@@ -24,6 +25,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .. import border_bias
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .layout import ceil32
@@ -39,9 +41,14 @@ def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
         wl.kernel[0] * wl.kernel[1] * ceil32(wl.in_channels)
 
 
-def conv2d_nhwc_int8(wl: ConvWorkload) -> tirx.PrimFunc:
-    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)`` (module docstring)."""
+def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
+    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)`` (module docstring).
+
+    ``border``: the form of a kernel that can only pad with 0 (wgmma's TMA), for a ``wl`` whose
+    padding must read its zero point: the gather pads with 0 and ``bias`` is the
+    ``[rows, O_p]`` table of ``schedules/border_bias.py``, read at the output pixel's border class."""
     assert wl.groups == 1 and wl.out_dtype == "int8", wl
+    table = border and wl.pads_with_zero_point
     N, H, W = wl.batch, wl.height, wl.width
     Cp = ceil32(wl.in_channels)
     M, MP, Op, K = gemm_shape(wl)
@@ -53,10 +60,12 @@ def conv2d_nhwc_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     OHW = OH * OW
     C16, KWC16 = Cp // 16, KW * Cp // 16
     LO, HI = wl.act_min, wl.act_max
+    ZERO = 0 if table else wl.in_zero
+    BIAS = (border_bias.table_rows(wl), Op) if table else (Op,)
 
     @T.prim_func(s_tir=True)
     def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
-             bias: T.Buffer((Op,), "int32"), mult: T.Buffer((Op,), "int32"),
+             bias: T.Buffer(BIAS, "int32"), mult: T.Buffer((Op,), "int32"),
              shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         with T.sblock("root"):
@@ -79,7 +88,7 @@ def conv2d_nhwc_int8(wl: ConvWorkload) -> tirx.PrimFunc:
                     T.reads(data[vm // OHW, h, w, c])
                     T.writes(A[vm, vk])
                     A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
-                                               data[vm // OHW, h, w, c], T.int8(0))
+                                               data[vm // OHW, h, w, c], T.int8(ZERO))
             for m, o, k in T.grid(MP, Op, K):
                 with T.sblock("conv"):
                     vm, vo, vk = T.axis.remap("SSR", [m, o, k])
@@ -91,13 +100,19 @@ def conv2d_nhwc_int8(wl: ConvWorkload) -> tirx.PrimFunc:
             for m, o in T.grid(MP, Op):
                 with T.sblock("requant"):
                     vm, vo = T.axis.remap("SS", [m, o])
-                    T.reads(C[vm, vo], bias[vo], mult[vo], shift[vo])
+                    b = T.meta_var(bias_at(wl, bias, vm, vo, table))
+                    T.reads(C[vm, vo], b, mult[vo], shift[vo])
                     T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
                     if vm < M:
                         out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = requantize_tir(
-                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI)
+                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", b), mult[vo], shift[vo], LO, HI)
 
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bias_at(wl: ConvWorkload, bias, m, o, table: bool):
+    """``bias[o]``, or for the ``border`` form the table's entry of GEMM row ``m``'s border class."""
+    return bias[border_bias.table_row(wl, m), o] if table else bias[o]
 
 
 def conv2d_nhwc_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> np.ndarray:
@@ -112,12 +127,15 @@ def conv2d_nhwc_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> n
     n, _, _, cp = data.shape
     op = weight.shape[0]
     wk = weight.reshape(op, kh, kw, cp).astype(np.float64)
-    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    table = bias.ndim == 2      # the ``border`` form: pads with 0, a bias per border class
+    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=0 if table else wl.in_zero)
     acc = np.zeros((n, oh, ow, op), np.float64)
     for y in range(kh):
         for x in range(kw):
             win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
             acc += win.astype(np.float64) @ wk[:, y, x, :].T
+    if table:   # [OH, OW, O_p]: each pixel's row
+        bias = bias[border_bias.table_row(wl, np.arange(oh * ow), np.minimum, np.maximum)].reshape(oh, ow, -1)
     return requantize_ref(acc.astype(np.int64) + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
 
 

@@ -43,7 +43,13 @@ PIPELINE = "qconv_mma"  # the name the pipeline is registered under
 # int8 conv is exactly the int8 form (p = row < M and the tap lies inside the image), so without
 # help it stays a synchronous ld.global + st.shared.  The pass below, run just before
 # InjectPTXAsyncCopy, rewrites the int8 form into the same predicated ``cp_async_raw`` call the
-# pass would have emitted for floats.
+# pass would have emitted for floats.  The padding of an unsigned input is its zero point, -128,
+# not 0 (``ConvWorkload.in_zero``): such a copy's predicate is wrapped as
+# ``qconv_pred_fill(p, word)`` (``cp_async_raw`` has no fill argument, and TVM's passes check its
+# argument count), which ``GatherThroughL1`` (below) unwraps into the copy that stores ``word``
+# where ``p`` is false.  Only that 16-byte int8 copy is so printed: the pass leaves a nonzero fill
+# of any other size a synchronous copy (correct, slower), and an unwrapped marker would be an
+# undefined function in the CUDA source, a compile error, never a silent zero-fill.
 
 
 def _rewrite_int8_predicated_copies(body):
@@ -69,8 +75,8 @@ def _rewrite_int8_predicated_copies(body):
         cond, load, other = value.args
         if not isinstance(load, tvm.ir.TensorLoad) or load.source.scope() != "global":
             return node
-        zero = other.value if isinstance(other, tvm.tirx.Broadcast) else other
-        if not (isinstance(zero, tvm.tirx.IntImm) and zero.value == 0):
+        fill = other.value if isinstance(other, tvm.tirx.Broadcast) else other
+        if not isinstance(fill, tvm.tirx.IntImm):
             return node
         if len(node.indices) != 1 or len(load.indices) != 1:
             return node
@@ -83,14 +89,35 @@ def _rewrite_int8_predicated_copies(body):
             return node
         if str(node.buffer.dtype) != str(load.source.dtype):
             return node  # merged shared.dyn byte buffers: leave to InjectPTXAsyncCopy
+        if fill.value != 0 and not (nbytes == 16 and str(node.buffer.dtype) == "int8"):
+            return node  # only GatherThroughL1's 16-byte int8 copy stores another fill
         if isinstance(cond, tvm.tirx.Broadcast):
             cond = cond.value
+        if fill.value != 0:
+            cond = tvm.tirx.call_pure_extern("int32", _PRED_FILL, cond, _fill_word(int(fill.value)))
         call = tvm.ir.Call(cp_async, [node.buffer.data, dst.base, load.source.data, src.base,
                                       tvm.tirx.IntImm("int32", nbytes), cond],
                            ret_ty=str(node.buffer.dtype))
         return tvm.tirx.Evaluate(call)
 
     return tvm_ffi.structural_mutate(body, [(tvm.tirx.AttrStmt, on_attr), (tvm.tirx.BufferStore, on_store)])
+
+
+_PRED_FILL = "qconv_pred_fill"   # the marker: (predicate, fill word) of a nonzero-fill copy
+
+
+def _unwrap_fill(pred):
+    """``(predicate, fill word)`` of a copy's predicate argument (fill 0 where not wrapped)."""
+    if (isinstance(pred, tvm.ir.Call) and pred.op.same_as(tvm.ir.Op.get("tirx.call_pure_extern"))
+            and str(pred.args[0].value) == _PRED_FILL):
+        return pred.args[1], pred.args[2]
+    return pred, tvm.tirx.IntImm("int32", 0)
+
+
+def _fill_word(byte: int) -> int:
+    """An int8 fill value repeated in the four bytes of a (signed) 32-bit word."""
+    word = (byte & 0xFF) * 0x01010101
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="qconv.PredicatedInt8AsyncCopy")
@@ -246,7 +273,8 @@ def _inline_lets_in_warp_calls(func):
 
 _CA_PRED_16 = "qconv_cp_async_ca_pred_16"
 _CA_PRED_16_SRC = f"""
-__forceinline__ __device__ void {_CA_PRED_16}(void* dst, int dst_off, void* src, int src_off, int predicate) {{
+__forceinline__ __device__ void {_CA_PRED_16}(void* dst, int dst_off, void* src, int src_off, int predicate,
+                                              int fill) {{
   unsigned int dst_addr = __cvta_generic_to_shared((unsigned char*)dst + dst_off);
   __asm__ __volatile__(
     "{{\\n"
@@ -255,7 +283,7 @@ __forceinline__ __device__ void {_CA_PRED_16}(void* dst, int dst_off, void* src,
     " @p cp.async.ca.shared.global [%0], [%1], 16;\\n"
     " @!p st.shared.v4.u32 [%0], {{%3, %3, %3, %3}};\\n"
     "}}\\n"
-    :: "r"(dst_addr), "l"((unsigned char*)src + src_off), "r"(predicate), "r"(0));
+    :: "r"(dst_addr), "l"((unsigned char*)src + src_off), "r"(predicate), "r"(fill));
 }}
 """
 
@@ -282,7 +310,8 @@ def gather_through_l1(func, mod, ctx):
                 and _byte_pointer(node.args[0]) and _byte_pointer(node.args[2])
                 and not (isinstance(node.args[5], tvm.tirx.IntImm) and int(node.args[5]) == -1)):  # -1: no predicate
             dst, dst_off, src, src_off, _, pred = node.args
-            return cuda_func_call(_CA_PRED_16, dst, dst_off, src, src_off, pred, source_code=_CA_PRED_16_SRC)
+            pred, fill = _unwrap_fill(pred)
+            return cuda_func_call(_CA_PRED_16, dst, dst_off, src, src_off, pred, fill, source_code=_CA_PRED_16_SRC)
         return node
 
     return func.with_body(tvm_ffi.structural_mutate(func.body, [(tvm.ir.Call, on_call)]))

@@ -2,7 +2,8 @@
 
 Same layer, layouts and arguments as the ``mma.sync`` family (``schedules/tensorcore/conv2d.py``):
 data ``[N, H, W, C_p]`` int8 (NHWC32), weight ``[O_p, KH*KW*C_p]`` (``k = (ky*KW + kx)*C_p + c``),
-bias / mult / shift ``[O_p]``, out ``[N, OH, OW, O_p]`` int8; the implicit GEMM is
+bias / mult / shift ``[O_p]`` (a padded conv of an unsigned input: the bias ``[rows, O_p]``, one
+row per border class, the compute's ``border`` form), out ``[N, OH, OW, O_p]`` int8; the implicit GEMM is
 ``M = N*OH*OW`` rows x ``O_p`` columns x ``K`` and the epilogue is the project's integer
 requantization, so the result is bit-identical to every other family.
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .. import border_bias
 from ..requantize import requantize_i32_ok, requantize_tir, requantize_tir_i32
 from ..tensorcore.conv2d import gemm_shape
 from ..tensorcore.layout import ceil32
@@ -181,6 +183,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     PT, PL = wl.padding[:2]
     LO_H, LO_W, UP_H, UP_W = im2col_corners(wl)
     LO, HI = wl.act_min, wl.act_max
+    # TMA fills the padding with 0: where it must read the zero point, the bias is a table per
+    # border class (``schedules/border_bias.py``) that adds what the padding's -128 would have
+    TABLE = wl.pads_with_zero_point
+    ROWS = border_bias.table_rows(wl)
+    BIAS_SHAPE = (ROWS, OP) if TABLE else (OP,)
     BM, BN, STAGES, WN = config.bm, config.bn, config.stages, config.wn
     assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
     assert config.accumulators() <= MAX_ACC, config
@@ -214,7 +221,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
 
     @T.prim_func(private=True)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
-             bias: T.Buffer((OP,), "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
+             bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
              out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
         T.func_attr({"tirx.noalias": True})
         A_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
@@ -254,8 +261,10 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         ok[0] = FORMS - 1
         for i in T.serial((OP + 383) // 384):
             if i * 384 + wg * 128 + tid < OP:
-                if not requantize_i32_ok(bias[i * 384 + wg * 128 + tid], shift[i * 384 + wg * 128 + tid]):
-                    ok[0] = 0
+                for r in T.serial(ROWS):
+                    if not requantize_i32_ok(_bias(bias, r, i * 384 + wg * 128 + tid, TABLE),
+                                             shift[i * 384 + wg * 128 + tid]):
+                        ok[0] = 0
         ok[1] = T.call_extern("int32", "__syncthreads_and", ok[0])
         if wg == 0:                                           # ---- producer
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
@@ -337,10 +346,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                                          + 8 * h)
                                         col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
                                         reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
-                                        q0 = T.meta_var(_requant(fast, acc[reg], bias[col], mult[col], shift[col],
-                                                                 LO, HI))
-                                        q1 = T.meta_var(_requant(fast, acc[reg + 1], bias[col + 1], mult[col + 1],
-                                                                 shift[col + 1], LO, HI))
+                                        cls = T.meta_var(_border_class(wl, row, TABLE))
+                                        q0 = T.meta_var(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
+                                                                 mult[col], shift[col], LO, HI))
+                                        q1 = T.meta_var(_requant(fast, acc[reg + 1], _bias(bias, cls, col + 1, TABLE),
+                                                                 mult[col + 1], shift[col + 1], LO, HI))
                                         pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
                                             T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
                                         if STAGED:
@@ -360,6 +370,16 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
     return main
+
+
+def _bias(bias, row, col, table: bool):
+    """``bias[col]``, or the border-class table's entry ``bias[row, col]``."""
+    return bias[row, col] if table else bias[col]
+
+
+def _border_class(wl: ConvWorkload, m, table: bool):
+    """The border class (the table's row) of GEMM row ``m``'s output pixel (0 without a table)."""
+    return border_bias.table_row(wl, m) if table else 0
 
 
 def _requant(fast, acc, bias, mult, shift, lo: int, hi: int):

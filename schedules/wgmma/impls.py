@@ -11,7 +11,9 @@ name                           op       runs
 
 It shares the mma.sync family's layout (NHWC32), compute definition, NumPy reference and packed
 weights (it subclasses ``Conv2dMma``), so the two mix layer by layer with no conversion between
-them, and the max-pool, add, concat and affine kernels of NHWC32 serve both.  Its schedule is
+them, and the max-pool, add, concat and affine kernels of NHWC32 serve both.  One difference:
+a padded conv of an unsigned input, which must pad with -128 where TMA fills 0, takes the
+compute's ``border`` form, its bias a table per border class (``schedules/border_bias.py``).  Its schedule is
 not a schedule of that compute: it is the hand-written TIRx kernel of ``conv2d.py`` with the
 same arguments.  Its search space is the kernel's ``Config`` (``space.py``: a few tiles per
 layer, each measured once), recorded as a trace of the compute definition, so the tuner
@@ -19,9 +21,13 @@ measures it beside the mma.sync and dp4a kernels and the build takes the fastest
 """
 from __future__ import annotations
 
+import numpy as np
+
 from tvm_qconv.target import TargetInfo
 
+from .. import border_bias
 from ..kernel import tirx_kernel
+from ..tensorcore import conv2d as tc_conv2d
 from ..tensorcore import pipeline
 from ..tensorcore.impls import MIN_IN_CHANNELS, Conv2dMma
 from ..workload import ConvWorkload
@@ -45,6 +51,15 @@ class Conv2dWgmma(Conv2dMma):
     search = "exhaustive"
     own_task = True
     instruction = "wgmma"
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(tc_conv2d.conv2d_nhwc_int8(wl, border=True), wl)
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        packed = super().pack_params(wl, weight, bias, mult, shift)
+        if wl.pads_with_zero_point:   # the bias per border class, each row padded to O_p
+            packed[1] = np.stack([tc_conv2d.pack_channels(row) for row in border_bias.bias_table(wl, weight, bias)])
+        return packed
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         if not (target.kind == "cuda" and target.has_wgmma and wl.in_channels >= MIN_IN_CHANNELS
