@@ -87,4 +87,6 @@ def bias_table(wl: ConvWorkload, weight: np.ndarray, bias: np.ndarray) -> np.nda
     padded = out_h[:, None, :, None] | out_w[None, :, None, :]                         # [CH, CW, KH, KW]
     missing = np.einsum("hwyx,oyx->hwo", padded.astype(np.int64), tap_sums)             # [CH, CW, O]
     table = bias.astype(np.int64)[None, :] + wl.in_zero * missing.reshape(-1, weight.shape[0])
+    # saturated like the bias itself (the quantize pass clips and counts those): only a channel
+    # whose bias is already near the int32 limit, whose outputs saturate anyway, can reach it
     return np.clip(table, -2**31, 2**31 - 1).astype(np.int32)

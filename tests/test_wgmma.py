@@ -16,6 +16,7 @@ from tests.test_tensorcore import IDS, WORKLOADS, args_of, run_llvm
 from tests.workloads import conv_wl, random_conv_args, slow_requantize_args
 from tvm_qconv import registry
 from tvm_qconv.schedules import border_bias
+from tvm_qconv.schedules.kernel import tirx_kernel
 from tvm_qconv.schedules.tensorcore.conv2d import gemm_shape
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32, ceil32
 from tvm_qconv.schedules.wgmma import conv2d, space
@@ -350,6 +351,23 @@ def test_a_database_that_measured_wgmma_fastest_builds_it_with_its_tile(tmp_path
     assert re.search(rf"conv2d.nhwc32.wgmma +int8 +tuned +64->128 3x3 s1 @16x16 b1 \(wgmma {c.bm}x64", text), text
 
 
+def test_a_record_of_the_symmetric_twin_builds_the_layers_own_kernel_with_its_tile():
+    # an unsigned layer takes its symmetric twin's record (tuning/apply.py); the record's trace
+    # names the twin's workload, but the kernel must be the layer's: its bias table, its clamp
+    from tvm_qconv.tuning.apply import symmetric_twin
+    u8 = ConvWorkload.with_activation("clip", -128, 127, batch=64, in_channels=256, height=28, width=28,
+                                      out_channels=256, in_zero=-128)
+    twin = symmetric_twin(u8)
+    sch = tvm.s_tir.Schedule(task_func(IMPL.compute(twin)))
+    IMPL.trace_point(sch, twin, 1)
+    func = IMPL.compute(u8)
+    kernel = IMPL.tuned(sch.mod["main"], func, SM90A)
+    assert ConvWorkload.of(kernel) == u8
+    config, num_sm = space.candidate_configs(twin)[1], TargetInfo.from_target(SM90A).num_sm
+    assert tvm_ffi.structural_equal(kernel, tirx_kernel(func, conv2d.conv2d_wgmma(u8, config, num_sm)))
+    assert not tvm_ffi.structural_equal(kernel, tirx_kernel(func, conv2d.conv2d_wgmma(twin, config, num_sm)))
+
+
 WGMMA_WLS = WORKLOADS + [conv_wl(16, 128, 28, 28, 256), conv_wl(8, 512, 14, 14, 512)]
 WGMMA_IDS = IDS + ["ping_pong_392_tiles", "64x256_tile"]
 MMA = registry.get("conv2d.nhwc32.mma")
@@ -373,7 +391,8 @@ def test_the_bias_per_border_class_gives_what_padding_with_the_zero_point_gives(
     # wgmma's form (pads with 0, a bias table per border class) against mma.sync's (pads with
     # -128, one bias): the same integers, in the references and in the compute definition on llvm
     args = wgmma_args(wl, seed=3)
-    table = border_bias.bias_table(wl, random_conv_args(wl, 3)[1], random_conv_args(wl, 3)[2])
+    _, w, bias, _, _ = random_conv_args(wl, 3)
+    table = border_bias.bias_table(wl, w, bias)
     assert args[2].shape == (border_bias.table_rows(wl), ceil32(wl.out_channels)) and len(np.unique(table, axis=0)) > 1
     ref = MMA.reference(wl, *args_of(wl, seed=3))
     assert 0.05 < (ref != 0).mean()

@@ -36,8 +36,8 @@ PASS_THROUGH = ("max_pool2d", "channels")     # the same integers, zero point an
 READERS = ("conv2d", "max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut")
 # float ops that keep a never-negative tensor so: shapes, and the pools a model leaves float (VGG16's
 # and AlexNet's adaptive average pool before the classifier, ShuffleNet's global mean)
-NONNEG_FLOAT_OPS = ("relax.reshape", "relax.flatten", "relax.nn.adaptive_avg_pool2d", "relax.mean", "relax.nn.avg_pool2d",
-             "relax.nn.max_pool2d")
+NONNEG_FLOAT_OPS = ("relax.reshape", "relax.flatten", "relax.nn.adaptive_avg_pool2d", "relax.mean",
+                    "relax.nn.avg_pool2d", "relax.nn.max_pool2d")
 
 
 def never_negative_activation(ly) -> bool:

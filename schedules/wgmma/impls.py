@@ -107,6 +107,16 @@ class Conv2dWgmma(Conv2dMma):
         wl, config = found
         return conv2d.conv2d_wgmma(wl, config, TargetInfo.from_target(target).num_sm)
 
+    def tuned(self, scheduled, func, target):
+        """The layer's own kernel (``func``'s workload) with the record's tile: a record may be
+        the layer's symmetric twin's (``tuning/apply.py``), whose workload has another zero point,
+        clamp and bias shape."""
+        found = space.chosen(scheduled)
+        if found is None:
+            return super().tuned(scheduled, func, target)
+        kernel = conv2d.conv2d_wgmma(ConvWorkload.of(func), found[1], TargetInfo.from_target(target).num_sm)
+        return tirx_kernel(func, kernel)
+
     def compile_options(self) -> dict:
         return pipeline.compile_options()
 
