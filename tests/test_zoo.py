@@ -32,7 +32,7 @@ from tvm_qconv.runtime import CompiledModel
 # nearest weights): alexnet 39.5 (37.7, 36.2), vgg16 30.3 with max calibration (27.7, 26.8), resnet18
 # 33.4 (31.1, 30.6), resnet50 31.3 (30.4, 29.2), wide_resnet50_2 31.4 (31.1, 29.1), resnext50_32x4d
 # 31.3 (31.1, 27.7), regnet_x_400mf 31.9 (31.6, 28.0), mobilenet_v2 24.0 (24.0, 23.2),
-# mobilenet_v3_small 24.8 (24.8, 24.0), efficientnet_b0 21.0 (21.0, 21.5), shufflenet_v2_x1_0 19.6
+# mobilenet_v3_small 24.5 (24.8, 24.0), efficientnet_b0 21.0 (21.0, 21.5), shufflenet_v2_x1_0 19.6
 # (19.6, 17.5), squeezenet1_0 31.1 (30.5, 29.7), googlenet 33.4 (33.4, 28.9; max calibration, 27.7
 # percentile), inception_v3 24.3 (23.3, 21.8), densenet121 33.2 (33.5, 31.5), convnext_tiny 30.6
 # (30.6, 30.3) dB.
