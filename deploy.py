@@ -7,11 +7,13 @@
     python deploy.py rpc --lib build/vgg16.so --tracker 127.0.0.1:9190 --key h100 --image cat.jpg
     python deploy.py export-onnx --model vgg16 -o build/vgg16.onnx     # int8 QDQ ONNX (TensorRT, ONNX Runtime)
     python deploy.py compare --model vgg16 --batch 1,16,64 --out results/  # against every baseline, one GPU
+    python deploy.py accept build/vgg16.unverified.so   # use a library that failed its verification anyway
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -47,6 +49,8 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
                    help="(--model) a state-dict/checkpoint file, or a torchvision weight name (DEFAULT, "
                         "IMAGENET1K_V1); default: random init")
     b.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init (default 1000)")
+    b.add_argument("--seed", type=int, default=0,
+                   help="torch seed of a random init (default 0): the same command builds the same library")
     b.add_argument("--batch", type=_positive, default=1, help=batch_help)
     b.add_argument("--image-size", type=_positive, default=None,
                    help="input height = width (default 224; with --checkpoint: the size it was trained at)")
@@ -83,6 +87,11 @@ def accuracy_target(args: argparse.Namespace) -> float | None:
     return ACCURACY_TARGET_DB if trained and not args.no_verify else None
 
 
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print no progress (phases, bars), only the results and errors: for scripts")
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -106,10 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="quantize, compile and export a model",
-                       description="Import a torchvision classifier, calibrate it on real images, quantize it to "
-                                   "int8 NCHW4c and export <out>.so + <out>.params.npz + <out>.json.  With "
-                                   "--checkpoint: the model a `train.py --qat` checkpoint was trained as, with "
-                                   "its learned ranges instead of calibration.")
+                       description="Import a torchvision classifier (or your own nn.Module), calibrate it on real "
+                                   "images, quantize it to int8 (each conv + bias + activation one kernel of the "
+                                   "family that suits the layer and the target: wgmma, mma.sync tensor cores, "
+                                   "dp4a, or the CPU's), verify it against the float model and write <out>.so + "
+                                   "<out>.params.npz + <out>.json.  A library that fails the verification is "
+                                   "written as <out>.unverified.so instead, never over <out>.so (`deploy.py "
+                                   "accept` takes it anyway).  With --checkpoint: the model a `train.py --qat` "
+                                   "checkpoint was trained as, with its learned ranges instead of calibration.")
     _add_model_flags(b, batch_help="static batch size of the library (default 1)")
     b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
     b.add_argument("--arch", default="sm_90",
@@ -137,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
+    _add_quiet(b)
     x = sub.add_parser("export-onnx", help="write the calibrated int8 model as ONNX (Quantize/DequantizeLinear)",
                        description="Import a model, calibrate it on real images exactly as `build` does and write it "
                                    "as ONNX with explicit QuantizeLinear / DequantizeLinear pairs carrying this "
@@ -150,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--opset", type=int, choices=range(17, 22), default=17, metavar="{17..21}",
                    help="ONNX opset (default 17)")
     x.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    _add_quiet(x)
     c = sub.add_parser("compare", help="time the int8 library against every baseline on this machine's GPU",
                        description="Build the model's int8 library (calibrated once) for each batch size and time "
                                    "it, one after another on the same device, beside PyTorch (fp32, TF32, fp16, "
@@ -189,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0, help="torch seed of a random init (default 0)")
     c.add_argument("--work-dir", default="/tmp/tvm_qconv_compare", help="where the libraries and the ONNX model go")
     c.add_argument("--out", default="results", help="folder for compare_<model>.json / .md / .png (default results)")
+    _add_quiet(c)
     r = sub.add_parser("run", help="run a built library on an image",
                        description="Load a built library with the TVM runtime only, classify images, print the "
                                    "top-5 classes and the latency.")
@@ -196,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
     r.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     r.add_argument("--repeat", type=_positive, default=5, help="timing repeats (median is printed)")
+    _add_quiet(r)
+    a = sub.add_parser("accept", help="use a library that failed its verification anyway",
+                       description="Move <stem>.unverified.so (with its params and json), which `deploy.py build` "
+                                   "wrote because the library failed its verification against the float model, to "
+                                   "<stem>.so (or --output), replacing what is there.  Its json keeps the failed "
+                                   "verification: every load of it warns.")
+    a.add_argument("lib", help="the <stem>.unverified.so that `deploy.py build` wrote")
+    a.add_argument("-o", "--output", default=None, help="where it goes (default: <stem>.so)")
     rp = sub.add_parser("rpc", help="run a built library on a remote device through TVM RPC",
                         description="Upload a built library and its params to a TVM RPC server (python -m "
                                     "tvm_qconv.rpc_server on the GPU machine), classify images there, print the "
@@ -255,12 +279,29 @@ def refuse_model_only_flags(args) -> None:
                          "and the activation ranges (learned in QAT), nothing is calibrated; drop them")
 
 
-def cmd_build(args) -> int:
-    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
+RANDOM_NOTE = ("the classes it predicts are meaningless; pass --weights FILE (a state dict) or --weights DEFAULT "
+               "(torchvision's trained weights) for a real classifier")
+
+
+def load_float_model(args):
+    """The --model of `build` / `export-onnx`, its random init seeded by --seed; and how its
+    weights read in the output."""
+    import torch
+
     from tvm_qconv.frontend import load_model
+    torch.manual_seed(args.seed)
+    weights = args.weights or ("the model file's" if ".py:" in args.model else None)
+    return load_model(args.model, args.weights, args.num_classes), weights or f"random init (seed {args.seed})"
+
+
+def cmd_build(args) -> int:
+    from tvm_qconv.artifact import unverified_path
+    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
+    from tvm_qconv.fileio import check_output_file
     from tvm_qconv.ranges import Calibrate
     from tvm_qconv.report import format_report
     cfg = quant_config(args)
+    check_output_file(args.output, "library")
 
     def build_options(image_size: int | None) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
@@ -268,7 +309,7 @@ def cmd_build(args) -> int:
                             cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
                             families=tuple(args.family) if args.family else None,
-                            accuracy_target_db=target_db, **floor)
+                            accuracy_target_db=target_db, require_int8=True, **floor)
 
     floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
 
@@ -281,25 +322,46 @@ def cmd_build(args) -> int:
         refuse_model_only_flags(args)
         print(f"[build] {args.checkpoint} -> {args.output}: {target} size={args.image_size or 'as trained'} "
               f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
-        res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg)
+        res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg,
+                                 progress=not args.quiet)
     else:
         size = args.image_size or 224
-        print(f"[build] {args.model} -> {args.output}: {target} size={size} "
-              f"weights={args.weights or 'random'} config={cfg.to_dict()}", flush=True)
-        model = load_model(args.model, args.weights, args.num_classes)
-        res = compile_model(model, args.output, options=build_options(size), config=cfg, name=args.model,
-                            ranges=Calibrate(calib_dir=args.calib_dir))
+        options = build_options(size)  # its checks (the tuning log's target) before the model loads
+        model, weights = load_float_model(args)
+        print(f"[build] {args.model} -> {args.output}: {target} size={size} weights={weights} "
+              f"config={cfg.to_dict()}", flush=True)
+        res = compile_model(model, args.output, options=options, config=cfg, name=args.model,
+                            ranges=Calibrate(calib_dir=args.calib_dir), progress=not args.quiet,
+                            extra_meta=dict(weights=weights))
     print(format_report(res.meta))
     print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
+    if res.meta.get("weights", "").startswith("random init"):
+        print(f"weights: {res.meta['weights']}: {RANDOM_NOTE}")
     if res.meta["report"].get("verify", {}).get("status") == "failed":
-        print("error: the built library failed its verification against the float model (see above)",
-              file=sys.stderr)
+        print(f"error: the built library failed its verification against the float model (see above): it was "
+              f"written as {res.lib_path}, {args.output} is unchanged; to use it anyway: python deploy.py accept "
+              f"{res.lib_path}", file=sys.stderr)
         return EXIT_UNVERIFIED
+    print(f"wrote {res.lib_path} (+ .params.npz, .json)")
+    stale = unverified_path(args.output)
+    if os.path.exists(stale):
+        print(f"note: {stale} is an earlier build that failed its verification; this build replaces it at "
+              f"{args.output}: remove it")
+    return 0
+
+
+def cmd_accept(args) -> int:
+    from tvm_qconv.artifact import accept_unverified
+    if args.output is not None:
+        from tvm_qconv.fileio import check_output_file
+        check_output_file(args.output, "library")
+    path = accept_unverified(args.lib, args.output)
+    print(f"{args.lib} is now {path} (+ .params.npz, .json); it stays marked as failed: every load warns")
     return 0
 
 
 def cmd_export_onnx(args) -> int:
-    from tvm_qconv.frontend import load_model
+    from tvm_qconv.fileio import check_output_file
     from tvm_qconv.onnx_export import export_checkpoint, export_onnx
     from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
@@ -312,15 +374,16 @@ def cmd_export_onnx(args) -> int:
         print(f"[export-onnx] {args.checkpoint} -> {args.output}: size={args.image_size or 'as trained'} "
               f"ranges=learned in QAT (no calibration) config={cfg.to_dict()}", flush=True)
         res = export_checkpoint(args.checkpoint, args.output, image_size=args.image_size, batch=args.batch,
-                                config=cfg, dynamic_batch=dynamic, opset=args.opset)
+                                config=cfg, dynamic_batch=dynamic, opset=args.opset, progress=not args.quiet)
     else:
         size = args.image_size or 224
-        print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={args.weights or 'random'} "
+        check_output_file(args.output, "ONNX file")
+        model, weights = load_float_model(args)
+        print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
-        model = load_model(args.model, args.weights, args.num_classes)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
                           ranges=Calibrate(calib_dir=args.calib_dir), name=args.model, dynamic_batch=dynamic,
-                          opset=args.opset)
+                          opset=args.opset, progress=not args.quiet, require_int8=True)
     s = res.summary
     print(f"wrote {res.path} (ONNX opset {s['opset']}, {s['nodes']} nodes)")
     print("batch: " + ("dynamic (input and output dimension 0 is 'batch')" if s["dynamic_batch"] else
@@ -343,7 +406,10 @@ def cmd_compare(args) -> int:
                              budget_s=args.budget, jobs=args.jobs, agreement_floor_db=args.agreement_floor,
                              seed=args.seed, out_dir=args.out,
                              work_dir=args.work_dir)
-    compare(options, progress=lambda line: print(line, flush=True))
+    results = compare(options, progress=(lambda line: None) if args.quiet else (lambda line: print(line, flush=True)))
+    if args.quiet:
+        from tvm_qconv.compare import report
+        print("\n".join(report.summary_lines(results["summary"])))
     return 0
 
 
@@ -354,7 +420,12 @@ def describe_ranges(ranges: dict) -> str:
                 "each int8 tensor takes the range of the layer input it feeds)")
     if ranges.get("source") == "calibration":
         how = ranges["calibration"] + (f" {ranges['percentile']}" if "percentile" in ranges else "")
-        return f"calibrated ({how}) on {ranges['images']} images"
+        line = f"calibrated ({how}) on {ranges['images']} images"
+        if "available" in ranges:
+            line += (f" of {ranges['images_from']} (the scheme takes up to {ranges['up_to']}; "
+                     + (f"{ranges['held_out']} more held out to verify on)" if ranges["held_out"] else
+                        f"{ranges['available']} were there, none left to hold out for the verification)"))
+        return line
     return "given by the caller (amax=...)"
 
 
@@ -402,7 +473,13 @@ def cmd_run(args) -> int:
     logits = model(x)
     first_ms = (time.time() - t) * 1e3
     _print_top5(args.image, logits, model.meta.get("categories"))
-    lat = model.benchmark(x, number=1 if n > 8 else 10, repeat=args.repeat)
+    if model.meta.get("weights", "").startswith("random init"):
+        print(f"(built from a {model.meta['weights']}: {RANDOM_NOTE})")
+    # calls per timed repeat: ~0.2 s of them (10 at most), so a slow CPU library times in seconds
+    number = max(1, min(10, int(200 / max(first_ms, 1e-3))))
+    if not args.quiet:
+        print(f"timing: {args.repeat} repeats of {number} call{'s' if number > 1 else ''} on {model.dev} ...", flush=True)
+    lat = model.benchmark(x, number=number, repeat=args.repeat, progress=not args.quiet)
     print(f"latency: {lat['median_ms']:.3f} ms median (min {lat['min_ms']:.3f}) for batch {n} on "
           f"{model.dev}; first call {first_ms:.1f} ms")
     return 0
@@ -429,12 +506,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     kept = (f"{args.output} was not written; the library there before, if any, is whole and unchanged"
             if args.cmd == "build" else
+            f"{args.lib} was not moved; nothing changed" if args.cmd == "accept" else
             f"{args.output} was not written; the file there before, if any, is whole and unchanged"
             if args.cmd == "export-onnx" else
-            f"the rows measured so far are in {args.out}/compare_*.json" if args.cmd == "compare" else
+            f"the rows measured so far are in {args.out}/compare_*.partial.json; the results of an earlier "
+            f"comparison there are unchanged" if args.cmd == "compare" else
             "nothing was written")
     commands = {"build": cmd_build, "run": cmd_run, "eval": cmd_eval, "rpc": cmd_rpc, "export-onnx": cmd_export_onnx,
-                "compare": cmd_compare}
+                "compare": cmd_compare, "accept": cmd_accept}
     return cli.run(lambda: commands[args.cmd](args), kept)
 
 

@@ -1,4 +1,5 @@
-"""tune.py: MetaSchedule-tune the int8 conv kernels of a model for a CUDA GPU.
+"""tune.py: MetaSchedule-tune the int8 conv kernels of a model for a CUDA GPU (--target cuda, the
+default) or for the CPU (--target llvm).
 
     python tune.py --model vgg16 --batch 1 --arch sm_90a --trials 1 --prune     (H100 / H200: every family's
                                                                                 default, every wgmma tile)
@@ -8,8 +9,9 @@
 Every distinct conv layer is one task per kernel family that can run it (on sm_80+: int8 tensor
 cores and dp4a; on sm_90a also Hopper's wgmma, whose few tiles per layer are each measured once;
 the build picks the fastest per layer; --family limits it), tuned until
-it has --trials valid measurements on this machine's GPU in a MetaSchedule database under
-tuning_logs/<model>-b<batch>-<arch>/ (logs/
+it has --trials valid measurements on this machine's GPU (with --target llvm: its CPU) in a
+MetaSchedule database under
+tuning_logs/<model>-b<batch>-<arch>/ (<model>-b<batch>-llvm/ for the CPU; logs/
 holds MetaSchedule's full per-task logs).  Run the same command again to continue an
 interrupted run: records already in the database count, finished tasks are skipped.  Tune with
 the batch size and image size you will build with: the database matches kernels by their exact
@@ -36,8 +38,22 @@ import sys
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_int as _positive
 from tvm_qconv.errors import InputError
-from tvm_qconv.remote import Remote, local_cluster
-from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks, tune_model
+
+# TVM, torch and the tuning package (~4 s to import) are imported in main, after the arguments are
+# parsed: --help and a bad flag answer at once.
+
+
+def tune_model(*args, **kwargs):
+    """:func:`tvm_qconv.tuning.tune_model`, imported when first called (a name tests can replace).
+
+    Args:
+        args, kwargs: as :func:`tvm_qconv.tuning.tune_model`.
+
+    Returns:
+        What it returns: one row per task.
+    """
+    from tvm_qconv.tuning import tune_model as tune
+    return tune(*args, **kwargs)
 
 
 def _arch(text: str) -> str:
@@ -95,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks
+
     arch = args.arch if args.target == "cuda" else None
     work_dir = args.work_dir or default_work_dir(args.model, args.batch, arch or args.target)
     print(f"[tune] {args.model} batch={args.batch} size={args.image_size} target={args.target} {arch or ''} "
@@ -114,6 +132,8 @@ def main(argv=None) -> int:
                        work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
                        max_workers=args.workers, seed=args.seed, only=args.only, peaks=peaks,
                        space=args.space, seed_default=not args.no_seed_default, families=args.family, remote=remote)
+        from tvm_qconv.remote import Remote, local_cluster
+
         if args.local_gpus:
             logs = os.path.join(work_dir, "logs")  # the tracker's and servers' logs go beside the tuning logs
             os.makedirs(logs, exist_ok=True)

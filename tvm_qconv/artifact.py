@@ -7,10 +7,12 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 
-from .errors import InputError
+from . import interrupts
+from .errors import InputError, UnverifiedLibraryWarning
 from .fileio import TEMP_PREFIX
 
 ARTIFACT_VERSION = 1
@@ -122,7 +124,6 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
     os.makedirs(folder, exist_ok=True)
     recover(lib_path)
     stage = tempfile.mkdtemp(dir=folder, prefix=f"{STAGE}{os.getpid()}-{os.path.basename(lib_path)}-")
-    committed = False
     try:
         ex.export_library(os.path.join(stage, "lib.so"))
         with open(os.path.join(stage, "params.npz"), "wb") as f:
@@ -132,18 +133,81 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
         meta = dict(meta, build_id=build_id(os.path.join(stage, "lib.so"), os.path.join(stage, "params.npz"), meta))
         _fsync_write(os.path.join(stage, "meta.json"), json.dumps(meta, indent=1, default=str).encode())
         _fsync_write(os.path.join(stage, COMMIT + ".tmp"), json.dumps({"lib": lib_path}).encode())
-        os.replace(os.path.join(stage, COMMIT + ".tmp"), os.path.join(stage, COMMIT))  # the commit point
-        committed = True
-        _publish(stage, lib_path)
-    except KeyboardInterrupt:
-        if not committed:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
-        _publish(stage, lib_path)  # Ctrl-C after the commit point: the new set is complete, finish it
+        interrupts.check()  # a signal some C++ frame swallowed: the previous library stays
     except BaseException:
-        if not committed:
-            shutil.rmtree(stage, ignore_errors=True)
-        raise  # after the commit point the staging folder stays for recover()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    # From the commit point on the new set is complete: a signal now is only recorded (the CLI
+    # then says the library was written), and a failure leaves the folder for recover().
+    with interrupts.deferred():
+        os.replace(os.path.join(stage, COMMIT + ".tmp"), os.path.join(stage, COMMIT))  # the commit point
+        _publish(stage, lib_path)
+
+
+UNVERIFIED = ".unverified"  # <stem>.unverified.so: a build that failed its verification
+
+
+def unverified_path(lib_path: str) -> str:
+    """Where a library that failed verification goes instead of ``lib_path`` (``build/vgg16.so``
+    -> ``build/vgg16.unverified.so``): a verified library there is never replaced by it."""
+    stem = lib_path[:-3] if lib_path.endswith(".so") else lib_path
+    return stem + UNVERIFIED + ".so"
+
+
+def accept_unverified(unverified: str, lib_path: str | None = None) -> str:
+    """Move a library that failed verification into place anyway: its three files replace
+    ``lib_path``'s (default: its own name without ``.unverified``) as one set, as a save does.
+    Its json keeps the failed verification, so every load still warns.
+
+    Returns:
+        the path it now has.
+
+    Raises:
+        InputError: ``unverified`` is not a whole library, or did not fail its verification.
+    """
+    meta = read_meta(unverified)
+    check_whole(unverified, meta)
+    if verification_status(meta) != "failed":
+        raise InputError(f"{unverified} did not fail its verification ({verification_status(meta)}): there is "
+                         "nothing to accept; use it as it is")
+    if lib_path is None:
+        if not unverified.endswith(UNVERIFIED + ".so"):
+            raise InputError(f"{unverified} is not named <stem>{UNVERIFIED}.so: say where it goes with --output")
+        lib_path = unverified[: -len(UNVERIFIED + ".so")] + ".so"
+    folder = os.path.dirname(os.path.abspath(lib_path))
+    recover(lib_path)
+    stage = tempfile.mkdtemp(dir=folder, prefix=f"{STAGE}{os.getpid()}-{os.path.basename(lib_path)}-")
+    try:
+        params, meta_path = artifact_paths(unverified)
+        for src, dst in ((unverified, "lib.so"), (params, "params.npz")):
+            shutil.copyfile(src, os.path.join(stage, dst))
+        _fsync_write(os.path.join(stage, "meta.json"),
+                     json.dumps(dict(meta, accepted_unverified=True), indent=1, default=str).encode())
+        _fsync_write(os.path.join(stage, COMMIT), json.dumps({"lib": lib_path}).encode())
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    _publish(stage, lib_path)
+    for path in (unverified, *artifact_paths(unverified)):
+        os.remove(path)
+    return lib_path
+
+
+def verification_status(meta: dict) -> str:
+    """``ok``, ``failed``, ``cannot judge``, ``skipped`` or ``not run`` (built with --no-verify)."""
+    return ((meta.get("report") or {}).get("verify") or {}).get("status", "not run")
+
+
+def unverified_warning(lib_path: str, meta: dict) -> str | None:
+    """The one-line warning a loader gives a library that failed its verification or whose
+    verification could not judge it (None: nothing to say)."""
+    v = (meta.get("report") or {}).get("verify") or {}
+    if v.get("status") == "failed":
+        return (f"{lib_path} FAILED its verification against the float model when it was built (logits "
+                f"{v.get('logits_sqnr_db')} dB, floor {v.get('floor_db')} dB): its outputs may be wrong")
+    if v.get("status") == "cannot judge":
+        return f"{lib_path} is unverified: its build could not judge it ({v.get('reason', '')})"
+    return None
 
 
 def check_whole(lib_path: str, meta: dict) -> None:
@@ -177,6 +241,22 @@ def check_tvm_version(lib_path: str, meta: dict) -> None:
     if built and built != tvm.__version__:
         raise InputError(f"{lib_path} was built with TVM {built}, this runtime is TVM {tvm.__version__}: rebuild it "
                          f"with `python deploy.py build ... -o {lib_path}` (or run it where TVM {built} is installed)")
+
+
+def open_library(lib_path: str) -> dict:
+    """The json record of a library that is whole (:func:`check_whole`), warning once
+    (:class:`~tvm_qconv.errors.UnverifiedLibraryWarning`) where it failed its verification: what
+    every loader (local, remote, compare) reads first.
+
+    Raises:
+        InputError: as :func:`read_meta` and :func:`check_whole`.
+    """
+    meta = read_meta(lib_path)
+    check_whole(lib_path, meta)
+    warning = unverified_warning(lib_path, meta)
+    if warning:
+        warnings.warn(warning, UnverifiedLibraryWarning, stacklevel=3)
+    return meta
 
 
 def read_meta(lib_path: str) -> dict:

@@ -17,11 +17,13 @@ import tvm
 
 from . import registry
 from . import verify as verify_mod
-from .artifact import ARTIFACT_VERSION, save_artifact
+from . import interrupts, model_check
+from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
 from .frontend import load_model, weights_digest
+from .progress import as_phases
 from .quantize import dump_ir, float_graph, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
@@ -56,6 +58,8 @@ class BuildOptions:
         accuracy_target_db: where the verified logits SQNR is under this (e.g. 30), the report
             also names the layers that lose the most (``verify.losses``: a second build at batch
             1 that returns every int8 activation); None: only under the floor.
+        require_int8: refuse a skip list that leaves no layer in int8 (``deploy.py build``);
+            from Python, ``QuantConfig(skip=("*",))`` builds the float model on purpose.
     """
 
     target: str = "llvm"
@@ -72,6 +76,7 @@ class BuildOptions:
     verify: bool = True
     verify_floor_db: float = verify_mod.FLOOR_DB
     accuracy_target_db: float | None = None
+    require_int8: bool = False
 
     def __post_init__(self):
         if self.batch < 1 or (self.image_size is not None and self.image_size < 8):
@@ -117,76 +122,104 @@ class BuildResult:
 
 def compile_model(model: str | torch.nn.Module, out_path: str, *, options: BuildOptions = BuildOptions(),
                   config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None, name: str | None = None,
-                  progress: bool = True, extra_meta: dict | None = None) -> BuildResult:
+                  progress=True, extra_meta: dict | None = None) -> BuildResult:
     """Build a deployable int8 library.
+
+    A library that fails its verification (logits SQNR against the float model under
+    ``options.verify_floor_db``) does not replace what is at ``out_path``: it is written beside it
+    as ``<stem>.unverified.so`` (and its params / json), ``artifact.accept_unverified`` moves it
+    into place, and ``BuildResult.lib_path`` says where it went.
 
     Args:
         model: a torchvision classifier name (``vgg16``, random init; see
             :func:`tvm_qconv.frontend.load_model` for weights) or a float ``torch.nn.Module``.
+            Its ``forward`` may return a tuple / list / dict: the library computes its first
+            tensor, and the report says so.
         out_path: the ``.so`` to write; ``<stem>.params.npz`` and ``<stem>.json`` go beside it.
         options: target, shape, tuning database, debugging (:class:`BuildOptions`).
         config: the quantization scheme.
         ranges: where the activation ranges come from (``tvm_qconv.ranges``: ``Calibrate``,
             ``GivenRanges``, ``LearnedRanges``); default: calibrate on scikit-image's photos.
         name: the model's name in the artifact (default: ``model`` if a name, else its class).
+        progress: print each phase as it starts (bool, or a ``progress.Phases`` to share).
         extra_meta: entries added to (and overriding) the artifact's ``<stem>.json``.
+
+    Raises:
+        InputError: an output path that cannot be written, a model that cannot take the input
+            shape or whose activations would not fit in memory, before any long work.
 
     Example:
         >>> compile_model("vgg16", "vgg16.so", options=BuildOptions(target="cuda", arch="sm_90"))
     """
+    phases = as_phases(progress)
     check_output_file(out_path, "library")
     tgt = make_target(options.target, options.arch)
-    t0 = time.time()
     if isinstance(model, str):
         name, model = name or model, load_model(model)
     name = name or type(model).__name__.lower()
-    q, ex, params, applied, tuned, t1 = _compile(model, tgt, options, config, ranges, progress)
-    t2 = time.time()
-    report = dict(q.report, schedules=applied, tuned=tuned)
-    if options.verify:
-        report["verify"] = _verify(model, tgt, options, config, q, ex, params)
+    probe = model_check.probe(model, options.input_shape, name)
+    model_check.check_memory(probe, options.input_shape, name)
+    with model_check.single_output(model, probe):
+        q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases)
+        report = dict(q.report, schedules=applied, tuned=tuned)
+        if model_check.output_note(probe):
+            report["output"] = model_check.output_note(probe)
+        if options.verify:
+            with phases("verify", "run the library against the float model"):
+                report["verify"] = _verify(model, tgt, options, config, q, ex, params)
     meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
-                report=report, build_seconds=dict(quantize=round(t1 - t0, 2), compile=round(t2 - t1, 2)),
-                built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name), cuda_graph=options.uses_cuda_graph,
-                options=asdict(options), float_weights=weights_digest(model))
+                report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
+                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=weights_digest(model))
     meta.update(extra_meta or {})
-    save_artifact(ex, params, meta, out_path)
+    if report.get("verify", {}).get("status") == "failed":
+        out_path = unverified_path(out_path)
+    with phases("save", out_path):
+        meta["build_seconds"] = _seconds(phases)
+        save_artifact(ex, params, meta, out_path)
     return BuildResult(out_path, report, meta)
 
 
-def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress: bool):
+def _seconds(phases) -> dict:
+    """Each phase's seconds, and ``total`` (up to the save)."""
+    return dict(phases.seconds, total=round(phases.elapsed, 2))
+
+
+def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress):
     """quantize -> lift params -> tuning database -> default schedules -> tvm.compile.
 
     Returns:
-        (QuantizedModule, executable, params, schedules applied, tuned kernels, time quantized).
+        (QuantizedModule, executable, params, schedules applied, tuned kernels).
     """
+    phases = as_phases(progress)
     db = load_database(options.tuning_log, options.ignore_stale) if options.tuning_log else None
     chooser = measured_chooser(db, tgt) if db is not None else None
     if options.families:
         chooser = _family_chooser(options.families, chooser)
     q = quantize_module(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
                         choices=options.kernels, chooser=chooser, expose_activations=options.expose_activations,
-                        debug_dump=options.debug_dump, progress=progress)
-    lift = LiftConstantsToParams()
-    qmod = lift(q.mod)
-    dump_ir(options.debug_dump, "04_params_lifted", qmod)
-    tuned = {}
-    if options.tuning_log:
-        qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db, ignore_stale=options.ignore_stale)
-    sched = ScheduleInt8Kernels(tgt)
-    qmod = sched(qmod)
-    dump_ir(options.debug_dump, "05_scheduled", qmod)
-    t1 = time.time()
+                        debug_dump=options.debug_dump, progress=phases, require_int8=options.require_int8)
+    with phases("schedule", "lift weights, apply schedules" + (" from the tuning log" if db is not None else "")):
+        lift = LiftConstantsToParams()
+        qmod = lift(q.mod)
+        dump_ir(options.debug_dump, "04_params_lifted", qmod)
+        tuned = {}
+        if options.tuning_log:
+            qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db, ignore_stale=options.ignore_stale)
+        sched = ScheduleInt8Kernels(tgt)
+        qmod = sched(qmod)
+        dump_ir(options.debug_dump, "05_scheduled", qmod)
     # The compile options of the kernel implementations in the module (e.g. the tensor-core
     # family's TIR pipeline and asynchronous copies).
     impls = {registry.of_func(f) for f in qmod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)} - {None}
     compile_options = registry.compile_options(impls)
     config = {"relax.backend.use_cuda_graph": options.uses_cuda_graph, **compile_options["config"]}
-    with tgt, tvm.transform.PassContext(opt_level=3, config=config):
+    arch = f" {tgt.attrs['arch']}" if "arch" in tgt.attrs else ""
+    with phases("compile", f"tvm.compile for {tgt.kind.name}{arch}"), tgt, \
+            tvm.transform.PassContext(opt_level=3, config=config, instruments=interrupts.pass_instruments()):
         ex = tvm.compile(qmod, target=tgt, tir_pipeline=compile_options["tir_pipeline"])
-    return q, ex, lift.params, sched.applied, tuned, t1
+    return q, ex, lift.params, sched.applied, tuned
 
 
 def _family_chooser(families, fallback):
@@ -209,10 +242,16 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
     reason = verify_mod.cannot_run(tgt)
     if reason:
         return dict(status="skipped", reason=reason)
-    images = q.images[:verify_mod.IMAGES]
-    sqnr = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
+    held_out = q.held_out is not None and len(q.held_out) >= 2
+    images = q.held_out if held_out else q.images[:verify_mod.IMAGES]
+    sqnr, ref = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
-                  images=len(images), floor_db=options.verify_floor_db)
+                  images=len(images), held_out=held_out, floor_db=options.verify_floor_db)
+    if verify_mod.input_blind(ref):
+        return dict(result, status="cannot judge",
+                    reason=f"the float model gives the same logits for all {len(images)} images (its output does not "
+                           "depend on the input, as in a random init whose activations die out): agreeing with it "
+                           "proves nothing; build it with trained weights (--weights) to verify it")
     target = options.accuracy_target_db
     if target is not None:
         result["target_db"] = target
@@ -240,7 +279,7 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
 
 
 def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions | None = None,
-                       config: QuantConfig = QuantConfig(), progress: bool = True) -> BuildResult:
+                       config: QuantConfig = QuantConfig(), progress=True) -> BuildResult:
     """Build the int8 library of a QAT checkpoint (``train.py --qat --out CKPT``), no calibration.
 
     Rebuilds the float architecture the checkpoint was trained with (its ``config``: model and

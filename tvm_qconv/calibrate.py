@@ -13,15 +13,16 @@ import torch
 import torch.nn.functional as F
 import tvm
 import tvm_ffi
-from tqdm import tqdm
 from tvm import relax
 
+from . import interrupts
 from .config import QuantConfig
 from .data import static_batches
 from .zero_points import planned_unsigned_names
 from .errors import InputError
 from .graph import Graph
 from .observers import make_observer
+from .progress import bar
 from .relax_utils import bindings_of, substitute
 
 
@@ -80,8 +81,9 @@ class FloatPoints:
 
     def __call__(self, images: np.ndarray, progress: bool = False, desc: str = ""):
         total = -(-len(images) // self.batch)
-        for n, x in tqdm(static_batches(images, self.batch), total=total, desc=desc, disable=not progress,
-                         unit="batch"):
+        for n, x in bar(static_batches(images, self.batch), enabled=progress, total=total, desc=desc,
+                        unit="batch"):
+            interrupts.check()  # the VM call below runs in C++ (a Ctrl-C there is taken here)
             outs = self.vm["main"](tvm.runtime.tensor(x, tvm.cpu()))
             yield n, {name: t.numpy()[:n] for name, t in zip(self.names, outs)}
 

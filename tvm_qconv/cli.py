@@ -6,6 +6,7 @@ exit   when
 =====  =========================================================================================
 2      bad input (:class:`~tvm_qconv.errors.InputError`): the line says what is wrong and what to do
 130    Ctrl-C (128 + SIGINT, the shell's convention): the line says what was kept
+143    SIGTERM (128 + 15), likewise
 1      anything else, a failure of the project or of TVM: its type and first line, and how to get
        the traceback for a report
 =====  =========================================================================================
@@ -13,7 +14,9 @@ exit   when
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import warnings
 from typing import Callable
 
 from .errors import InputError
@@ -42,22 +45,53 @@ def first_line(err: BaseException, limit: int = 300) -> str:
 
 
 def run(command: Callable[[], int], interrupted: str) -> int:
-    """``command()``'s exit code, or the table's above; ``interrupted`` says what a Ctrl-C kept."""
-    try:
-        return command()
-    except InputError as err:
-        if debug():
-            raise
-        _say(f"error: {err}")
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        if debug():
-            raise
-        _say(f"interrupted: {interrupted}")
-        return EXIT_INTERRUPTED
-    except Exception as err:  # noqa: BLE001 -- the last line of defence of a CLI
-        if debug():
-            raise
-        _say(f"error: {first_line(err)} (an internal failure, not a known bad input: run again "
-             f"with {DEBUG_ENV}=1 for the traceback and report it)")
-        return EXIT_FAILED
+    """``command()``'s exit code, or the table's above; ``interrupted`` says what a Ctrl-C kept.
+
+    SIGINT and SIGTERM are handled for the command's duration (``interrupts.handling``): an
+    exception that ends the command while a signal is pending is that signal, whatever TVM made
+    of it on its way through C++ (a ``RuntimeError``, an ``InputError`` of a wrapped call); a
+    signal that something swallowed still ends the command with its exit code."""
+    from . import interrupts
+    with interrupts.handling(), warnings.catch_warnings():
+        quiet_dependency_warnings()
+        warnings.showwarning = _one_line_warning
+        try:
+            code = command()
+        except BaseException as err:  # noqa: BLE001 -- the last line of defence of a CLI
+            signum = interrupts.pending() or (getattr(err, "signum", signal.SIGINT)
+                                              if isinstance(err, KeyboardInterrupt) else None)
+            if debug() or (signum is None and not isinstance(err, Exception)):
+                raise
+            if signum is not None:
+                interrupts.restore_stderr()
+                _say(f"interrupted: {interrupted}")
+                return interrupts.exit_code(signum)
+            if isinstance(err, InputError):
+                _say(f"error: {err}")
+                return EXIT_BAD_INPUT
+            _say(f"error: {first_line(err)} (an internal failure, not a known bad input: run again "
+                 f"with {DEBUG_ENV}=1 for the traceback and report it)")
+            return EXIT_FAILED
+        signum = interrupts.pending()
+        if signum is not None:  # it arrived after the last check: the command's work is complete
+            interrupts.restore_stderr()
+            _say("interrupted after the command had finished its work: what it wrote is complete")
+            return interrupts.exit_code(signum)
+        return code
+
+
+# Warnings of the libraries underneath that say nothing a user of the CLIs can act on; filtered
+# here, at the CLI, never in the library (a Python caller keeps its own warning settings).
+DEPENDENCY_WARNINGS = (
+    (FutureWarning, r".*LeafSpec.*"),  # torch.export's own pytree use (torch 2.11)
+)
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    _say(f"warning: {message}")
+
+
+def quiet_dependency_warnings() -> None:
+    """Ignore :data:`DEPENDENCY_WARNINGS` (inside a ``warnings.catch_warnings()`` block)."""
+    for category, message in DEPENDENCY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

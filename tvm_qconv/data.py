@@ -54,7 +54,8 @@ def preprocess(img: np.ndarray, size: int) -> np.ndarray:
 
     Args:
         img: HxW (grayscale), HxWx1, HxWx2 (grayscale + alpha), HxWx3 or HxWx4 (alpha is
-            dropped); uint8/uint16/bool, or float already in [0, 1].
+            dropped: :func:`load_image` composites a file's alpha over white before this);
+            uint8/uint16/bool, or float already in [0, 1].
         size: output height and width.
 
     Returns:
@@ -102,29 +103,103 @@ def preprocess(img: np.ndarray, size: int) -> np.ndarray:
 
 
 def load_image(path: str | Path, size: int) -> np.ndarray:
-    """Read a JPEG/PNG file and preprocess it.
+    """Read an image file, convert it to RGB and preprocess it.
+
+    The file is read with Pillow and converted by its mode:
+
+    * RGB as is; CMYK, YCbCr, LAB, HSV (and other colour modes) by Pillow's conversion to RGB;
+    * grayscale ``L`` and bilevel ``1``: the gray level replicated to 3 channels;
+    * palette ``P``: the palette's colours;
+    * with an alpha channel or a transparent colour (RGBA, LA, PA, P or L with transparency):
+      composited over white, as an image viewer shows it (transparent reads as white, not as
+      the colour hidden under the alpha);
+    * 16- and 32-bit integer grayscale (``I;16``, ``I;16B``, ``I``): scaled by the 16-bit
+      range, 65535 -> 1.0 (a 32-bit value outside 0..65535 is refused);
+    * float ``F``: taken as is, so its values must lie in [0, 1];
+    * 16-bit RGB (48-bit PNG): Pillow keeps the high byte of each channel, so 8-bit colours;
+    * multi-frame files (GIF, TIFF): the first frame.
 
     Args:
-        path: image file, or ``skimage:NAME`` for one of ``SKIMAGE_PHOTOS``.
+        path: image file (JPEG, PNG, GIF, TIFF, BMP, WebP, anything Pillow reads), or
+            ``skimage:NAME`` for one of ``SKIMAGE_PHOTOS``.
         size: output height and width.
 
     Returns:
-        float32 array of shape ``(3, size, size)``.
+        float32 array of shape ``(3, size, size)`` (see :func:`preprocess`).
 
     Raises:
-        InputError: the file cannot be read as an image.
+        InputError: the file cannot be read as an image, its mode has no RGB conversion, or its
+            values lie outside the range its mode allows (F: [0, 1]; I: 0..65535).
     """
-    import skimage.io
-
     if str(path).startswith("skimage:"):  # e.g. skimage:coffee, a photo shipped with scikit-image
         return preprocess(_skimage_photo(str(path)[len("skimage:"):]), size)
+    return preprocess(read_rgb(path), size)
+
+
+# Modes with an alpha channel (premultiplied "La" has no conversion in Pillow: refused by name).
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "PA")
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """The first frame of an image file as an RGB (or grayscale) array, converted by mode as
+    :func:`load_image` describes.
+
+    Args:
+        path: image file.
+
+    Returns:
+        HxWx3 uint8 (RGB), HxW uint8 (grayscale) or HxW / HxWx3 float32 in [0, 1] (16/32-bit
+        integer or float grayscale, or composited over white): what :func:`preprocess` takes.
+
+    Raises:
+        InputError: the file is unreadable, its mode cannot be converted to RGB, or its values
+            lie outside its mode's range.
+    """
+    from PIL import Image
+
     try:
-        img = skimage.io.imread(str(path))
-    except Exception as err:  # imageio raises many types; all mean "not a usable image"
-        # First line only: imageio appends plugin install hints that do not apply here.
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        with Image.open(path) as img:
+            img.seek(0)  # the first frame of a GIF / multi-page TIFF
+            img.load()
+            return _to_rgb(img, path)
+    except InputError:
+        raise
+    except Exception as err:  # Pillow raises many types (OSError, SyntaxError, ...): all mean "not a usable image"
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise InputError(f"cannot read image {path}: {reason}; give a JPEG or PNG file") from err
-    return preprocess(img, size)
+
+
+def _to_rgb(img, path) -> np.ndarray:
+    mode = img.mode
+    if mode == "RGB" and "transparency" not in img.info:
+        return np.asarray(img)
+    if mode in ("L", "1") and "transparency" not in img.info:
+        return np.asarray(img.convert("L"))
+    if mode == "I" or mode.startswith("I;16"):
+        values = np.asarray(img).astype(np.float64)
+        if values.size and (values.min() < 0 or values.max() > 65535):
+            raise InputError(f"image {path} is 32-bit grayscale with values from {values.min():.0f} to "
+                             f"{values.max():.0f}, outside the 16-bit range 0..65535 it is read in: save it "
+                             f"as 8- or 16-bit")
+        return (values / 65535.0).astype(np.float32)
+    if mode == "F":
+        values = np.asarray(img, dtype=np.float32)
+        if values.size and not np.isfinite(values).all():
+            raise InputError(f"image {path} is float (mode F) with NaN or infinite values, outside [0, 1]: "
+                             f"scale it to [0, 1], or save it as 8-bit")
+        if values.size and (values.min() < 0 or values.max() > 1):
+            raise InputError(f"image {path} is float (mode F) with values from {values.min():g} to "
+                             f"{values.max():g}, outside [0, 1]: scale it to [0, 1], or save it as 8-bit")
+        return values
+    try:
+        if mode in _ALPHA_MODES or "transparency" in img.info:
+            rgba = np.asarray(img.convert("RGBA"), dtype=np.float32) / 255.0
+            alpha = rgba[:, :, 3:]
+            return rgba[:, :, :3] * alpha + (1.0 - alpha)  # over white
+        return np.asarray(img.convert("RGB"))
+    except ValueError as err:  # Pillow: "conversion from X to Y not supported"
+        raise InputError(f"image {path} has mode {mode}, which Pillow cannot convert to RGB ({err}): "
+                         f"save it as RGB") from err
 
 
 def _skimage_photo(name: str) -> np.ndarray:
@@ -209,12 +284,10 @@ def load_calibration_images(
             "or omit --calib-dir to use scikit-image's sample photos"
         )
 
-    from tqdm import tqdm
+    from .progress import bar
 
-    progress = tqdm(
-        files, desc="calibration images", unit="img", disable=len(files) <= _PROGRESS_MIN_FILES
-    )
-    return np.stack([load_image(f, size) for f in progress])
+    shown = bar(files, enabled=len(files) > _PROGRESS_MIN_FILES, desc="calibration images", unit="img")
+    return np.stack([load_image(f, size) for f in shown])
 
 
 def digits_dataset(

@@ -3,10 +3,13 @@ entry) is either the old file or the whole new one, never half of it, whatever i
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
 from typing import Iterator
+
+from . import interrupts
 
 TEMP_PREFIX = ".tvm_qconv-"  # every temporary this project writes starts so (tests look for leftovers)
 
@@ -19,6 +22,15 @@ def check_output_file(path: str, what: str = "output") -> None:
         InputError: naming the problem and what to do.
     """
     from .errors import InputError
+    if os.path.islink(path):  # a rename onto it would replace the link itself, not what it names
+        try:
+            os.stat(path)
+            real = os.path.realpath(path)
+        except OSError as err:  # a loop (ELOOP), or a link to nothing
+            reason = "a symbolic link loop" if err.errno == errno.ELOOP else "a symbolic link to nothing"
+            raise InputError(f"{what} {path} is {reason}: remove the link or give another path") from None
+        raise InputError(f"{what} {path} is a symbolic link (to {real}): writing would replace the link with a "
+                         f"file; give the path it names ({real}) or another path")
     if os.path.isdir(path):
         raise InputError(f"{what} {path} is a folder: give a file path (e.g. {os.path.join(path, 'model.so')})")
     check_output_folder(os.path.dirname(os.path.abspath(path)), what, path)
@@ -41,6 +53,13 @@ def check_output_folder(folder: str, what: str = "output folder", shown: str | N
     if not os.access(existing, os.W_OK | os.X_OK):
         raise InputError(f"{what} {shown} cannot be written: no write permission in {existing}; "
                          "choose another folder")
+    try:  # what access() cannot tell: a read-only or pseudo file system (/proc), root on either
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=TEMP_PREFIX + "probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise InputError(f"{what} {shown} cannot be written: {existing} does not take new files "
+                         f"({err.strerror or err}); choose another folder") from None
 
 
 def _default_mode() -> int:
@@ -52,7 +71,9 @@ def _default_mode() -> int:
 @contextlib.contextmanager
 def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     """A temporary path beside ``path``: write it inside the ``with``; on a clean exit it is
-    renamed onto ``path`` (atomic on POSIX: same folder, same file system), otherwise removed.
+    renamed onto ``path`` (atomic on POSIX: same folder, same file system), otherwise removed --
+    also when a Ctrl-C / SIGTERM is pending (``interrupts``): an interrupted command never
+    replaces a file.
 
     Args:
         path: the file to (re)place; its folder is created if missing.
@@ -69,6 +90,7 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
     try:
         yield tmp
         os.chmod(tmp, _default_mode())  # mkstemp creates 0600; give the file the usual mode
+        interrupts.check()  # a Ctrl-C that some C++ frame swallowed: the old file stays
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -109,7 +109,17 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
     """Load a state dict (or a checkpoint dict with ``state_dict`` / ``model``) into ``model``.
 
-    Returns the whole checkpoint dict (a QAT checkpoint carries learned scales beside the weights).
+    Args:
+        model: the module to load into (strictly: every key, every shape).
+        path: a file written by ``torch.save``.
+
+    Returns:
+        The whole checkpoint dict (a QAT checkpoint carries learned scales beside the weights).
+
+    Raises:
+        InputError: the file cannot be read, holds no state dict, or its tensors do not fit
+            ``model``: one line counting them and naming a few missing, unexpected and
+            shape-mismatched keys (not torch's list of every key).
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
@@ -120,11 +130,53 @@ def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
     if not isinstance(ckpt, dict):
         raise InputError(f"weights file {path} holds a {type(ckpt).__name__}, not a state dict")
     state = ckpt.get("state_dict", ckpt.get("model", ckpt))
+    if not isinstance(state, dict):
+        raise InputError(f"weights file {path} holds a {type(state).__name__} where its state dict should be: "
+                         "give a file saved with torch.save(model.state_dict(), path)")
+    keys_shown_chars = 240  # at most this much of key names in the "does not fit" line
+
+    def shape_of(value) -> str:  # 64x3x7x7; "scalar" for 0-d; the type's name for a non-tensor
+        shape = getattr(value, "shape", None)
+        return type(value).__name__ if shape is None else "x".join(str(d) for d in shape) or "scalar"
+
+    def some(items: list[str], budget: int) -> str:  # "a, b, ... N more": what fits in budget chars (>= 1)
+        shown: list[str] = []
+        used = 0
+        for item in items:
+            if shown and used + len(item) + 2 > budget:
+                break
+            shown.append(item[:budget])
+            used += len(shown[-1]) + 2
+        rest = len(items) - len(shown)
+        return ", ".join(shown) + (f", ... {rest} more" if rest else "")
+
+    # The mismatch, by key, before loading: torch's own message lists every key (~15 KB for a
+    # whole network of another architecture).  torch decides whether it fits (a module may
+    # accept keys of its own, e.g. BatchNorm's num_batches_tracked in an old file): the
+    # summary is used when it refuses.
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    mismatched = [f"{k} {shape_of(v)} (model {shape_of(expected[k])})" for k, v in state.items()
+                  if k in expected and shape_of(v) != shape_of(expected[k])]
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        first = str(err).splitlines()[0:3]
-        raise InputError(f"weights file {path} does not fit this model: {' '.join(first)}") from err
+        groups = [(label, keys) for label, keys in (("missing", missing), ("unexpected", unexpected),
+                                                    ("size mismatch", mismatched)) if keys]
+        share = keys_shown_chars // max(len(groups), 1)
+        listed = "; ".join(f"{label}: {some(keys, share)}" for label, keys in groups)
+        if not groups:  # refused for another reason (a module's own check): torch's first line, cut short
+            listed = (str(err).strip().splitlines() or [type(err).__name__])[0][:keys_shown_chars]
+        kind = type(model).__name__
+        counts = []
+        if unexpected or mismatched:
+            counts.append(f"{len(unexpected) + len(mismatched)} of its {len(state)} tensors do not match")
+        if missing:
+            counts.append(f"{len(missing)} of this {kind}'s {len(expected)} are missing")
+        raise InputError(f"weights file {path} does not fit this model: {' and '.join(counts) or 'torch refuses it'} "
+                         f"({listed}): were they saved from another architecture? give the "
+                         f"weights of this {kind}") from err
     return ckpt
 
 

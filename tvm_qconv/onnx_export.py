@@ -40,11 +40,13 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from . import model_check
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import atomic_path, check_output_file
 from .graph import static_shape
 from .observers import quantize_weight_per_channel
+from .progress import as_phases
 from .ranges import Calibrate, LearnedRanges
 from .schedules.requantize import UNSIGNED_ZERO
 from .transform.quantize_int8 import activation_scale
@@ -115,7 +117,7 @@ class _ExportableFirst:
 
 def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: QuantConfig = QuantConfig(),
                 ranges=None, name: str | None = None, dynamic_batch: bool = True, opset: int = 17,
-                progress: bool = True) -> ExportResult:
+                progress=True, require_int8: bool = False) -> ExportResult:
     """Write the calibrated int8 model as ONNX with QuantizeLinear / DequantizeLinear pairs.
 
     Args:
@@ -130,6 +132,8 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         dynamic_batch: name the batch dimension (``batch``) so the file runs at any batch; where
             a reshape moves the batch dimension the file keeps the static shape (the summary says why).
         opset: the ONNX opset, 17-21.
+        progress: print each phase as it starts.
+        require_int8: refuse a skip list that leaves no layer in int8 (``deploy.py export-onnx``).
 
     Returns:
         :class:`ExportResult`.
@@ -156,10 +160,15 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         name, model = name or model, load_model(model)
     name = name or type(model).__name__.lower()
     input_shape = tuple(int(d) for d in input_shape)
+    probe = model_check.probe(model, input_shape, name)
+    model_check.check_memory(probe, input_shape, name)
+    phases = as_phases(progress, "export-onnx")
     source = ranges if ranges is not None else Calibrate()
     # Exactly what a CPU build does: the same graph, ranges and int8 / float decision per layer.
-    q = quantize_module(model, input_shape, TargetInfo.from_target(make_target("llvm")), config=config,
-                        ranges=_ExportableFirst(source), progress=progress)
+    with model_check.single_output(model, probe):
+        q = quantize_module(model, input_shape, TargetInfo.from_target(make_target("llvm")), config=config,
+                            ranges=_ExportableFirst(source), progress=phases, require_int8=require_int8)
+    phases.say(f"write: ONNX opset {opset} with QuantizeLinear / DequantizeLinear")
     emitter = _Emitter(q, input_shape, int(opset), dynamic_batch)
     graph = emitter.run()
     if emitter.static_reason is not None and dynamic_batch:

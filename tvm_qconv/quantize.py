@@ -22,7 +22,9 @@ from .errors import InputError
 from .frontend import export_to_relax, simplify
 from .graph import Graph, analyze
 from .observers import quantize_weight_per_channel
+from .progress import as_phases
 from .ranges import Calibrate, RangeContext, RangeSource
+from .ranges import describe as describe_ranges
 from .target import TargetInfo
 from .transform import QuantizeInt8
 from .weight_rounding import gptq_model
@@ -36,7 +38,9 @@ class QuantizedModule:
     ``graph``: the float graph's analysis at the build shape (with GPTQ, of the rounded
     weights); ``images``: the calibration images (None when the ranges were not calibrated);
     ``model``: the torch model quantized (``QuantConfig.weight_rounding="gptq"``: a copy with the
-    rounded weights, which a rebuild from the same ranges takes with nearest rounding)."""
+    rounded weights, which a rebuild from the same ranges takes with nearest rounding);
+    ``held_out``: images of the calibration source that calibration did not use (None: none), on
+    which the build verifies."""
 
     mod: tvm.IRModule
     report: dict
@@ -45,6 +49,7 @@ class QuantizedModule:
     graph: Graph | None = None
     images: np.ndarray | None = None
     model: object = None
+    held_out: np.ndarray | None = None
 
 
 def dump_ir(debug_dump: str | None, step: str, mod) -> None:
@@ -56,8 +61,11 @@ def dump_ir(debug_dump: str | None, step: str, mod) -> None:
             f.write(mod.script(show_meta=False))
 
 
-def check_skip(graph: Graph, config: QuantConfig) -> None:
-    """Refuse a skip entry that matches no layer, before anything is calibrated.
+def check_skip(graph: Graph, config: QuantConfig, require_int8: bool = False) -> None:
+    """Refuse a skip entry that matches no layer, or (``require_int8``: the CLIs) a skip list that
+    matches every conv and linear layer, nothing left in int8, before anything is calibrated.
+    From Python, ``skip=("*",)`` is a float build on purpose (the "quantization off equals
+    float" reference).
 
     Raises:
         InputError: naming the entries and the layers there are.
@@ -68,6 +76,11 @@ def check_skip(graph: Graph, config: QuantConfig) -> None:
         listed = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense")]
         raise InputError(f"skip list entry {', '.join(map(repr, unknown))} matches no layer of this model; its "
                          f"conv and linear layers are {listed[:12]}{' ...' if len(listed) > 12 else ''}")
+    quantizable = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense")]
+    if require_int8 and quantizable and all(any(fnmatch.fnmatchcase(n, p) for p in config.skip) for n in quantizable):
+        raise InputError(f"skip list {', '.join(map(repr, config.skip))} keeps all {len(quantizable)} conv and linear "
+                         "layers of this model in float: nothing would run in int8; name fewer layers (e.g. "
+                         f"--skip {quantizable[-1]} for the classifier alone)")
 
 
 def float_graph(model, input_shape: tuple) -> Graph:
@@ -91,7 +104,7 @@ def check_rounded(graph: Graph, integers: dict) -> None:
 def quantize_module(model, input_shape: tuple[int, int, int, int], target: TargetInfo, *,
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
                     choices: dict | None = None, chooser=None, expose_activations: bool = False,
-                    debug_dump: str | None = None, progress: bool = True) -> QuantizedModule:
+                    debug_dump: str | None = None, progress=True, require_int8: bool = False) -> QuantizedModule:
     """The int8 Relax module of ``model`` for ``target``.
 
     Args:
@@ -104,14 +117,20 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         choices: ``{layer: implementation}`` preferences (the user's).
         chooser: ``(op, workload, candidates) -> implementation name or None`` for the other
             layers (a tuning database's measured pick, ``tuning.apply.measured_chooser``).
-        expose_activations, debug_dump, progress: see ``compile_model``.
+        expose_activations, debug_dump: see ``compile_model``.
+        require_int8: refuse a skip list that leaves no layer in int8 (:func:`check_skip`).
+        progress: print each phase as it starts (a :class:`~tvm_qconv.progress.Phases` to share
+            the build's, or a bool).
     """
-    mod, names = export_to_relax(model, input_shape)
+    phases = as_phases(progress)
+    with phases("export", f"torch.export at {tuple(input_shape)} -> Relax"):
+        mod, names = export_to_relax(model, input_shape)
     dump_ir(debug_dump, "01_imported", mod)
-    mod = simplify(mod)
+    with phases("simplify", "fold batch norms and constants, find the layers"):
+        mod = simplify(mod)
+        graph = analyze(mod["main"], names)
     dump_ir(debug_dump, "02_simplified", mod)
-    graph = analyze(mod["main"], names)
-    check_skip(graph, config)
+    check_skip(graph, config, require_int8)
 
     def graph_at_batch1() -> Graph:
         if input_shape[0] == 1:
@@ -119,8 +138,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         return float_graph(model, (1, *input_shape[1:]))
 
     ranges = ranges if ranges is not None else Calibrate()
-    ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, progress)
-    amax, ranges_report = ranges.resolve(ctx)
+    ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, phases.enabled)
+    with phases("ranges", describe_ranges(ranges, config)):
+        amax, ranges_report = ranges.resolve(ctx)
     if config.bias_correction and ctx.channel_means is None:
         raise InputError(f"bias correction needs the inputs' means from calibration images; these ranges come from "
                          f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or turn "
@@ -132,17 +152,19 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                              f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or round "
                              "to nearest")
         layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
-        model, rounding, integers = gptq_model(model, ctx.images[: config.num_calib_images], layers)
-        mod, names = export_to_relax(model, input_shape)
-        mod = simplify(mod)
-        graph = analyze(mod["main"], names)
+        with phases("gptq", f"round the weights of {len(layers)} layers on the calibration images"):
+            model, rounding, integers = gptq_model(model, ctx.images[: config.num_calib_images], layers)
+            mod, names = export_to_relax(model, input_shape)
+            mod = simplify(mod)
+            graph = analyze(mod["main"], names)
         dump_ir(debug_dump, "02b_weights_rounded", mod)
         check_rounded(graph, integers)
     qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser,
                          channel_means=ctx.channel_means if config.bias_correction else None)
-    qmod = qpass(mod)
+    with phases("quantize", f"choose int8 kernels for {target.kind} {target.arch or ''}".rstrip()):
+        qmod = qpass(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
     report = dict(qpass.report, ranges=ranges_report)
     if rounding is not None:
         report["weight_rounding"] = rounding
-    return QuantizedModule(qmod, report, amax, names, graph, ctx.images, model)
+    return QuantizedModule(qmod, report, amax, names, graph, ctx.images, model, ctx.held_out)

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tqdm import tqdm
 from tvm import relax
 
 from .calibrate import offload_to_torch
 from .data import static_batches
 from .evaluate import sqnr_db
 from .graph import Graph
+from .progress import bar
 from .relax_utils import bindings_of, substitute
 
 START = "mse"      # the ranges the search starts from (the least-error observer per tensor)
@@ -142,7 +142,7 @@ def search(graph: Graph, images: np.ndarray, candidates: dict[str, dict[str, flo
     choices = {p: START for p in candidates}
     best = start = sqnr_db(reference, model.logits(images, current, unsigned))
     forwards = 2
-    for point in tqdm(model.names, desc="search ranges", disable=not progress, unit="tensor"):
+    for point in bar(model.names, enabled=progress, desc="search ranges", unit="tensor"):
         tried = {current[point]}
         for method, amax in candidates[point].items():
             if amax in tried or not np.isfinite(amax) or amax <= 0:

@@ -28,6 +28,8 @@ from .data import load_calibration_images
 from .errors import InputError
 from .graph import Graph
 
+HELD_OUT = 4  # calibration-source images set aside for the build's verification, where there are more
+
 
 @dataclass
 class RangeContext:
@@ -41,12 +43,16 @@ class RangeContext:
     progress: bool = True
     images: np.ndarray | None = None  # set by a source that calibrated: the images it used
     channel_means: dict | None = None  # set by calibration: {point: mean per channel} (bias correction)
+    held_out: np.ndarray | None = None  # set by calibration: images of the source it did not use
 
 
 @dataclass(frozen=True)
 class Calibrate:
     """Calibrate on real images: ``images`` (float32 [N, 3, H, W], preprocessed), else the
-    JPEG/PNG files of ``calib_dir``, else scikit-image's bundled photos."""
+    JPEG/PNG files of ``calib_dir``, else scikit-image's bundled photos.
+
+    The first ``QuantConfig.num_calib_images`` calibrate; up to :data:`HELD_OUT` more, where the
+    source has them, are held out for the build's verification (``RangeContext.held_out``)."""
 
     images: np.ndarray | None = field(default=None, compare=False)
     calib_dir: str | None = None
@@ -54,14 +60,18 @@ class Calibrate:
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
         cfg = ctx.config
         images = self.images
-        if images is None:
-            images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images)
-        images = images[: cfg.num_calib_images]
+        if images is None:  # up to HELD_OUT more than calibration takes, to verify on
+            images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images + HELD_OUT)
         if len(images) == 0 or np.asarray(images).ndim != 4:
             raise InputError(f"calibration needs images of shape [N, 3, H, W] with N >= 1, got shape "
                              f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
+        available = len(images)
+        images, held_out = images[: cfg.num_calib_images], images[cfg.num_calib_images:][:HELD_OUT]
         graph = ctx.graph_at_batch1()
-        report = dict(source="calibration", calibration=cfg.calibration, images=len(images))
+        report = dict(source="calibration", calibration=cfg.calibration, images=len(images), available=available,
+                      up_to=cfg.num_calib_images, held_out=len(held_out),
+                      images_from=self.calib_dir or ("the caller's array" if self.images is not None
+                                                     else "scikit-image's photos"))
         methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
         candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
         if cfg.calibration == "search":
@@ -71,6 +81,7 @@ class Calibrate:
         else:
             amax = {n: c[cfg.calibration] for n, c in candidates.items()}
         ctx.images = images
+        ctx.held_out = held_out if len(held_out) else None
         if cfg.calibration in ("percentile", "search"):
             report["percentile"] = cfg.percentile
         return amax, report
@@ -100,6 +111,18 @@ class LearnedRanges:
 
 
 RangeSource = Calibrate | GivenRanges | LearnedRanges
+
+
+def describe(source, config: QuantConfig) -> str:
+    """What a range source will do, in a few words (the build's progress line)."""
+    source = getattr(source, "inner", source)  # a wrapper (onnx_export's check-first source)
+    if isinstance(source, Calibrate):
+        how = config.calibration + (f" {config.percentile}" if config.calibration in ("percentile", "search") else "")
+        where = source.calib_dir or ("the given images" if source.images is not None else "scikit-image's photos")
+        return f"calibrate ({how}) on up to {config.num_calib_images} images of {where}"
+    if isinstance(source, LearnedRanges):
+        return f"learned in QAT, from {source.source}"
+    return "given by the caller"
 
 
 # Ops between two int8 layers that commute with per-tensor quantization at one scale: a max-pool

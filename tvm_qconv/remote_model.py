@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from .artifact import artifact_paths, check_whole, read_meta
+from .artifact import artifact_paths, open_library
 from .errors import InputError
 from .remote import Remote, remote_gpu
 from .runtime import check_arch, flatten
@@ -31,8 +31,7 @@ class RemoteModel:
     """
 
     def __init__(self, lib_path: str, remote: Remote):
-        self.meta = read_meta(lib_path)
-        check_whole(lib_path, self.meta)
+        self.meta = open_library(lib_path)
         params_path, _ = artifact_paths(lib_path)
         self.remote = remote
         self.session = remote.connect(session_timeout=0)  # a long benchmark must not be cut

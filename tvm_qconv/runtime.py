@@ -5,7 +5,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .artifact import artifact_paths, check_tvm_version, check_whole, read_meta
+from .artifact import artifact_paths, check_tvm_version, open_library
 from .errors import InputError
 from .target import ARCH_SPECIFIC, arch_runs_on
 from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
@@ -41,8 +41,7 @@ class CompiledModel:
     """A built int8 model: ``CompiledModel("vgg16.so", "cuda")(x) -> logits``."""
 
     def __init__(self, lib_path: str, device: str | None = None):
-        self.meta = read_meta(lib_path)
-        check_whole(lib_path, self.meta)
+        self.meta = open_library(lib_path)
         check_tvm_version(lib_path, self.meta)
         params_path, _ = artifact_paths(lib_path)
         kind = device or self.meta["target"]
@@ -75,10 +74,14 @@ class CompiledModel:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.outputs(x)[0]
 
-    def benchmark(self, x: np.ndarray, number: int = 10, repeat: int = 5) -> dict:
-        """Latency in ms (median and min over ``repeat`` runs of ``number`` calls), device-synchronized."""
+    def benchmark(self, x: np.ndarray, number: int = 10, repeat: int = 5, progress: bool = False) -> dict:
+        """Latency in ms (median and min over ``repeat`` runs of ``number`` calls), device-synchronized;
+        ``progress``: a bar over the repeats (on a terminal)."""
+        from .progress import bar
         xt = tvm.runtime.tensor(self.check_input(x), self.dev)
         self.vm["main"](xt, *self.params)  # warm-up: module load, first-call allocations
-        res = self.vm.time_evaluator("main", self.dev, number=number, repeat=repeat)(xt, *self.params)
-        ms = np.array(res.results) * 1e3
+        timer = self.vm.time_evaluator("main", self.dev, number=number, repeat=1)
+        ms = np.array([timer(xt, *self.params).results[0] for _ in
+                       bar(range(repeat), enabled=progress, desc=f"timing ({number} calls a repeat)", unit="repeat")])
+        ms = ms * 1e3
         return {"median_ms": float(np.median(ms)), "min_ms": float(ms.min()), "number": number, "repeat": repeat}

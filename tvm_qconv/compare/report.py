@@ -19,7 +19,10 @@ COLORS = {"tvm_qconv": "#d62728", "pytorch": "#1f77b4", "cudnn": "#9467bd", "onn
 
 
 def paths(out_dir: str, tag: str) -> dict:
-    return {kind: os.path.join(out_dir, f"compare_{tag}.{kind}") for kind in ("json", "md", "png")}
+    """The result files of a comparison, and ``partial``: the rows of a run in progress (a run cut
+    short keeps them there, and a complete result from before stays whole at ``json``)."""
+    found = {kind: os.path.join(out_dir, f"compare_{tag}.{kind}") for kind in ("json", "md", "png")}
+    return dict(found, partial=os.path.join(out_dir, f"compare_{tag}.partial.json"))
 
 
 def _version(module: str) -> str | None:
@@ -241,10 +244,13 @@ def plot(results: dict, path: str) -> None:
 
 
 def write_all(p: dict, results: dict) -> None:
+    """The finished comparison's JSON, table and chart; the in-progress rows file is dropped."""
     write_json(p["json"], results)
     with atomic_path(p["md"]) as tmp, open(tmp, "w") as f:
         f.write(markdown(results))
     plot(results, p["png"])
+    if "partial" in p and os.path.exists(p["partial"]):
+        os.remove(p["partial"])
 
 
 def render(json_path: str, floor_db: float | None = None) -> dict:

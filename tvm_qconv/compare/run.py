@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import interrupts, model_check
 from ..cli import first_line
 from ..config import QuantConfig
 from ..errors import InputError
@@ -154,6 +155,11 @@ class Context:
             torch.manual_seed(options.seed)
             model = load_model(options.model, options.weights, options.num_classes)
         self.model = model.eval()
+        # the shape at the largest batch, checked before any work; a tuple output's first tensor
+        # is what every row times and compares (compare() holds model_check.single_output)
+        shape = (max(options.batches), 3, options.image_size, options.image_size)
+        self.probe = model_check.probe(self.model, shape, options.model)
+        model_check.check_memory(self.probe, shape, options.model)
         self.weights = weights_digest(self.model)
         self.arch = None
         if self.device == "cuda":
@@ -239,7 +245,7 @@ class Context:
         from ..build import BuildOptions
         opts = self.options
         for lib in opts.libs:
-            meta = read_meta(lib)
+            meta = read_meta(lib)  # (its CompiledModel warns if it failed its verification)
             target = "cuda" if self.device == "cuda" else "llvm"
             if meta.get("target") != target:
                 raise InputError(f"--lib {lib} was built for {meta.get('target')}, this comparison runs on "
@@ -336,6 +342,7 @@ def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
     except KeyboardInterrupt:
         raise
     except Exception as err:  # noqa: BLE001 - one baseline's failure is its row; the run carries on
+        interrupts.check()  # ... unless it was a Ctrl-C that TVM or torch turned into an error
         row.update(status="failed", reason=_reason(err))
         os.makedirs(ctx.options.work_dir, exist_ok=True)
         log = os.path.join(ctx.options.work_dir, f"error_{baseline.key}_b{batch}.txt")
@@ -376,7 +383,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     paths = report.paths(options.out_dir, options.tag)
     progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "
              f"batches {', '.join(map(str, options.batches))}, {len(rows)} baselines -> {paths['json']}")
-    with torch.no_grad():
+    with torch.no_grad(), model_check.single_output(ctx.model, ctx.probe):
         ctx.prepare([b.key for b in rows])
         results["times"] = ctx.times
         for batch in options.batches:
@@ -384,7 +391,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
                 row = run_row(ctx, baseline, batch)
                 results["rows"].append(row)
                 progress(report.progress_line(options.tag, row))
-                report.write_json(paths["json"], results)  # a run cut short keeps what it measured
+                report.write_json(paths["partial"], results)  # a run cut short keeps what it measured
     results["summary"] = report.summary(results["rows"])
     results["seconds"] = round(time.perf_counter() - start, 1)
     results["gpu_at_end"] = report.gpu_state() if ctx.device == "cuda" else None

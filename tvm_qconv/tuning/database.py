@@ -182,13 +182,69 @@ def tune_command(work_dir: str) -> str:
 
 
 def database_target(work_dir: str) -> str:
-    """The target kind (``cuda`` or ``llvm``) a database folder was tuned for, from its
-    config.json; ``cuda`` where it has none (databases from before CPU tuning)."""
+    """The target kind (``cuda`` or ``llvm``) a database folder was tuned for, refusing a path
+    that is not a database this project wrote.
+
+    The kind comes from its config.json (``target``; a config from before CPU tuning names only
+    an ``arch``: ``cuda``), else from its first tuning record (MetaSchedule writes each record's
+    target).  The records themselves are read when the build applies them (:func:`load_database`).
+
+    Args:
+        work_dir: the ``--tuning-log`` folder.
+
+    Returns:
+        ``cuda`` or ``llvm``.
+
+    Raises:
+        InputError: the path does not exist, is a file, has no database files (plain or packed),
+            or names no target in its config.json or records.
+    """
+    def refuse(what: str) -> InputError:
+        return InputError(f"--tuning-log {work_dir} is not a tuning database ({what}): give a folder written by "
+                          f"tune.py (tuning_logs/<model>-b<batch>-<arch>)")
+
+    if not os.path.exists(work_dir):
+        raise refuse("no such folder")
+    if not os.path.isdir(work_dir):
+        raise refuse("a file, not a folder")
+    paths = db_files(work_dir)
+    if paths is None:
+        have = sorted(os.listdir(work_dir))
+        listed = ", ".join(have[:4]) + (f", ... {len(have) - 4} more" if len(have) > 4 else "")
+        raise refuse(f"no {WORKLOAD_FILE} and {RECORD_FILE}, plain or .gz; it holds {listed or 'nothing'}")
     try:
         with open(os.path.join(work_dir, CONFIG_FILE)) as f:
-            return str(json.load(f).get("target") or "cuda")
-    except (OSError, ValueError, AttributeError):
-        return "cuda"
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        cfg = None
+    if isinstance(cfg, dict):
+        if cfg.get("target") in ("cuda", "llvm"):
+            return cfg["target"]
+        if "target" not in cfg and str(cfg.get("arch") or "").startswith("sm_"):
+            return "cuda"  # written before CPU tuning: only CUDA was tuned
+    try:
+        kind = _first_record_target(paths[1])
+    except (OSError, EOFError) as err:  # unreadable, or a truncated / not-gzip .gz
+        raise corrupt(work_dir, err) from err
+    if kind in ("cuda", "llvm"):
+        return kind
+    raise refuse(f"no cuda or llvm target in its {CONFIG_FILE} or in its first tuning record")
+
+
+def _first_record_target(path: str) -> str | None:
+    """The target kind of a record file's first readable record (None: none in its first 100
+    lines).  Raises OSError / EOFError where the file cannot be read."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        for _, line in zip(range(100), f):  # past a few unreadable lines, not the whole file
+            try:
+                target = json.loads(line)[1][2]
+            except (ValueError, TypeError, IndexError, KeyError):
+                continue
+            if isinstance(target, dict) and isinstance(target.get("kind"), str):
+                return target["kind"]
+            if isinstance(target, str) and target.split():  # "cuda -arch=sm_90"
+                return target.split()[0]
+    return None
 
 
 def load_database(work_dir: str, ignore_stale: bool = False) -> ms.database.MemoryDatabase:
