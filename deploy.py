@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 
@@ -295,7 +294,7 @@ def load_float_model(args):
 
 
 def cmd_build(args) -> int:
-    from tvm_qconv.artifact import unverified_path
+    from tvm_qconv.artifact import remove_unverified
     from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
     from tvm_qconv.fileio import check_output_file
     from tvm_qconv.ranges import Calibrate
@@ -343,10 +342,10 @@ def cmd_build(args) -> int:
               f"{res.lib_path}", file=sys.stderr)
         return EXIT_UNVERIFIED
     print(f"wrote {res.lib_path} (+ .params.npz, .json)")
-    stale = unverified_path(args.output)
-    if os.path.exists(stale):
-        print(f"note: {stale} is an earlier build that failed its verification; this build replaces it at "
-              f"{args.output}: remove it")
+    stale = remove_unverified(args.output)
+    if stale:
+        print(f"removed {stale} (+ .params.npz, .json): an earlier build of {args.output} that failed its "
+              "verification, superseded by this one")
     return 0
 
 
@@ -502,13 +501,22 @@ def cmd_rpc(args) -> int:
     return 0
 
 
+def _kept_output(output: str, what: str):
+    """The Ctrl-C line of a command that writes ``output``: unchanged, or (the signal came after
+    the save) written whole."""
+    def kept(written: list[str]) -> str:
+        made = [w for w in written if w.endswith((".so", ".onnx"))]
+        if made:
+            return f"{made[-1]} had been written whole (the new {what}) before it stopped"
+        return f"{output} was not written; the {what} there before, if any, is whole and unchanged"
+    return kept
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    kept = (f"{args.output} was not written; the library there before, if any, is whole and unchanged"
-            if args.cmd == "build" else
+    kept = (_kept_output(args.output, "library") if args.cmd == "build" else
             f"{args.lib} was not moved; nothing changed" if args.cmd == "accept" else
-            f"{args.output} was not written; the file there before, if any, is whole and unchanged"
-            if args.cmd == "export-onnx" else
+            _kept_output(args.output, "file") if args.cmd == "export-onnx" else
             f"the rows measured so far are in {args.out}/compare_*.partial.json; the results of an earlier "
             f"comparison there are unchanged" if args.cmd == "compare" else
             "nothing was written")

@@ -276,3 +276,11 @@ def test_a_model_returning_no_tensor_is_refused_by_name(tmp_path, capsys):
     err = _cli_error(capsys, "build", "--model", f"{tmp_path / 'net.py'}:make", "--image-size", "16", "-o",
                      str(tmp_path / "m.so"))
     assert "forward returns a dict of 1 with no tensor in it" in err
+
+
+def test_a_corrupt_packed_database_is_a_bad_input_not_an_internal_failure(tmp_path):
+    # zlib.error is no OSError: it ended in "internal failure", exit 1
+    for name in (WORKLOAD_FILE, RECORD_FILE):
+        (tmp_path / f"{name}.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"not deflate data" * 4)
+    with pytest.raises(InputError, match=str(tmp_path)):
+        database_target(str(tmp_path))

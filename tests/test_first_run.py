@@ -156,3 +156,15 @@ def test_a_whole_build_through_the_cli_prints_nothing_on_stderr(tmp_path, models
     proc = subprocess.run([sys.executable, "deploy.py", "build", "--model", f"{models}:make", "--image-size", "32",
                            "-o", str(tmp_path / "m.so")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_a_verified_build_removes_the_failed_one_it_supersedes(tmp_path, capsys, models):
+    # accepting the older, failed build later would put it back over the newer, verified one
+    _build(tmp_path, capsys, "--verify-floor-db", "200", model=f"{models}:make", code=3)
+    unverified = tmp_path / "m.unverified.so"
+    assert unverified.exists()
+    assert deploy.main(["accept", str(unverified), "-o", str(unverified)]) == 2
+    assert "is the library being accepted" in capsys.readouterr().err and unverified.exists()
+    out = _build(tmp_path, capsys, model=f"{models}:make").out
+    assert f"removed {unverified} (+ .params.npz, .json): an earlier build of {tmp_path / 'm.so'} that failed" in out
+    assert sorted(os.listdir(tmp_path)) == ["m.json", "m.params.npz", "m.so"]

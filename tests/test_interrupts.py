@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -93,15 +94,29 @@ def _check_stopped(code, out, err, took, sig, kept_start="interrupted: "):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """A model file and a library built from it: the earlier result every interrupted build must keep."""
+def golden(tmp_path_factory):
+    """A model file and a library built from it (through the CLI, which must print nothing on stderr)."""
     tmp = tmp_path_factory.mktemp("interrupts")
     (tmp / "tiny.py").write_text(MODEL)
-    argv = ["deploy.py", "build", "--model", f"{tmp / 'tiny.py'}:make", "--image-size", "32", "--target", "llvm",
-            "-o", str(tmp / "lib" / "tiny.so")]
-    subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, capture_output=True, timeout=600)
-    files = [str(tmp / "lib" / f) for f in ("tiny.so", "tiny.params.npz", "tiny.json")]
-    return tmp, argv, files, _digest(files)
+    proc = subprocess.run([sys.executable, "deploy.py", "build", "--model", f"{tmp / 'tiny.py'}:make", "--image-size",
+                           "32", "--target", "llvm", "-o", str(tmp / "golden" / "tiny.so")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return tmp
+
+
+@pytest.fixture
+def built(golden, tmp_path):
+    """This test's own copy of the library, the earlier result an interrupted build must keep; the
+    build command that would replace it."""
+    (tmp_path / "lib").mkdir()
+    files = []
+    for name in ("tiny.so", "tiny.params.npz", "tiny.json"):
+        shutil.copy2(golden / "golden" / name, tmp_path / "lib" / name)
+        files.append(str(tmp_path / "lib" / name))
+    argv = ["deploy.py", "build", "--model", f"{golden / 'tiny.py'}:make", "--image-size", "32", "--target", "llvm",
+            "-o", files[0]]
+    return tmp_path, argv, files, _digest(files)
 
 
 def _assert_kept(tmp, files, digest):
@@ -119,35 +134,61 @@ def test_a_signal_at_any_point_of_a_build_keeps_the_previous_library(built, sig,
     _assert_kept(tmp, files, digest)
 
 
+def _assert_new_and_whole(tmp, files, digest):
+    from tvm_qconv.runtime import CompiledModel
+    assert _digest(files) != digest
+    CompiledModel(files[0])  # the new one, whole (its build id checks the three files)
+    assert sorted(os.listdir(tmp / "lib")) == sorted(os.path.basename(f) for f in files)
+
+
 @pytest.mark.parametrize("seconds", TIMES, ids=[f"{s}s" for s in TIMES])
 def test_ctrl_c_at_evenly_spread_moments_of_a_build(built, seconds):
+    """Before the save's commit point: the earlier library, byte for byte; after it (on a fast
+    machine the later moments land there, or after the build ended): the new one, whole, and
+    the line says so."""
     tmp, argv, files, digest = built
     code, out, err, took = _run(tmp, "INT", "TIME", seconds, argv)
-    if code == 0:  # the build ended before the moment came: it replaced the library, as it should
+    if code == 0:  # the build ended before the moment came
         assert took is None, err
+        _assert_new_and_whole(tmp, files, digest)
+        return
+    if "written whole" in err:
+        _check_stopped(code, out, err, took, "INT", "interrupted")
+        _assert_new_and_whole(tmp, files, digest)
         return
     _check_stopped(code, out, err, took, "INT")
     _assert_kept(tmp, files, digest)
 
 
-def test_a_signal_after_the_commit_point_leaves_the_new_library_whole_and_says_so(built):
-    tmp, argv, files, _ = built
-    code, out, err, took = _run(tmp, "INT", "tvm_qconv.artifact:_publish", 1, argv)
-    _check_stopped(code, out, err, took, "INT", "interrupted after the command had finished its work")
-    from tvm_qconv.runtime import CompiledModel
-    CompiledModel(files[0])  # the new one, whole (its build id checks the three files)
-    assert sorted(os.listdir(tmp / "lib")) == sorted(os.path.basename(f) for f in files)
+@pytest.mark.parametrize("where", ["tvm_qconv.artifact:_publish", "tvm_qconv.report:format_report"],
+                         ids=["in-the-publish", "in-the-report"])
+def test_a_signal_after_the_commit_point_leaves_the_new_library_whole_and_says_so(built, where):
+    tmp, argv, files, digest = built
+    code, out, err, took = _run(tmp, "INT", where, 1, argv)
+    _check_stopped(code, out, err, took, "INT", "interrupted")
+    assert f"{files[0]} had been written whole (the new library)" in err or \
+        f"finished its work: {files[0]} written whole" in err, err
+    _assert_new_and_whole(tmp, files, digest)
+
+
+def test_a_build_that_fails_verification_and_is_interrupted_in_the_publish_still_says_so(built):
+    tmp, argv, files, digest = built
+    code, out, err, took = _run(tmp, "INT", "tvm_qconv.artifact:_publish", 1, [*argv, "--verify-floor-db", "200"])
+    assert code == 3, err  # the verification's exit and line are not hidden by the signal
+    assert "failed its verification" in err and "deploy.py accept" in err
+    assert sorted(os.listdir(tmp / "lib")) == sorted(["tiny.so", "tiny.params.npz", "tiny.json", "tiny.unverified.so",
+                                                   "tiny.unverified.params.npz", "tiny.unverified.json"])
+    assert _digest(files) == digest
 
 
 @pytest.mark.parametrize("sig,where,n", [("INT", "tvm.relax.block_builder:BlockBuilder.call_te", 1),
                                          ("TERM", "onnx:save", 1)], ids=["INT-FoldConstant", "TERM-onnx.save"])
-def test_a_signal_during_export_onnx_keeps_the_previous_file(built, sig, where, n):
-    tmp, argv, _, _ = built
+def test_a_signal_during_export_onnx_keeps_the_previous_file(golden, tmp_path, sig, where, n):
+    tmp = tmp_path
     onnx_path = tmp / "lib_onnx" / "tiny.onnx"
-    export = ["deploy.py", "export-onnx", "--model", f"{tmp / 'tiny.py'}:make", "--image-size", "32", "-o",
+    export = ["deploy.py", "export-onnx", "--model", f"{golden / 'tiny.py'}:make", "--image-size", "32", "-o",
               str(onnx_path)]
-    if not onnx_path.exists():
-        subprocess.run([sys.executable, *export], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, *export], cwd=ROOT, check=True, capture_output=True, timeout=600)
     digest = _digest([str(onnx_path)])
     code, out, err, took = _run(tmp, sig, where, n, export)
     _check_stopped(code, out, err, took, sig)
@@ -165,13 +206,13 @@ def test_a_signal_during_training_keeps_the_previous_checkpoint(tmp_path, sig):
     assert set(os.listdir(tmp_path)) == {"ckpt.pt", "sent.log"}  # no temporary left
 
 
-def test_a_signal_during_compare_keeps_the_previous_results(built):
-    tmp, _, _, _ = built
+def test_a_signal_during_compare_keeps_the_previous_results(golden, tmp_path):
+    tmp = tmp_path
     out_dir = tmp / "compare"
     out_dir.mkdir(exist_ok=True)
     earlier = out_dir / "compare_tiny_make.json"
     earlier.write_text('{"rows": ["an earlier comparison"]}')
-    argv = ["deploy.py", "compare", "--model", f"{tmp / 'tiny.py'}:make", "--device", "cpu", "--batch", "1",
+    argv = ["deploy.py", "compare", "--model", f"{golden / 'tiny.py'}:make", "--device", "cpu", "--batch", "1",
             "--image-size", "32", "--baselines", "int8,torch-fp32", "--budget", "0.2", "--out", str(out_dir),
             "--work-dir", str(tmp / "compare_work")]
     # while the second row (PyTorch fp32) is timed: the first row is in the partial file
@@ -183,15 +224,17 @@ def test_a_signal_during_compare_keeps_the_previous_results(built):
 
 
 @pytest.mark.parametrize("sig", ["INT", "TERM"])
-def test_a_signal_during_tuning_keeps_a_whole_database(built, sig):
-    """SIGINT lets the round in flight finish and commit (MetaSchedule's loop); SIGTERM stops at
-    once.  Either way the database loads and the same command goes on from it."""
-    tmp, _, _, _ = built
+def test_a_signal_during_tuning_keeps_a_whole_database(golden, tmp_path, sig):
+    """The first signal lets the round in flight finish and commit (MetaSchedule's loop swallows
+    what is raised inside it), then the run stops; the database loads."""
+    tmp = tmp_path
     work = tmp / f"tune_{sig}"
-    argv = ["tune.py", "--model", f"{tmp / 'tiny.py'}:make", "--target", "llvm", "--image-size", "32",
+    argv = ["tune.py", "--model", f"{golden / 'tiny.py'}:make", "--target", "llvm", "--image-size", "32",
             "--trials", "2", "--trials-per-iter", "2", "--workers", "1", "--work-dir", str(work)]
     code, out, err, took = _run(tmp, sig, "tvm_qconv.tuning.progress:valid_secs", 1, argv)
     assert code == 128 + getattr(signal, f"SIG{sig}"), err
-    assert err.strip().splitlines()[-1].startswith("interrupted: the measurements made so far are kept in")
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[tune] ") and "stopping after the candidates in flight" in lines[0]
+    assert lines[1].startswith("interrupted: the measurements made so far are kept in"), err
     from tvm_qconv.tuning.database import load_database
     load_database(str(work))  # whole

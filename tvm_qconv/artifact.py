@@ -141,10 +141,28 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
     # then says the library was written), and a failure leaves the folder for recover().
     with interrupts.deferred():
         os.replace(os.path.join(stage, COMMIT + ".tmp"), os.path.join(stage, COMMIT))  # the commit point
-        _publish(stage, lib_path)
+        try:
+            _publish(stage, lib_path)
+        except KeyboardInterrupt:  # (a caller without the CLI's handler) the new set is complete: finish it
+            _publish(stage, lib_path)
+            raise
+    interrupts.wrote(lib_path)
 
 
 UNVERIFIED = ".unverified"  # <stem>.unverified.so: a build that failed its verification
+
+
+def remove_unverified(lib_path: str) -> str | None:
+    """Drop the ``<stem>.unverified.*`` set an earlier, failed build of ``lib_path`` left, now that
+    a verified build is in place (accepting it later would put the older, failed build back over
+    the newer one).  Returns its path, or None when there was none."""
+    stale = unverified_path(lib_path)
+    if not os.path.exists(stale):
+        return None
+    for path in (stale, *artifact_paths(stale)):
+        if os.path.exists(path):
+            os.remove(path)
+    return stale
 
 
 def unverified_path(lib_path: str) -> str:
@@ -174,6 +192,9 @@ def accept_unverified(unverified: str, lib_path: str | None = None) -> str:
         if not unverified.endswith(UNVERIFIED + ".so"):
             raise InputError(f"{unverified} is not named <stem>{UNVERIFIED}.so: say where it goes with --output")
         lib_path = unverified[: -len(UNVERIFIED + ".so")] + ".so"
+    if os.path.realpath(lib_path) == os.path.realpath(unverified):
+        raise InputError(f"--output {lib_path} is the library being accepted: give the path it should take "
+                         "(default: its name without .unverified)")
     folder = os.path.dirname(os.path.abspath(lib_path))
     recover(lib_path)
     stage = tempfile.mkdtemp(dir=folder, prefix=f"{STAGE}{os.getpid()}-{os.path.basename(lib_path)}-")
@@ -187,9 +208,11 @@ def accept_unverified(unverified: str, lib_path: str | None = None) -> str:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    _publish(stage, lib_path)
-    for path in (unverified, *artifact_paths(unverified)):
-        os.remove(path)
+    with interrupts.deferred():
+        _publish(stage, lib_path)
+        for path in (unverified, *artifact_paths(unverified)):
+            os.remove(path)
+    interrupts.wrote(lib_path)
     return lib_path
 
 

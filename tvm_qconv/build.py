@@ -158,7 +158,8 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
         name, model = name or model, load_model(model)
     name = name or type(model).__name__.lower()
     probe = model_check.probe(model, options.input_shape, name)
-    model_check.check_memory(probe, options.input_shape, name)
+    model_check.check_memory(probe, options.input_shape, name,
+                             host_batch=None if options.target == "llvm" else verify_mod.IMAGES)
     with model_check.single_output(model, probe):
         q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases)
         report = dict(q.report, schedules=applied, tuned=tuned)
@@ -242,7 +243,7 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
     reason = verify_mod.cannot_run(tgt)
     if reason:
         return dict(status="skipped", reason=reason)
-    held_out = q.held_out is not None and len(q.held_out) >= 2
+    held_out = q.held_out is not None  # (Calibrate holds out none, or at least HELD_OUT_MIN)
     images = q.held_out if held_out else q.images[:verify_mod.IMAGES]
     sqnr, ref = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),

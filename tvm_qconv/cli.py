@@ -44,27 +44,34 @@ def first_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {text[:limit]}"
 
 
-def run(command: Callable[[], int], interrupted: str) -> int:
-    """``command()``'s exit code, or the table's above; ``interrupted`` says what a Ctrl-C kept.
+def run(command: Callable[[], int], interrupted: str | Callable[[list[str]], str]) -> int:
+    """``command()``'s exit code, or the table's above; ``interrupted`` says what a Ctrl-C kept
+    (a callable gets the files the command had put in place whole, ``interrupts.written()``).
 
     SIGINT and SIGTERM are handled for the command's duration (``interrupts.handling``): an
     exception that ends the command while a signal is pending is that signal, whatever TVM made
     of it on its way through C++ (a ``RuntimeError``, an ``InputError`` of a wrapped call); a
-    signal that something swallowed still ends the command with its exit code."""
+    signal that something swallowed still ends the command with its exit code.  Once the command
+    has ended, a signal is only recorded: the line below is always printed."""
     from . import interrupts
+
+    def kept() -> str:
+        return interrupted(interrupts.written()) if callable(interrupted) else interrupted
+
     with interrupts.handling(), warnings.catch_warnings():
         quiet_dependency_warnings()
         warnings.showwarning = _one_line_warning
         try:
             code = command()
         except BaseException as err:  # noqa: BLE001 -- the last line of defence of a CLI
+            interrupts.stop_raising()
             signum = interrupts.pending() or (getattr(err, "signum", signal.SIGINT)
                                               if isinstance(err, KeyboardInterrupt) else None)
             if debug() or (signum is None and not isinstance(err, Exception)):
                 raise
             if signum is not None:
                 interrupts.restore_stderr()
-                _say(f"interrupted: {interrupted}")
+                _say(f"interrupted: {kept()}")
                 return interrupts.exit_code(signum)
             if isinstance(err, InputError):
                 _say(f"error: {err}")
@@ -72,11 +79,13 @@ def run(command: Callable[[], int], interrupted: str) -> int:
             _say(f"error: {first_line(err)} (an internal failure, not a known bad input: run again "
                  f"with {DEBUG_ENV}=1 for the traceback and report it)")
             return EXIT_FAILED
+        interrupts.stop_raising()
         signum = interrupts.pending()
         if signum is not None:  # it arrived after the last check: the command's work is complete
             interrupts.restore_stderr()
-            _say("interrupted after the command had finished its work: what it wrote is complete")
-            return interrupts.exit_code(signum)
+            done = ", ".join(interrupts.written())
+            _say("interrupted after the command had finished its work" + (f": {done} written whole" if done else ""))
+            return code or interrupts.exit_code(signum)  # a failure it reported (exit 3) stays its exit
         return code
 
 

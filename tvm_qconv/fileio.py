@@ -92,6 +92,7 @@ def atomic_path(path: str, suffix: str = "") -> Iterator[str]:
         os.chmod(tmp, _default_mode())  # mkstemp creates 0600; give the file the usual mode
         interrupts.check()  # a Ctrl-C that some C++ frame swallowed: the old file stays
         os.replace(tmp, path)
+        interrupts.wrote(path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

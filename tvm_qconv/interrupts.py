@@ -16,8 +16,8 @@ C++ frame can swallow) and raises :class:`Interrupted` where Python is.  The fla
 - by ``cli.run``: any exception that ends a command while a signal is pending is that signal
   (exit 128 + signum: 130 for SIGINT, 143 for SIGTERM), whatever TVM turned it into.
 
-``deferred()`` regions (MetaSchedule's rounds) only record the first signal and let the round in
-flight finish.  A second signal always raises at once; a third ends the process on the spot
+``deferred()`` regions (a library's publish after its commit point; MetaSchedule's rounds) only
+record the first signal and let the work in flight finish.  A second signal always raises at once; a third ends the process on the spot
 (``os._exit``): every file the project writes is staged and renamed into place, so even then
 nothing a user made is half-written.
 """
@@ -50,6 +50,9 @@ class _State:
         self.deferred = 0               # depth of deferred() regions
         self.listeners: list[Callable[[int], None]] = []
         self.saved_stderr: int | None = None  # fd of the real stderr while it is muted
+        self.active = False             # handling() installed the handler
+        self.raising = True             # False once the command has ended: signals are only recorded
+        self.written: list[str] = []    # files the command put in place (wrote()), in order
 
 
 _state = _State()
@@ -81,13 +84,13 @@ def _handler(signum, frame) -> None:
         _state.signum = signum
     for listener in list(_state.listeners):
         listener(signum)
-    if _state.count == 1 and os.environ.get("TVM_QCONV_DEBUG", "") in ("", "0"):
-        _mute_stderr()
     if _state.count >= 3:  # the first two did not get through: stop on the spot (writes are staged)
         say(f"\ninterrupted: {NAMES.get(signum, signum)} three times, stopped at once")
         os._exit(exit_code(_state.signum))
-    if _state.deferred and _state.count == 1:
-        return  # the region in flight finishes, then check() raises
+    if not _state.raising or (_state.deferred and _state.count == 1):
+        return  # the work in flight finishes (check() raises after it), or the command already ended
+    if os.environ.get("TVM_QCONV_DEBUG", "") in ("", "0"):
+        _mute_stderr()  # what unwinds from here says nothing the one line will not
     raise Interrupted(signum)
 
 
@@ -100,14 +103,39 @@ def handling() -> Iterator[None]:
         return
     global _state
     saved, _state = _state, _State()
+    _state.active = True
     previous = {s: signal.signal(s, _handler) for s in SIGNALS}
     try:
         yield
     finally:
-        restore_stderr()
-        for s, h in previous.items():
+        _state.raising = False
+        for s, h in previous.items():  # the handlers first: no signal lands between the two steps
             signal.signal(s, h)
+        restore_stderr()
         _state = saved
+
+
+def active() -> bool:
+    """Whether :func:`handling` is in force (a CLI), so :func:`deferred` regions defer."""
+    return _state.active
+
+
+def stop_raising() -> None:
+    """The command has ended (returned or raised): from now on a signal is only recorded, so the
+    CLI's own last steps (the line it prints) are not cut short."""
+    _state.raising = False
+
+
+def wrote(path: str) -> None:
+    """Record that the command put ``path`` in place, whole (a library's save, an atomic write):
+    a signal after that must not be reported as if the file were not written."""
+    if _state.active:
+        _state.written.append(path)
+
+
+def written() -> list[str]:
+    """The files :func:`wrote` recorded, in order."""
+    return list(_state.written)
 
 
 @contextlib.contextmanager

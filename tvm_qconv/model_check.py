@@ -106,8 +106,15 @@ def probe(model: torch.nn.Module, input_shape: tuple, name: str = "the model") -
     return Probe(_describe(out), found[0], largest[0], largest[1])
 
 
-def check_memory(p: Probe, input_shape: tuple, name: str = "the model", available: int | None = None) -> None:
-    """Refuse a shape whose largest activation cannot fit the memory that is free.
+def check_memory(p: Probe, input_shape: tuple, name: str = "the model", available: int | None = None,
+                 host_batch: int | None = None) -> None:
+    """Refuse a shape whose largest float activation cannot fit the host memory that is free.
+
+    Args:
+        p, input_shape: the probe at the build's input shape.
+        host_batch: how many images the host runs the float model on at once (default: the
+            input's batch; a CUDA build calibrates one image at a time and verifies on 4, its
+            batch runs on the GPU).
 
     Raises:
         InputError: naming the layer, the bytes needed and the bytes free.
@@ -115,10 +122,12 @@ def check_memory(p: Probe, input_shape: tuple, name: str = "the model", availabl
     if available is None:
         import psutil
         available = psutil.virtual_memory().available
-    need = p.largest_bytes * LIVE_COPIES
+    batch = int(input_shape[0])
+    per_image = p.largest_bytes / max(batch, 1)
+    need = per_image * (batch if host_batch is None else host_batch) * LIVE_COPIES
     if need > available:
         raise InputError(f"{name} at input {tuple(input_shape)} needs about {_size(need)} of memory ({p.largest_layer} "
-                         f"alone makes {_size(p.largest_bytes)} of float32 activations), this machine has "
+                         f"alone makes {_size(per_image)} of float32 activations per image), this machine has "
                          f"{_size(available)} free: use a smaller --image-size or --batch")
 
 

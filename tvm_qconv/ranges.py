@@ -29,6 +29,7 @@ from .errors import InputError
 from .graph import Graph
 
 HELD_OUT = 4  # calibration-source images set aside for the build's verification, where there are more
+HELD_OUT_MIN = 2  # fewer spare images than this: the verification runs on calibration images
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Calibrate:
                              f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
         available = len(images)
         images, held_out = images[: cfg.num_calib_images], images[cfg.num_calib_images:][:HELD_OUT]
+        if len(held_out) < HELD_OUT_MIN:  # one image cannot tell a model that ignores its input
+            held_out = held_out[:0]
         graph = ctx.graph_at_batch1()
         report = dict(source="calibration", calibration=cfg.calibration, images=len(images), available=available,
                       up_to=cfg.num_calib_images, held_out=len(held_out),

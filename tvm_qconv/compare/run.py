@@ -159,7 +159,8 @@ class Context:
         # is what every row times and compares (compare() holds model_check.single_output)
         shape = (max(options.batches), 3, options.image_size, options.image_size)
         self.probe = model_check.probe(self.model, shape, options.model)
-        model_check.check_memory(self.probe, shape, options.model)
+        model_check.check_memory(self.probe, shape, options.model,
+                                 host_batch=None if self.device == "cpu" else 1)
         self.weights = weights_digest(self.model)
         self.arch = None
         if self.device == "cuda":

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 
 import tvm
 import tvm_ffi.structural
@@ -92,7 +93,7 @@ def unpack_database(work_dir: str) -> None:
         return
     try:
         unpacked = [(path[:-3], parse_lines(path)[0]) for path in files]
-    except (OSError, EOFError) as err:  # a truncated / not-gzip .gz: leave the folder as it is
+    except (OSError, EOFError, zlib.error) as err:  # a truncated / not-gzip .gz: leave the folder as it is
         raise corrupt(work_dir, err) from err
     for path, lines in unpacked:
         _atomic_write_lines(path, lines)
@@ -224,7 +225,7 @@ def database_target(work_dir: str) -> str:
             return "cuda"  # written before CPU tuning: only CUDA was tuned
     try:
         kind = _first_record_target(paths[1])
-    except (OSError, EOFError) as err:  # unreadable, or a truncated / not-gzip .gz
+    except (OSError, EOFError, zlib.error) as err:  # unreadable, or a truncated / not-gzip .gz
         raise corrupt(work_dir, err) from err
     if kind in ("cuda", "llvm"):
         return kind
@@ -270,7 +271,7 @@ def load_database(work_dir: str, ignore_stale: bool = False) -> ms.database.Memo
     try:
         _, workloads, _ = parse_lines(paths[0])
         _, records, _ = parse_lines(paths[1])
-    except (OSError, EOFError) as err:  # unreadable, or a truncated / not-gzip .gz
+    except (OSError, EOFError, zlib.error) as err:  # unreadable, or a truncated / not-gzip .gz
         raise corrupt(work_dir, err) from err
     # A truncated last line (interrupted run) is skipped, as repair_database would drop it.
     workloads = workloads[:-1] if workloads and workloads[-1] is None else workloads

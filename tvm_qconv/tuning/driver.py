@@ -27,7 +27,7 @@ import time
 import tvm
 from tvm.s_tir import meta_schedule as ms
 
-from .. import registry
+from .. import interrupts, registry
 from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
@@ -541,6 +541,14 @@ def _tune(tasks: list, todo: list, db, tgt, work_dir: str, num_trials_per_iter: 
 
 @contextlib.contextmanager
 def _first_ctrl_c_sets(event: threading.Event):
+    def on_first(signum):
+        event.set()
+        interrupts.say(f"\n[tune] {interrupts.NAMES.get(signum, signum)}: stopping after the candidates in flight "
+                       "(again to stop at once)")
+    if interrupts.active():  # a CLI: its handler defers the first SIGINT or SIGTERM here
+        with interrupts.deferred(on_first):
+            yield
+        return
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers belong to the main thread
         return
