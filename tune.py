@@ -43,17 +43,14 @@ from tvm_qconv.errors import InputError
 # parsed: --help and a bad flag answer at once.
 
 
-def tune_model(*args, **kwargs):
-    """:func:`tvm_qconv.tuning.tune_model`, imported when first called (a name tests can replace).
-
-    Args:
-        args, kwargs: as :func:`tvm_qconv.tuning.tune_model`.
+def run_job(job):
+    """:func:`tvm_qconv.tuning.tune` of ``job``, imported when first called (a name tests can replace).
 
     Returns:
-        What it returns: one row per task.
+        One row per task.
     """
-    from tvm_qconv.tuning import tune_model as tune
-    return tune(*args, **kwargs)
+    from tvm_qconv.tuning import tune
+    return tune(job)
 
 
 def _arch(text: str) -> str:
@@ -119,6 +116,7 @@ def main(argv=None) -> int:
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
           f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     def tune() -> int:
+        from tvm_qconv.tuning import TuneJob
         peaks = read_peaks(args.peaks) if args.peaks else None
         if args.local_gpus and (args.rpc_tracker or args.rpc_key):
             raise InputError("--local-gpus starts its own tracker: drop --rpc-tracker/--rpc-key, or --local-gpus")
@@ -128,10 +126,11 @@ def main(argv=None) -> int:
             raise InputError("--rpc-key needs --rpc-tracker HOST:PORT")
 
         def run(remote) -> None:
-            tune_model(args.model, args.batch, target=args.target, arch=arch, trials_per_task=args.trials,
-                       work_dir=work_dir, image_size=args.image_size, num_trials_per_iter=args.trials_per_iter,
-                       max_workers=args.workers, seed=args.seed, only=args.only, peaks=peaks,
-                       space=args.space, seed_default=not args.no_seed_default, families=args.family, remote=remote)
+            run_job(TuneJob(args.model, args.batch, target=args.target, arch=arch, families=args.family,
+                            only=args.only, space=args.space, image_size=args.image_size,
+                            trials_per_task=args.trials, num_trials_per_iter=args.trials_per_iter, seed=args.seed,
+                            seed_default=not args.no_seed_default, remote=remote, max_workers=args.workers,
+                            work_dir=work_dir, peaks=peaks))
         from tvm_qconv.remote import Remote, local_cluster
 
         if args.local_gpus:

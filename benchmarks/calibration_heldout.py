@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.zoo import model_size  # noqa: E402
-from tests.test_zoo import zoo_model  # noqa: E402
+from tvm_qconv.zoo import zoo_model  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
 from tvm_qconv.config import CALIBRATIONS, QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/cuda_graph_replay.py --models vgg16 resnet18 [--phases torch tvm row] --out results/
 
 `deploy.py compare` found (H100, 2026-11-25) every PyTorch CUDA-graph row giving logits that were
-not the model's; this script found why (the model was freed after its capture; docs/benchmarks.md,
+not the model's; this script found why (the model was freed after its capture; docs/history.md,
 "One command against every baseline") and keeps checking it.  Phases:
 
 - ``torch``: captures the float model with the project's recipe

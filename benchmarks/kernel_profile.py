@@ -28,7 +28,7 @@ from tvm_qconv.runtime import CompiledModel  # noqa: E402
 
 
 def build(name: str, batch: int, size: int, images: int, out_dir: str, arch: str | None = None) -> str:
-    from tests.test_zoo import zoo_config, zoo_model
+    from tvm_qconv.zoo import zoo_config, zoo_model
     from tvm_qconv.build import BuildOptions, compile_model
     from tvm_qconv.data import skimage_photos
     from tvm_qconv.ranges import Calibrate
@@ -80,9 +80,9 @@ def main(argv=None):
         ap.error("give --model NAME (a zoo model) or --lib PATH (a built library)")
     os.makedirs(args.out, exist_ok=True)
     if args.model:
-        from tests.test_zoo import ZOO
-        if args.model not in ZOO:
-            ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(ZOO)}, or give --lib")
+        from tvm_qconv.zoo import SIZES
+        if args.model not in SIZES:
+            ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(SIZES)}, or give --lib")
     try:
         lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out, args.arch)
         res = profile(lib, args.runs)

@@ -47,7 +47,7 @@ from tvm_qconv.target import TargetInfo, make_target  # noqa: E402
 
 def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
     """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph; a graph whose
-    replay does not reproduce eager PyTorch is refused (``check_replay``; docs/benchmarks.md, "One
+    replay does not reproduce eager PyTorch is refused (``check_replay``; docs/history.md, "One
     command against every baseline", tells the fault it guards against)."""
     from tvm_qconv.compare.baselines import capture, check_replay
     with torch.no_grad():

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_zoo import zoo_model  # noqa: E402
+from tvm_qconv.zoo import zoo_model  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
 

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_zoo import ZOO, zoo_config, zoo_model  # noqa: E402
+from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
 from tvm_qconv.calibrate import FloatPoints, calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
@@ -73,12 +73,12 @@ def simulate(name: str, size: int, images: int, verify_images: int, calibration:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO), metavar="MODEL")
+    ap.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES), metavar="MODEL")
     ap.add_argument("--size", type=int, default=None, help="image size (default: each model's zoo-test size)")
     ap.add_argument("--images", type=int, default=4, help="calibration photos (the zoo test: 4 on CPU, 8 on GPU)")
     ap.add_argument("--verify-images", type=int, default=4, help="photos the logits are compared on (the build's 4)")
     ap.add_argument("--calibration", choices=["percentile", "max", "entropy", "mse"], default=None,
-                    help="the observer (default: the zoo test's, tests/test_zoo.py zoo_config)")
+                    help="the observer (default: the zoo test's, tvm_qconv/zoo.py zoo_config)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -89,7 +89,7 @@ def main(argv=None):
           "dB | unsigned | gain dB |\n|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.models:
         t0 = time.time()
-        row = simulate(name, args.size or ZOO[name][0], args.images, args.verify_images, args.calibration)
+        row = simulate(name, args.size or SIZES[name], args.images, args.verify_images, args.calibration)
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         print(f"| {name} | {row['size']} | {row['never_negative']}/{row['points']} | {row['acts_signed_db']} | "

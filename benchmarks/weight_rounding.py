@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_zoo import ZOO, zoo_config, zoo_model  # noqa: E402
+from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
 from tvm_qconv.calibrate import calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
@@ -75,7 +75,7 @@ def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(ZOO), choices=list(ZOO), metavar="MODEL")
+    ap.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES), metavar="MODEL")
     ap.add_argument("--size", type=int, default=None, help="image size (default: each model's zoo-test size)")
     ap.add_argument("--images", type=int, default=4, help="calibration photos (the zoo test: 4 on CPU, 8 on GPU)")
     ap.add_argument("--verify-images", type=int, default=4, help="photos the logits are compared on (the build's 4)")
@@ -89,7 +89,7 @@ def main(argv=None):
           flush=True)
     for name in args.models:
         t0 = time.time()
-        row = simulate(name, args.size or ZOO[name][0], args.images, args.verify_images)
+        row = simulate(name, args.size or SIZES[name], args.images, args.verify_images)
         row["seconds"] = round(time.time() - t0, 1)
         rows.append(row)
         print(f"| {name} | {row['size']} | {row['acts_db']} | {row['weights_db']} | {row['both_db']} | "

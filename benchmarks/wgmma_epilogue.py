@@ -10,7 +10,7 @@ give the same output bit for bit, and times both (TVM ``time_evaluator``, median
 >= 40 ms).  Prints ms, TOPS and the output's bandwidth (its int8 bytes / time); writes
 ``<out>/wgmma_epilogue_b<batch>.json``.  Why: profiled in ResNet-50 at batch 64 (H200,
 ``kernel_profile.py``), the short-K layers wrote their output at ~0.45 TB/s, 64->256 1x1 @56 at
-58 TOPS (docs/benchmarks.md).
+58 TOPS (docs/history.md).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_zoo import ZOO, zoo_model  # noqa: E402
+from tvm_qconv.zoo import SIZES, zoo_model  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
 from tvm_qconv.compare.run import tuning_log_for  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
@@ -136,7 +136,7 @@ def _save(args, rows) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(ZOO))
+    ap.add_argument("--models", nargs="+", default=list(SIZES))
     ap.add_argument("--size", type=int, default=64, help="image size (inception_v3: at least 96)")
     ap.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
     ap.add_argument("--arch", default=None)

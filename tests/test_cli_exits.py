@@ -15,7 +15,7 @@ CLIS = [
     (deploy, ["build", "--model", "vgg16", "--target", "llvm", "-o", "out/vgg16.so"], "cmd_build",
      "out/vgg16.so was not written; the library there before, if any, is whole and unchanged"),
     (deploy, ["run", "--lib", "out/vgg16.so", "--image", "skimage:coffee"], "cmd_run", "nothing was written"),
-    (tune, ["--model", "vgg16", "--work-dir", "logs/vgg16"], "tune_model",
+    (tune, ["--model", "vgg16", "--work-dir", "logs/vgg16"], "run_job",
      "the measurements made so far are kept in logs/vgg16: run the same command to go on from them"),
     (train, ["--out", "ckpt.pt"], "run_training", "ckpt.pt was not written (a checkpoint there before is unchanged)"),
 ]

@@ -17,16 +17,16 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import torchvision
 
 from tvm_qconv.build import BuildOptions, compile_model
-from tvm_qconv.config import QuantConfig
 from tvm_qconv.data import skimage_photos
 from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.zoo import SIZES, zoo_config, zoo_model
 
-# model -> (image size, int8 layers, all layers, float ops left, logits SQNR floor in dB).  Measured
+# model -> (int8 layers, all layers, float ops left, logits SQNR floor in dB) at its zoo size
+# (tvm_qconv.zoo.SIZES).  Measured
 # on this 2-core box (2026-11-27, unsigned activations -- padded convs' inputs included -- and GPTQ
 # weights; in brackets the same before padded convs read unsigned tensors, then symmetric with
 # nearest weights): alexnet 39.5 (37.7, 36.2), vgg16 30.3 with max calibration (27.7, 26.8), resnet18
@@ -37,78 +37,54 @@ from tvm_qconv.runtime import CompiledModel
 # percentile), inception_v3 24.3 (23.3, 21.8), densenet121 33.2 (33.5, 31.5), convnext_tiny 30.6
 # (30.6, 30.3) dB.
 # At 64 px most late layers see fewer input rows than columns and keep nearest rounding (GPTQ's
-# gains are at 224 px: docs/benchmarks.md, "GPTQ weight rounding").
+# gains are at 224 px: docs/history.md, "GPTQ weight rounding").
 # "layers" are the analysis's (convs, linears, pools, adds, concats, batch norms, lookup tables; the classifier's
 # global average pool is an int8 average pool where it is a mean that flattens into the
 # classifier); float ops are what stays float besides them: the flatten everywhere (AlexNet's and
 # VGG16's adaptive pool, which upsamples at 64 px, too), and the listed ones.
 ZOO = {
-    "alexnet": (64, 11, 11, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 33.0),
-    # max calibration: once its 3x3 convs read unsigned tensors, percentile's clipping costs more
-    # than max's coarser step (224 px, llvm: 30.2 max, 29.1 percentile; docs/benchmarks.md)
-    "vgg16": (64, 21, 21, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 26.5),
-    "resnet18": (64, 31, 31, {"relax.reshape": 1}, 30.0),
-    "resnet50": (64, 72, 72, {"relax.reshape": 1}, 26.0),
-    "wide_resnet50_2": (64, 72, 72, {"relax.reshape": 1}, 26.0),
+    "alexnet": (11, 11, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 33.0),
+    # max calibration (tvm_qconv.zoo.MAX_CALIBRATED), as for GoogLeNet and ShuffleNet
+    "vgg16": (21, 21, {"relax.nn.adaptive_avg_pool2d": 1, "relax.reshape": 1}, 26.5),
+    "resnet18": (31, 31, {"relax.reshape": 1}, 30.0),
+    "resnet50": (72, 72, {"relax.reshape": 1}, 26.0),
+    "wide_resnet50_2": (72, 72, {"relax.reshape": 1}, 26.0),
     # grouped convs (32 groups of 4 channels) in int8 on NCHW4c
-    "resnext50_32x4d": (64, 72, 72, {"relax.reshape": 1}, 24.0),
-    "regnet_x_400mf": (64, 95, 95, {"relax.reshape": 1}, 25.0),
+    "resnext50_32x4d": (72, 72, {"relax.reshape": 1}, 24.0),
+    "regnet_x_400mf": (95, 95, {"relax.reshape": 1}, 25.0),
     # depthwise convs and ReLU6 (fused as an int8 clamp)
-    "mobilenet_v2": (64, 64, 64, {"relax.reshape": 1}, 20.0),
+    "mobilenet_v2": (64, 64, {"relax.reshape": 1}, 20.0),
     # hardswish as an int8 lookup table where an int8 layer reads it (10 of 19, and the global pool
     # after the last conv's is int8); the squeeze-excite blocks stay float: their 9 means, hardsigmoid
     # gates and the 8 hardswishes before them (read by the mean and the gate's multiply); the
     # classifier's hardswish follows a Linear layer (float output)
-    "mobilenet_v3_small": (64, 71, 71, {"relax.mean": 9, "relax.add": 18, "relax.clip": 36, "relax.divide": 18,
-                                        "relax.multiply": 18, "relax.reshape": 1}, 21.0),
+    "mobilenet_v3_small": (71, 71, {"relax.mean": 9, "relax.add": 18, "relax.clip": 36, "relax.divide": 18,
+                                    "relax.multiply": 18, "relax.reshape": 1}, 21.0),
     # SiLU as an int8 lookup table where an int8 layer reads it (33 of 49: the stem's, the head's, the
     # expansions', and between each squeeze-excite's two 1x1 convs); the squeeze-excite blocks stay
     # float: 16 means, sigmoid gates and multiplies, and the SiLU before each
-    "efficientnet_b0": (64, 125, 125, {"relax.sigmoid": 32, "relax.multiply": 32, "relax.mean": 16,
-                                       "relax.reshape": 1}, 18.0),
+    "efficientnet_b0": (125, 125, {"relax.sigmoid": 32, "relax.multiply": 32, "relax.mean": 16,
+                                   "relax.reshape": 1}, 18.0),
     # channel split and shuffle in int8 (gathers, test_channels.py): 16 shuffles and 26 split pieces
     # beside the 74 convs, pools and concats; the global pool is a float mean (no keepdims). Max
     # calibration: 17.6 dB against percentile's 15.7 and entropy's 1.8 (KL clips these small
     # random features hard); 17.5 dB with the gathers
-    "shufflenet_v2_x1_0": (64, 116, 116, {"relax.mean": 1}, 15.0),
+    "shufflenet_v2_x1_0": (116, 116, {"relax.mean": 1}, 15.0),
     # concatenated branches in int8
-    "squeezenet1_0": (64, 38, 38, {"relax.reshape": 1}, 27.0),
+    "squeezenet1_0": (38, 38, {"relax.reshape": 1}, 27.0),
     # max calibration: percentile clips GoogLeNet's activations (224 px, llvm library: 32.0 dB with
     # max, 24.9 with percentile on the GPU; benchmarks/unsigned_activations.py --calibration)
-    "googlenet": (64, 81, 81, {"relax.reshape": 1}, 25.0),
-    "inception_v3": (96, 124, 124, {"relax.reshape": 1}, 18.0),
+    "googlenet": (81, 81, {"relax.reshape": 1}, 25.0),
+    "inception_v3": (124, 124, {"relax.reshape": 1}, 18.0),
     # pre-activation BatchNorm + ReLU in int8 (affine kernel), transition average pools in int8
-    "densenet121": (64, 250, 250, {"relax.reshape": 1}, 28.0),
+    "densenet121": (250, 250, {"relax.reshape": 1}, 28.0),
     # LayerNorm and GELU stay float (the global pool before the head's LayerNorm is int8)
-    "convnext_tiny": (64, 78, 78, None, 27.0),
+    "convnext_tiny": (78, 78, None, 27.0),
 }
 
 
-MAX_CALIBRATED = ("shufflenet_v2_x1_0", "googlenet", "vgg16")  # see their ZOO entries
-
-
-def zoo_config(name: str, images: int) -> QuantConfig:
-    """The scheme: percentile 99.99 (the default), max calibration for ShuffleNet, GoogLeNet and VGG16 (see
-    ZOO); unsigned activations (``zero_points.py``) wherever the readers take them; GPTQ weight
-    rounding on the calibration photos (``weight_rounding.py``)."""
-    return QuantConfig(calibration="max" if name in MAX_CALIBRATED else "percentile", num_calib_images=images,
-                       unsigned_activations=True, weight_rounding="gptq")
-
-
-def zoo_model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    # GoogLeNet's own init (truncated normal, std 0.01) shrinks its features to ~1e-11, so its
-    # logits would be the classifier's bias alone and any comparison vacuous: PyTorch's default
-    # init instead.
-    kwargs = {"init_weights": False, "aux_logits": False} if name == "googlenet" else {}
-    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
-    # The last layer's bias is the same in float and int8 and, where a random network's features
-    # are small (ShuffleNet, GoogLeNet), it *is* the logits: comparing them would compare two
-    # copies of one bias.  Without it, the logits are what the input made of them.
-    last = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))][-1]
-    if last.bias is not None:
-        torch.nn.init.zeros_(last.bias)
-    return model
+def test_the_facts_cover_the_packages_zoo():
+    assert list(ZOO) == list(SIZES)  # every model the benchmarks measure has its facts here
 
 
 # The default scheme (symmetric, weights to nearest) end to end too, on the models whose plans differ most: every
@@ -131,7 +107,8 @@ def test_zoo_model_in_the_symmetric_scheme_on_cpu(name, tmp_path, capsys):
 
 def _build_on_cpu(name, config, tmp_path, capsys):
     """Build ``name`` at its zoo size on 4 photos; check its layer count, float ops and SQNR floor."""
-    size, n_int8, n_layers, float_ops, floor = ZOO[name]
+    n_int8, n_layers, float_ops, floor = ZOO[name]
+    size = SIZES[name]
     photos = skimage_photos(size)[:4]
     res = compile_model(zoo_model(name), str(tmp_path / f"{name}.so"), name=name,
                         options=BuildOptions(image_size=size), config=config,
@@ -153,7 +130,7 @@ def _build_on_cpu(name, config, tmp_path, capsys):
 @pytest.mark.parametrize("name", list(ZOO))
 def test_zoo_on_gpu(name, tmp_path, capsys):
     from tvm_qconv.target import device_arch
-    size = max(224, ZOO[name][0])
+    size = max(224, SIZES[name])
     res = compile_model(zoo_model(name), str(tmp_path / f"{name}.so"), name=name,
                         options=BuildOptions(target="cuda", arch=device_arch(), image_size=size),
                         config=zoo_config(name, 8), ranges=Calibrate(skimage_photos(size)[:8]),
@@ -170,6 +147,6 @@ def test_zoo_on_gpu(name, tmp_path, capsys):
         print(f"\n{name} @{size} on {device_arch()}: int8 {int8}/{len(res.report['layers'])}, "
               f"logits SQNR {res.report['verify'].get('logits_sqnr_db')} dB, held out {held:.2f} dB, "
               f"float {res.report['float_ops']}")
-    assert int8 == ZOO[name][1]
+    assert int8 == ZOO[name][0]
     # 224 px on the GPU: the same networks, up to 3 dB more noise over the larger feature maps
-    assert res.report["verify"]["logits_sqnr_db"] >= ZOO[name][4] - 3
+    assert res.report["verify"]["logits_sqnr_db"] >= ZOO[name][3] - 3

@@ -25,8 +25,13 @@ class Progress(ms.measure_callback.PyMeasureCallback):
 
     def __init__(self, tasks: list[KernelTask], done: dict, best: dict, total: dict, t0: float, path: str):
         self.tasks, self.done, self.best, self.total, self.t0, self.path = tasks, done, best, total, t0, path
-        self.current = [None]  # the task being tuned (tune_tasks gets one task at a time)
+        self.current = None  # the task being tuned (tune_tasks gets one task at a time): tuning()
         self.stop = threading.Event()  # set by Ctrl-C (driver._tune): the next round's callback ends the run
+
+    def tuning(self, task: KernelTask) -> None:
+        """The task the next rounds measure (a method: the driver holds this object through
+        TVM's derived-object wrapper, which does not pass attribute assignments on)."""
+        self.current = task
 
     def model_us(self) -> float | None:
         """The model's conv time so far (us), as a build from the database would run it
@@ -50,7 +55,7 @@ class Progress(ms.measure_callback.PyMeasureCallback):
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
         if self.stop.is_set():  # after MetaSchedule's own callbacks have committed this round's records
             raise Interrupted("Ctrl-C")
-        task = self.current[0]
+        task = self.current
         self.record(task, valid_secs(builder_results, runner_results), len(runner_results))
 
 
