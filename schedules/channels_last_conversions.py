@@ -5,7 +5,7 @@ must walk the pixels and the other side's the channels.
 Why: left to dlight, each thread took one output element with consecutive threads on
 consecutive *channels* of the NHWC32 side, so the float NCHW side -- four times the bytes -- was
 read (or written) at a stride of a whole feature map per thread.  Profiled in EfficientNet-B0 at
-batch 64 (H100, 2026-11-26, ``benchmarks/kernel_profile.py``, docs/benchmarks.md) the 131
+batch 64 (H100, 2026-11-26, ``benchmarks/kernel_profile.py``, docs/history.md) the 131
 quantize / dequantize kernels around its float SiLUs and squeeze-excite gates took 5.0 of its
 9.6 ms of GPU time; the largest quantize (64 x 96 x 112 x 112, 385 MB moved) 526 us: 0.73 TB/s.
 

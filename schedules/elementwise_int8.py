@@ -2,7 +2,7 @@
 16 bytes per thread, loaded and stored as one 128-bit access each.
 
 Why: left to dlight, the residual add issued one 1-byte load per operand per thread.  Profiled
-in ResNet-50 at batch 64 (H200, ``benchmarks/kernel_profile.py``, docs/benchmarks.md) its 16
+in ResNet-50 at batch 64 (H200, ``benchmarks/kernel_profile.py``, docs/history.md) its 16
 adds took 1.20 of the 3.37 ms of GPU time, the 56 x 56 ones 0.18 ms each: 0.83 TB/s for
 154 MB of traffic on a 4.8 TB/s GPU.
 

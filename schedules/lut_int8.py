@@ -9,7 +9,7 @@ The quantize pass evaluates the float function on the 256 values the input can t
 
 What it replaces: a dequantize to float NCHW, the float ops, a quantize back (EfficientNet-B0
 at batch 64 on an H100: 2.3 ms of float SiLU / sigmoid-multiply and ~2.3 ms of conversions
-around them, docs/benchmarks.md).  Bit-exact with that float path wherever the float function
+around them, docs/history.md).  Bit-exact with that float path wherever the float function
 rounds to the same integer, which it does except on a rounding tie.  Memory-bound; on CUDA the
 vectorized elementwise schedule (``elementwise_int8.py``), the table read through the cache.
 """

@@ -5,7 +5,7 @@ its layer output error is a fraction of nearest rounding's on the same grid; the
 stay on the build's grid (the build finds the same scale and integers, through a folded
 BatchNorm too); the layers it must not fit keep nearest rounding; a built model's first conv is
 closer to float with them.  What it buys whole networks, held out, is a benchmark's
-(``docs/benchmarks.md``, "GPTQ weight rounding").
+(``docs/history.md``, "GPTQ weight rounding").
 """
 import numpy as np
 import pytest

@@ -188,7 +188,7 @@ def test_default_tile_builds(cin, cout):
 
 
 def test_long_k_layers_of_512_columns_take_the_64x256_tile():
-    # measured: 1.08-1.12x over 128 x 128 on VGG16's 512->512 convs (docs/benchmarks.md); the
+    # measured: 1.08-1.12x over 128 x 128 on VGG16's 512->512 convs (docs/history.md); the
     # staged epilogue's tiles (35 KB) leave the 64 x 256 ring 4 stages, the 128 x 128 one 5 at
     # BK = 128 (1.02-1.06x faster than 5 and 6 stages with direct stores, measured on an H200)
     assert conv2d.default_config(conv_wl(64, 512, 14, 14, 512)) == conv2d.Config(64, 256, 4, True)

@@ -103,5 +103,5 @@ def format_losses(v: dict, top: int = 5) -> list[str]:
         lines.append("  no loss measured (they read the image or float ops): " + ", ".join(f"{r['layer']} {r['sqnr_db']:.1f} dB" for r in first[:top])
                      + (f" (+{len(first) - top} more)" if len(first) > top else ""))
     lines.append("  try --calibration mse / max / entropy / search, --bias-correction, or --skip the worst layers "
-                 "(docs/benchmarks.md: what each gained)")
+                 "(docs/history.md: what each gained)")
     return lines

@@ -5,7 +5,7 @@
 Why its own kernel: the tensor-core templates pad the input channels to 32 for one K step (VGG16's
 first conv would do 10x the multiply-adds), and the dp4a family's NCHW4c output would have to be
 converted for the next layer (on an H100 at batch 64 VGG16's first conv took 0.44 ms and that
-conversion 0.78 ms, ``docs/benchmarks.md``).  Here the GEMM's K axis is ``(tap, 4 channels)``, so
+conversion 0.78 ms, ``docs/history.md``).  Here the GEMM's K axis is ``(tap, 4 channels)``, so
 one 32-bit register of mma's A fragment -- 4 consecutive K bytes of one row -- is exactly one
 input pixel's word under one tap: the implicit-GEMM gather is one 32-bit load per register, from
 L1 / L2, with no shared-memory staging and no im2col.  K is padded only to 8 taps (VGG16: 9 taps

@@ -136,7 +136,7 @@ class Conv2dDepthwise(KernelImpl):
 # weights' read speed.  From 2 rows on, dlight has only its SIMT matmul rule: VGG16's fc6 at
 # batch 16 took 781 us there (30 % of the model's GPU time, H100, 2026-11-25,
 # benchmarks/kernel_profile.py) against ~96 us on this GEMM padded to 128 rows
-# (benchmarks/dense_layers.py measures both at every batch: docs/benchmarks.md).
+# (benchmarks/dense_layers.py measures both at every batch: docs/history.md).
 MIN_DENSE_ROWS = 2
 
 

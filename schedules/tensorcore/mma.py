@@ -220,10 +220,10 @@ def _k_choice(kt: int, bm: int, bn: int, budget: int = DYN_SMEM_BUDGET):
     """(k1, stages): the largest K tile BK (up to 128) whose pipeline fits ``budget``, then the
     deepest pipeline; the pipeline needs at least `stages - 1` k0 iterations.  BK before depth:
     with the k1 pipeline, BK = 128 x 2 stages ran VGG16's convs at batch 64 1.00-1.13x faster
-    than BK = 64 x 4 (longer k1 steps keep the ldmatrix pipeline full; ``docs/benchmarks.md``).
+    than BK = 64 x 4 (longer k1 steps keep the ldmatrix pipeline full; ``docs/history.md``).
     Those convs have >= 18 K steps of 32.  Where K is short (ResNet's 1x1 convs: 2-8 steps) this
     leaves 1-2 K steps per block, so a block's copies barely overlap its math (the other block
-    on the SM hides some of it): not measured per layer yet (open in docs/benchmarks.md)."""
+    on the SM hides some of it): not measured per layer yet (open in docs/history.md)."""
     best = None
     for kk in (1, 2, 4):
         if kt % kk:

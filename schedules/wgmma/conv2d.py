@@ -33,7 +33,7 @@ Epilogue: accumulator register i of thread t in its m64 x WN block holds row
 ``16*(t/32) + (t%32)/4 + 8*((i/2)%2)``, column ``8*(i/4) + 2*(t%4) + i%2``; two adjacent columns
 are requantized and stored as one 16-bit word.
 
-Measured on an H100 (``docs/benchmarks.md``, "The wgmma family"): VGG16's 3x3 convs at batch 64
+Measured on an H100 (``docs/history.md``, "The wgmma family"): VGG16's 3x3 convs at batch 64
 run 1.4-2.6x faster than the mma.sync family.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ SMEM_LIMIT = 227 * 1024      # the ring and the staged epilogue's tiles together
 # accumulators write land on distinct banks (row r starts at bank 4r mod 32) and every row
 # stays 16-byte aligned for the vector copy-out.
 STORE_PAD = 16
-MAX_STAGES = 6               # the depth measured with the 128 x 128 tile (docs/benchmarks.md); deeper: not measured
+MAX_STAGES = 6               # the depth measured with the 128 x 128 tile (docs/history.md); deeper: not measured
 MAX_ACC = 128                # accumulator registers per consumer thread (of the 232 it gets)
 PRODUCER_REGS, CONSUMER_REGS = 40, 232   # setmaxnreg: 128*40 + 256*232 <= 64K registers per SM
 # The s8 wgmma shapes TVM 0.27's PTX table spells, m64nNk32: N a multiple of 8 up to 32, of 16
@@ -140,7 +140,7 @@ def supports(wl: ConvWorkload) -> bool:
 
 
 def default_config(wl: ConvWorkload, staged_store: bool = True) -> Config:
-    """The tile of ``wl`` (measured on VGG16's convs, H100, docs/benchmarks.md): 128 x BN, the
+    """The tile of ``wl`` (measured on VGG16's convs, H100, docs/history.md): 128 x BN, the
     ring as deep as fits beside the staged epilogue's tiles (5 stages at BK = 128); 64 x 256 (two
     n128 blocks) for layers of K >= 4608 whose output channels come in 256s (VGG16's 512->512:
     1.08-1.12x over 128 x 128; equal at 256 input channels, where K = 2304 keeps 128 x 128).
@@ -193,7 +193,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     assert config.accumulators() <= MAX_ACC, config
     assert K * 128 * 128 < 1 << 30, K          # |acc| < 2**30: the 32-bit requantize holds
     # The epilogue in the 32-bit requantize's form too, where it was measured to pay (H100, VGG16's
-    # convs at batch 64, docs/benchmarks.md): 128-row tiles, 1.00-1.10x; on 64 x 256 tiles the
+    # convs at batch 64, docs/history.md): 128-row tiles, 1.00-1.10x; on 64 x 256 tiles the
     # second copy of the 128-accumulator epilogue made 512->512 @28 1.26x slower: those keep one.
     FORMS = 2 if config.bm == 128 else 1
     BK = k_tile(CP)
