@@ -69,6 +69,7 @@ def main(argv: list[str]) -> None:
     name, target, when = argv[:sep]
     script, *args = argv[sep + 1:]
     signum = getattr(signal, f"SIG{name}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script's own imports, as when it runs
     if target == "TIME":
         timer = threading.Timer(float(when), _send, (signum,))
         timer.daemon = True
@@ -76,7 +77,6 @@ def main(argv: list[str]) -> None:
     else:
         _patch(target, int(when), signum)
     sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 
 
