@@ -51,10 +51,6 @@ class Phases:
         if self.enabled:
             print(f"[{self.tag} {time.time() - self.start:6.1f} s] {text}", flush=True)
 
-    def bar(self, iterable: Iterable, **kwargs):
-        """``tqdm(iterable)`` on standard output, shown only where it is a terminal."""
-        return bar(iterable, enabled=self.enabled, **kwargs)
-
     @property
     def elapsed(self) -> float:
         return time.time() - self.start
