@@ -282,7 +282,7 @@ RANDOM_NOTE = ("the classes it predicts are meaningless; pass --weights FILE (a 
                "(torchvision's trained weights) for a real classifier")
 
 
-def load_float_model(args):
+def load_cli_model(args):
     """The --model of `build` / `export-onnx`, its random init seeded by --seed; and how its
     weights read in the output."""
     import torch
@@ -326,7 +326,7 @@ def cmd_build(args) -> int:
     else:
         size = args.image_size or 224
         options = build_options(size)  # its checks (the tuning log's target) before the model loads
-        model, weights = load_float_model(args)
+        model, weights = load_cli_model(args)
         print(f"[build] {args.model} -> {args.output}: {target} size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = compile_model(model, args.output, options=options, config=cfg, name=args.model,
@@ -377,7 +377,7 @@ def cmd_export_onnx(args) -> int:
     else:
         size = args.image_size or 224
         check_output_file(args.output, "ONNX file")
-        model, weights = load_float_model(args)
+        model, weights = load_cli_model(args)
         print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
