@@ -16,16 +16,22 @@ import dataclasses
 import sys
 import time
 
+import numpy as np
+
 from tvm_qconv import cli
+from tvm_qconv.artifact import accept_unverified, remove_unverified
 from tvm_qconv.cli_args import positive_float, positive_int as _positive
 from tvm_qconv.compare.baselines import BASELINE_KEYS
 from tvm_qconv.config import ACCURACY_TARGET_DB, CALIBRATIONS, PRESETS, WEIGHT_ROUNDINGS
 from tvm_qconv.errors import InputError
+from tvm_qconv.fileio import check_output_file
+from tvm_qconv.report import format_report
 
 EXIT_UNVERIFIED = 3  # built, but its outputs disagree with the float model's (2: bad input)
 
-# The subcommands import what they need when they run: `run` needs the TVM runtime only, so it
-# must not pay for importing torch and the compiler.
+# A subcommand imports what it runs when it runs (the imports marked "per command"): tvm (~2 s
+# here, torch with it), the compiler on top (`build`, `export-onnx`: ~9 s in all) and
+# scikit-image's resize (~0.8 s) are not paid by --help, a bad flag or `accept` (~0.1 s).
 
 
 def _percentile(text: str) -> float:
@@ -285,7 +291,7 @@ RANDOM_NOTE = ("the classes it predicts are meaningless; pass --weights FILE (a 
 def load_cli_model(args):
     """The --model of `build` / `export-onnx`, its random init seeded by --seed; and how its
     weights read in the output."""
-    import torch
+    import torch  # per command
 
     from tvm_qconv.frontend import load_model
     torch.manual_seed(args.seed)
@@ -294,11 +300,8 @@ def load_cli_model(args):
 
 
 def cmd_build(args) -> int:
-    from tvm_qconv.artifact import remove_unverified
-    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
-    from tvm_qconv.fileio import check_output_file
+    from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model  # per command
     from tvm_qconv.ranges import Calibrate
-    from tvm_qconv.report import format_report
     cfg = quant_config(args)
     check_output_file(args.output, "library")
 
@@ -350,9 +353,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_accept(args) -> int:
-    from tvm_qconv.artifact import accept_unverified
     if args.output is not None:
-        from tvm_qconv.fileio import check_output_file
         check_output_file(args.output, "library")
     path = accept_unverified(args.lib, args.output)
     print(f"{args.lib} is now {path} (+ .params.npz, .json); it stays marked as failed: every load warns")
@@ -360,8 +361,7 @@ def cmd_accept(args) -> int:
 
 
 def cmd_export_onnx(args) -> int:
-    from tvm_qconv.fileio import check_output_file
-    from tvm_qconv.onnx_export import export_checkpoint, export_onnx
+    from tvm_qconv.onnx_export import export_checkpoint, export_onnx  # per command
     from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
     if cfg.bias_correction:
@@ -397,7 +397,7 @@ def cmd_export_onnx(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from tvm_qconv.compare import CompareOptions, compare
+    from tvm_qconv.compare import CompareOptions, compare, report  # per command
     options = CompareOptions(model=args.model, weights=args.weights, num_classes=args.num_classes,
                              batches=args.batch, image_size=args.image_size, device=args.device, arch=args.arch,
                              libs=tuple(args.lib), tuning_log=args.tuning_log, baselines=args.baselines,
@@ -407,7 +407,6 @@ def cmd_compare(args) -> int:
                              work_dir=args.work_dir)
     results = compare(options, progress=(lambda line: None) if args.quiet else (lambda line: print(line, flush=True)))
     if args.quiet:
-        from tvm_qconv.compare import report
         print("\n".join(report.summary_lines(results["summary"])))
     return 0
 
@@ -429,7 +428,7 @@ def describe_ranges(ranges: dict) -> str:
 
 
 def cmd_eval(args) -> int:
-    from tvm_qconv.evaluate import evaluate_library
+    from tvm_qconv.evaluate import evaluate_library  # per command
     res = evaluate_library(args.lib, seed=args.seed, device=args.device)
     print(f"{args.dataset} test split (seed {res['seed']}, {res['total']} images): compiled int8 "
           f"{res['accuracy']:.2f}% ({res['correct']}/{res['total']}) on {res['device']}")
@@ -438,11 +437,9 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _load_batch(paths: list[str], input_shape) -> "np.ndarray":
+def _load_batch(paths: list[str], input_shape) -> np.ndarray:
     """The images as one float32 batch of the library's size (fewer are repeated to fill it)."""
-    import numpy as np
-
-    from tvm_qconv.data import load_image
+    from tvm_qconv.data import load_image  # per command
     n, _, h, _ = input_shape
     x = np.stack([load_image(p, h) for p in paths])
     if len(x) < n:  # a batch-N library takes N images: repeat the given ones to fill it
@@ -453,7 +450,6 @@ def _load_batch(paths: list[str], input_shape) -> "np.ndarray":
 
 
 def _print_top5(paths: list[str], logits, labels) -> None:
-    import numpy as np
     for i, path in enumerate(paths):
         z = logits[i] - logits[i].max()
         prob = np.exp(z) / np.exp(z).sum()
@@ -464,7 +460,7 @@ def _print_top5(paths: list[str], logits, labels) -> None:
 
 
 def cmd_run(args) -> int:
-    from tvm_qconv.runtime import CompiledModel
+    from tvm_qconv.runtime import CompiledModel  # per command
     model = CompiledModel(args.lib, args.device)
     n = model.input_shape[0]
     x = _load_batch(args.image, model.input_shape)
@@ -485,7 +481,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_rpc(args) -> int:
-    from tvm_qconv.remote import Remote
+    from tvm_qconv.remote import Remote  # per command
     from tvm_qconv.remote_model import RemoteModel
     remote = Remote.parse(args.host, args.port, args.tracker, args.key, timeout_s=args.timeout)
     print(f"[rpc] {args.lib} -> {remote.describe()}", flush=True)

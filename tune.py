@@ -49,7 +49,7 @@ def run_job(job):
     Returns:
         One row per task.
     """
-    from tvm_qconv.tuning import tune
+    from tvm_qconv.tuning import tune  # after parsing: see the note above
     return tune(job)
 
 
@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from tvm_qconv.tuning import default_work_dir, prune_database, read_peaks
+    from tvm_qconv.remote import Remote, local_cluster  # after parsing: see the note above
+    from tvm_qconv.tuning import TuneJob, default_work_dir, prune_database, read_peaks
 
     arch = args.arch if args.target == "cuda" else None
     work_dir = args.work_dir or default_work_dir(args.model, args.batch, arch or args.target)
@@ -116,7 +117,6 @@ def main(argv=None) -> int:
           f"trials/task={args.trials} per-iter={args.trials_per_iter} workers={args.workers or 'all cores'} "
           f"space={args.space or 'default'} seed={args.seed} only={args.only or 'all'} work_dir={work_dir}", flush=True)
     def tune() -> int:
-        from tvm_qconv.tuning import TuneJob
         peaks = read_peaks(args.peaks) if args.peaks else None
         if args.local_gpus and (args.rpc_tracker or args.rpc_key):
             raise InputError("--local-gpus starts its own tracker: drop --rpc-tracker/--rpc-key, or --local-gpus")
@@ -131,7 +131,6 @@ def main(argv=None) -> int:
                             trials_per_task=args.trials, num_trials_per_iter=args.trials_per_iter, seed=args.seed,
                             seed_default=not args.no_seed_default, remote=remote, max_workers=args.workers,
                             work_dir=work_dir, peaks=peaks))
-        from tvm_qconv.remote import Remote, local_cluster
 
         if args.local_gpus:
             logs = os.path.join(work_dir, "logs")  # the tracker's and servers' logs go beside the tuning logs

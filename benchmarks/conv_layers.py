@@ -23,10 +23,17 @@ import sys
 import time
 
 import numpy as np
+import tvm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import build_all  # noqa: E402
+from tvm_qconv import registry  # noqa: E402
+from tvm_qconv.compare import cudnn_int8  # noqa: E402
+from tvm_qconv.schedules.requantize import quantize_multiplier  # noqa: E402
+from tvm_qconv.schedules.workload import ConvWorkload  # noqa: E402
+from tvm_qconv.target import TargetInfo, device_arch, make_target  # noqa: E402
+from tvm_qconv.tuning import read_peaks  # noqa: E402
 
 # VGG16's convs (in, out, size); 3x3, stride 1, pad 1, ReLU; repeated layers listed once
 VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
@@ -34,23 +41,18 @@ VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (12
 
 
 def workload(layer, batch):
-    from tvm_qconv.schedules.workload import ConvWorkload
     cin, cout, size = layer
     return ConvWorkload.with_activation("relu", batch=batch, in_channels=cin, height=size, width=size,
                                         out_channels=cout)
 
 
 def implementations(wl, arch):
-    from tvm_qconv import registry
-    from tvm_qconv.target import TargetInfo, make_target
     return [i for i in registry.candidates("conv2d", wl, TargetInfo.from_target(make_target("cuda", arch)))]
 
 
 def build(job) -> float:
     """Build one (layer, batch, implementation) to ``path``; returns the build seconds."""
     layer, batch, name, arch, path = job
-    from tvm_qconv import registry
-    from tvm_qconv.target import make_target
     t = time.time()
     registry.compile_kernel(registry.get(name), workload(layer, batch), make_target("cuda", arch)).export_library(path)
     return time.time() - t
@@ -67,16 +69,9 @@ def main(argv=None):
     ap.add_argument("--arch", default=None,
                     help="default: this GPU's, as sm_90a on an sm_90 GPU (the wgmma family needs it)")
     args = ap.parse_args(argv)
-    import tvm
-    from tvm_qconv import registry
-    from tvm_qconv.schedules.requantize import quantize_multiplier
-    from tvm_qconv.target import device_arch
-    from tvm_qconv.tuning import read_peaks
-
     arch = args.arch or device_arch(full=True)
     cudnn_ms = {}                     # (layer, batch) -> cuDNN's fastest plan, or None: not timed
     if args.cudnn:
-        from benchmarks import cudnn_int8
         why = cudnn_int8.missing()
         if why:
             sys.exit(f"error: --cudnn: {why}")

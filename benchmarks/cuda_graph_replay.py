@@ -26,12 +26,16 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 import torchvision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tvm_qconv.compare.baselines import capture  # noqa: E402  (imports no TVM: this runs without it)
+from tvm_qconv.compare.baselines import capture, prepare_torch  # noqa: E402  (imports no TVM: this runs without it)
+
+# TVM (through tvm_qconv.build, .runtime and .compare.measure) is imported by the phases that use it:
+# the torch phase measures PyTorch alone in the process.
 
 # One factor changed at a time from the compare recipe (benchmark on, channels_last, no_grad).
 VARIANTS = {
@@ -86,10 +90,7 @@ class _Ctx:
 def check_compare_row(name: str, batch: int, precision: str) -> dict:
     """A compare row's steps in order (prepare with its replay check, timing, agreement), the
     replay checked against eager after each step."""
-    import numpy as np
-
-    from tvm_qconv.compare.baselines import prepare_torch
-    from tvm_qconv.compare.measure import time_calls
+    from tvm_qconv.compare.measure import time_calls  # brings TVM: see the note at the top
     torch.manual_seed(0)
     ctx = _Ctx(torchvision.models.get_model(name).eval())
     x = np.random.default_rng(7).standard_normal((batch, 3, 224, 224)).astype(np.float32)
@@ -115,9 +116,7 @@ def check_compare_row(name: str, batch: int, precision: str) -> dict:
 
 def run_tvm_library(workdir: str) -> dict:
     """Build resnet18 in int8 for this GPU (CUDA graphs on) and run it a few times."""
-    import numpy as np
-
-    from tvm_qconv.build import BuildOptions, compile_model
+    from tvm_qconv.build import BuildOptions, compile_model  # brings TVM: see the note at the top
     from tvm_qconv.runtime import CompiledModel
     t = time.perf_counter()
     path = os.path.join(workdir, "resnet18_b1.so")

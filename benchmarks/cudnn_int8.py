@@ -12,11 +12,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.conv_layers import VGG16_CONVS, workload  # noqa: E402
 from tvm_qconv.compare.cudnn_int8 import missing, time_fused_conv, time_workload  # noqa: E402,F401
 
 
 def main(argv=None):
-    from benchmarks.conv_layers import VGG16_CONVS, workload
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", default=None, help="folder for cudnn_int8.json")

@@ -20,10 +20,14 @@ import sys
 import time
 
 import numpy as np
+import tvm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import build_all  # noqa: E402
+from tvm_qconv import registry  # noqa: E402
+from tvm_qconv.schedules.dense_int8 import DenseWorkload  # noqa: E402
+from tvm_qconv.target import TargetInfo, device_arch, make_target  # noqa: E402
 
 # (name, in_features, out_features, ReLU after it)
 LAYERS = [("vgg16.fc6", 25088, 4096, True), ("vgg16.fc7", 4096, 4096, True), ("vgg16.fc8", 4096, 1000, False),
@@ -35,7 +39,6 @@ RTOL = 1e-6
 
 
 def workload(layer, batch):
-    from tvm_qconv.schedules.dense_int8 import DenseWorkload
     _, k, o, relu = layer
     return DenseWorkload(batch=batch, in_features=k, out_features=o, clip=(0.0, float("inf")) if relu else None)
 
@@ -43,8 +46,6 @@ def workload(layer, batch):
 def build(job) -> float:
     """Build one (layer, batch, implementation) to ``path``; returns the build seconds."""
     layer, batch, name, arch, path = job
-    from tvm_qconv import registry
-    from tvm_qconv.target import make_target
     t = time.time()
     registry.compile_kernel(registry.get(name), workload(layer, batch), make_target("cuda", arch)).export_library(path)
     return time.time() - t
@@ -57,11 +58,6 @@ def main(argv=None):
     ap.add_argument("--out", default="results")
     ap.add_argument("--arch", default=None, help="default: this GPU's")
     args = ap.parse_args(argv)
-    import tvm
-
-    from tvm_qconv import registry
-    from tvm_qconv.target import device_arch
-
     arch = args.arch or device_arch(full=True)
     libdir = os.path.join(args.out, "dense_layers_libs")
     os.makedirs(libdir, exist_ok=True)
@@ -113,7 +109,6 @@ def main(argv=None):
 
 
 def _target_info(arch):
-    from tvm_qconv.target import TargetInfo, make_target
     return TargetInfo.from_target(make_target("cuda", arch))
 
 

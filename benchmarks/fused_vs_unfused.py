@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,12 +27,12 @@ import tvm  # noqa: E402
 from tvm import te, tirx  # noqa: E402
 
 from benchmarks.timing import cuda_median_ms  # noqa: E402
-from tests.workloads import conv_wl  # noqa: E402
 from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref,  # noqa: E402
                                                pack_channels, pack_oihw4o4i)
 from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a  # noqa: E402
 from tvm_qconv.schedules.nchw4c.layout import ceil4, pack_nchw4c  # noqa: E402
 from tvm_qconv.schedules.requantize import quantize_multiplier, requantize_tir  # noqa: E402
+from tvm_qconv.schedules.workload import ConvWorkload  # noqa: E402
 from tvm_qconv.target import make_target  # noqa: E402
 
 SEED_002_SHAPES = [(4, 32, 64, 64), (4, 32, 32, 64), (8, 32, 64, 128), (8, 64, 64, 512)]
@@ -74,7 +75,6 @@ def time_ms(lib, dev, *args, number=20, repeat=10):
 
 
 def torch_ms(b, cin, cout, hw, dtype):
-    import torch
     conv = torch.nn.Conv2d(cin, cout, 3, padding=1).cuda().to(dtype).to(memory_format=torch.channels_last)
     x = torch.randn(b, cin, hw, hw, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
     torch.backends.cudnn.benchmark = True
@@ -91,7 +91,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     for b, cin, cout, hw in SEED_002_SHAPES:
-        wl = conv_wl(b, cin, hw, hw, cout)
+        wl = ConvWorkload(batch=b, in_channels=cin, height=hw, width=hw, out_channels=cout)  # 3x3, pad 1, ReLU
         a = pack_nchw4c(rng.integers(-128, 128, (b, cin, hw, hw)).astype(np.int8))
         w = pack_oihw4o4i(rng.integers(-127, 128, (cout, cin, 3, 3)).astype(np.int8))
         bias = pack_channels(rng.integers(-5000, 5000, cout).astype(np.int32))

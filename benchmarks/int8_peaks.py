@@ -124,7 +124,7 @@ PATHS = {
 
 def measure(name: str, iters: int = 2048, waves: int = 16, repeat: int = 15) -> dict:
     """Time path ``name`` (:data:`PATHS`) on the current GPU; its TOPS and what was run."""
-    import cupy as cp
+    import cupy as cp  # optional: not a dependency of the project (--help works without it)
     source, threads, per_sm, macs, min_cc, suffix = PATHS[name]
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     cc = (props["major"], props["minor"])
@@ -155,7 +155,7 @@ def main(argv=None):
     ap.add_argument("--out", default="results")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     args = ap.parse_args(argv)
-    import cupy as cp
+    import cupy as cp  # optional: not a dependency of the project (--help works without it)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     res = dict(device=props["name"].decode(), sms=props["multiProcessorCount"], clock_mhz=props["clockRate"] / 1e3,
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), peaks=[measure(p) for p in args.paths])

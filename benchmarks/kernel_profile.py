@@ -3,7 +3,7 @@
     python benchmarks/kernel_profile.py --model inception_v3 --batch 64 --size 224 --out results/
     python benchmarks/kernel_profile.py --lib build/vgg16.so --out results/   # a library you built
 
-Builds the zoo model (``tests/test_zoo.py``'s random-init network, calibrated on photos) without
+Builds the zoo model (``tvm_qconv.zoo``'s random-init network, calibrated on photos) without
 CUDA graphs -- so that each kernel shows -- or loads ``--lib``, runs it ``--runs`` times under
 ``torch.profiler`` (CUPTI records the kernels of every library in the process, TVM's included)
 and prints the kernels by total GPU time with their share, count and the layer family their name
@@ -23,16 +23,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
+from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.errors import InputError  # noqa: E402
+from tvm_qconv.ranges import Calibrate  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
+from tvm_qconv.target import device_arch  # noqa: E402
+from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
 
 
 def build(name: str, batch: int, size: int, images: int, out_dir: str, arch: str | None = None) -> str:
-    from tvm_qconv.zoo import zoo_config, zoo_model
-    from tvm_qconv.build import BuildOptions, compile_model
-    from tvm_qconv.data import skimage_photos
-    from tvm_qconv.ranges import Calibrate
-    from tvm_qconv.target import device_arch
 
     options = BuildOptions(target="cuda", arch=arch or device_arch(full=True), image_size=size, batch=batch,
                            cuda_graph=False, verify=False)
@@ -66,7 +66,7 @@ def profile(lib: str, runs: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a zoo model to build (tests/test_zoo.py)")
+    ap.add_argument("--model", help="a zoo model to build (tvm_qconv.zoo)")
     ap.add_argument("--lib", help="or: a library built with tvm_qconv (best built with --no-cuda-graph)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--size", type=int, default=224)
@@ -80,7 +80,6 @@ def main(argv=None):
         ap.error("give --model NAME (a zoo model) or --lib PATH (a built library)")
     os.makedirs(args.out, exist_ok=True)
     if args.model:
-        from tvm_qconv.zoo import SIZES
         if args.model not in SIZES:
             ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(SIZES)}, or give --lib")
     try:
@@ -98,7 +97,7 @@ def main(argv=None):
     print(f"{name} batch {args.batch}: {res['wall_ms_per_call']:.3f} ms per call (wall), "
           f"{total / 1e3:.3f} ms of GPU kernels, {sum(n for _, (_, n) in rows)} launches; "
           f"copies {sum(us for us, _ in copies.values()) / 1e3:.3f} ms")
-    print(f"| kernel | us per call | share | launches |\n|---|---|---|---|")
+    print("| kernel | us per call | share | launches |\n|---|---|---|---|")
     for k, (us, n) in rows[:args.top]:
         print(f"| {k[:80]} | {us:.1f} | {100 * us / total:.1f}% | {n} |")
     out = os.path.join(args.out, f"kernel_profile_{name}_b{args.batch}.json")

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timing import cuda_median_ms  # noqa: E402
 from tvm_qconv import registry  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
+from tvm_qconv.compare.baselines import capture, check_replay  # noqa: E402
 from tvm_qconv.compare.run import tuning_log_for  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
@@ -49,7 +50,6 @@ def torch_latency(model, x, graphs: bool, iters: int = 50) -> float:
     """Median ms per forward (CUDA events), eager or replaying a captured CUDA graph; a graph whose
     replay does not reproduce eager PyTorch is refused (``check_replay``; docs/history.md, "One
     command against every baseline", tells the fault it guards against)."""
-    from tvm_qconv.compare.baselines import capture, check_replay
     with torch.no_grad():
         fn = lambda: model(x)  # noqa: E731
         if graphs:

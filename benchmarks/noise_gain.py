@@ -4,7 +4,7 @@ belongs to the random network, not to int8.
     python benchmarks/noise_gain.py --models mobilenet_v2 resnet50 vgg16 --size 64
 
 Adds Gaussian noise at ``--input-db`` SQNR to scikit-image's photos and prints the float model's
-logits SQNR (clean vs noisy), for the zoo test's models (``tests/test_zoo.py``: random init) and
+logits SQNR (clean vs noisy), for the zoo's models (``tvm_qconv.zoo``: random init) and
 for the same models with their BatchNorm statistics re-estimated on the photos.  A network whose
 logits keep most of the input's dB is benign; one that falls far below it is chaotic, and no int8
 scheme can reach a high SQNR on it.

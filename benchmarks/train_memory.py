@@ -33,10 +33,18 @@ import subprocess
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tvm_qconv.cli_args import positive_int  # noqa: E402
+from tvm_qconv.models import QuantizedVGG16  # noqa: E402  (imports no TVM)
+
+# The torch twin's child process runs this file too, and its peak RAM is a result: TVM is imported
+# only where ours needs it (tvm_kernels) and for the report.
 
 MB = 2 ** 20
 TORCH_MATMULS = ("aten::conv2d", "aten::convolution", "aten::cudnn_convolution", "aten::convolution_backward",
@@ -48,11 +56,6 @@ METRICS = [("peak_ram_mb", "Peak RAM (MB)"), ("peak_cuda_allocated_mb", "Peak CU
 
 def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, num_classes: int) -> dict:
     """One variant in this (fresh) process: peaks, step times and, for ours, the kernels that ran."""
-    import torch
-    import torch.nn.functional as F
-
-    from tvm_qconv.models import QuantizedVGG16
-
     ours = variant.startswith("ours")
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -86,7 +89,7 @@ def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, nu
         "first_step_s": times[0], "losses": losses,
     }
     if ours:
-        from tvm_qconv.nn import tvm_kernels
+        from tvm_qconv.nn import tvm_kernels  # TVM: see the note at the top
         out["kernels"] = tvm_kernels.report()
         out["kernel_cache"] = tvm_kernels.cache_dir()
     out.update(_profile(step))
@@ -95,8 +98,6 @@ def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, nu
 
 def _profile(step) -> dict:
     """The CUDA kernels of one step (name -> launches) and the PyTorch conv/matmul ops among its ops."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -175,7 +176,6 @@ def main(argv=None) -> int:
     twin, ours = run_child("torch", args), run_child("ours", args)
 
     rows, compile_s = summarize(compile_run, twin, ours)
-    import torch
     report = {"benchmark": "train_memory", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
               "table": rows, "compile_seconds": round(compile_s, 1), "ours": ours, "torch_twin": twin,
               "compile_run": {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels")}}
     try:
-        import tvm
+        import tvm  # see the note at the top
         report["tvm"] = tvm.__version__
     except ImportError:
         pass

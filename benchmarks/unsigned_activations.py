@@ -9,7 +9,7 @@ s8 with zero point -128) its rounding noise falls 4x (+6 dB on that tensor).  Th
 what that does to the logits with every never-negative tensor unsigned; the build does it where
 every reader can take it (``QuantConfig.unsigned_activations``, ``tvm_qconv/zero_points.py``).
 
-Per zoo model (``tests/test_zoo.py``'s random-init network and calibration), the float graph the
+Per zoo model (``tvm_qconv.zoo``'s random-init network and calibration), the float graph the
 build quantizes is run with every int8 point fake-quantized (``range_search.FakeQuantModel``:
 ``clip(round(x / s), -L, L) * s``), the weights rounded per output channel or not, with L = 127 at
 every point ("signed", today's scheme) or L = 255 at the points whose calibration values were all

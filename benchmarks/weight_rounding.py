@@ -5,7 +5,7 @@ weight rounding takes off the weights' share.
 
 The build's scheme simulated on the float graph it quantizes (``range_search``'s fake-quantized
 model: every int8 point rounded at its calibrated range, 0..255 where the build stores it
-unsigned, ``tests/test_zoo.py``'s random-init network and observer), measured as the build's
+unsigned, ``tvm_qconv.zoo``'s random-init network and observer), measured as the build's
 verification measures it (logits SQNR against the float PyTorch model on the first
 ``--verify-images`` calibration photos):
 
@@ -36,7 +36,7 @@ from tvm_qconv.range_search import FakeQuantModel  # noqa: E402
 from tvm_qconv.weight_rounding import gptq_model  # noqa: E402
 from tvm_qconv.fileio import write_json  # noqa: E402
 from tvm_qconv.quantize import float_graph  # noqa: E402
-from tvm_qconv.zero_points import may_run_int8, planned_unsigned_names  # noqa: E402
+from tvm_qconv.quantization.zero_points import may_run_int8, planned_unsigned_names  # noqa: E402
 
 # activations left float: a step of 1e-30 (float32's rounding is coarser) out to +-1e8
 FLOAT_AMAX, FLOAT_LEVELS = 1e8, 1e38

@@ -22,10 +22,17 @@ import sys
 import time
 
 import numpy as np
+import tvm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import build_all  # noqa: E402
+from tvm_qconv import registry  # noqa: E402
+from tvm_qconv.schedules.kernel import tirx_kernel  # noqa: E402
+from tvm_qconv.schedules.requantize import quantize_multiplier  # noqa: E402
+from tvm_qconv.schedules.wgmma import conv2d  # noqa: E402
+from tvm_qconv.schedules.workload import ConvWorkload  # noqa: E402
+from tvm_qconv.target import TargetInfo, make_target  # noqa: E402
 
 # (in, out, size, kernel, stride, relu): ResNet-50's bottleneck convs (the 7x7 stem excluded: the
 # stem family), then VGG16's 3x3 convs past the first; repeated shapes listed once
@@ -42,7 +49,6 @@ VGG16 = [(64, 64, 224, 3, 1, True), (64, 128, 112, 3, 1, True), (128, 128, 112, 
 
 
 def workload(layer, batch):
-    from tvm_qconv.schedules.workload import ConvWorkload
     cin, cout, size, k, stride, relu = layer
     return ConvWorkload.with_activation("relu" if relu else "none", batch=batch, in_channels=cin, height=size,
                                         width=size, out_channels=cout, kernel=(k, k), stride=(stride, stride),
@@ -50,17 +56,11 @@ def workload(layer, batch):
 
 
 def config_of(wl, staged: bool):
-    from tvm_qconv.schedules.wgmma import conv2d
     return conv2d.default_config(wl, staged_store=staged)
 
 
 def build(job) -> float:
     layer, batch, staged, num_sm, path = job
-    import tvm
-    from tvm_qconv import registry
-    from tvm_qconv.schedules.kernel import tirx_kernel
-    from tvm_qconv.schedules.wgmma import conv2d
-    from tvm_qconv.target import make_target
     t = time.time()
     impl, wl, target = registry.get("conv2d.nhwc32.wgmma"), workload(layer, batch), make_target("cuda", "sm_90a")
     kernel = tirx_kernel(impl.compute(wl), conv2d.conv2d_wgmma(wl, config_of(wl, staged), num_sm))
@@ -77,11 +77,6 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
-    import tvm
-    from tvm_qconv import registry
-    from tvm_qconv.schedules.requantize import quantize_multiplier
-    from tvm_qconv.target import TargetInfo, make_target
-
     target = TargetInfo.from_target(make_target("cuda", "sm_90a"))
     impl = registry.get("conv2d.nhwc32.wgmma")
     layers = [(model, ly) for model, lys in (("resnet50", RESNET50), ("vgg16", VGG16)) for ly in lys

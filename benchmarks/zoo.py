@@ -1,4 +1,4 @@
-"""Every torchvision classifier of the zoo test through the compiler: int8 layers, what stays float,
+"""Every torchvision classifier of the zoo through the compiler: int8 layers, what stays float,
 logits SQNR against float PyTorch per calibration method, build time; on a GPU also the latency
 of the int8 library (batch 1 and 64, Relax CUDA graphs) beside PyTorch fp16 with CUDA graphs (bf16 for a
 model whose fp16 output overflows; the row's ``torch_dtype_b<N>`` says so).
@@ -9,7 +9,7 @@ model whose fp16 output overflows; the row's ``torch_dtype_b<N>`` says so).
     python benchmarks/zoo.py --target cuda --arch sm_90a --size 224 --batches 1 64 --no-verify-builds \
         --tuning-logs zoo_logs --tune --jobs 8 --out results/       # + tuned: every family's default, wgmma tiles
 
-The models are the zoo test's (``tests/test_zoo.py``: random init, last layer's bias zeroed,
+The models are the zoo's (``tvm_qconv.zoo``: random init, last layer's bias zeroed,
 GoogLeNet with PyTorch's default init), calibrated on scikit-image's photos; SQNR is the build's
 own verification (logits on the calibration photos).  With ``--tuning-logs DIR`` each timed model
 is also built and timed with its database ``DIR/<model>-b<batch>-<arch>`` where there is one;
@@ -34,21 +34,22 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tvm_qconv.zoo import SIZES, zoo_model  # noqa: E402
+from benchmarks.model_gpu import torch_latency  # noqa: E402
 from tvm_qconv.build import BuildOptions, compile_model  # noqa: E402
+from tvm_qconv.compare.baselines import NonFiniteOutput  # noqa: E402
 from tvm_qconv.compare.run import tuning_log_for  # noqa: E402
 from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.ranges import Calibrate  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
+from tvm_qconv.tuning import tune_model  # noqa: E402
+from tvm_qconv.zoo import SIZES, zoo_model  # noqa: E402
 
 
 def torch_half_graph_ms(model, x) -> tuple[float, str]:
     """PyTorch fp16 channels_last with CUDA graphs, median ms; a model whose fp16 output overflows
     (random-init Inception-V3: activations reach 1.6e12) is timed in bf16, which runs at the same
     tensor-core rate on Ampere and Hopper.  Returns (ms, the dtype timed)."""
-    from benchmarks.model_gpu import torch_latency
-    from tvm_qconv.compare.baselines import NonFiniteOutput
     for dtype in (torch.float16, torch.bfloat16):
         m = model.to("cuda", dtype).to(memory_format=torch.channels_last).eval()
         xt = torch.from_numpy(x).to("cuda", dtype).contiguous(memory_format=torch.channels_last)
@@ -106,7 +107,6 @@ def tune_all(args) -> dict:
     """Tune, one after another on this GPU, every (model, batch) of the run into
     ``args.tuning_logs`` (``--trials 1``; a database a cut-short run left is resumed, a finished
     one measures nothing).  Returns the seconds each took, None where it failed."""
-    from tvm_qconv.tuning import tune_model
     seconds = {}
     for name in args.models:
         for bs in args.batches:

@@ -15,14 +15,16 @@ from tvm import te, tirx
 from .kernel import KernelImpl
 from .nchw4c.layout import ceil4  # K is padded to 4 as the NCHW4c channels are
 from .quantize import quantize_clamp, quantize_tir
+from .workload import QuantizeRowsWorkload
 
 KERNEL_NAME = "dense_int8"
 
 
-def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None, zero: int = 0) -> tirx.PrimFunc:
-    """float [N, K] -> int8 [N, k_padded] (zero-padded; default ceil(K/4)*4), the input of an int8
-    dense layer (``k_padded``: the dense implementation's, ``in_features_padded``; ``zero``: the
-    zero point, -128 for an unsigned input: ``quantize.quantize_clamp``)."""
+def quantize_rows_compute(shape: tuple[int, int], scale: float, k_padded: int | None = None,
+                          zero: int = 0) -> tirx.PrimFunc:
+    """Kernel: float [N, K] -> int8 [N, k_padded] (zero-padded; default ceil(K/4)*4), the input of an
+    int8 dense layer (``k_padded``: the dense implementation's, ``in_features_padded``; ``zero``:
+    the zero point, -128 for an unsigned input: ``quantize.quantize_clamp``)."""
     n, k = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
@@ -31,6 +33,16 @@ def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = N
                                         tirx.const(0, "int8")),
         name="quantize_rows")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
+
+
+def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None, zero: int = 0) -> tirx.PrimFunc:
+    """The registry's ``quantize_rows`` kernel (:func:`quantize_rows_compute`, tagged with its
+    implementation); kept for callers that do not ask the registry yet::
+
+        registry.select("quantize_rows", QuantizeRowsWorkload(shape, scale, k_padded, zero), target).compute(wl)
+    """
+    from .conversion_kernels import QUANTIZE_ROWS  # here, not above: it imports this module
+    return QUANTIZE_ROWS.compute(QuantizeRowsWorkload(shape, scale, k_padded or ceil4(shape[1]), zero))
 
 
 def dense_int8(n: int, k4: int, o: int, clip: tuple[float, float] | None = None) -> tirx.PrimFunc:
@@ -100,6 +112,9 @@ class Dense(KernelImpl):
         w = np.zeros((wl.out_features, ceil4(wl.in_features)), np.int8)
         w[:, :wl.in_features] = weight
         return [w, np.asarray(scale, np.float32), np.asarray(bias, np.float32)]
+
+    def out_shape(self, wl: DenseWorkload) -> tuple[int, ...]:
+        return (wl.batch, wl.out_features)
 
     def compute(self, wl: DenseWorkload):
         return self.tag(dense_int8(wl.batch, ceil4(wl.in_features), wl.out_features, wl.clip), wl)

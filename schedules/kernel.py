@@ -46,11 +46,17 @@ class Layout:
     def quantize(self, shape: tuple[int, int, int, int], scale: float, zero: int = 0) -> tirx.PrimFunc:
         """Kernel: float NCHW of ``shape`` -> int8 in this layout (round half to even, clamp);
         ``zero``: the zero point (0: symmetric, -128..127 unused -128; -128: unsigned, 0..255
-        stored as -128..127; ``quantize.quantize_clamp``)."""
+        stored as -128..127; ``quantize.quantize_clamp``).
+
+        The registry's ``quantize`` implementation of this layout computes it
+        (``conversion_kernels.py``); kept for callers that do not ask the registry yet."""
         raise NotImplementedError
 
     def dequantize(self, packed: tuple[int, ...], channels: int, scale: float, zero: int = 0) -> tirx.PrimFunc:
-        """Kernel: int8 in this layout -> float NCHW with ``channels`` channels, ``(q - zero) * scale``."""
+        """Kernel: int8 in this layout -> float NCHW with ``channels`` channels, ``(q - zero) * scale``.
+
+        The registry's ``dequantize`` implementation of this layout computes it; kept as
+        :meth:`quantize` is."""
         raise NotImplementedError
 
     def pack(self, x: np.ndarray) -> np.ndarray:
@@ -74,15 +80,20 @@ class KernelImpl:
     """One implementation of one op.
 
     Attributes:
-        name: unique registry name, ``<op>.<layout>.<family>`` (e.g. ``conv2d.nchw4c.dp4a``).
-        op: the op it implements (``conv2d``, ``max_pool2d``, ``add``, ``dense``,
-            ``conv2d_grad_input``, ``conv2d_grad_weight``).
+        name: unique registry name, ``<op>.<layout>.<family>`` (e.g. ``conv2d.nchw4c.dp4a``;
+            the memory-bound kernels of ``layout_kernels.py``: ``<op>.<layout>``).
+        op: the op it implements: a layer the quantize pass lowers (``conv2d``, ``dense``,
+            ``max_pool2d``, ``avg_pool2d``, ``add``, ``concat``, ``channels``, ``lut``,
+            ``affine``), a conversion it inserts (``quantize``, ``dequantize``, ``relayout``,
+            ``quantize_rows``: ``conversion_kernels.py``), or a training kernel
+            (``conv2d_grad_input``, ``conv2d_grad_weight``).
         layout: the layout of its int8 activations (``NCHW4c``), or ``NCHW`` / ``rows`` for
-            kernels that take plain tensors.
+            kernels that take plain tensors; a conversion's: the int8 side's (a relayout's: the
+            layout it writes).
         in_layout: the layout of its int8 input where it differs from its output's (the stem
-            conv: NCHW4c in, NHWC32 out); empty = ``layout``.  See :meth:`input_layout`.
-        family: how it runs (``dp4a``, ``cpu``, ``generic``: scheduled by dlight on CUDA,
-            unscheduled on llvm).
+            conv: NCHW4c in, NHWC32 out; a relayout); empty = ``layout``.  See :meth:`input_layout`.
+        family: how it runs (``dp4a``, ``cpu``; ``generic``: plain TensorIR that every target
+            runs, with its own CUDA schedule or dlight's, unscheduled on llvm).
         spaces: names of its MetaSchedule search spaces, the default first; empty = not tuned.
         search: how the tuner walks its spaces: ``evolutionary`` (MetaSchedule's evolutionary
             search: the decisions are trace decisions its mutators change) or ``replay_func``
@@ -132,6 +143,42 @@ class KernelImpl:
     def reference(self, wl, *args: np.ndarray) -> np.ndarray:
         """NumPy twin of :meth:`compute` on the same (packed) arguments."""
         raise NotImplementedError
+
+    def pack_params(self, wl, *arrays: np.ndarray) -> list[np.ndarray]:
+        """The kernel's constant arguments, packed for it from the layer's own arrays: the
+        parameters of :meth:`compute` after its data inputs, in order, with their shapes and
+        dtypes.  What ``arrays`` are depends on the op:
+
+        - ``conv2d``: ``(weight, bias, mult, shift)``: the int8 weight ``[O, C / groups, kh, kw]``,
+          the int32 bias at scale ``s_x * s_w[o]`` and the requantize multiplier and shift
+          (int32 ``[O]``, ``requantize.quantize_multiplier``);
+        - ``dense``: ``(weight, scale, bias)``: int8 ``[O, K]``, float32 ``[O]`` ``s_x * s_w[o]``,
+          float32 ``[O]``;
+        - ``channels``: ``(index,)``: int32 ``[out_channels]``, the input channel of each output one;
+        - ``lut``: ``(table,)``: 256 int8, the output of input ``q`` at ``q + 128``;
+        - ``affine``: ``(mult, shift, bias)`` per real channel (``requantize.affine_params``);
+        - ``max_pool2d``, ``avg_pool2d``, ``add``, ``concat`` and the conversions: none (``[]``).
+
+        Example: ``args = [x] + [relax.const(p) for p in impl.pack_params(wl, qw, bias, mult, shift)]``.
+        """
+        raise NotImplementedError(f"{self.name} does not pack {self.op} parameters")
+
+    def out_shape(self, wl) -> tuple[int, ...]:
+        """The shape of the kernel's output (the last parameter of :meth:`compute`): packed in
+        :attr:`layout` for an int8 activation (its channels padded as the layout pads them);
+        ``dense``: float ``[batch, out_features]``; ``dequantize``: float NCHW;
+        ``quantize_rows``: int8 ``[N, k_padded]``."""
+        raise NotImplementedError(f"{self.name} does not give its {self.op} output shape")
+
+    def in_features_padded(self, wl) -> int:
+        """``dense`` only: the K of the int8 input rows it reads (``QuantizeRowsWorkload.k_padded``:
+        the input's ``quantize_rows`` pads K to it with zeros)."""
+        raise NotImplementedError(f"{self.name} reads no quantized input rows ({self.op} is not dense)")
+
+    def label(self, func: tirx.PrimFunc) -> str:
+        """How the build report's schedule list (``ScheduleInt8Kernels.applied``) names a kernel of
+        this implementation: its registry :attr:`name`."""
+        return self.name
 
     def schedule(self, func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
         """The default schedule (marked ``tir.is_scheduled``), or None: leave the function to
@@ -200,6 +247,13 @@ class KernelImpl:
         if wl is not None and hasattr(wl, "to_dict"):
             attrs[WORKLOAD_ATTR] = str(wl.to_dict())
         return func.with_attr(attrs)
+
+
+def no_constants(impl: KernelImpl, arrays: tuple) -> list:
+    """``pack_params`` of a kernel whose only arguments are its activations: nothing to pack."""
+    if arrays:
+        raise TypeError(f"{impl.name} takes no constants, got {len(arrays)} arrays")
+    return []
 
 
 def tirx_kernel(func: tirx.PrimFunc, kernel: tirx.PrimFunc) -> tirx.PrimFunc:

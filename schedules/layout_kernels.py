@@ -15,7 +15,7 @@ import tvm
 
 from . import add_int8, affine_int8, channels_int8, concat_int8, lut_int8, pool_int8
 from .elementwise_int8 import schedule_elementwise
-from .kernel import KernelImpl, Layout
+from .kernel import KernelImpl, Layout, no_constants
 
 
 class LayoutKernel(KernelImpl):
@@ -30,6 +30,18 @@ class LayoutKernel(KernelImpl):
 
     def applies(self, wl, target) -> bool:
         return True
+
+    def pack_params(self, wl, *arrays) -> list[np.ndarray]:
+        """None by default: the op's only arguments are its int8 inputs."""
+        return no_constants(self, arrays)
+
+    def _packed(self, n: int, c: int, h: int, w: int) -> tuple[int, ...]:
+        return tuple(self.packing.packed_shape((n, c, h, w)))
+
+    def _pooled(self, wl, dilation=(1, 1), ceil_mode=False) -> tuple[int, ...]:
+        """The packed shape a pool of ``wl`` writes: the input's (padded) channels at the pooled size."""
+        n, c, h, w = self.packing.logical_shape(wl.shape)
+        return self._packed(n, c, *pool_int8.pool_out_size(h, w, wl.pool, wl.stride, wl.padding, dilation, ceil_mode))
 
 
 class MaxPool2d(LayoutKernel):
@@ -46,6 +58,9 @@ class MaxPool2d(LayoutKernel):
     def schedule(self, func, target):
         return pool_int8.schedule_pool(func, target)
 
+    def out_shape(self, wl):
+        return self._pooled(wl, wl.dilation, wl.ceil_mode)
+
 
 class AvgPool2d(LayoutKernel):
     op = "avg_pool2d"
@@ -60,6 +75,9 @@ class AvgPool2d(LayoutKernel):
 
     def schedule(self, func, target):
         return pool_int8.schedule_pool(func, target)
+
+    def out_shape(self, wl):
+        return self._pooled(wl)
 
 
 class Add(LayoutKernel):
@@ -76,6 +94,9 @@ class Add(LayoutKernel):
     def schedule(self, func, target):
         return schedule_elementwise(func, target, "add_requant", operands=(0, 1))
 
+    def out_shape(self, wl):
+        return tuple(wl.shape)
+
 
 class Concat(LayoutKernel):
     op = "concat"
@@ -87,6 +108,10 @@ class Concat(LayoutKernel):
     def reference(self, wl, *xs):
         return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts,
                                            list(wl.zeros) or None, wl.out_zero)
+
+    def out_shape(self, wl):
+        n, h, w = wl.shape
+        return self._packed(n, sum(wl.channels), h, w)
 
 
 class Channels(LayoutKernel):
@@ -103,6 +128,10 @@ class Channels(LayoutKernel):
         index = np.asarray(index, np.int32)
         assert index.shape == (wl.out_channels,) and 0 <= index.min() and index.max() < wl.in_channels, index
         return [index]
+
+    def out_shape(self, wl):
+        n, h, w = wl.shape
+        return self._packed(n, wl.out_channels, h, w)
 
 
 class Lut(LayoutKernel):
@@ -128,6 +157,10 @@ class Lut(LayoutKernel):
         assert table.shape == (256,) and table.min() >= -128 and table.max() <= 127, table
         return [table.astype(np.int8)]
 
+    def out_shape(self, wl):
+        n, h, w = wl.shape
+        return self._packed(n, wl.channels, h, w)
+
 
 class Affine(LayoutKernel):
     op = "affine"
@@ -143,6 +176,9 @@ class Affine(LayoutKernel):
 
     def pack_params(self, wl, mult, shift, bias) -> list:
         return affine_int8.pack_affine(self.packing, wl.shape, mult, shift, bias)
+
+    def out_shape(self, wl):
+        return tuple(wl.shape)
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:

@@ -3,7 +3,7 @@ tensor (SiLU, hardswish, GELU, sigmoid, or any chain of such ops) as a 256-entry
 
 The quantize pass evaluates the float function on the 256 values the input can take,
 ``f(s_x * q)`` for ``q`` in -128..127, and rounds each result at the output's scale
-(``transform/quantize_int8.py``, ``lut_table``); the kernel reads one byte and writes one:
+(``quantization/elementwise.py``, ``lut_table``); the kernel reads one byte and writes one:
 
     out[i] = table[X[i] + 128]        (padded channels: 0, whatever f(0) is)
 

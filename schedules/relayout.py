@@ -3,18 +3,20 @@
 The quantize pass inserts one only where a tensor's producer and consumer chose kernels of
 different layouts; both sides share the tensor's scale, so this is a pure permutation (padded
 channels of the destination are 0).  Written from the layouts' index maps
-(``Layout.to_logical`` / ``to_packed``), so any pair of registered layouts converts.
+(``Layout.to_logical`` / ``to_packed``), so any pair of registered layouts converts; the
+registry's ``relayout`` implementations (``conversion_kernels.py``) are made from it.
 """
 from __future__ import annotations
 
 from tvm import te, tirx
 
 from .kernel import Layout
+from .workload import RelayoutWorkload
 
 KERNEL_NAME = "relayout_int8"
 
 
-def relayout_int8(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) -> tirx.PrimFunc:
+def relayout_compute(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) -> tirx.PrimFunc:
     """Kernel: int8 ``src``-packed tensor of logical NCHW ``shape`` -> int8 ``dst``-packed."""
     n, c, h, w = shape
     x = te.placeholder(src.packed_shape(shape), "int8", name="X")
@@ -27,3 +29,17 @@ def relayout_int8(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) ->
     out = te.compute(dst.packed_shape(shape), body, name="relayout")
     return te.create_prim_func([x, out]).with_attr(
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.relayout": f"{src.name}->{dst.name}"})
+
+
+def relayout_int8(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) -> tirx.PrimFunc:
+    """The registry's ``relayout`` kernel from ``src`` to ``dst`` (:func:`relayout_compute`, tagged
+    with its implementation); kept for callers that do not ask the registry yet::
+
+        registry.select("relayout", RelayoutWorkload(shape, src.name, dst.name), target).compute(wl)
+
+    A pair of layouts no registered implementation converts (a test's stand-in layout) gets the
+    untagged kernel, as before: dlight schedules it on CUDA."""
+    from tvm_qconv import registry  # here, not above: the registry imports the kernels
+    wl = RelayoutWorkload(shape, src.name, dst.name)
+    impl = next((i for i in registry.IMPLEMENTATIONS if i.op == "relayout" and i.applies(wl, None)), None)
+    return impl.compute(wl) if impl is not None else relayout_compute(src, dst, shape)

@@ -1,5 +1,7 @@
-"""One conv workload for every kernel of the project: the compile path's fused int8 conv (any
-family), the training path's int32 conv and both of its gradients.
+"""The workloads: one frozen dataclass per op, what its kernel's compute needs.  One conv workload
+for every conv kernel of the project (the compile path's fused int8 conv of any family, the
+training path's int32 conv and both of its gradients), one per memory-bound op, and one per
+conversion kernel (quantize, dequantize, relayout, a linear layer's input rows).
 
 A workload is the layer in real units (channels before any padding to a layout's block), plus
 what the epilogue does.  Kernels record it in their PrimFunc (``tvm_qconv.workload``) so the
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import ast
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from .requantize import QMIN, UNSIGNED_ZERO
 
@@ -267,3 +271,109 @@ class AffineWorkload:
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
+
+
+# ---- the conversion kernels' workloads (``conversion_kernels.py``) -------------------------------
+# What each conversion's compute needs.  ``scale`` is held as the float32 the kernels compute with
+# (``quantize.py`` rounds it to float32 first): two scales that round alike make the same PrimFunc,
+# and so the same workload attribute, so Relax still shares one kernel between them.
+
+def _float32_scale(owner: str, scale) -> float:
+    value = float(np.float32(scale))
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{owner}.scale must be a positive finite float32, got {scale!r}")
+    return value
+
+
+def _shape(owner: str, name: str, shape, length: int | None = None) -> tuple[int, ...]:
+    value = tuple(int(s) for s in shape)
+    if (length is not None and len(value) != length) or min(value, default=0) < 1:
+        raise ValueError(f"{owner}.{name} must be {length or 'some'} positive ints, got {shape!r}")
+    return value
+
+
+def _zero(owner: str, zero) -> int:
+    if zero not in (0, UNSIGNED_ZERO):
+        raise ValueError(f"{owner}.zero must be 0 (symmetric) or {UNSIGNED_ZERO} (unsigned), got {zero!r}")
+    return int(zero)
+
+
+class _Literal:
+    """``to_dict`` / ``of``: the workload as the dict literal its PrimFunc records (``tvm_qconv.workload``)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, func):
+        """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
+        return cls(**ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))
+
+
+@dataclass(frozen=True)
+class QuantizeWorkload(_Literal):
+    """float NCHW of ``shape`` -> int8 in a layout (the implementation's): ``clamp(round(x / scale)
+    + zero)``, ``zero`` 0 (symmetric, -127..127) or -128 (unsigned: 0..255 stored minus 128)."""
+
+    shape: tuple[int, int, int, int]
+    scale: float
+    zero: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", _shape("QuantizeWorkload", "shape", self.shape, 4))
+        object.__setattr__(self, "scale", _float32_scale("QuantizeWorkload", self.scale))
+        object.__setattr__(self, "zero", _zero("QuantizeWorkload", self.zero))
+
+
+@dataclass(frozen=True)
+class DequantizeWorkload(_Literal):
+    """int8 of packed ``packed_shape`` in a layout (the implementation's) -> float NCHW of its first
+    ``channels`` channels, ``(q - zero) * scale``.  The packed shape, not the NCHW one: a producer
+    may pad the channels past the layout's own rounding, and the kernel reads its buffer as it is."""
+
+    packed_shape: tuple[int, ...]
+    channels: int
+    scale: float
+    zero: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "packed_shape", _shape("DequantizeWorkload", "packed_shape", self.packed_shape))
+        if int(self.channels) < 1:
+            raise ValueError(f"DequantizeWorkload.channels must be >= 1, got {self.channels!r}")
+        object.__setattr__(self, "channels", int(self.channels))
+        object.__setattr__(self, "scale", _float32_scale("DequantizeWorkload", self.scale))
+        object.__setattr__(self, "zero", _zero("DequantizeWorkload", self.zero))
+
+
+@dataclass(frozen=True)
+class RelayoutWorkload(_Literal):
+    """int8 in layout ``src`` -> int8 in layout ``dst`` (layout names, e.g. ``NCHW4c``), of NCHW
+    ``shape`` (real channels); the values are moved, not changed (both sides share the scale)."""
+
+    shape: tuple[int, int, int, int]
+    src: str
+    dst: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", _shape("RelayoutWorkload", "shape", self.shape, 4))
+        if not (self.src and self.dst) or self.src == self.dst:
+            raise ValueError(f"RelayoutWorkload converts between two layouts, got {self.src!r} -> {self.dst!r}")
+
+
+@dataclass(frozen=True)
+class QuantizeRowsWorkload(_Literal):
+    """float [N, K] of ``shape`` -> int8 [N, ``k_padded``] (K zero-padded), the input rows of an int8
+    linear layer; ``k_padded`` is the dense implementation's (``KernelImpl.in_features_padded``)."""
+
+    shape: tuple[int, int]
+    scale: float
+    k_padded: int
+    zero: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", _shape("QuantizeRowsWorkload", "shape", self.shape, 2))
+        if int(self.k_padded) < self.shape[1]:
+            raise ValueError(f"QuantizeRowsWorkload.k_padded must be >= K = {self.shape[1]}, got {self.k_padded!r}")
+        object.__setattr__(self, "k_padded", int(self.k_padded))
+        object.__setattr__(self, "scale", _float32_scale("QuantizeRowsWorkload", self.scale))
+        object.__setattr__(self, "zero", _zero("QuantizeRowsWorkload", self.zero))

@@ -1,5 +1,5 @@
 """``QuantConfig.bias_correction``: each conv / linear bias corrected for its int8 weights' mean
-error on the calibration images (``transform/quantize_int8.py: weight_error_mean``)."""
+error on the calibration images (``quantization/scales.py: weight_error_mean``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +16,7 @@ from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.observers import quantize_weight_per_channel
 from tvm_qconv.ranges import Calibrate, GivenRanges
 from tvm_qconv.runtime import CompiledModel
-from tvm_qconv.transform.quantize_int8 import weight_error_mean
+from tvm_qconv.quantization.scales import weight_error_mean
 
 SIZE = 16
 

@@ -4,7 +4,7 @@ and the artifact of an earlier run is byte for byte what it was, with nothing le
 
 The points are where the signal used to go astray: inside Python code that a TVM pass called back
 into (FoldConstant legalizing an op: the pass swallowed the interrupt and the build replaced the
-library; our own QuantizeInt8 pass and LegalizeOps inside tvm.compile: it came back as a
+library; our own LowerToRelax pass and LegalizeOps inside tvm.compile: it came back as a
 RuntimeError, exit 1), in torch code, between the save's writes -- and at evenly spread moments of
 the whole run.  ``tests/signal_at.py`` sends the signal from inside the named function (its N-th
 call), so each point is where the test says it is: the test also checks the phase the build had
@@ -48,8 +48,9 @@ BUILD_POINTS = [
     ("INT", "tvm.relax.block_builder:BlockBuilder.call_te", 1, "simplify"),
     ("INT", "tvm_qconv.observers:PercentileObserver.update", 3, "ranges"),
     ("TERM", "tvm_qconv.observers:PercentileObserver.update", 3, "ranges"),
-    # our QuantizeInt8 module pass, called from C++
-    ("INT", "tvm_qconv.transform.quantize_int8:_Rewriter.emit_conv2d", 2, "quantize"),
+    # planning, in Python; and our LowerToRelax module pass, called from C++
+    ("INT", "tvm_qconv.quantization.planner:Planner.pick", 2, "quantize"),
+    ("INT", "tvm_qconv.lowering.relax:_Emitter.emit_layer", 2, "quantize"),
     # LegalizeOps inside tvm.compile's pipeline
     ("INT", "tvm_qconv.registry:compile_options>tvm.relax.block_builder:BlockBuilder.call_te", 1, "compile"),
     ("TERM", "tvm_qconv.registry:compile_options>tvm.relax.block_builder:BlockBuilder.call_te", 1, "compile"),

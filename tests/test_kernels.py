@@ -7,6 +7,7 @@ import pytest
 import torch
 import tvm
 
+from tvm_qconv import registry
 from tvm_qconv.schedules.dense_int8 import dense_int8, dense_int8_ref, quantize_rows
 from tvm_qconv.schedules.add_int8 import add_int8, add_int8_ref
 from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
@@ -376,13 +377,12 @@ def test_input_quantize_cuda_schedule_stores_a_pixel_per_word_and_computes_the_r
     from tvm.script import parser as tvmscript
 
     from tvm_qconv.target import cuda_source, make_target
-    from tvm_qconv.transform.schedule_kernels import CONVERSION_SCHEDULES
 
     x = RNG.normal(0, 1, (2, 3, 9, 7)).astype(np.float32)  # 126 pixels: blocks of 126 threads
     s = 0.021
     func = quantize_pack(x.shape, s)
     target = make_target("cuda", "sm_90")
-    scheduled = CONVERSION_SCHEDULES["quantize_pack"](func, target)
+    scheduled = registry.get("quantize.nchw4c.generic").schedule(func, target)
     with target:
         src = cuda_source(tvm.compile(tvm.IRModule({"main": scheduled}), target=target))
     assert re.search(r"\*\(int\*\)\(quantize_pack_ptr \+ [^;]*\) = \*\(int\*\)\(quantize_pack_local_ptr", src), src
@@ -707,7 +707,6 @@ def test_nhwc32_conversions_cuda_schedule_puts_threads_on_pixels_and_computes_th
     from tvm.script import parser as tvmscript
 
     from tvm_qconv.target import cuda_source, make_target
-    from tvm_qconv.transform.schedule_kernels import CONVERSION_SCHEDULES
 
     def twin(func):
         text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"T.serial(\1)", func.script())
@@ -716,9 +715,9 @@ def test_nhwc32_conversions_cuda_schedule_puts_threads_on_pixels_and_computes_th
     x = RNG.normal(0, 1, shape).astype(np.float32)
     s = 0.021
     target = make_target("cuda", "sm_90")
-    quant = CONVERSION_SCHEDULES["quantize_pack_nhwc32"](NHWC32.quantize(shape, s), target)
+    quant = registry.get("quantize.nhwc32.generic").schedule(NHWC32.quantize(shape, s), target)
     packed_shape = NHWC32.packed_shape(shape)
-    deq = CONVERSION_SCHEDULES["dequantize_unpack_nhwc32"](NHWC32.dequantize(packed_shape, shape[1], s), target)
+    deq = registry.get("dequantize.nhwc32.generic").schedule(NHWC32.dequantize(packed_shape, shape[1], s), target)
     with target:
         src = "".join(cuda_source(tvm.compile(tvm.IRModule({"main": f}), target=target)) for f in (quant, deq))
     if shape[1] % 8 == 0:  # the int8 side as one vector per thread: int2 (8 channels) or int4 (16)
@@ -738,9 +737,8 @@ def test_lut_kernel_reads_its_table_and_zeroes_padded_channels(layout):
     CPU twin."""
     from tvm.script import parser as tvmscript
 
-    from tvm_qconv import registry
     from tvm_qconv.schedules.workload import LutWorkload
-    from tvm_qconv.target import TargetInfo, make_target
+    from tvm_qconv.target import make_target
 
     x = packed_input(layout, (2, 5, 3, 7))  # 5 channels: padded to 8 (NCHW4c) or 32 (NHWC32)
     table = RNG.integers(-127, 128, 256).astype(np.int8)

@@ -34,7 +34,7 @@ from tvm_qconv.observers import quantize_weight_per_channel
 from tvm_qconv.onnx_export import export_onnx
 from tvm_qconv.ranges import Calibrate, GivenRanges
 from tvm_qconv.runtime import CompiledModel
-from tvm_qconv.transform.quantize_int8 import AMAX_FLOOR
+from tvm_qconv.quantization.scales import AMAX_FLOOR
 
 SIZE = 32
 CALIB = 4  # calibration photos: enough for real ranges, fast

@@ -18,8 +18,9 @@ from tvm_qconv.models import SmallVGG
 from tvm_qconv.quantize import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.schedules import conversion_kernels
 from tvm_qconv.schedules.nchw4c import impls as nchw4c
-from tvm_qconv.schedules.nchw4c.layout import NCHW4c
+from tvm_qconv.schedules.nchw4c.layout import NCHW4c, dequantize_unpack, quantize_pack
 from tvm_qconv.target import TargetInfo, make_target
 
 LLVM = TargetInfo.from_target(make_target("llvm"))
@@ -196,10 +197,17 @@ class _AltConv(nchw4c.Conv2dCpu):
 
 @pytest.fixture
 def second_family(monkeypatch):
-    alt = _AltConv()
-    monkeypatch.setattr(registry, "IMPLEMENTATIONS", registry.IMPLEMENTATIONS + (alt,))
-    monkeypatch.setitem(registry._BY_NAME, alt.name, alt)
-    monkeypatch.setitem(registry.LAYOUTS, "NCHW4c_alt", _AltLayout())
+    """The alternative conv, its layout, and the conversions a layout registers with it: relayouts
+    to and from NCHW4c, a quantize and a dequantize."""
+    alt, layout = _AltConv(), _AltLayout()
+    nchw4c_layout = registry.layout("NCHW4c")
+    extra = (alt, *conversion_kernels.relayout_kernels([nchw4c_layout, layout]),
+             conversion_kernels.Quantize(layout, "quantize_pack", quantize_pack),
+             conversion_kernels.Dequantize(layout, "dequantize_unpack", dequantize_unpack))
+    monkeypatch.setattr(registry, "IMPLEMENTATIONS", registry.IMPLEMENTATIONS + extra)
+    for impl in extra:
+        monkeypatch.setitem(registry._BY_NAME, impl.name, impl)
+    monkeypatch.setitem(registry.LAYOUTS, "NCHW4c_alt", layout)
     return alt
 
 
@@ -214,7 +222,7 @@ def test_a_relayout_is_inserted_exactly_where_neighbouring_kernels_differ_in_lay
     q = quantize_module(model, (1, 3, 16, 16), LLVM, ranges=Calibrate(x), choices=choices, progress=False)
     rows = {r["layer"]: r["kernel"] for r in q.report["layers"]}
     assert [rows[c] for c in convs] == ["conv2d.nchw4c.cpu"] * 2 + [second_family.name] * 2
-    assert q.report["relayouts"] == 1
+    assert q.report["relayouts"] == 1, q.report["conversions"]
     (relayout,) = [c for c in q.report["conversions"] if c.startswith("relayout")]
     assert "NCHW4c->NCHW4c_alt" in relayout
     # and the model computes the same integers as the one-family build (the two layouts pack alike)
@@ -278,7 +286,8 @@ def test_relax_module_kernels_carry_their_implementation():
                         progress=False)
     impls = sorted({registry.of_func(f).name for f in q.mod.functions.values()
                     if not isinstance(f, relax.Function) and registry.of_func(f) is not None})
-    assert impls == ["conv2d.nchw4c.dp4a", "dense.rows.generic", "max_pool2d.nchw4c"]
+    assert impls == ["conv2d.nchw4c.dp4a", "dense.rows.generic", "dequantize.nchw4c.generic", "max_pool2d.nchw4c",
+                     "quantize.nchw4c.generic", "quantize_rows.rows.generic"]
 
 
 @pytest.mark.parametrize("options,message", [

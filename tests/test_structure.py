@@ -1,6 +1,11 @@
-"""The code's shape: imports form a DAG, and only the kernel families know their own names."""
+"""The code's shape: imports form a DAG, only the kernel families know their own names, and the
+package imports from the source tree as from a wheel."""
 import ast
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -93,7 +98,9 @@ def _code_words(path: str) -> set[str]:
 
 
 # The registry lists the families (that is its job); everything else asks it.
-ASKS_THE_REGISTRY = ["transform/quantize_int8.py", "transform/schedule_kernels.py", "tuning/tasks.py",
+ASKS_THE_REGISTRY = ["quantization/planner.py", "quantization/conv.py", "quantization/pools.py",
+                     "quantization/elementwise.py", "quantization/channels.py", "lowering/relax.py",
+                     "lowering/onnx.py", "transform/schedule_kernels.py", "tuning/tasks.py",
                      "tuning/driver.py", "tuning/apply.py", "tuning/database.py", "nn/tvm_kernels.py", "build.py",
                      "quantize.py"]
 
@@ -119,3 +126,48 @@ def test_every_source_folder_is_an_installed_package():
             name = package if rel == "." else f"{package}.{rel.replace(os.sep, '.')}"
             assert name in listed, f"{name} ({d}) is not in pyproject.toml's packages"
             assert "__init__.py" in files, f"{d} has no __init__.py"
+
+
+# Where each layout puts the sources: the repository's (schedules/ and models/ at the root, run
+# uninstalled with PYTHONPATH=. as on the GPU machine) and a wheel's (both inside tvm_qconv/).
+LAYOUTS = {
+    "source_tree": {"tvm_qconv": "tvm_qconv", "schedules": "schedules", "models": "models",
+                    "pyproject.toml": "pyproject.toml"},
+    "wheel": {"tvm_qconv": "tvm_qconv", "schedules": "tvm_qconv/schedules", "models": "tvm_qconv/models"},
+}
+PROBE = """
+import importlib.util, json, sys
+# Nothing installed: the editable install's finder (pip install -e .) must not answer for the copy.
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+import tvm_qconv.registry
+print(json.dumps({"path": tvm_qconv.__path__, "models": importlib.util.find_spec("tvm_qconv.models").origin,
+                  "files": {n: getattr(m, "__file__", None) for n, m in sys.modules.items()}}))
+"""
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS), ids=sorted(LAYOUTS))
+def test_schedules_and_models_import_once_each_as_subpackages_from_either_layout(layout, tmp_path):
+    tree = os.path.realpath(tmp_path)
+    for src, dst in LAYOUTS[layout].items():
+        if os.path.isdir(os.path.join(ROOT, src)):
+            shutil.copytree(os.path.join(ROOT, src), os.path.join(tree, dst),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(os.path.join(ROOT, src), os.path.join(tree, dst))
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tree, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": tree})
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    package = os.path.join(tree, "tvm_qconv")
+    # A wheel's site folder must never join the package's path: every installed package would
+    # then import a second time under tvm_qconv.
+    assert found["path"] == ([package, tree] if layout == "source_tree" else [package])
+    kernels = os.path.join(tree, LAYOUTS[layout]["schedules"])
+    assert found["files"]["tvm_qconv.schedules.kernel"] == os.path.join(kernels, "kernel.py")
+    assert found["models"] == os.path.join(tree, LAYOUTS[layout]["models"], "__init__.py")
+    # One module per file, all under tvm_qconv (a second copy of schedules/kernel.py would hold a
+    # second kernel registry).
+    ours = {name: f for name, f in found["files"].items() if f and f.startswith(tree + os.sep)}
+    assert all(name == "tvm_qconv" or name.startswith("tvm_qconv.") for name in ours), sorted(ours)
+    assert len(set(ours.values())) == len(ours)
+    assert "tvm_qconv.schedules.wgmma.conv2d" in ours

@@ -1,5 +1,5 @@
 """``QuantConfig.unsigned_activations``: never-negative tensors stored 0..255 at zero point -128
-(``tvm_qconv/zero_points.py``), the kernels that read and write them, and what it buys."""
+(``tvm_qconv/quantization/zero_points.py``), the kernels that read and write them, and what it buys."""
 from __future__ import annotations
 
 import dataclasses

@@ -259,7 +259,7 @@ def check_tvm_version(lib_path: str, meta: dict) -> None:
     Raises:
         InputError: naming both versions and the rebuild that fixes it.
     """
-    import tvm
+    import tvm  # not at the top: `deploy.py accept` and reading a build's record need no tvm (~2 s)
     built = meta.get("tvm_version")
     if built and built != tvm.__version__:
         raise InputError(f"{lib_path} was built with TVM {built}, this runtime is TVM {tvm.__version__}: rebuild it "

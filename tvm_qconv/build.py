@@ -22,15 +22,15 @@ from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import load_model, weights_digest
+from .frontend import ExportedModel, load_model, weights_digest
 from .progress import as_phases
-from .quantize import dump_ir, float_graph, quantize_module
+from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
 from .tuning.apply import apply_tuning_database, measured_chooser
-from .tuning.database import load_database
+from .tuning.database import database_target, load_database
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,6 @@ class BuildOptions:
         if unknown:
             raise InputError(f"unknown kernel implementation {', '.join(unknown)}: choose from {', '.join(names)}")
         if self.tuning_log:
-            from .tuning.database import database_target
             tuned_for = database_target(self.tuning_log)
             if tuned_for != self.target:
                 raise InputError(f"tuning log {self.tuning_log} holds {tuned_for} schedules; a {self.target} build "
@@ -161,13 +160,14 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     model_check.check_memory(probe, options.input_shape, name,
                              host_batch=None if options.target == "llvm" else verify_mod.IMAGES)
     with model_check.single_output(model, probe):
-        q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases)
+        exported = ExportedModel(model, options.input_shape)   # the one torch.export of this build
+        q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases, exported)
         report = dict(q.report, schedules=applied, tuned=tuned)
         if model_check.output_note(probe):
             report["output"] = model_check.output_note(probe)
         if options.verify:
             with phases("verify", "run the library against the float model"):
-                report["verify"] = _verify(model, tgt, options, config, q, ex, params)
+                report["verify"] = _verify(exported, tgt, options, config, q, ex, params)
     meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
@@ -187,8 +187,10 @@ def _seconds(phases) -> dict:
     return dict(phases.seconds, total=round(phases.elapsed, 2))
 
 
-def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress):
-    """quantize -> lift params -> tuning database -> default schedules -> tvm.compile.
+def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress,
+             exported: ExportedModel | None = None):
+    """quantize -> lift params -> tuning database -> default schedules -> tvm.compile
+    (``exported``: the model's export, to reuse).
 
     Returns:
         (QuantizedModule, executable, params, schedules applied, tuned kernels).
@@ -200,7 +202,8 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
         chooser = _family_chooser(options.families, chooser)
     q = quantize_module(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
                         choices=options.kernels, chooser=chooser, expose_activations=options.expose_activations,
-                        debug_dump=options.debug_dump, progress=phases, require_int8=options.require_int8)
+                        debug_dump=options.debug_dump, progress=phases, require_int8=options.require_int8,
+                        exported=exported)
     with phases("schedule", "lift weights, apply schedules" + (" from the tuning log" if db is not None else "")):
         lift = LiftConstantsToParams()
         qmod = lift(q.mod)
@@ -234,8 +237,9 @@ def _family_chooser(families, fallback):
     return choose
 
 
-def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
-    """Compare the compiled logits with the float model's on calibration images; under the floor
+def _verify(exported: ExportedModel, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
+    """Compare the compiled logits with the float model's (``exported.model``) on calibration
+    images; under the floor
     find the first layer that diverges, and under the floor or the accuracy target rank the
     layers by what each loses (``tvm_qconv/verify.py``)."""
     if q.images is None:
@@ -245,6 +249,7 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         return dict(status="skipped", reason=reason)
     held_out = q.held_out is not None  # (Calibrate holds out none, or at least HELD_OUT_MIN)
     images = q.held_out if held_out else q.images[:verify_mod.IMAGES]
+    model = exported.model
     sqnr, ref = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
                   images=len(images), held_out=held_out, floor_db=options.verify_floor_db)
@@ -266,10 +271,11 @@ def _verify(model, tgt, options: BuildOptions, config: QuantConfig, q, ex, param
         debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
                                     tuning_log=None, kernels={**kernels, **options.kernels})
         # (GPTQ's rounded weights are the quantized model's: taken as they are, on their grid)
+        # (the build's export, at batch 1: the rounded model's with GPTQ)
         dq, dex, dparams, *_ = _compile(q.model, tgt, debug, dataclasses.replace(config, weight_rounding="nearest"),
-                                        GivenRanges(q.amax), progress=False)
+                                        GivenRanges(q.amax), progress=False, exported=q.exported)
         # against the float model's own activations (with GPTQ, dq.graph is the rounded model's)
-        reference = dq.graph if q.model is model else float_graph(model, (1, *options.input_shape[1:]))
+        reference = exported.at(1).graph
         layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], reference, images)
         result["layers"] = layers
         result["losses"] = verify_mod.losses(layers, dq.report["exposed"])

@@ -18,7 +18,7 @@ from tvm import relax
 from . import interrupts
 from .config import QuantConfig
 from .data import static_batches
-from .zero_points import planned_unsigned_names
+from .quantization.zero_points import planned_unsigned_names
 from .errors import InputError
 from .graph import Graph
 from .observers import make_observer

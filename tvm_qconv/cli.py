@@ -19,6 +19,7 @@ import sys
 import warnings
 from typing import Callable
 
+from . import interrupts
 from .errors import InputError
 
 DEBUG_ENV = "TVM_QCONV_DEBUG"
@@ -53,8 +54,6 @@ def run(command: Callable[[], int], interrupted: str | Callable[[list[str]], str
     of it on its way through C++ (a ``RuntimeError``, an ``InputError`` of a wrapped call); a
     signal that something swallowed still ends the command with its exit code.  Once the command
     has ended, a signal is only recorded: the line below is always printed."""
-    from . import interrupts
-
     def kept() -> str:
         return interrupted(interrupts.written()) if callable(interrupted) else interrupted
 

@@ -12,8 +12,12 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import skimage.data
+from PIL import Image
+from skimage.util import img_as_float32
 
 from .errors import InputError
+from .progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,8 @@ def preprocess(img: np.ndarray, size: int) -> np.ndarray:
     Raises:
         InputError: the array is not an image of a supported shape, or ``size < 1``.
     """
+    # scikit-image's resize brings scipy (~0.8 s to import): train.py and `deploy.py eval` (the digits) need none
     from skimage.transform import resize
-    from skimage.util import img_as_float32
 
     if size < 1:
         raise InputError(f"image size must be >= 1, got {size}")
@@ -155,8 +159,6 @@ def read_rgb(path: str | Path) -> np.ndarray:
         InputError: the file is unreadable, its mode cannot be converted to RGB, or its values
             lie outside its mode's range.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             img.seek(0)  # the first frame of a GIF / multi-page TIFF
@@ -203,8 +205,6 @@ def _to_rgb(img, path) -> np.ndarray:
 
 
 def _skimage_photo(name: str) -> np.ndarray:
-    import skimage.data
-
     if name not in SKIMAGE_PHOTOS:
         raise InputError(f"skimage:{name} is not one of scikit-image's photos; choose from {', '.join(SKIMAGE_PHOTOS)}")
     img = getattr(skimage.data, name)()
@@ -284,8 +284,6 @@ def load_calibration_images(
             "or omit --calib-dir to use scikit-image's sample photos"
         )
 
-    from .progress import bar
-
     shown = bar(files, enabled=len(files) > _PROGRESS_MIN_FILES, desc="calibration images", unit="img")
     return np.stack([load_image(f, size) for f in shown])
 
@@ -307,6 +305,7 @@ def digits_dataset(
         ``((x_train, y_train), (x_test, y_test))``: float32 NCHW images and int64 labels,
         a stratified 80/20 split (1437 / 360 samples).
     """
+    # scikit-learn takes ~2 s to import: the digits need it, the photos and files above (deploy.py run) do not
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -10,6 +10,7 @@ import tempfile
 from typing import Iterator
 
 from . import interrupts
+from .errors import InputError
 
 TEMP_PREFIX = ".tvm_qconv-"  # every temporary this project writes starts so (tests look for leftovers)
 
@@ -21,7 +22,6 @@ def check_output_file(path: str, what: str = "output") -> None:
     Raises:
         InputError: naming the problem and what to do.
     """
-    from .errors import InputError
     if os.path.islink(path):  # a rename onto it would replace the link itself, not what it names
         try:
             os.stat(path)
@@ -43,7 +43,6 @@ def check_output_folder(folder: str, what: str = "output folder", shown: str | N
     Raises:
         InputError: naming the problem and what to do (``shown``: the path the user gave).
     """
-    from .errors import InputError
     shown = shown or folder
     existing = os.path.abspath(folder)
     while not os.path.exists(existing):  # the nearest existing path is where it would be created

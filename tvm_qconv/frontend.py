@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import time
 
 import torch
 import torchvision
@@ -12,6 +13,7 @@ from tvm import relax
 from tvm.relax.frontend.torch import from_exported_program
 
 from .errors import InputError
+from .graph import Graph, analyze
 
 _CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
 _LINEAR_TARGETS = {"aten.linear.default"}
@@ -201,18 +203,127 @@ def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, in
         layers in graph order (the importer emits them in the same order).
     """
     model = model.eval()
-    example = torch.zeros(input_shape)
+    ep = _export(model, torch.zeros(input_shape), None, f"input shape {tuple(input_shape)}")
+    return _import(ep), _layer_names(ep)
+
+
+class ExportedModel:
+    """A float model exported once, its float graph at every batch a build needs.
+
+    A build needs its own batch and batch 1 (calibration, the verification's per-layer twin and
+    its reference).  At batch 1 that is one static ``torch.export``.  At a larger batch the one
+    export has a symbolic batch dimension, and each batch is that program imported into Relax
+    with the batch bound -- the same module a static export at that batch gives
+    (``tests/test_frontend.py``); a symbolic export costs ~1.5x a static one, so it is made only
+    where two batches are needed.  Every batch is then folded (:func:`simplify`) and analysed
+    (``graph.analyze``) once.  A model that fixes its batch (a reshape to a literal batch, say)
+    cannot be exported with a symbolic one: it is exported at each batch instead (``dynamic``
+    False).
+
+    Attributes:
+        model: the torch model (eval mode).
+        exports, export_seconds: the torch.export calls made, and their time.
+        dynamic: whether the one export has a symbolic batch (None: not exported yet).
+    """
+
+    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, int, int, int]):
+        self.model = model.eval()
+        self.sample_shape = tuple(int(d) for d in input_shape[1:])
+        self.exports, self.export_seconds = 0, 0.0
+        # batch 1 needs no symbolic batch: every graph a batch-1 build asks for is at batch 1
+        self.dynamic: bool | None = None if int(input_shape[0]) > 1 else False
+        self._program = None          # the symbolic-batch Relax module and its layer names
+        self._imported: dict = {}     # batch -> (imported Relax module, layer names)
+        self._at: dict = {}           # batch -> FloatGraph
+
+    def imported(self, batch: int):
+        """(Relax module as imported, layer names) at ``batch``: the export's program with the
+        batch bound (or, where the model fixes its batch, an export at ``batch``)."""
+        batch = int(batch)
+        if batch not in self._imported:
+            shape = (batch, *self.sample_shape)
+            if self.dynamic is None:
+                self._program = self._export_dynamic()
+                self.dynamic = self._program is not None
+            if self.dynamic:
+                mod, names = self._program
+                self._imported[batch] = (_bind_batch(mod, batch), names)
+            else:
+                ep = self._timed(lambda: _export(self.model, torch.zeros(shape), None, f"input shape {shape}"))
+                self._imported[batch] = (_import(ep), _layer_names(ep))
+        return self._imported[batch]
+
+    def at(self, batch: int) -> "FloatGraph":
+        """The float graph at ``batch``: imported, simplified, analysed (made once per batch)."""
+        batch = int(batch)
+        if batch not in self._at:
+            imported, names = self.imported(batch)
+            mod = simplify(imported)
+            self._at[batch] = FloatGraph(imported, mod, names, analyze(mod["main"], names))
+        return self._at[batch]
+
+    def _timed(self, export):
+        t = time.perf_counter()
+        try:
+            return export()
+        finally:
+            self.exports += 1
+            self.export_seconds += time.perf_counter() - t
+
+    def _export_dynamic(self):
+        """(Relax module with a symbolic batch, layer names), or None where the model fixes its batch."""
+        # an example batch of 2: torch.export specializes a dimension of size 1
+        example = torch.zeros((2, *self.sample_shape))
+        batch = torch.export.Dim("batch", min=1, max=_MAX_BATCH)
+        try:
+            ep = self._timed(lambda: _export(self.model, example, ({0: batch},), "a symbolic batch"))
+            return _import(ep), _layer_names(ep)
+        except InputError:
+            return None
+
+
+# The largest batch the symbolic-batch export admits (a bound keeps torch.export's range analysis finite).
+_MAX_BATCH = 1 << 16
+
+
+class FloatGraph:
+    """One batch's float graph: ``imported`` (as the importer gave it), ``mod`` (simplified),
+    ``names`` (torch paths of the conv / linear layers) and ``graph`` (its analysis)."""
+
+    def __init__(self, imported, mod, names: dict, graph: Graph):
+        self.imported, self.mod, self.names, self.graph = imported, mod, names, graph
+
+
+def _export(model, example, dynamic_shapes, what: str):
     try:
         with torch.no_grad():
-            ep = torch.export.export(model, (example,))
+            return torch.export.export(model, (example,), dynamic_shapes=dynamic_shapes)
     except Exception as err:
-        raise InputError(f"torch.export failed for input shape {input_shape}: {type(err).__name__}: "
-                         f"{_first_line(err)}") from err
+        raise InputError(f"torch.export failed for {what}: {type(err).__name__}: {_first_line(err)}") from err
+
+
+def _import(ep):
     try:
-        mod = from_exported_program(ep)
+        return from_exported_program(ep)
     except Exception as err:
         raise InputError(f"the Relax importer does not support this model: {type(err).__name__}: "
                          f"{_first_line(err)}") from err
+
+
+def _bind_batch(mod, batch: int):
+    """``mod`` with its symbolic batch bound to ``batch`` (and the bounds the importer recorded on it dropped)."""
+    (sym,) = relax.analysis.defined_symbolic_vars(mod["main"])
+    mod = relax.transform.BindSymbolicVars({sym: batch})(mod)
+    main = mod["main"]
+    for attr in ("tir_var_lower_bound", "tir_var_upper_bound"):
+        if main.attrs is not None and attr in main.attrs:
+            main = main.without_attr(attr)
+    mod["main"] = main
+    return mod
+
+
+def _layer_names(ep) -> dict:
+    """``{"conv2d": [...], "dense": [...]}``: torch module paths of the conv and linear layers in graph order."""
     names = {"conv2d": [], "dense": []}
     for node in ep.graph_module.graph.nodes:
         target = str(node.target)
@@ -222,7 +333,7 @@ def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, in
         stack = node.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else f"{kind}_{len(names[kind])}"
         names[kind].append(path.removeprefix("L['self'].").replace("getattr(L['self'], '", "").replace("')", ""))
-    return mod, names
+    return names
 
 
 def simplify(mod):

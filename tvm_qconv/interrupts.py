@@ -2,7 +2,7 @@
 
 A ``KeyboardInterrupt`` raised wherever Python happens to be is not enough for a compiler built on
 TVM: when the signal lands inside Python code that a TVM pass called back into (FoldConstant
-legalizing an op, our own QuantizeInt8 pass, MetaSchedule's measure callback), the exception
+legalizing an op, our own LowerToRelax pass, MetaSchedule's measure callback), the exception
 crosses C++ and comes back as a ``RuntimeError`` -- or is swallowed by the pass, which then
 carries on as if nothing happened (FoldConstant keeps the op unfolded and the build finished).
 
@@ -159,7 +159,7 @@ def pass_instruments() -> list:
     """The instruments every ``PassContext`` of a build runs with: one that ends the pipeline
     after the pass in flight when a signal is pending (a pass that swallowed the interrupt does
     not get to run the rest of the build)."""
-    import tvm
+    import tvm  # not at the top: every CLI imports this module (through cli) before parsing, and tvm takes ~2 s
 
     @tvm.instrument.pass_instrument
     class StopAfterPass:

@@ -17,7 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Iterator
 
+import psutil
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .errors import InputError
 
@@ -72,8 +74,6 @@ def probe(model: torch.nn.Module, input_shape: tuple, name: str = "the model") -
     Raises:
         InputError: the model cannot take this shape, or returns no tensor.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     largest = [0, ""]
     paths = {m: p for p, m in model.named_modules()}
 
@@ -120,7 +120,6 @@ def check_memory(p: Probe, input_shape: tuple, name: str = "the model", availabl
         InputError: naming the layer, the bytes needed and the bytes free.
     """
     if available is None:
-        import psutil
         available = psutil.virtual_memory().available
     batch = int(input_shape[0])
     per_image = p.largest_bytes / max(batch, 1)

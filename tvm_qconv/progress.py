@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Iterable, Iterator
 
+from tqdm import tqdm
+
 from . import interrupts
 
 
@@ -58,7 +60,6 @@ class Phases:
 
 def bar(iterable: Iterable, enabled: bool = True, **kwargs):
     """A tqdm progress bar on standard output, only where it is a terminal (a log file gets none)."""
-    from tqdm import tqdm
     shown = enabled and sys.stdout.isatty()
     return tqdm(iterable, file=sys.stdout, disable=not shown, **kwargs)
 

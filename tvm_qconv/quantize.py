@@ -2,8 +2,8 @@
 
     torch model --torch.export--> Relax (float) --fold BN / constants--> analysis (graph.py)
       --range source (ranges.py: calibrate | given | learned)--> [GPTQ weight rounding on the
-      calibration images (weight_rounding.py), the model exported again] --> QuantizeInt8 (kernel
-      per layer from the registry, for the target)
+      calibration images (weight_rounding.py), the model exported again] --> the quantization plan (kernel
+      per layer from the registry, for the target: quantization/) --> LowerToRelax (lowering/relax.py)
 
 ``build.py`` takes it from there (lift weights, schedule, compile, save); the tuner uses it to
 find the kernels a model calls.
@@ -19,16 +19,17 @@ import tvm
 
 from .config import QuantConfig
 from .errors import InputError
-from .frontend import export_to_relax, simplify
-from .graph import Graph, analyze
+from .frontend import ExportedModel
+from .graph import Graph
+from .lowering import LowerToRelax
 from .observers import quantize_weight_per_channel
 from .progress import as_phases
 from .ranges import Calibrate, RangeContext, RangeSource
 from .ranges import describe as describe_ranges
 from .target import TargetInfo
-from .transform import QuantizeInt8
 from .weight_rounding import gptq_model
-from .zero_points import may_run_int8
+from .quantization import QuantizationPlan, plan_quantization
+from .quantization.zero_points import may_run_int8
 
 
 @dataclass
@@ -40,7 +41,8 @@ class QuantizedModule:
     ``model``: the torch model quantized (``QuantConfig.weight_rounding="gptq"``: a copy with the
     rounded weights, which a rebuild from the same ranges takes with nearest rounding);
     ``held_out``: images of the calibration source that calibration did not use (None: none), on
-    which the build verifies."""
+    which the build verifies; ``plan``: the quantization plan (``tvm_qconv/quantization``);
+    ``exported``: ``model`` exported (``frontend.ExportedModel``), its graph at any batch."""
 
     mod: tvm.IRModule
     report: dict
@@ -50,6 +52,8 @@ class QuantizedModule:
     images: np.ndarray | None = None
     model: object = None
     held_out: np.ndarray | None = None
+    plan: QuantizationPlan | None = None
+    exported: ExportedModel | None = None
 
 
 def dump_ir(debug_dump: str | None, step: str, mod) -> None:
@@ -85,8 +89,7 @@ def check_skip(graph: Graph, config: QuantConfig, require_int8: bool = False) ->
 
 def float_graph(model, input_shape: tuple) -> Graph:
     """The analysis of ``model``'s float graph at ``input_shape`` (exported, BatchNorms folded)."""
-    mod, names = export_to_relax(model, input_shape)
-    return analyze(simplify(mod)["main"], names)
+    return ExportedModel(model, input_shape).at(input_shape[0]).graph
 
 
 def check_rounded(graph: Graph, integers: dict) -> None:
@@ -104,7 +107,8 @@ def check_rounded(graph: Graph, integers: dict) -> None:
 def quantize_module(model, input_shape: tuple[int, int, int, int], target: TargetInfo, *,
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
                     choices: dict | None = None, chooser=None, expose_activations: bool = False,
-                    debug_dump: str | None = None, progress=True, require_int8: bool = False) -> QuantizedModule:
+                    debug_dump: str | None = None, progress=True, require_int8: bool = False,
+                    exported: ExportedModel | None = None) -> QuantizedModule:
     """The int8 Relax module of ``model`` for ``target``.
 
     Args:
@@ -121,24 +125,22 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         require_int8: refuse a skip list that leaves no layer in int8 (:func:`check_skip`).
         progress: print each phase as it starts (a :class:`~tvm_qconv.progress.Phases` to share
             the build's, or a bool).
+        exported: ``model`` already exported (``frontend.ExportedModel``): its graphs are reused
+            (a build shares one between its library, its verification and the per-layer twin).
     """
     phases = as_phases(progress)
+    exported = exported if exported is not None else ExportedModel(model, input_shape)
+    batch = int(input_shape[0])
     with phases("export", f"torch.export at {tuple(input_shape)} -> Relax"):
-        mod, names = export_to_relax(model, input_shape)
-    dump_ir(debug_dump, "01_imported", mod)
+        dump_ir(debug_dump, "01_imported", exported.imported(batch)[0])
     with phases("simplify", "fold batch norms and constants, find the layers"):
-        mod = simplify(mod)
-        graph = analyze(mod["main"], names)
+        fg = exported.at(batch)
+        mod, graph = fg.mod, fg.graph
     dump_ir(debug_dump, "02_simplified", mod)
     check_skip(graph, config, require_int8)
 
-    def graph_at_batch1() -> Graph:
-        if input_shape[0] == 1:
-            return graph
-        return float_graph(model, (1, *input_shape[1:]))
-
     ranges = ranges if ranges is not None else Calibrate()
-    ctx = RangeContext(graph, tuple(input_shape), config, graph_at_batch1, phases.enabled)
+    ctx = RangeContext(graph, tuple(input_shape), config, lambda: exported.at(1).graph, phases.enabled)
     with phases("ranges", describe_ranges(ranges, config)):
         amax, ranges_report = ranges.resolve(ctx)
     if config.bias_correction and ctx.channel_means is None:
@@ -154,17 +156,23 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
         with phases("gptq", f"round the weights of {len(layers)} layers on the calibration images"):
             model, rounding, integers = gptq_model(model, ctx.images[: config.num_calib_images], layers)
-            mod, names = export_to_relax(model, input_shape)
-            mod = simplify(mod)
-            graph = analyze(mod["main"], names)
+            # the weights changed: the one export this build makes again
+            exported = ExportedModel(model, input_shape)
+            fg = exported.at(batch)
+            mod, graph = fg.mod, fg.graph
         dump_ir(debug_dump, "02b_weights_rounded", mod)
         check_rounded(graph, integers)
-    qpass = QuantizeInt8(amax, config, target, names, choices, expose_activations, chooser,
-                         channel_means=ctx.channel_means if config.bias_correction else None)
     with phases("quantize", f"choose int8 kernels for {target.kind} {target.arch or ''}".rstrip()):
-        qmod = qpass(mod)
+        plan = plan_quantization(graph, amax, config, target, choices=choices, chooser=chooser,
+                                 channel_means=ctx.channel_means if config.bias_correction else None)
+        lower = LowerToRelax(plan, expose_activations)
+        qmod = lower(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
-    report = dict(qpass.report, ranges=ranges_report)
+    planned = plan.report()
+    report = dict(layers=planned["layers"], float_ops=lower.report["float_ops"],
+                  conversions=lower.report["conversions"], relayouts=lower.report["relayouts"],
+                  unsigned=planned["unsigned"], unsigned_fallback=planned["unsigned_fallback"],
+                  exposed=lower.report["exposed"], ranges=ranges_report)
     if rounding is not None:
         report["weight_rounding"] = rounding
-    return QuantizedModule(qmod, report, amax, names, graph, ctx.images, model, ctx.held_out)
+    return QuantizedModule(qmod, report, amax, fg.names, graph, ctx.images, model, ctx.held_out, plan, exported)

@@ -21,7 +21,7 @@ import numpy as np
 from tvm import relax
 
 from . import range_search
-from .zero_points import planned_unsigned_names
+from .quantization.zero_points import planned_unsigned_names
 from .calibrate import calibrate_candidates
 from .config import OBSERVERS, QuantConfig
 from .data import load_calibration_images

@@ -8,13 +8,23 @@ activation layout is the chosen kernel's), the schedule pass and the tuner look 
 up by the name it left on the PrimFunc (:func:`of_func`), and the training path asks for its
 conv and gradient kernels the same way.  Nothing outside ``schedules/`` names a family.
 
+The conversions the pass inserts (quantize, dequantize, relayout, a linear layer's input rows)
+are implementations too, picked the same way::
+
+    wl = QuantizeWorkload(shape, scale, zero)
+    impl = registry.select("quantize", wl, target, layout="NHWC32")
+    func, shape = impl.compute(wl), impl.out_shape(wl)   # the PrimFunc (its tvm_qconv.impl set)
+
 Adding a family is one folder under ``schedules/`` whose implementations are listed here.
 """
 from __future__ import annotations
 
+import tvm
 from tvm import tirx as tvm_tirx
+from tvm.s_tir import dlight as dl
 
 from .schedules import dense_int8
+from .schedules.conversion_kernels import QUANTIZE_ROWS, relayout_kernels
 from .schedules.kernel import KernelImpl, Layout, impl_name, tirx_kernel
 from .schedules.nchw4c import impls as nchw4c
 from .schedules.nchw4c.layout import LAYOUT as NCHW4C
@@ -24,6 +34,8 @@ from .schedules.tensorcore.layout import LAYOUT as NHWC32
 from .schedules.training import grad_input, grad_weight
 from .schedules.wgmma import impls as wgmma
 from .target import TargetInfo
+
+LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
 
 # In priority order per op: select() takes the first that applies and is preferred untuned,
 # unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise (in the
@@ -42,8 +54,14 @@ IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     dense_int8.DENSE,
     grad_input.GRAD_INPUT,
     grad_weight.GRAD_WEIGHT,
+    # The conversions the quantize pass inserts (``schedules/conversion_kernels.py``): float <->
+    # int8 in each layout, int8 between every two layouts, a linear layer's input rows.  One
+    # implementation per op and layout (pair), so select() takes it by ``layout=``; none has a
+    # search space: never a tuning task (tunable()), always its own schedule or dlight's.
+    nchw4c.QUANTIZE, tensorcore.QUANTIZE, nchw4c.DEQUANTIZE, tensorcore.DEQUANTIZE,
+    *relayout_kernels(LAYOUTS.values()),
+    QUANTIZE_ROWS,
 )
-LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
 
 _BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}
 assert len(_BY_NAME) == len(IMPLEMENTATIONS), "two implementations share a name"
@@ -135,14 +153,12 @@ def compile_kernel(impl: KernelImpl, wl, target):
     (``main``).  A kernel whose implementation leaves it to dlight gets, on CUDA, the rules the
     Relax CUDA pipeline applies in a model build.  For benchmarks and tests: models are built by
     ``tvm_qconv.build``."""
-    import tvm
     options = compile_options([impl])
     func = impl.compute(wl)
     scheduled = impl.schedule(func, target)
     mod = tvm.IRModule({"main": scheduled or func})
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         if scheduled is None and target.kind.name == "cuda":
-            from tvm.s_tir import dlight as dl
             mod = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                           dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
         return tvm.compile(mod, target=target, tir_pipeline=options["tir_pipeline"])

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from .errors import InputError
 
+# tvm (~2 s to import, torch with it) is imported where a session is opened or a GPU counted:
+# `python -m tvm_qconv.rpc_server` imports this module before it parses its arguments.
 LOOPBACK = "127.0.0.1"
 LOCAL_KEY = "tvm_qconv-local"  # the key of the servers local_cluster starts
 CONNECT_TIMEOUT_S = 10.0       # to reach a host at all (TCP), before any RPC
@@ -121,7 +123,7 @@ class Remote:
         return registered, free
 
     def _tracker(self):
-        from tvm import rpc
+        from tvm import rpc  # see the note at LOOPBACK
         _probe(self.tracker_host, self.tracker_port, "RPC tracker",
                f"start it with `python -m tvm.exec.rpc_tracker --host 127.0.0.1 --port {self.tracker_port}`")
         return rpc.connect_tracker(self.tracker_host, self.tracker_port)
@@ -136,7 +138,7 @@ class Remote:
             InputError: nothing listens there, the tracker has no server with the key, every
                 such server stayed busy for ``timeout_s``, or the server refused the session.
         """
-        from tvm import rpc
+        from tvm import rpc  # see the note at LOOPBACK
         limit = self.timeout_s if session_timeout is None else session_timeout
         if not self.via_tracker:
             _probe(self.host, self.port, "RPC server", SERVER_HOW)
@@ -226,7 +228,7 @@ def local_cluster(num_servers: int, gpus: bool = True, key: str = LOCAL_KEY, log
     if num_servers < 1:
         raise InputError(f"--local-gpus must be >= 1, got {num_servers}")
     if gpus:
-        from .target import device_arch
+        from .target import device_arch  # tvm: see the note at LOOPBACK
         have = sum(1 for i in range(num_servers) if device_arch(i) is not None)
         if have < num_servers:
             raise InputError(f"--local-gpus {num_servers}, but this machine has {have} CUDA GPU(s): use at most "

@@ -11,9 +11,12 @@ remotely that the client did not upload in this session.
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
+import tvm
+from tvm import relax
 
 from .artifact import artifact_paths, open_library
 from .errors import InputError
@@ -42,8 +45,6 @@ class RemoteModel:
             raise
 
     def _load(self, lib_path: str, params_path: str, remote: Remote) -> None:
-        from tvm import relax
-        import tvm
         if self.meta["target"] == "cuda":
             self.dev, arch, self.device_name = remote_gpu(self.session)
             check_arch(lib_path, self.meta.get("arch"), arch)
@@ -66,12 +67,10 @@ class RemoteModel:
         with np.load(params_path) as npz:
             self.params = [tvm.runtime.tensor(npz[n], self.dev) for n in self.meta["param_names"]]
         self.input_shape = tuple(self.meta["input_shape"])
-        self._tvm = tvm
 
     def close(self) -> None:
         """End the session (a server of its own serves one session at a time): drop every remote
         handle (module, tensors, device), which closes the connection."""
-        import gc
         self.vm = self.params = self.dev = self.session = None
         gc.collect()  # remote handles in reference cycles would keep the connection open
 
@@ -91,7 +90,7 @@ class RemoteModel:
         if x.ndim != 4 or tuple(x.shape) != self.input_shape:
             raise InputError(f"input has shape {tuple(x.shape)}, this library was built for {self.input_shape}: "
                              f"give {self.input_shape[0]} image(s), or rebuild with --batch/--image-size")
-        xt = self._tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), self.dev)
+        xt = tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32), self.dev)
         self.vm.set_input("main", xt, *self.params)
 
     def latency(self, x: np.ndarray, repeat: int = 100, warmup: int = 10) -> dict:

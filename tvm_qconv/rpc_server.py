@@ -23,12 +23,16 @@ import sys
 # server never does; set before anything imports tvm (the popen worker inherits it).
 os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
-from .remote import LOOPBACK
+from . import cli
+from .errors import InputError
+from .remote import LOOPBACK, _host_port
 
 
 def register_runtime() -> None:
     """Runs in the server process before it serves (``server_init_callback``); sessions are
     forked from it and inherit the registrations."""
+    # `python -m` runs this module as __main__, so the callback reaches the server's process by value
+    # (cloudpickle): what it imports itself is all that runs there
     from .schedules.wgmma import tensormap  # noqa: F401  (registers tvm_qconv.tensormap_encode_im2col)
 
 
@@ -48,12 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from tvm import rpc
-
-    from . import cli
-    from .errors import InputError
-    from .remote import _host_port
     args = build_parser().parse_args(argv)
+    from tvm import rpc  # after parsing: --help and a bad flag answer without tvm's ~2 s
 
     def serve() -> int:
         tracker = None

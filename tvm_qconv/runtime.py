@@ -9,6 +9,7 @@ from tvm import relax
 
 from .artifact import artifact_paths, check_tvm_version, open_library
 from .errors import InputError
+from .progress import bar
 from .target import ARCH_SPECIFIC, arch_runs_on
 from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
 
@@ -79,7 +80,6 @@ class CompiledModel:
     def benchmark(self, x: np.ndarray, number: int = 10, repeat: int = 5, progress: bool = False) -> dict:
         """Latency in ms (median and min over ``repeat`` runs of ``number`` calls), device-synchronized;
         ``progress``: a bar over the repeats (on a terminal)."""
-        from .progress import bar
         xt = tvm.runtime.tensor(self.check_input(x), self.dev)
         self.vm["main"](xt, *self.params)  # warm-up: module load, first-call allocations
         if progress and sys.stdout.isatty():  # a bar: one timer call per repeat (each adds an untimed call)

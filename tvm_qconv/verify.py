@@ -21,6 +21,7 @@ from .data import static_batches
 from .evaluate import sqnr_db
 from .graph import Graph
 from .runtime import flatten
+from .target import arch_runs_on, device_arch
 
 # int8 per-tensor activations through a deep network lose 20-40 dB against float (random-init
 # torchvision models: 21-39 dB at 64 px); every fault seen so far gave 0-3 dB.  Under 15 dB the
@@ -33,7 +34,6 @@ def cannot_run(target: tvm.target.Target) -> str | None:
     """Why this machine cannot run a library built for ``target`` (None: it can)."""
     if target.kind.name != "cuda":
         return None
-    from .target import arch_runs_on, device_arch
     have = device_arch()
     if have is None:
         return "this machine cannot run a CUDA library (no GPU)"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import tvm
 import tvm.sym
 from tvm import tirx
+from tvm.s_tir.meta_schedule.postproc import RewriteParallelVectorizeUnroll
 
 from tvm_qconv.target import TargetInfo
 
@@ -290,8 +291,6 @@ def schedule_dp4a(func: tirx.PrimFunc, target: tvm.target.Target,
     tiles = tiles or default_tiles(func, target)
     sch = tvm.s_tir.Schedule(func)
     apply_dp4a_schedule(sch, tiles)
-    from tvm.s_tir.meta_schedule.postproc import RewriteParallelVectorizeUnroll
-
     if not RewriteParallelVectorizeUnroll().apply(sch):  # the unroll annotation -> pragma
         raise RuntimeError("RewriteParallelVectorizeUnroll failed on the default dp4a schedule")
     return sch.mod["main"].with_attr("tir.is_scheduled", True)

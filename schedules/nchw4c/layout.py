@@ -5,7 +5,9 @@ and its two boundary kernels between float NCHW and int8 NCHW4c.
 ``dequantize_unpack``: int8 [N, C/4, H, W, 4] -> float [N, C, H, W].
 
 A compiled model calls them where int8 meets float (the model input, before the classifier,
-around an op with no int8 kernel); rounding as in ``schedules/quantize.py``.
+around an op with no int8 kernel); rounding as in ``schedules/quantize.py``.  They are the
+compute definitions of the registry's ``quantize.nchw4c.generic`` / ``dequantize.nchw4c.generic``
+(``impls.py``, ``schedules/conversion_kernels.py``).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tvm import te, tirx
 
 from ..kernel import Layout
 from ..quantize import dequantize_tir, quantize_clamp, quantize_tir
+from ..workload import DequantizeWorkload, QuantizeWorkload
 
 
 def ceil4(c: int) -> int:
@@ -68,10 +71,12 @@ class NCHW4c(Layout):
         return (n, cb * 4, h, w)
 
     def quantize(self, shape, scale, zero=0):
-        return quantize_pack(shape, scale, zero)
+        from .impls import QUANTIZE  # here, not above: impls imports this module
+        return QUANTIZE.compute(QuantizeWorkload(shape, scale, zero))
 
     def dequantize(self, packed, channels, scale, zero=0):
-        return dequantize_unpack(packed, channels, scale, zero)
+        from .impls import DEQUANTIZE  # here, not above: impls imports this module
+        return DEQUANTIZE.compute(DequantizeWorkload(packed, channels, scale, zero))
 
     def pack(self, x):
         return pack_nchw4c(x)

@@ -1,18 +1,24 @@
 """The tensor-core family's kernel implementations, as the registry (``tvm_qconv/registry.py``) sees them.
 
-===========================  ==========  ==============================================================
-name                         op          runs
-===========================  ==========  ==============================================================
-``conv2d.nhwc32.mma``        conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
-``conv2d.nhwc32.depthwise``  conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
-``dense.rows.mma``           dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
-``max_pool2d.nhwc32``        max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
-``add.nhwc32``               add         any target (dlight on CUDA)
-``concat.nhwc32``            concat      any target (dlight on CUDA)
-``channels.nhwc32``          channels    split, shuffle; any target (dlight on CUDA)
-``avg_pool2d.nhwc32``        avg_pool2d  any target (one thread per output on CUDA)
-``affine.nhwc32``            affine      inference BatchNorm no conv absorbs (dlight on CUDA)
-===========================  ==========  ==============================================================
+=============================  ==========  ==============================================================
+name                           op          runs
+=============================  ==========  ==============================================================
+``conv2d.nhwc32.mma``          conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
+``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
+``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
+``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
+``add.nhwc32``                 add         any target (dlight on CUDA)
+``concat.nhwc32``              concat      any target (dlight on CUDA)
+``channels.nhwc32``            channels    split, shuffle; any target (dlight on CUDA)
+``avg_pool2d.nhwc32``          avg_pool2d  any target (one thread per output on CUDA)
+``affine.nhwc32``              affine      inference BatchNorm no conv absorbs (dlight on CUDA)
+``quantize.nhwc32.generic``    quantize    float NCHW -> NHWC32, any target (threads on pixels on CUDA:
+                                           ``channels_last_conversions.py``)
+``dequantize.nhwc32.generic``  dequantize  NHWC32 -> float NCHW, any target (the same on CUDA)
+=============================  ==========  ==============================================================
+
+The two conversions (``schedules/conversion_kernels.py``) are not in :data:`IMPLEMENTATIONS`:
+the registry lists every layout's conversions together.
 """
 from __future__ import annotations
 
@@ -20,13 +26,15 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
+from ..channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
+from ..conversion_kernels import Dequantize, Quantize
 from ..kernel import KernelImpl
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
 from . import conv2d, dense, depthwise, mma, pipeline, space
 from .pool import MaxPool2dNhwc32
-from .layout import LAYOUT
+from .layout import LAYOUT, dequantize_unpack_nhwc32, quantize_pack_nhwc32
 
 # A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
 # for the mma K step (VGG16's first conv, 3 channels, would do 10x the multiply-adds), against 4.
@@ -165,6 +173,9 @@ class DenseMma(KernelImpl):
     def reference(self, wl: DenseWorkload, *args):
         return dense.dense_mma_int8_ref(wl, *args)
 
+    def out_shape(self, wl: DenseWorkload) -> tuple[int, ...]:
+        return (wl.batch, wl.out_features)
+
     def schedule(self, func, target):
         return _default_schedule(func, target)
 
@@ -181,3 +192,7 @@ DENSE_MMA = DenseMma()
 # the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
 IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
                    *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))
+# float <-> int8 NHWC32, threads on pixels on CUDA (dlight's read the float side a feature map
+# apart per thread: ``channels_last_conversions.py``)
+QUANTIZE = Quantize(LAYOUT, "quantize_pack_nhwc32", quantize_pack_nhwc32, schedule_quantize_nhwc32)
+DEQUANTIZE = Dequantize(LAYOUT, "dequantize_unpack_nhwc32", dequantize_unpack_nhwc32, schedule_dequantize_nhwc32)

@@ -15,6 +15,7 @@ from tvm import te, tirx
 
 from ..kernel import Layout
 from ..quantize import dequantize_tir, quantize_clamp, quantize_tir
+from ..workload import DequantizeWorkload, QuantizeWorkload
 
 ALIGN = 32
 
@@ -36,6 +37,30 @@ def unpack_nhwc32(x: np.ndarray, channels: int) -> np.ndarray:
     return np.ascontiguousarray(x[..., :channels].transpose(0, 3, 1, 2))
 
 
+def quantize_pack_nhwc32(shape: tuple[int, int, int, int], scale: float, zero: int = 0) -> tirx.PrimFunc:
+    """Kernel: float [N, C, H, W] -> int8 [N, H, W, ceil32(C)] (channels zero-padded; rounding as
+    in ``schedules/quantize.py``): the registry's ``quantize.nhwc32.generic``."""
+    n, c, h, w = shape
+    x = te.placeholder(shape, "float32", name="X")
+    out = te.compute(
+        (n, h, w, ceil32(c)),
+        lambda b, y, xx, cc: tirx.if_then_else(cc < c, quantize_tir(x[b, tirx.min(cc, c - 1), y, xx], scale, *quantize_clamp(zero)),
+                                               tirx.const(0, "int8")),
+        name="quantize_pack")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack_nhwc32"})
+
+
+def dequantize_unpack_nhwc32(packed: tuple[int, int, int, int], channels: int, scale: float,
+                             zero: int = 0) -> tirx.PrimFunc:
+    """Kernel: int8 [N, H, W, C_p] -> float [N, channels, H, W], ``(q - zero) * scale``: the
+    registry's ``dequantize.nhwc32.generic``."""
+    n, h, w, _ = packed
+    x = te.placeholder(packed, "int8", name="X")
+    out = te.compute((n, channels, h, w), lambda b, c, y, xx: dequantize_tir(x[b, y, xx, c], scale, zero),
+                     name="dequantize_unpack")
+    return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack_nhwc32"})
+
+
 class NHWC32(Layout):
     name = "NHWC32"
 
@@ -48,21 +73,12 @@ class NHWC32(Layout):
         return (n, c, h, w)
 
     def quantize(self, shape, scale, zero=0):
-        n, c, h, w = shape
-        x = te.placeholder(shape, "float32", name="X")
-        out = te.compute(
-            (n, h, w, ceil32(c)),
-            lambda b, y, xx, cc: tirx.if_then_else(cc < c, quantize_tir(x[b, tirx.min(cc, c - 1), y, xx], scale, *quantize_clamp(zero)),
-                                                   tirx.const(0, "int8")),
-            name="quantize_pack")
-        return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_pack_nhwc32"})
+        from .impls import QUANTIZE  # here, not above: impls imports this module
+        return QUANTIZE.compute(QuantizeWorkload(shape, scale, zero))
 
     def dequantize(self, packed, channels, scale, zero=0):
-        n, h, w, _ = packed
-        x = te.placeholder(packed, "int8", name="X")
-        out = te.compute((n, channels, h, w), lambda b, c, y, xx: dequantize_tir(x[b, y, xx, c], scale, zero),
-                         name="dequantize_unpack")
-        return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "dequantize_unpack_nhwc32"})
+        from .impls import DEQUANTIZE  # here, not above: impls imports this module
+        return DEQUANTIZE.compute(DequantizeWorkload(packed, channels, scale, zero))
 
     def pack(self, x):
         return pack_nhwc32(x)

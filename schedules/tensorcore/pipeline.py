@@ -29,8 +29,12 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 import tvm.s_tir.pipeline  # noqa: F401  (registers the "s_tir" pipeline this one extends)
+from tvm import tirx
+from tvm.backend.cuda.op import cuda_func_call
 from tvm.sym import Analyzer
 from tvm.tirx import compilation_pipeline as cp
+
+from ..kernel import TIRX_ATTR
 
 PIPELINE = "qconv_mma"  # the name the pipeline is registered under
 
@@ -299,8 +303,6 @@ def _byte_pointer(ptr) -> bool:
 
 @tvm.tirx.transform.prim_func_pass(opt_level=0, name="qconv.GatherThroughL1")
 def gather_through_l1(func, mod, ctx):
-    from tvm.backend.cuda.op import cuda_func_call
-
     cp_async = tvm.ir.Op.get("tirx.s_tir.cp_async_raw")
 
     def on_call(node, mutator):
@@ -320,8 +322,6 @@ def gather_through_l1(func, mod, ctx):
 @tvm.transform.module_pass(opt_level=0, name="qconv.LowerTIRxKernels")
 def lower_tirx_kernels(mod, ctx):
     """Lower the TIRx constructs of the functions marked ``tvm_qconv.tirx``; the others as they are."""
-    from tvm import tirx
-    from ..kernel import TIRX_ATTR
     marked = {gv: f for gv, f in mod.functions.items()
               if isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(TIRX_ATTR, False)}
     if not marked:

@@ -20,6 +20,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+# torch, tvm and the modules that bring them are imported in the functions that prepare a row:
+# deploy.py imports this module for BASELINE_KEYS before parsing its arguments (0.1 s; torch and
+# tvm take ~2-3 s more).
+
 
 class Unavailable(Exception):
     """This baseline cannot run here; the message says why (a skipped row, not a failure)."""
@@ -67,7 +71,7 @@ class Baseline:
 
 def prepare_int8(ctx, batch: int, graph: bool) -> Forward:
     """The project's library for ``batch`` (built by the comparison, or the user's ``--lib``)."""
-    import tvm
+    import tvm  # row-time imports: see the note at the top
 
     from ..runtime import CompiledModel, flatten
     built = ctx.library(batch, graph)   # raises the build's own error, or Unavailable
@@ -90,7 +94,7 @@ _TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16"
 def set_tf32(enabled: bool) -> None:
     """TF32 for convs and matmuls, on or off (PyTorch's own default turns it on for convs only:
     a "fp32" row would otherwise run its convs in TF32)."""
-    import torch
+    import torch  # row-time import: see the note at the top
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
 
@@ -98,7 +102,7 @@ def set_tf32(enabled: bool) -> None:
 def _torch_model(ctx, precision: str):
     """The float model in ``precision`` on the comparison's device, channels_last, cuDNN's
     algorithm search on: how a PyTorch user runs it fastest in eager mode."""
-    import torch
+    import torch  # row-time import: see the note at the top
     dtype = getattr(torch, _TORCH_DTYPES[precision])
     set_tf32(precision == "tf32")
     torch.backends.cudnn.benchmark = True
@@ -137,7 +141,7 @@ def capture(model, static):
     """``model(static)`` captured in a CUDA graph, PyTorch's recipe (warm-up on a side stream,
     then capture): ``(call, out)``, where ``call(x)`` copies ``x`` into ``static``, replays and
     returns ``out``, the graph's output tensor."""
-    import torch
+    import torch  # row-time import: see the note at the top
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -195,7 +199,7 @@ def check_replay(call, out, model, x) -> None:
 def prepare_torch_compile(ctx, batch: int) -> Forward:
     """``torch.compile(mode="max-autotune")`` in fp16 (Inductor's autotuned Triton / cuBLAS
     kernels, CUDA graphs on); its compile time is the first calls'."""
-    import torch
+    import torch  # row-time import: see the note at the top
     torch._dynamo.reset()          # a graph compiled for another batch size is not reused
     t = time.perf_counter()
     model, put = _torch_model(ctx, "fp16")
@@ -212,7 +216,7 @@ def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
     """ONNX Runtime on the Q/DQ model (``deploy.py export-onnx``: the project's scales), with all
     graph optimizations (its QDQ fusion runs the convs in int8)."""
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # may be missing where the tree runs uninstalled: the row says so
     except ImportError as err:
         raise Unavailable(f"onnxruntime is not installed ({err})") from None
     if provider == "CUDAExecutionProvider":
@@ -254,10 +258,10 @@ def prepare_tensorrt(ctx, batch: int) -> Forward:
     """TensorRT's engine of the Q/DQ model (explicit int8 from its Q/DQ nodes, fp16 allowed for
     the rest), for this batch size."""
     try:
-        import tensorrt as trt
+        import tensorrt as trt  # optional: not a dependency of the project
     except ImportError:
         raise Unavailable("not installed (the tensorrt package is not importable here)") from None
-    import torch
+    import torch  # row-time import: see the note at the top
     path, export_s = ctx.onnx_model()
     t = time.perf_counter()
     logger = trt.Logger(trt.Logger.WARNING)
@@ -302,7 +306,7 @@ def run_cudnn(ctx, batch: int) -> dict:
     timed over every plan with the fastest kept, summed: the runnable stand-in for TensorRT's
     int8 conv tactics.  Covers the convs only (not pools, adds, the classifier, nor the
     conversions between them), so it is a lower bound of a whole cuDNN model."""
-    from . import cudnn_int8
+    from . import cudnn_int8  # row-time import (tvm, torch): see the note at the top
     why = cudnn_int8.missing()
     if why:
         raise Unavailable(why)

@@ -14,8 +14,11 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from ..build import BuildOptions, compile_model
 from ..config import QuantConfig
+from ..frontend import load_model
 from ..ranges import GivenRanges
 
 
@@ -51,9 +54,6 @@ def _build(job: BuildJob, model, name: str, amax: dict, config: QuantConfig) -> 
 def _build_in_worker(job: BuildJob, spec: dict, amax: dict, config: QuantConfig) -> Built:
     """A worker process's build: the model from ``spec`` (``name``, ``num_classes``, the saved
     ``state`` file), then :func:`_build`."""
-    import torch
-
-    from ..frontend import load_model
     model = load_model(spec["name"], num_classes=spec["num_classes"])
     model.load_state_dict(torch.load(spec["state"], map_location="cpu", weights_only=True))
     return _build(job, model.eval(), spec["name"], amax, config)

@@ -11,17 +11,18 @@ fewer than 16 is also timed padded to 16 (the faster kept, its channel count rep
 """
 from __future__ import annotations
 
+import torch
+
 from .measure import cuda_median_ms
 
 
 def missing() -> str | None:
     """None when cuDNN's frontend can run here, else why not (one line)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
     try:
-        import torch
-        if not torch.cuda.is_available():
-            return "no CUDA GPU"
         torch.backends.cudnn.version()           # loads PyTorch's libcudnn for the frontend
-        import cudnn  # noqa: F401
+        import cudnn  # noqa: F401  (optional: nvidia-cudnn-frontend)
     except ImportError as e:
         return f"nvidia-cudnn-frontend not installed ({e})"
     return None
@@ -30,7 +31,7 @@ def missing() -> str | None:
 def _graph(n, c, h, w, k, kernel, stride, padding, dilation, int32_acc: bool):
     """The fused int8 conv graph and its tensors, built with every plan cuDNN offers; the conv's
     virtual output is float (the frontend's intermediate type) or, ``int32_acc``, int32."""
-    import cudnn
+    import cudnn  # optional (nvidia-cudnn-frontend): missing() says whether it is there
     # the conv accumulates in int32; the pointwise epilogue computes in float (cuDNN supports no
     # other math precision there)
     g = cudnn.pygraph(io_data_type=cudnn.data_type.INT8, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -61,7 +62,6 @@ def time_fused_conv(n, c, h, w, k, kernel=(3, 3), stride=(1, 1), padding=(1, 1),
     """Every plan of the fused int8 conv timed (CUDA events, median of ``iters`` after warm-up);
     returns ``{"ms": fastest, "plan": its name, "plans": how many ran, "heuristic_ms": cuDNN's
     own first choice, "in_channels": the (padded) channels timed}``."""
-    import torch
     cands = [-(-c // 4) * 4] + ([16] if c < 16 else [])
     best = None
     for cp in cands:

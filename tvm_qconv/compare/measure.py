@@ -12,10 +12,13 @@ says how many.
 """
 from __future__ import annotations
 
+import gc
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from ..evaluate import sqnr_db
 
@@ -23,7 +26,6 @@ from ..evaluate import sqnr_db
 def cuda_median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (one kernel or a few: the
     benchmarks' per-layer timer)."""
-    import torch
     for _ in range(warmup):
         fn()
     times = []
@@ -62,7 +64,6 @@ def time_calls(fn, inputs: list, cuda: bool, *, warmup: int = 5, min_runs: int =
     for i in range(warmup):
         fn(inputs[i % len(inputs)])
     if cuda:
-        import torch
         torch.cuda.synchronize()
     times: list[float] = []
     deadline = time.perf_counter() + budget_s
@@ -87,7 +88,6 @@ def device_memory_used_mib() -> float | None:
     """Memory in use on the current CUDA device (all allocators: PyTorch's, TVM's, cuDNN's,
     ONNX Runtime's), in MiB; None without CUDA."""
     try:
-        import torch
         if not torch.cuda.is_available():
             return None
         free, total = torch.cuda.mem_get_info()
@@ -100,13 +100,10 @@ def release_device_memory() -> None:
     """Give cached device memory back (Python garbage and torch.compile's compiled graphs of an
     earlier row first), so a row's memory is its own: freeing the last batch's compiled graphs
     inside the next torch.compile row made its memory read 0 MiB (H100, 2026-11-25)."""
-    import gc
-    import sys
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
     gc.collect()
     try:
-        import torch
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -10,6 +10,9 @@ import subprocess
 import sys
 import time
 
+import torch
+from PIL import Image
+
 from ..fileio import atomic_path
 from .measure import mark_wrong
 
@@ -65,7 +68,6 @@ def _cpu_name() -> str:
 def environment(device: str) -> dict:
     """The machine and software a comparison ran on: date, command, GPU (name, clocks, driver),
     CPU, and the versions of every library a row uses (None: not installed)."""
-    import torch
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), command=" ".join(sys.argv),
                python=platform.python_version(), cpu=_cpu_name(), cpu_count=os.cpu_count(),
                versions={name: _version(module) for name, module in
@@ -207,6 +209,8 @@ def plot(results: dict, path: str) -> None:
     """Horizontal latency bars, one panel per batch size, coloured by family (the project's in
     red); on a GPU run, rows that ran on the CPU stay in the table only (they would flatten
     every other bar)."""
+    # matplotlib (~1 s to import) draws the chart only; Agg is picked here, where a chart is
+    # drawn, not for whoever imports this module
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -237,8 +241,7 @@ def plot(results: dict, path: str) -> None:
     with atomic_path(path, suffix=".png") as tmp:
         fig.savefig(tmp, dpi=90)
         # 64 colours are all a bar chart has: a third of the size, so charts can be committed
-        # without crowding what a device call can carry (matplotlib brings Pillow)
-        from PIL import Image
+        # without crowding what a device call can carry
         Image.open(tmp).convert("RGB").quantize(colors=64).save(tmp, format="PNG", optimize=True)
     plt.close(fig)
 

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import tvm
 
 from .. import interrupts, model_check
+from ..artifact import read_meta
+from ..build import BuildOptions
 from ..cli import first_line
 from ..config import QuantConfig
+from ..data import skimage_photos
 from ..errors import InputError
+from ..fileio import check_output_folder
+from ..frontend import load_model, weights_digest
+from ..graph import static_shape
+from ..onnx_export import export_onnx
+from ..quantize import quantize_module
+from ..ranges import Calibrate, GivenRanges
+from ..target import TargetInfo, device_arch, make_target
 from . import report
 from .baselines import BASELINE_KEYS, Baseline, Forward, Unavailable, baselines, set_tf32
 from .builds import Built, BuildJob, build_libraries
@@ -114,8 +125,6 @@ def resolve_device(requested: str | None) -> str:
     Raises:
         InputError: cuda was asked for on a machine without a GPU.
     """
-    import torch
-    import tvm
     has_gpu = torch.cuda.is_available() and tvm.cuda(0).exist
     if requested == "cuda" and not has_gpu:
         raise InputError("--device cuda: this machine has no CUDA GPU that PyTorch and TVM can use; "
@@ -144,9 +153,6 @@ class Context:
     fp32 reference logits, the calibrated ranges, the libraries, the ONNX model."""
 
     def __init__(self, options: CompareOptions, model=None, progress=print):
-        import torch
-
-        from ..frontend import load_model, weights_digest
         self.options, self.progress = options, progress
         self.device = resolve_device(options.device)
         self.input_shape = (1, 3, options.image_size, options.image_size)
@@ -164,7 +170,6 @@ class Context:
         self.weights = weights_digest(self.model)
         self.arch = None
         if self.device == "cuda":
-            from ..target import device_arch
             self.arch = options.arch or device_arch(full=True)
         self.cudnn_cache: dict = {}
         self._onnx: tuple | Exception | None = None
@@ -174,7 +179,6 @@ class Context:
     # ---- the images --------------------------------------------------------------------------
     def prepare(self, names: list[str]) -> None:
         """Photos, reference, ranges; then the libraries and the ONNX model the rows ``names`` need."""
-        from ..data import skimage_photos
         self.photos = skimage_photos(self.options.image_size)
         self.reference = self._reference()
         t = time.perf_counter()
@@ -208,7 +212,6 @@ class Context:
 
     def _reference(self) -> np.ndarray:
         """fp32 PyTorch's logits of the photos on this device, TF32 off."""
-        import torch
         set_tf32(False)
         model = self.model.to(self.device)
         with torch.no_grad():
@@ -218,10 +221,6 @@ class Context:
 
     def _calibrate(self) -> tuple[dict, list]:
         """The ranges (calibrated once, at batch 1, on the CPU) and the model's convs (for cuDNN)."""
-        from ..graph import static_shape
-        from ..quantize import quantize_module
-        from ..ranges import Calibrate
-        from ..target import TargetInfo, make_target
         images = None if self.options.calib_dir else self.photos
         q = quantize_module(self.model, self.input_shape, TargetInfo.from_target(make_target("llvm")),
                             config=self.options.config, ranges=Calibrate(images, self.options.calib_dir),
@@ -240,10 +239,6 @@ class Context:
 
     # ---- the int8 libraries -----------------------------------------------------------------
     def _libraries(self, graph_rows: bool, plain_rows: bool) -> None:
-        import torch
-
-        from ..artifact import read_meta
-        from ..build import BuildOptions
         opts = self.options
         for lib in opts.libs:
             meta = read_meta(lib)  # (its CompiledModel warns if it failed its verification)
@@ -294,8 +289,6 @@ class Context:
         """(path, export seconds) of the Q/DQ ONNX model with this comparison's ranges (exported
         once, any batch size)."""
         if self._onnx is None:
-            from ..onnx_export import export_onnx
-            from ..ranges import GivenRanges
             path = os.path.join(self.options.work_dir, f"{self.options.tag}.onnx")
             t = time.perf_counter()
             try:
@@ -369,8 +362,6 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     Example:
         >>> compare(CompareOptions(model="resnet50", batches=(1, 64)))
     """
-    import torch
-    from ..fileio import check_output_folder
     check_output_folder(options.out_dir, "--out folder")
     check_output_folder(options.work_dir, "--work-dir folder")
     rows = [b for b in baselines() if options.baselines is None or b.key in options.baselines]

@@ -1,6 +1,5 @@
-"""Relax passes of tvm_qconv, one per file (each IRModule -> IRModule)."""
+"""The Relax module passes of a build after lowering: weights lifted to parameters, kernels scheduled."""
 from .lift_params import LiftConstantsToParams
-from .quantize_int8 import QuantizeInt8
 from .schedule_kernels import ScheduleInt8Kernels
 
-__all__ = ["LiftConstantsToParams", "QuantizeInt8", "ScheduleInt8Kernels"]
+__all__ = ["LiftConstantsToParams", "ScheduleInt8Kernels"]

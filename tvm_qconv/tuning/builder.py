@@ -27,6 +27,7 @@ def _build_function():
     the kernel it stands for first (``registry.realize``).
     """
     def build(mod, target, _params):
+        # run in the worker, which gets this closure by value and none of this module's imports
         import tvm
 
         from tvm_qconv import registry  # in the worker: registers the kernels' TIR pipeline

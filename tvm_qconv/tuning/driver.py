@@ -25,8 +25,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import tvm
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument as local_alloc_argument
+from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument as rpc_alloc_argument
 
 from .. import interrupts, registry
 from ..config import QuantConfig
@@ -36,6 +39,8 @@ from ..fileio import check_output_folder, write_json
 from ..frontend import load_model
 from ..quantize import quantize_module
 from ..ranges import Calibrate
+from ..remote import remote_gpu
+from ..schedules.requantize import quantize_multiplier
 from ..target import TargetInfo, arch_runs_on, device_arch, make_target
 from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
@@ -95,7 +100,7 @@ def _trial_limit(task: KernelTask, trials_per_task: int) -> int:
 def _runner_worker_init() -> None:
     """The local runner's worker process: register the host functions kernels call at launch
     (the wgmma family's TMA im2col descriptor); the RPC server does the same."""
-    from ..schedules.wgmma import tensormap  # noqa: F401
+    from ..schedules.wgmma import tensormap  # noqa: F401  (the registration this worker is initialized with)
 
 
 def _alloc_layer_args(device, args_info, alloc_repeat):
@@ -105,20 +110,15 @@ def _alloc_layer_args(device, args_info, alloc_repeat):
     1e-4 to 1e-2 as mult / shift).  Random int32 shifts would run kernels down paths a model
     never takes: the wgmma and stem kernels check the constants and fall back to their 64-bit
     requantize, which is measured slower."""
-    from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument
-    return _fill_requantize(default_alloc_argument(device, args_info, alloc_repeat), args_info)
+    return _fill_requantize(local_alloc_argument(device, args_info, alloc_repeat), args_info)
 
 
 def _alloc_layer_args_rpc(session, device, args_info, alloc_repeat):
     """:func:`_alloc_layer_args` for MetaSchedule's RPCRunner (the tensors live on the server)."""
-    from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument
-    return _fill_requantize(default_alloc_argument(session, device, args_info, alloc_repeat), args_info)
+    return _fill_requantize(rpc_alloc_argument(session, device, args_info, alloc_repeat), args_info)
 
 
 def _fill_requantize(repeated, args_info):
-    import numpy as np
-
-    from ..schedules.requantize import quantize_multiplier
     specs = [tuple(info[1:]) if isinstance(info, (list, tuple)) else None for info in args_info]
     if len(specs) != 6 or not all(spec and spec[0] == "int32" for spec in specs[2:5]) \
             or len({tuple(spec[1]) for spec in specs[2:5]}) != 1:
@@ -377,7 +377,6 @@ def check_remote(remote, arch: str | None) -> int:
     Raises:
         InputError: naming what is missing and what to do.
     """
-    from ..remote import remote_gpu
     registered, _ = remote.servers()
     if registered == 0:
         remote.connect()  # raises the one-line "no server with key ... (keys there: ...)"

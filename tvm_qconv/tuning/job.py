@@ -10,6 +10,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import tvm
+
+from .. import registry
 from ..errors import InputError
 
 
@@ -79,7 +82,6 @@ class TuneJob:
     peaks: dict | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        from .. import registry
         if self.target not in ("cuda", "llvm"):
             raise InputError(f"unknown target {self.target!r}: tune for cuda (a GPU) or llvm (a CPU)")
         if self.remote is not None and not self.remote.via_tracker:
@@ -109,7 +111,6 @@ class TuneJob:
     def settings(self) -> dict:
         """What the database's ``config.json`` records of this run (``check_config`` refuses a
         folder of another model, batch, arch or image size)."""
-        import tvm
         return dict(model=self.model_name, batch=self.batch, target=self.target, arch=self.arch,
                     image_size=self.image_size, trials_per_task=self.trials_per_task,
                     only=list(self.only) if self.only else None, space=self.space,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tvm import relax
 
-from .graph import Graph
+from ..graph import Graph
 
 # Layers whose output can be unsigned: a conv whose activation is a ReLU / ReLU6 (clip at >= 0),
 # and the ops that keep a never-negative input never negative.

@@ -1,0 +1,92 @@
+"""One torch.export per build: the symbolic-batch export gives, at each batch, the module a static
+export gives; a build (its batch, calibration at batch 1, verification and the per-layer twin)
+exports once, and again only where GPTQ changed the weights."""
+import numpy as np
+import pytest
+import torch
+import tvm_ffi.structural
+from torch import nn
+
+from tvm_qconv.build import BuildOptions, compile_model
+from tvm_qconv.config import QuantConfig
+from tvm_qconv.data import skimage_photos
+from tvm_qconv.frontend import ExportedModel, export_to_relax, simplify
+from tvm_qconv.ranges import Calibrate
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 10)).eval()
+
+
+class FixedBatch(nn.Module):
+    """A model that fixes its batch (a literal 2 in a reshape): no symbolic-batch export."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 14 * 14, 10)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).reshape(2, -1))
+
+
+class CountExports:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = torch.export.export
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(torch.export, "export", counted)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_symbolic_batch_export_at_a_batch_is_the_static_export(batch):
+    exported = ExportedModel(_net(), (4, 3, 16, 16))   # a build at batch 4: symbolic
+    static, names = export_to_relax(_net(), (batch, 3, 16, 16))
+    got = exported.at(batch)
+    assert exported.dynamic and got.names == names
+    assert tvm_ffi.structural.structural_equal(got.mod["main"], simplify(static)["main"], map_free_vars=True)
+
+
+def test_every_batch_comes_from_one_export(monkeypatch):
+    count = CountExports(monkeypatch)
+    exported = ExportedModel(_net(), (4, 3, 16, 16))
+    shapes = [tuple(int(d) for d in exported.at(b).graph.func.params[0].ty.shape.values) for b in (4, 1, 4, 2)]
+    assert shapes == [(4, 3, 16, 16), (1, 3, 16, 16), (4, 3, 16, 16), (2, 3, 16, 16)]
+    assert count.calls == exported.exports == 1
+
+
+def test_a_model_that_fixes_its_batch_is_exported_at_its_batch(monkeypatch):
+    count = CountExports(monkeypatch)
+    exported = ExportedModel(FixedBatch().eval(), (2, 3, 16, 16))
+    assert [ly.kind for ly in exported.at(2).graph.layers] == ["conv2d", "dense"]
+    assert exported.dynamic is False
+    assert count.calls == 2  # the symbolic try, then the static export
+
+
+def test_a_batch_1_build_exports_statically_once(monkeypatch):
+    count = CountExports(monkeypatch)
+    exported = ExportedModel(_net(), (1, 3, 16, 16))
+    exported.at(1), exported.at(1)
+    assert exported.dynamic is False and count.calls == 1
+
+
+@pytest.mark.parametrize("rounding,exports", [("nearest", 1), ("gptq", 2)])
+def test_a_build_with_its_verification_twin_exports_once_and_again_only_for_gptq(tmp_path, monkeypatch,
+                                                                                  rounding, exports):
+    photos = skimage_photos(16)
+    count = CountExports(monkeypatch)
+    # batch 2 (calibration runs at batch 1) and an accuracy target no build meets, so the
+    # verification also builds its per-layer twin at batch 1
+    res = compile_model(_net(), str(tmp_path / "net.so"), options=BuildOptions(batch=2, image_size=16,
+                                                                             accuracy_target_db=200.0),
+                        config=QuantConfig(num_calib_images=4, weight_rounding=rounding),
+                        ranges=Calibrate(photos[:6]), progress=False)
+    assert res.report["verify"]["layers"], "the per-layer twin ran"
+    assert count.calls == exports
+    assert np.isfinite(res.report["verify"]["logits_sqnr_db"])

@@ -1,0 +1,70 @@
+"""Planning rules of the elementwise int8 layers: a residual add (each input requantized to the
+output's scale), an affine layer (a BatchNorm no conv absorbed: a multiplier, shift and offset
+per channel) and a lookup table (an elementwise function of one int8 tensor, 256 entries)."""
+from __future__ import annotations
+
+
+from .. import registry
+from ..graph import static_shape
+from ..lut_table import lut_table
+from ..schedules.requantize import add_multipliers, affine_params
+from ..schedules.workload import AddWorkload, AffineWorkload, LutWorkload
+from .plan import LayerPlan, TensorQuant, TensorRead
+from .scales import activation_suffix, int8_clamp
+
+
+def plan_add(p, ly) -> LayerPlan | str:
+    # the layout most of the input channels are in (a float input is quantized into it)
+    layout_name = p.majority_layout(ly.inputs)
+    for name in ([layout_name] if layout_name else list(registry.LAYOUTS)):
+        impl = p.first("add", name)
+        if impl is not None:
+            break
+    else:
+        return p.no_kernel("add", "these inputs")
+    ra, rb = (p.read(v, impl.layout) for v in ly.inputs)
+    qa, qb = ra.quant, rb.quant
+    s_y, z_y = p.scale(ly.output), p.zero(ly.output)
+    mult_a, mult_b, shift = add_multipliers(qa.scale, qb.scale, s_y)
+    activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
+    wl = AddWorkload(qa.shape, mult_a, mult_b, shift, act_min, act_max, qa.zero, qb.zero, z_y)
+    out = TensorQuant(s_y, z_y, qa.channels, impl.layout, qa.shape)
+    p.produce(ly.output, out)
+    return LayerPlan(ly, impl=impl, workload=wl, reads=(ra, rb), output=out, out_shape=qa.shape,
+                     row=dict(layer=ly.name, kind="add" + activation_suffix(activation, act_min, act_max),
+                              kernel=impl.name, dtype="int8", shape=str(static_shape(ly.output.ty))))
+
+
+def plan_affine(p, ly) -> LayerPlan | str:
+    x = p.quantized(ly.inputs[0])
+    s_y, z_y = p.scale(ly.output), p.zero(ly.output)
+    activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
+    wl = AffineWorkload(x.shape, act_min, act_max, z_y)
+    impl = p.select("affine", wl, layout=x.layout)
+    if impl is None:
+        return p.no_kernel("affine", f"{x.layout} tensor")
+    mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y, x.zero)
+    out = TensorQuant(s_y, z_y, x.channels, impl.layout, x.shape)
+    p.produce(ly.output, out)
+    return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), output=out, out_shape=x.shape,
+                     params=tuple(impl.pack_params(wl, mult, shift, bias)),
+                     row=dict(layer=ly.name, kind="batch_norm" + activation_suffix(activation, act_min, act_max),
+                              kernel=impl.name, dtype="int8", shape=str(static_shape(ly.output.ty))))
+
+
+def plan_lut(p, ly) -> LayerPlan | str:
+    x = p.quantized(ly.inputs[0])
+    impl = p.first("lut", x.layout)
+    if impl is None:
+        return p.no_kernel("lut", f"{x.layout} tensor")
+    n, c, h, w = static_shape(ly.output.ty)
+    wl = LutWorkload((n, h, w), c)
+    s_y = p.scale(ly.output)
+    table = lut_table(ly, p.value, x.scale, s_y, x.zero)
+    out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
+    out = TensorQuant(s_y, 0, c, impl.layout, out_shape)
+    p.produce(ly.output, out)
+    ops = " ".join(str(p.value[v].op.name).removeprefix("relax.") for v in ly.vars)
+    return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), output=out,
+                     out_shape=out_shape, params=tuple(impl.pack_params(wl, table)),
+                     row=dict(layer=ly.name, kind="lut", kernel=impl.name, dtype="int8", shape=f"table of {ops}"))

@@ -1,0 +1,72 @@
+"""The numbers of the scheme: an activation's scale, a fused activation as an int8 clamp, the
+mean error int8 weights add (bias correction), a grouped conv's weight as a dense one."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..schedules.requantize import QMIN
+
+# Keeps amax / 127 a normal float32.  Not a range limit: int8 is scale-invariant, so a tensor whose
+# values are all ~1e-9 (deep random-init networks) is quantized as well as one of ~1.  (It was
+# 1e-6, which left such tensors a few int8 levels and made MobileNet's logits noise.)
+AMAX_FLOOR = 1e-30
+
+
+def activation_scale(amax: float, unsigned: bool = False) -> float:
+    """The int8 scale of an activation of range ``amax``: ``amax / 127`` (symmetric), or
+    ``amax / 255`` for an unsigned tensor (``zero_points.py``), floored at ``AMAX_FLOOR``; a dead
+    (all-zero or NaN) tensor gets 1/127, as any positive scale holds it."""
+    amax = float(amax)
+    if not (np.isfinite(amax) and amax > 0):
+        amax = 1.0
+    return max(amax, AMAX_FLOOR) / (255.0 if unsigned else 127.0)
+
+
+def int8_clamp(ly, s_y: float, zero: int = 0) -> tuple[str, int, int]:
+    """The activation of ``ly`` as an int8 clamp at output scale ``s_y`` and zero point ``zero``:
+    (name, lo, hi).
+
+    ``clip(x, lo, hi)`` then quantizing is ``clamp(round(x / s), round(lo / s), round(hi / s))``
+    (rounding is monotonic), so ReLU6 costs nothing in the epilogue; a bound beyond the int8
+    range is the range's end.  A clamp equal to ReLU's or to none is named so, and its kernel
+    is then the one ReLU / no-activation layers share (one tuning task, not two).  An unsigned
+    output (``zero`` -128) stores ``round(x / s) - 128``: ReLU is the clamp [-128, 127].
+    """
+    if not ly.relu:
+        return "none", QMIN, 127
+    lo, hi = ly.clip or (0.0, float("inf"))
+    least = QMIN if zero == 0 else -128
+    q_lo = least if not np.isfinite(lo) else int(np.clip(np.round(lo / s_y) + zero, least, 127))
+    q_hi = 127 if not np.isfinite(hi) else int(np.clip(np.round(hi / s_y) + zero, least, 127))
+    name = {(0, 127): "relu", (QMIN, 127): "none"}.get((q_lo, q_hi), "clip")
+    return name, q_lo, q_hi
+
+
+def weight_error_mean(weight: np.ndarray, qw: np.ndarray, s_w: np.ndarray, mean: np.ndarray,
+                      groups: int = 1) -> np.ndarray:
+    """``E[(W_q - W) x]`` per output channel: the mean error int8 weights add to a conv's (4-D
+    ``weight``, ``[O, C / groups, kh, kw]``) or a linear layer's (``[O, K]``) output, for an input
+    whose per-channel mean is ``mean`` (``[C]``; padding's zeros are not counted).  Subtracted
+    from the bias, it is bias correction (``QuantConfig.bias_correction``)."""
+    err = qw.astype(np.float64) * s_w.astype(np.float64).reshape((-1,) + (1,) * (weight.ndim - 1)) \
+        - weight.astype(np.float64)
+    per_input = err.reshape(err.shape[0], err.shape[1], -1).sum(axis=2)   # [O, C / groups]
+    o, cg = per_input.shape
+    group_mean = np.asarray(mean, np.float64).reshape(groups, cg)[np.arange(o) // (o // groups)]
+    return (per_input * group_mean).sum(axis=1)
+
+
+def block_diagonal(weight: np.ndarray, groups: int) -> np.ndarray:
+    """A grouped conv's [O, I/G, KH, KW] weight as the equivalent groups=1 weight [O, I, KH, KW]
+    (zeros off the diagonal blocks: the same sums, G times the multiply-adds)."""
+    o, cg, kh, kw = weight.shape
+    og = o // groups
+    dense = np.zeros((o, cg * groups, kh, kw), weight.dtype)
+    for g in range(groups):
+        dense[g * og:(g + 1) * og, g * cg:(g + 1) * cg] = weight[g * og:(g + 1) * og]
+    return dense
+
+
+def activation_suffix(activation: str, act_min: int, act_max: int) -> str:
+    """The build report's name of a fused int8 clamp: ``+relu``, nothing, or ``+clip[lo,hi]``."""
+    return {"relu": "+relu", "none": ""}.get(activation, f"+clip[{act_min},{act_max}]")
