@@ -1,6 +1,6 @@
 """The memory-bound int8 kernels every activation layout has: max- and average pool, residual
-add, concat, channel gather (split pieces, shuffles), stand-alone BatchNorm and lookup-table
-activations.  Their compute definitions are layout-generic (``pool_int8.py``, ``add_int8.py``,
+add, concat, channel gather (split pieces, shuffles), stand-alone BatchNorm, lookup-table
+activations and squeeze-excite's channel scaling.  Their compute definitions are layout-generic (``pool_int8.py``, ``add_int8.py``,
 ``concat_int8.py``, ``channels_int8.py``, ``affine_int8.py``, ``lut_int8.py``), so each is one
 implementation class here, instantiated once per layout by :func:`layout_kernels` and named
 ``<op>.<layout>`` (``max_pool2d.nchw4c``, ``add.nhwc32``); a family's ``impls.py`` lists the
@@ -10,12 +10,14 @@ one (``elementwise_int8.py``), concat and the channel gather are left to dlight.
 """
 from __future__ import annotations
 
+import ast
+
 import numpy as np
 import tvm
 
-from . import add_int8, affine_int8, channels_int8, concat_int8, lut_int8, pool_int8
+from . import add_int8, affine_int8, channels_int8, concat_int8, lut_int8, pool_int8, scale_int8
 from .elementwise_int8 import schedule_elementwise
-from .kernel import KernelImpl, Layout, no_constants
+from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants
 
 
 class LayoutKernel(KernelImpl):
@@ -74,6 +76,12 @@ class AvgPool2d(LayoutKernel):
                                              wl.in_zero, wl.out_zero)
 
     def schedule(self, func, target):
+        wl = ast.literal_eval(str(func.attrs[WORKLOAD_ATTR]))
+        h, w = self.packing.logical_shape(tuple(wl["shape"]))[2:]
+        if tuple(wl["pool"]) == (h, w) and h * w >= pool_int8.GLOBAL_MIN_PIXELS:
+            # a global pool of a large map (squeeze-excite's at 112 x 112) has few outputs: one thread
+            # per output would sum 12,544 bytes alone; dlight's reduction rule spreads each sum over a block
+            return None
         return pool_int8.schedule_pool(func, target)
 
     def out_shape(self, wl):
@@ -162,6 +170,29 @@ class Lut(LayoutKernel):
         return self._packed(n, wl.channels, h, w)
 
 
+class Scale(LayoutKernel):
+    """Squeeze-excite's gated multiply: int8 in, a float gate per (image, channel), int8 out."""
+
+    op = "scale"
+
+    def compute(self, wl):
+        n, h, w = wl.shape
+        return self.tag(scale_int8.scale_int8(self.packing, self.packing.packed_shape((n, wl.channels, h, w)),
+                                              wl.channels, wl.rescale, wl.in_zero, wl.out_zero), wl)
+
+    def reference(self, wl, x, gate):
+        return scale_int8.scale_int8_ref(self.packing, x, gate, wl.channels, wl.rescale, wl.in_zero, wl.out_zero)
+
+    def schedule(self, func, target):
+        sch = tvm.s_tir.Schedule(func)
+        names = [r.source.name for r in sch.get(sch.get_sblock("scale")).reads]
+        return schedule_elementwise(func, target, "scale", operands=(names.index("X"),))
+
+    def out_shape(self, wl):
+        n, h, w = wl.shape
+        return self._packed(n, wl.channels, h, w)
+
+
 class Affine(LayoutKernel):
     op = "affine"
 
@@ -182,7 +213,7 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, channel gather, average pool, affine and lookup-table
+    """The max-pool, add, concat, channel gather, average pool, affine, lookup-table and channel-scale
     implementations of ``packing``."""
     return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing),
-            Lut(packing))
+            Lut(packing), Scale(packing))

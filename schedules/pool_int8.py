@@ -121,6 +121,10 @@ def avg_pool2d_int8_ref(layout: Layout, x: np.ndarray, pool, stride, padding, mu
 THREADS = 256  # outputs per thread block (one per thread)
 
 
+# A pool whose window is the whole map and holds at least this many pixels is scheduled as a reduction.
+GLOBAL_MIN_PIXELS = 256
+
+
 def schedule_pool(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
     """CUDA: one thread per output element, the window summed (or maxed) in a register, the
     average's requantize in the same thread; consecutive threads take consecutive elements of

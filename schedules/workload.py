@@ -242,6 +242,21 @@ class LutWorkload:
 
 
 @dataclass(frozen=True)
+class ScaleWorkload:
+    """A channel scaling ``y = x * g[n, c]`` of an int8 tensor of (N, H, W) = ``shape`` with
+    ``channels`` real channels, ``rescale`` = s_x / s_y (``scale_int8.py``; the gate is an input)."""
+
+    shape: tuple[int, int, int]
+    channels: int
+    rescale: float
+    in_zero: int = 0
+    out_zero: int = 0
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
 class AvgPoolWorkload:
     """An int8 average pool of packed ``shape``, requantized by (``mult``, ``shift``); input and
     output zero points ``in_zero`` / ``out_zero`` (0, or -128 for an unsigned tensor)."""

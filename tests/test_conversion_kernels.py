@@ -26,7 +26,7 @@ from tvm_qconv.schedules.requantize import UNSIGNED_ZERO
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.tensorcore.layout import dequantize_unpack_nhwc32, quantize_pack_nhwc32
 from tvm_qconv.schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ChannelsWorkload,
-                                          ConcatWorkload, DequantizeWorkload, LutWorkload, PoolWorkload,
+                                          ConcatWorkload, DequantizeWorkload, LutWorkload, PoolWorkload, ScaleWorkload,
                                           QuantizeRowsWorkload, QuantizeWorkload, RelayoutWorkload)
 from tvm_qconv.target import TargetInfo, make_target
 from tvm_qconv.transform import ScheduleInt8Kernels
@@ -177,7 +177,7 @@ def test_conversion_workloads_refuse_what_no_kernel_computes():
 # ---- the interface: what the quantize pass calls on an implementation --------------------------
 
 # The ops the quantize pass lowers (a layer's or a conversion's); the rest are the training path's.
-PASS_OPS = ("conv2d", "dense", "max_pool2d", "avg_pool2d", "add", "concat", "channels", "lut", "affine",
+PASS_OPS = ("conv2d", "dense", "max_pool2d", "avg_pool2d", "add", "concat", "channels", "lut", "affine", "scale",
             *CONVERSION_OPS)
 TRAINING_OPS = ("conv2d_grad_input", "conv2d_grad_weight")
 TARGETS = [TargetInfo.from_target(t) for t in (LLVM, make_target("cuda", "sm_90a"))]
@@ -205,6 +205,7 @@ def _workload_and_arrays(impl):
             "concat": (ConcatWorkload((1, 7, 5), (6, 3), (1 << 30, 1 << 30), (30, 30)), 2, ()),
             "channels": (ChannelsWorkload((1, 7, 5), 6, 4), 1, (np.array([5, 0, 2, 2], np.int32),)),
             "lut": (LutWorkload((1, 7, 5), 6), 1, (np.arange(-128, 128).astype(np.int8),)),
+            "scale": (ScaleWorkload((1, 7, 5), 6, 0.5), 2, ()),   # the int8 map and the float gate
             "affine": (AffineWorkload(packed), 1, (np.ones(6, np.int32), np.ones(6, np.int32), np.zeros(6, np.int64))),
             }[impl.op]
 
@@ -242,7 +243,7 @@ def test_an_implementation_that_lacks_a_method_says_which_it_is():
 
 class _EveryConversion(torch.nn.Module):
     """On sm_90: the model input quantized to NCHW4c for the stem conv (NHWC32 out), a float
-    squeeze-like gate (dequantize, quantize in NHWC32), a tensor-core conv, a conv of a 4x4 map
+    gate by the mean over channels (dequantize, quantize in NHWC32), a tensor-core conv, a conv of a 4x4 map
     that stays on dp4a (a GEMM of one 16-row fragment: relayout to NCHW4c), the classifier's
     flatten (dequantize NCHW4c) and its linear layer (quantize_rows)."""
 
@@ -255,7 +256,7 @@ class _EveryConversion(torch.nn.Module):
 
     def forward(self, x):
         y = torch.relu(self.stem(x))
-        y = y * y.mean((2, 3), keepdim=True)
+        y = y * y.mean(1, keepdim=True)   # a [N, 1, H, W] gate: no int8 kernel, stays float
         y = torch.relu(self.down(torch.relu(self.conv(y))))
         return self.fc(torch.flatten(y, 1))
 

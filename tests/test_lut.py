@@ -110,7 +110,8 @@ def test_a_build_with_tables_computes_what_the_float_path_computes(builds, photo
     with_tables, floats = builds
     rows = {r["layer"]: r for r in with_tables.report["layers"]}
     assert all(rows[n]["dtype"] == "int8" and rows[n]["kernel"].startswith("lut.") for n in LUTS)
-    assert with_tables.report["float_ops"] == {"relax.mean": 2, "relax.sigmoid": 1, "relax.multiply": 1}
+    # the squeeze-excite gate: its mean an int8 pool, its multiply an int8 channel scale, its sigmoid float
+    assert with_tables.report["float_ops"] == {"relax.mean": 1, "relax.sigmoid": 1}
     assert len(with_tables.report["conversions"]) < len(floats.report["conversions"])
     a, b = (np.concatenate([CompiledModel(res.lib_path)(photos[i:i + 1]) for i in range(len(photos))])
             for res in (with_tables, floats))

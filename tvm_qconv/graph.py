@@ -10,9 +10,12 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``max_pool2d``: NCHW max pooling;
 - ``concat``: ``concat((a, b, ...), axis=1)`` of 4-D activations (Inception, DenseNet branches);
 - ``avg_pool2d``: NCHW average pooling dividing by the whole window (no padding, or
-  ``count_include_pad``), and a classifier's global average pool: ``mean(x, axis=[2, 3],
-  keepdims=True)`` whose one user is the flatten (``Layer.window`` holds the geometry of both);
+  ``count_include_pad``), and a global average pool: ``mean(x, axis=[2, 3], keepdims=True)`` (a
+  classifier's, a squeeze-excite's; ``Layer.window`` holds the geometry of both);
 - ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
+- ``scale``: ``multiply(x, g)`` of a 4-D activation ``x`` [N, C, H, W] and a per-(image, channel) factor
+  ``g`` [N, C, 1, 1] computed at run time (squeeze-excite's gate): ``x`` is its input, ``g`` its
+  ``Layer.gate``, read in float;
 - ``lut``: an elementwise function of one activation ``x``, as a lookup table: a chain of
   elementwise ops (``ELEMENTWISE``) whose only non-scalar operand is ``x`` or an earlier op of
   the chain, with one output read outside it -- SiLU (``x * sigmoid(x)``), hardswish
@@ -64,6 +67,7 @@ class Layer:
     # avg_pool2d: (pool, stride, padding) -- of the pool call, or the whole map for a global mean
     window: tuple | None = None
     channel_index: tuple | None = None  # channels: output channel j reads input channel index[j]
+    gate: relax.Var | None = None       # scale: the [N, C, 1, 1] factor, read in float
 
     @property
     def quantizable(self) -> bool:
@@ -204,10 +208,8 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
             layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call,
                           window=(tuple(map(int, call.attrs.pool_size)), tuple(map(int, call.attrs.strides)),
                                   tuple(map(int, call.attrs.padding))))
-        elif op == "relax.mean" and _global_mean(call) and sole_user(var, "relax.reshape") is not None:
-            # the classifier's global pool, as an int8 average pool over the whole map: its output is
-            # the flattened classifier input, calibrated either way.  (Squeeze-excite's means, read by a
-            # conv, stay float: their gates are float too.)
+        elif op == "relax.mean" and _global_mean(call):
+            # a global pool (the classifier's, a squeeze-excite's) as an int8 average pool over the whole map
             h, w = _shape(call.args[0])[2:]
             layer = Layer("avg_pool2d", name_for("avg_pool2d"), [call.args[0]], var, [var], call,
                           window=((h, w), (1, 1), (0, 0, 0, 0)))
@@ -218,6 +220,9 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         elif op == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(_shape(var) or ()) == 4 \
                 and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
             layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
+        elif op == "relax.multiply" and _channel_scale(call) is not None:
+            x, gate = _channel_scale(call)
+            layer = Layer("scale", name_for("scale"), [x], var, [var], call, gate=gate)
         elif op in ELEMENTWISE:
             layer = _lut_layer(var, call, value, user, returned, position)
         if layer is None:
@@ -237,6 +242,20 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         if ly.kind != "dense":
             g.points[ly.output] = f"{ly.name}.out"
     return g
+
+
+def _channel_scale(call: relax.Call):
+    """(x, gate) of ``multiply(x, gate)`` with x a 4-D activation [N, C, H, W] (H * W > 1) and gate a
+    run-time factor of shape [N, C, 1, 1], in either order; else None."""
+    a, b = call.args
+    if not (isinstance(a, relax.Var) and isinstance(b, relax.Var)):
+        return None
+    for x, gate in ((a, b), (b, a)):
+        xs, gs = _shape(x), _shape(gate)
+        if xs and gs and len(xs) == 4 and gs == (xs[0], xs[1], 1, 1) and xs[2] * xs[3] > 1 \
+                and str(x.ty.dtype) == "float32" and str(gate.ty.dtype) == "float32":
+            return x, gate
+    return None
 
 
 def scalar_value(expr) -> float | None:

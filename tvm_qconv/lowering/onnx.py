@@ -295,6 +295,12 @@ class ONNXEmitter:
             self.fname[v] = getattr(self, "op_" + op_name(value[v]).removeprefix("relax.").replace(".", "_"))(value[v], v)
         self.produce(ly.output, self.fname[ly.output], lp.output)
 
+    def layer_scale(self, lp) -> None:
+        # squeeze-excite's gated multiply: the int8 map times the float gate, requantized
+        ly = lp.layer
+        y = self.node("Mul", [self.int8_of(lp.reads[0]), self.float_of(ly.gate)], ly.name)
+        self.produce(ly.output, y, lp.output)
+
     def layer_max_pool2d(self, lp) -> None:
         ly = lp.layer
         y = self.node("MaxPool", [self.dq(self.qver[ly.inputs[0]])], ly.name, **self.pool_attrs(ly.call, "max"))

@@ -142,8 +142,8 @@ class _Emitter:
 
     # ---- layers -------------------------------------------------------------------------
     def emit_layer(self, lp: LayerPlan) -> None:
-        """The layer's kernel on its int8 inputs and packed arguments (a linear layer's input:
-        its float tensor quantized into rows)."""
+        """The layer's kernel on its int8 inputs, its float ones and its packed arguments (a linear
+        layer's input: its float tensor quantized into rows)."""
         if lp.layer.kind == "dense":
             read = lp.reads[0]
             x = self.float_of(read.var)
@@ -152,7 +152,7 @@ class _Emitter:
             impl = self.conversion("quantize_rows", wl, "rows")
             inputs = [self.call(impl.compute(wl), "quantize_rows", [x], impl.out_shape(wl), "int8")]
         else:
-            inputs = [self.int8_of(r).var for r in lp.reads]
+            inputs = [self.int8_of(r).var for r in lp.reads] + [self.float_of(v) for v in lp.float_reads]
         prim = lp.impl.compute(lp.workload)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), inputs + [constant(p) for p in lp.params],
                         lp.out_shape, lp.out_dtype)

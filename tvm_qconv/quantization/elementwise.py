@@ -1,6 +1,7 @@
 """Planning rules of the elementwise int8 layers: a residual add (each input requantized to the
 output's scale), an affine layer (a BatchNorm no conv absorbed: a multiplier, shift and offset
-per channel) and a lookup table (an elementwise function of one int8 tensor, 256 entries)."""
+per channel), a lookup table (an elementwise function of one int8 tensor, 256 entries) and a
+channel scale (squeeze-excite's gated multiply: a float factor per image and channel)."""
 from __future__ import annotations
 
 
@@ -8,7 +9,7 @@ from .. import registry
 from ..graph import static_shape
 from ..lut_table import lut_table
 from ..schedules.requantize import add_multipliers, affine_params
-from ..schedules.workload import AddWorkload, AffineWorkload, LutWorkload
+from ..schedules.workload import AddWorkload, AffineWorkload, LutWorkload, ScaleWorkload
 from .plan import LayerPlan, TensorQuant, TensorRead
 from .scales import activation_suffix, int8_clamp
 
@@ -68,3 +69,20 @@ def plan_lut(p, ly) -> LayerPlan | str:
     return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), output=out,
                      out_shape=out_shape, params=tuple(impl.pack_params(wl, table)),
                      row=dict(layer=ly.name, kind="lut", kernel=impl.name, dtype="int8", shape=f"table of {ops}"))
+
+
+def plan_scale(p, ly) -> LayerPlan | str:
+    x = p.quantized(ly.inputs[0])
+    impl = p.first("scale", x.layout)
+    if impl is None:
+        return p.no_kernel("scale", f"{x.layout} tensor")
+    n, c, h, w = static_shape(ly.output.ty)
+    s_y, z_y = p.scale(ly.output), p.zero(ly.output)
+    wl = ScaleWorkload((n, h, w), c, x.scale / s_y, x.zero, z_y)
+    out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
+    out = TensorQuant(s_y, z_y, c, impl.layout, out_shape)
+    p.produce(ly.output, out)
+    return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), float_reads=(ly.gate,),
+                     output=out, out_shape=out_shape,
+                     row=dict(layer=ly.name, kind="scale", kernel=impl.name, dtype="int8",
+                              shape=f"{static_shape(ly.output.ty)} by a float gate"))

@@ -56,6 +56,8 @@ class LayerPlan:
         impl: the kernel implementation (``registry``), ``workload`` its workload.
         reads: its int8 inputs, in the kernel's argument order (a linear layer's is a float
             tensor quantized into rows: ``TensorRead`` with layout ``rows``).
+        float_reads: the float tensors its kernel reads after the int8 ones (a squeeze-excite
+            gate), as the float graph's vars.
         output: its int8 output; None where the kernel writes float (a linear layer).
         out_shape, out_dtype: the kernel's output buffer.
         params: the kernel's arguments after the activations, packed as it reads them.
@@ -72,6 +74,7 @@ class LayerPlan:
     impl: object = None
     workload: object = None
     reads: tuple[TensorRead, ...] = ()
+    float_reads: tuple = ()
     output: TensorQuant | None = None
     out_shape: tuple = ()
     out_dtype: str = "int8"

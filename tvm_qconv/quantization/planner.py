@@ -37,6 +37,7 @@ RULES = {
     "add": elementwise.plan_add,
     "affine": elementwise.plan_affine,
     "lut": elementwise.plan_lut,
+    "scale": elementwise.plan_scale,
     "concat": channels.plan_concat,
     "channels": channels.plan_channels,
 }
@@ -152,7 +153,8 @@ class Planner:
             return "in the skip list"
         if ly.kind == "dense" and not self.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut") and self.quantized(ly.inputs[0]) is None:
+        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale") \
+                and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         if ly.kind == "lut" and not any(may_run_int8(r, self.config) for r in self.readers.get(ly.output, [])):
             # its int8 output would be dequantized at once, a rounding the float path does not have
