@@ -69,6 +69,11 @@ def fingerprint(logits: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(logits, dtype=np.float32).tobytes()).hexdigest()
 
 
+def kernels_digest(kernels: list[str]) -> str:
+    """SHA-256 of the kernel of every layer, in order (two builds chose alike only if these agree)."""
+    return hashlib.sha256("\n".join(kernels).encode()).hexdigest()
+
+
 def record_one(name: str, target: str, arch: str | None, batch: int, size: int, tuning_logs: str | None,
                libdir: str) -> dict:
     photos = skimage_photos(size)
@@ -86,8 +91,9 @@ def record_one(name: str, target: str, arch: str | None, batch: int, size: int, 
         logits = np.concatenate([lib(p[None]) for p in photos])
     else:
         logits = lib(np.concatenate([photos] * (-(-batch // len(photos))))[:batch])
+    kernels = [r["kernel"] for r in res.report["layers"]]
     return dict(logits_sha256=fingerprint(logits), logits_head=[float(v) for v in logits.reshape(-1)[:4]],
-                kernels=[r["kernel"] for r in res.report["layers"]], tuned=len(res.report.get("tuned") or {}),
+                kernels_sha256=kernels_digest(kernels), layers=len(kernels), tuned=len(res.report.get("tuned") or {}),
                 tuning_log=log, verify_sqnr_db=res.report.get("verify", {}).get("logits_sqnr_db"),
                 build_s=round(build_s, 2), phases=res.meta.get("build_seconds"), exports=exports.calls,
                 export_s=round(exports.seconds, 2))
@@ -118,7 +124,7 @@ def _device(target: str) -> str:
 def _write(path: str, data: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump(data, f, indent=1)
+        json.dump(data, f, separators=(",", ":"))
     os.replace(path + ".tmp", path)
 
 
@@ -134,7 +140,7 @@ def check(args) -> int:
             continue
         x, y = a["builds"][k], b["builds"][k]
         same = x["logits_sha256"] == y["logits_sha256"]
-        kernels = x["kernels"] == y["kernels"]
+        kernels = x["kernels_sha256"] == y["kernels_sha256"]
         bad += not (same and kernels)
         print(f"| {k} | {'identical' if same else 'DIFFERENT'} | {'same' if kernels else 'DIFFERENT'} | "
               f"{x['build_s']:.1f} -> {y['build_s']:.1f} | {x['exports']} ({x['export_s']:.1f} s) -> "
