@@ -40,10 +40,23 @@ class LayoutKernel(KernelImpl):
     def _packed(self, n: int, c: int, h: int, w: int) -> tuple[int, ...]:
         return tuple(self.packing.packed_shape((n, c, h, w)))
 
+    def _per_pixel(self, wl) -> tuple[int, ...]:
+        """The packed shape of an elementwise op of (N, H, W) = ``wl.shape`` with ``wl.channels``."""
+        n, h, w = wl.shape
+        return self._packed(n, wl.channels, h, w)
+
     def _pooled(self, wl, dilation=(1, 1), ceil_mode=False) -> tuple[int, ...]:
         """The packed shape a pool of ``wl`` writes: the input's (padded) channels at the pooled size."""
         n, c, h, w = self.packing.logical_shape(wl.shape)
         return self._packed(n, c, *pool_int8.pool_out_size(h, w, wl.pool, wl.stride, wl.padding, dilation, ceil_mode))
+
+
+def _schedule_reading_x(func, target, block: str):
+    """The vectorized elementwise schedule of ``block``, its reads of ``X`` vectorized (its other
+    input is read by index or per channel)."""
+    sch = tvm.s_tir.Schedule(func)
+    names = [r.source.name for r in sch.get(sch.get_sblock(block)).reads]
+    return schedule_elementwise(func, target, block, operands=(names.index("X"),))
 
 
 class MaxPool2d(LayoutKernel):
@@ -154,10 +167,8 @@ class Lut(LayoutKernel):
         return lut_int8.lut_int8_ref(self.packing, x, wl.channels, table)
 
     def schedule(self, func, target):
-        # vectorize the reads of X (the table's index makes the Table read data-dependent)
-        sch = tvm.s_tir.Schedule(func)
-        names = [r.source.name for r in sch.get(sch.get_sblock("lut")).reads]
-        return schedule_elementwise(func, target, "lut", operands=(names.index("X"),))
+        # the table's index makes the Table read data-dependent: only X's reads are vectorized
+        return _schedule_reading_x(func, target, "lut")
 
     def pack_params(self, wl, table) -> list:
         """The table: entry ``q + 128`` is the output integer for input ``q``."""
@@ -166,8 +177,7 @@ class Lut(LayoutKernel):
         return [table.astype(np.int8)]
 
     def out_shape(self, wl):
-        n, h, w = wl.shape
-        return self._packed(n, wl.channels, h, w)
+        return self._per_pixel(wl)
 
 
 class Scale(LayoutKernel):
@@ -184,13 +194,11 @@ class Scale(LayoutKernel):
         return scale_int8.scale_int8_ref(self.packing, x, gate, wl.channels, wl.rescale, wl.in_zero, wl.out_zero)
 
     def schedule(self, func, target):
-        sch = tvm.s_tir.Schedule(func)
-        names = [r.source.name for r in sch.get(sch.get_sblock("scale")).reads]
-        return schedule_elementwise(func, target, "scale", operands=(names.index("X"),))
+        # the gate is one value per (image, channel): only X's reads are vectorized
+        return _schedule_reading_x(func, target, "scale")
 
     def out_shape(self, wl):
-        n, h, w = wl.shape
-        return self._packed(n, wl.channels, h, w)
+        return self._per_pixel(wl)
 
 
 class Affine(LayoutKernel):
