@@ -1,12 +1,14 @@
 """The memory-bound int8 kernels every activation layout has: max- and average pool, residual
 add, concat, channel gather (split pieces, shuffles), stand-alone BatchNorm, lookup-table
-activations and squeeze-excite's channel scaling.  Their compute definitions are layout-generic (``pool_int8.py``, ``add_int8.py``,
-``concat_int8.py``, ``channels_int8.py``, ``affine_int8.py``, ``lut_int8.py``), so each is one
-implementation class here, instantiated once per layout by :func:`layout_kernels` and named
+activations, squeeze-excite's channel scaling and LayerNorm over channels.  Their compute
+definitions are layout-generic (``pool_int8.py``, ``add_int8.py``, ``concat_int8.py``,
+``channels_int8.py``, ``affine_int8.py``, ``lut_int8.py``, ``scale_int8.py``,
+``layer_norm_int8.py``), so each is one implementation class here, instantiated once per layout by :func:`layout_kernels` and named
 ``<op>.<layout>`` (``max_pool2d.nchw4c``, ``add.nhwc32``); a family's ``impls.py`` lists the
 instances of its layout.  Family ``generic``: every target runs them; on CUDA the pools have
-their own schedule (``pool_int8.schedule_pool``), add, affine and lut the vectorized elementwise
-one (``elementwise_int8.py``), concat and the channel gather are left to dlight.
+their own schedule (``pool_int8.schedule_pool``), add, affine, lut and scale the vectorized
+elementwise one (``elementwise_int8.py``), LayerNorm a warp per pixel in a channels-last layout
+(``layer_norm_int8.schedule_layer_norm``), concat and the channel gather are left to dlight.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import ast
 import numpy as np
 import tvm
 
-from . import add_int8, affine_int8, channels_int8, concat_int8, lut_int8, pool_int8, scale_int8
+from . import add_int8, affine_int8, channels_int8, concat_int8, layer_norm_int8, lut_int8, pool_int8, scale_int8
 from .elementwise_int8 import schedule_elementwise
 from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants
 
@@ -201,6 +203,30 @@ class Scale(LayoutKernel):
         return self._per_pixel(wl)
 
 
+class LayerNorm(LayoutKernel):
+    """A LayerNorm over each pixel's channels: int8 in, int8 out, exact integer statistics."""
+
+    op = "layer_norm"
+
+    def compute(self, wl):
+        n, h, w = wl.shape
+        return self.tag(layer_norm_int8.layer_norm_int8(self.packing, self._per_pixel(wl), wl.channels, wl.out_zero),
+                        wl)
+
+    def reference(self, wl, x, gain, offset, consts):
+        return layer_norm_int8.layer_norm_int8_ref(self.packing, x, gain, offset, consts, wl.channels, wl.out_zero)
+
+    def schedule(self, func, target):
+        return layer_norm_int8.schedule_layer_norm(func, target)
+
+    def pack_params(self, wl, gain, offset, consts) -> list:
+        return [np.ascontiguousarray(gain, np.int64), np.ascontiguousarray(offset, np.int64),
+                np.ascontiguousarray(consts, np.float64)]
+
+    def out_shape(self, wl):
+        return self._per_pixel(wl)
+
+
 class Affine(LayoutKernel):
     op = "affine"
 
@@ -221,7 +247,7 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, channel gather, average pool, affine, lookup-table and channel-scale
-    implementations of ``packing``."""
+    """The max-pool, add, concat, channel gather, average pool, affine, lookup-table, channel-scale and
+    LayerNorm implementations of ``packing``."""
     return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing),
-            Lut(packing), Scale(packing))
+            Lut(packing), Scale(packing), LayerNorm(packing))

@@ -242,6 +242,20 @@ class LutWorkload:
 
 
 @dataclass(frozen=True)
+class LayerNormWorkload:
+    """A LayerNorm over the ``channels`` real channels of each pixel of an int8 tensor of
+    (N, H, W) = ``shape``, written at output zero point ``out_zero`` (``layer_norm_int8.py``; the
+    gains, offsets and the row constants are parameters)."""
+
+    shape: tuple[int, int, int]
+    channels: int
+    out_zero: int = 0
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+@dataclass(frozen=True)
 class ScaleWorkload:
     """A channel scaling ``y = x * g[n, c]`` of an int8 tensor of (N, H, W) = ``shape`` with
     ``channels`` real channels, ``rescale`` = s_x / s_y (``scale_int8.py``; the gate is an input)."""

@@ -19,6 +19,7 @@ from tvm_qconv.quantize import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.schedules.dense_int8 import DenseWorkload, quantize_rows, quantize_rows_compute
 from tvm_qconv.schedules.kernel import IMPL_ATTR, KERNEL_ATTR, WORKLOAD_ATTR
+from tvm_qconv.schedules.layer_norm_int8 import layer_norm_params
 from tvm_qconv.schedules.nchw4c.layout import LAYOUT as NCHW4C
 from tvm_qconv.schedules.nchw4c.layout import dequantize_unpack, quantize_pack
 from tvm_qconv.schedules.relayout import relayout_compute, relayout_int8
@@ -26,8 +27,9 @@ from tvm_qconv.schedules.requantize import UNSIGNED_ZERO
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.tensorcore.layout import dequantize_unpack_nhwc32, quantize_pack_nhwc32
 from tvm_qconv.schedules.workload import (AddWorkload, AffineWorkload, AvgPoolWorkload, ChannelsWorkload,
-                                          ConcatWorkload, DequantizeWorkload, LutWorkload, PoolWorkload, ScaleWorkload,
-                                          QuantizeRowsWorkload, QuantizeWorkload, RelayoutWorkload)
+                                          ConcatWorkload, DequantizeWorkload, LayerNormWorkload, LutWorkload,
+                                          PoolWorkload, QuantizeRowsWorkload, QuantizeWorkload, RelayoutWorkload,
+                                          ScaleWorkload)
 from tvm_qconv.target import TargetInfo, make_target
 from tvm_qconv.transform import ScheduleInt8Kernels
 from tvm_qconv.tuning.tasks import extract_tasks
@@ -178,7 +180,7 @@ def test_conversion_workloads_refuse_what_no_kernel_computes():
 
 # The ops the quantize pass lowers (a layer's or a conversion's); the rest are the training path's.
 PASS_OPS = ("conv2d", "dense", "max_pool2d", "avg_pool2d", "add", "concat", "channels", "lut", "affine", "scale",
-            *CONVERSION_OPS)
+            "layer_norm", *CONVERSION_OPS)
 TRAINING_OPS = ("conv2d_grad_input", "conv2d_grad_weight")
 TARGETS = [TargetInfo.from_target(t) for t in (LLVM, make_target("cuda", "sm_90a"))]
 CONV_CANDIDATES = [conv_wl(1, 32, 8, 8, 64), conv_wl(1, 32, 8, 8, 32, groups=32), conv_wl(1, 3, 16, 16, 32)]
@@ -206,6 +208,8 @@ def _workload_and_arrays(impl):
             "channels": (ChannelsWorkload((1, 7, 5), 6, 4), 1, (np.array([5, 0, 2, 2], np.int32),)),
             "lut": (LutWorkload((1, 7, 5), 6), 1, (np.arange(-128, 128).astype(np.int8),)),
             "scale": (ScaleWorkload((1, 7, 5), 6, 0.5), 2, ()),   # the int8 map and the float gate
+            "layer_norm": (LayerNormWorkload((1, 7, 5), 6), 1, layer_norm_params(np.ones(6), np.zeros(6), 1e-6, 0.1,
+                                                                                  0.05, 0, 6)),
             "affine": (AffineWorkload(packed), 1, (np.ones(6, np.int32), np.ones(6, np.int32), np.zeros(6, np.int64))),
             }[impl.op]
 

@@ -546,8 +546,12 @@ DEPTHWISE = [
       padding=(2, 2, 2, 2)),
     W("clip", -20, 127, batch=1, in_channels=32, height=14, width=14, out_channels=32, groups=32, stride=(2, 2),
       padding=(0, 0, 1, 1)),
+    # ConvNeXt's: 7 x 7, no activation; NHWC32's row tile takes the 14-wide output 7 pixels at a time
+    # (at this size only where the grid-size floor is lowered: test_depthwise_row_tile_...)
+    W("none", batch=2, in_channels=40, height=14, width=14, out_channels=40, groups=40, kernel=(7, 7),
+      padding=(3, 3, 3, 3)),
 ]
-DEPTHWISE_IDS = ["relu6_s2", "multiplier2_d2", "5x5_odd_channels_norelu", "asym_pad_s2_clip"]
+DEPTHWISE_IDS = ["relu6_s2", "multiplier2_d2", "5x5_odd_channels_norelu", "asym_pad_s2_clip", "7x7_convnext"]
 
 
 def _depthwise_layer(wl):
@@ -605,6 +609,31 @@ def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl, layout):
         src = cuda_source(tvm.compile(tvm.IRModule({"main": cuda}), target=target))
     if wl.out_channels == wl.in_channels:  # one int8x4 word per tap, not 4 bytes
         assert "*(int*)(A_ptr" in src
+
+
+@pytest.mark.parametrize("wl", [DEPTHWISE[0], DEPTHWISE[4]], ids=["relu6_s2", "7x7_convnext"])
+def test_depthwise_row_tile_is_bit_exact(wl, monkeypatch):
+    """NHWC32's R pixels per thread (their input words loaded once per filter row) computes the
+    reference; forced on these small layers by lowering the grid-size floor."""
+    from tvm_qconv import registry
+    from tvm_qconv.schedules.tensorcore import depthwise
+    from tvm_qconv.target import make_target
+    monkeypatch.setattr(depthwise, "MIN_THREADS", 1)
+    assert depthwise.row_tile(wl) == {4: 4, 14: 7}[wl.out_width]
+    impl = registry.get("conv2d.nhwc32.depthwise")
+    args = _packed(wl, impl, _depthwise_layer(wl))
+    ref = impl.reference(wl, *args)
+    twin = _gpu_twin(impl.schedule(impl.compute(wl), make_target("cuda", "sm_90")))
+    np.testing.assert_array_equal(run(twin, *args, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def test_depthwise_row_tile_keeps_the_grid_full():
+    """8 pixels a thread for ConvNeXt-T's first 7 x 7 conv at batch 64; 1 at batch 1, where 8 would
+    leave 73 blocks for an H100's 132 SMs."""
+    from tvm_qconv.schedules.tensorcore.depthwise import row_tile
+    conv = dict(in_channels=96, height=56, width=56, out_channels=96, groups=96, kernel=(7, 7), padding=(3, 3, 3, 3))
+    assert row_tile(W("none", batch=64, **conv)) == 8
+    assert row_tile(W("none", batch=1, **conv)) == 1
 
 
 def test_concat_requantizes_each_branch_and_handles_channels_not_a_multiple_of_4():

@@ -14,6 +14,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 from .errors import InputError
 from .graph import Graph, analyze
+from .transform.channels_first import channels_first
 
 _CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
 _LINEAR_TARGETS = {"aten.linear.default"}
@@ -254,11 +255,12 @@ class ExportedModel:
         return self._imported[batch]
 
     def at(self, batch: int) -> "FloatGraph":
-        """The float graph at ``batch``: imported, simplified, analysed (made once per batch)."""
+        """The float graph at ``batch``: imported, simplified, its channels-last regions as NCHW
+        ops (``transform/channels_first.py``), analysed (made once per batch)."""
         batch = int(batch)
         if batch not in self._at:
             imported, names = self.imported(batch)
-            mod = simplify(imported)
+            mod, names = channels_first(simplify(imported), names)
             self._at[batch] = FloatGraph(imported, mod, names, analyze(mod["main"], names))
         return self._at[batch]
 

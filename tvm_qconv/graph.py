@@ -16,6 +16,10 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``scale``: ``multiply(x, g)`` of a 4-D activation ``x`` [N, C, H, W] and a per-(image, channel) factor
   ``g`` [N, C, 1, 1] computed at run time (squeeze-excite's gate): ``x`` is its input, ``g`` its
   ``Layer.gate``, read in float;
+- ``layer_norm``: ``layer_norm(x, gamma, beta, axes=[1])`` of a 4-D activation, gamma and beta
+  constants: a LayerNorm over each pixel's channels (ConvNeXt's, after ``transform/channels_first.py``
+  made its channels-last regions NCHW); ``Layer.weight`` / ``Layer.bias`` hold gamma and beta.  A
+  LayerNorm of a 4-D activation over other axes is a layer kept float, with the reason;
 - ``lut``: an elementwise function of one activation ``x``, as a lookup table: a chain of
   elementwise ops (``ELEMENTWISE``) whose only non-scalar operand is ``x`` or an earlier op of
   the chain, with one output read outside it -- SiLU (``x * sigmoid(x)``), hardswish
@@ -54,6 +58,7 @@ ELEMENTWISE = ("relax.sigmoid", "relax.tanh", "relax.nn.silu", "relax.nn.gelu", 
 @dataclass
 class Layer:
     kind: str                      # conv2d | dense | add | max_pool2d | avg_pool2d | affine | concat | channels | lut
+                                   # | scale | layer_norm
     name: str                      # torch module path where known (features.0), else kind_k
     inputs: list                   # activation inputs: relax.Var of the float graph
     output: relax.Var              # last var of the pattern (after bias / relu)
@@ -61,8 +66,8 @@ class Layer:
     call: relax.Call               # the anchor call (conv2d / matmul / add / max_pool2d)
     relu: bool = False
     clip: tuple[float, float] | None = None  # the activation's (lo, hi): relu (0, inf), ReLU6 (0, 6)
-    weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float
-    bias: np.ndarray | None = None     # [O] float
+    weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float; layer_norm: gamma [C]
+    bias: np.ndarray | None = None     # [O] float; layer_norm: beta [C]
     reason_float: str | None = None    # set when the pattern cannot run in int8
     # avg_pool2d: (pool, stride, padding) -- of the pool call, or the whole map for a global mean
     window: tuple | None = None
@@ -220,6 +225,8 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         elif op == "relax.concat" and isinstance(call.args[0], relax.Tuple) and len(_shape(var) or ()) == 4 \
                 and int(call.attrs.axis) in (1, -3) and all(isinstance(f, relax.Var) for f in call.args[0].fields):
             layer = Layer("concat", name_for("concat"), list(call.args[0].fields), var, [var], call)
+        elif op == "relax.nn.layer_norm" and len(_shape(call.args[0]) or ()) == 4:
+            layer = _layer_norm_layer(var, call, name_for("layer_norm"))
         elif op == "relax.multiply" and _channel_scale(call) is not None:
             x, gate = _channel_scale(call)
             layer = Layer("scale", name_for("scale"), [x], var, [var], call, gate=gate)
@@ -242,6 +249,23 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         if ly.kind != "dense":
             g.points[ly.output] = f"{ly.name}.out"
     return g
+
+
+def _layer_norm_layer(var, call, name) -> Layer:
+    """A LayerNorm of a 4-D activation: int8-able over the channels (axis 1) with constant gamma and
+    beta; any other is a float layer that says why."""
+    layer = Layer("layer_norm", name, [call.args[0]], var, [var], call)
+    channels = _shape(call.args[0])[1]
+    axes = sorted(int(a) % 4 for a in call.attrs.axes)
+    gamma = _const(call.args[1]) if call.attrs.scale else np.ones(channels, np.float32)
+    beta = _const(call.args[2]) if call.attrs.center else np.zeros(channels, np.float32)
+    if axes != [1]:
+        layer.reason_float = f"LayerNorm over axes {axes}: the int8 kernel normalizes each pixel's channels (axis 1)"
+    elif gamma is None or beta is None or gamma.size != channels or beta.size != channels:
+        layer.reason_float = "LayerNorm whose gamma / beta are not constants of one value per channel"
+    else:
+        layer.weight, layer.bias = gamma.reshape(channels).astype(np.float32), beta.reshape(channels).astype(np.float32)
+    return layer
 
 
 def _channel_scale(call: relax.Call):

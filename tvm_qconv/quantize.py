@@ -98,9 +98,15 @@ def check_rounded(graph: Graph, integers: dict) -> None:
     Raises:
         RuntimeError: naming a layer whose rounding the export lost (a bug, not bad input).
     """
-    weights = {ly.name: ly.weight for ly in graph.layers if ly.weight is not None}
+    weights = {ly.name: ly.weight for ly in graph.layers if ly.weight is not None and ly.kind in ("conv2d", "dense")}
     for name, q in integers.items():
-        if name not in weights or not np.array_equal(quantize_weight_per_channel(weights[name])[0], q):
+        if name not in weights or weights[name].size != q.size:
+            raise RuntimeError(f"GPTQ: {name}'s rounded weights were not found again after export and folding")
+        # a Linear layer may have become a 1x1 conv ([O, K] -> [O, K, 1, 1]), and a layer scale folded
+        # into it (transform/channels_first.py) scales each row: the same integers, a negative scale negates them
+        rows = quantize_weight_per_channel(weights[name])[0].reshape(q.shape[0], -1).astype(np.int16)
+        want = q.reshape(q.shape[0], -1).astype(np.int16)
+        if not np.all(np.all(rows == want, axis=1) | np.all(rows == -want, axis=1)):
             raise RuntimeError(f"GPTQ: {name}'s rounded weights were not found again after export and folding")
 
 

@@ -84,13 +84,61 @@ def pack_depthwise(w: np.ndarray) -> np.ndarray:
     return wp
 
 
+# Output pixels of one row per thread (the largest divisor of the output width up to this):
+# their taps share input words and filter words in registers.
+ROW_TILE = 8
+THREADS = 128
+# ... as long as the grid keeps this many threads (4 blocks of 128 on each of an H100's 132 SMs): at
+# batch 1 a 56 x 56 x 96 map has 75,264 output words, and 8 pixels a thread left 73 blocks for 132
+# SMs (ConvNeXt-T at batch 1 went 0.53 -> 0.65 ms on an H100, 2026-11-27).
+MIN_THREADS = 1 << 16
+
+
+def row_tile(wl: ConvWorkload) -> int:
+    """Pixels per thread: the largest divisor of the output width up to :data:`ROW_TILE` that
+    leaves at least :data:`MIN_THREADS` threads (1 where none does)."""
+    words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // LANES
+    return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or words // d >= MIN_THREADS))
+
+
 def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
-    """One thread per output word (4 channels of one pixel), consecutive threads on consecutive
-    words (a pixel's channels, then the next pixel's: coalesced loads and stores); the kh x kw
-    taps unrolled.  The NCHW4c kernel's schedule (:func:`schedule_word_per_thread`) with the
-    word's lanes split off the channel axis instead of being their own dimension."""
+    """One thread per output word (4 channels) of ``R`` consecutive pixels of a row (:func:`row_tile`:
+    8 at batch 64, 1 where the grid would be too small for the GPU),
+    consecutive threads on consecutive words of a pixel (coalesced loads and stores).  Per filter
+    row the thread loads the ``(R - 1) * stride + (kw - 1) * dilation + 1`` input words the R
+    pixels read into registers once, and each filter word once for all R pixels: a 7 x 7 filter
+    over 8 pixels takes 14 input and 7 filter loads per filter row, where one pixel per thread
+    (the NCHW4c kernel's :func:`schedule_word_per_thread`) took 7 and 7 for each pixel.
+
+    Why: ConvNeXt-T's 7 x 7 depthwise convs took 2.46 of its 4.63 ms of kernels at batch 64 on an
+    H100 with one pixel per thread (2.7 T multiply-adds/s: bound by loads and byte unpacking, not
+    by memory), ``docs/history.md``.  A channel multiplier above 1 keeps the one-pixel schedule."""
+    wl = ConvWorkload.of(func)
     sch = tvm.s_tir.Schedule(func)
-    n, y, x, o, ry, rx = sch.get_loops(sch.get_sblock("conv"))
+    conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
+    n, y, x, o, ry, rx = sch.get_loops(conv)
     ob, oi = sch.split(o, [None, LANES])
-    schedule_word_per_thread(sch, (n, y, x, ob), ry, rx, oi, ConvWorkload.of(func))
+    if wl.out_channels != wl.in_channels:
+        schedule_word_per_thread(sch, (n, y, x, ob), ry, rx, oi, wl)
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    xo, xi = sch.split(x, [None, row_tile(wl)])
+    sch.reorder(n, y, xo, ob, ry, rx, xi, oi)
+    bx, tx = sch.split(sch.fuse(n, y, xo, ob), [None, THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
+    store = sch.cache_write(requant, 0, "local")
+    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(store)[-1])
+    sch.set_scope(pad, 0, "local")
+    sch.compute_at(pad, ry, preserve_unit_loops=True)      # the input words of one filter row
+    sch.vectorize(sch.get_loops(pad)[-1])
+    w_local = sch.cache_read(conv, 1, "local")
+    sch.compute_at(w_local, rx, preserve_unit_loops=True)  # one filter word, for all R pixels
+    sch.vectorize(sch.get_loops(w_local)[-1])
+    init = sch.decompose_reduction(conv, ry)
+    for loop in (ry, rx, xi, oi, *sch.get_loops(init)[2:], *sch.get_loops(requant)[2:],
+                 *sch.get_loops(pad)[3:-1]):
+        sch.unroll(loop)
     return sch.mod["main"].with_attr("tir.is_scheduled", True)

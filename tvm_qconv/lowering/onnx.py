@@ -301,6 +301,10 @@ class ONNXEmitter:
         y = self.node("Mul", [self.int8_of(lp.reads[0]), self.float_of(ly.gate)], ly.name)
         self.produce(ly.output, y, lp.output)
 
+    def layer_layer_norm(self, lp) -> None:
+        ly = lp.layer
+        self.produce(ly.output, self.layer_norm(ly.call, self.int8_of(lp.reads[0]), ly.name), lp.output)
+
     def layer_max_pool2d(self, lp) -> None:
         ly = lp.layer
         y = self.node("MaxPool", [self.dq(self.qver[ly.inputs[0]])], ly.name, **self.pool_attrs(ly.call, "max"))
@@ -489,20 +493,30 @@ class ONNXEmitter:
         return [self.batch_norm(call, self.float_of(call.args[0]), var.name), None, None]
 
     def op_nn_layer_norm(self, call, var):
+        return self.layer_norm(call, self.float_of(call.args[0]), var.name)
+
+    def layer_norm(self, call, x: str, name: str) -> str:
+        """ONNX's LayerNormalization normalizes the axes from ``axis`` to the last: a LayerNorm over
+        the channels of NCHW (``transform/channels_first.py``) goes there between two Transposes."""
         a = call.attrs
-        rank = len(static_shape(call.args[0].ty))
+        shape = static_shape(call.args[0].ty)
+        rank = len(shape)
         axes = sorted(int(v) % rank for v in a.axes)
-        if axes != list(range(axes[0], rank)):
+        channels_first = rank == 4 and axes == [1]
+        if axes != list(range(axes[0], rank)) and not channels_first:
             raise InputError(f"a layer_norm over axes {list(a.axes)} (not the last ones) cannot be exported to "
                              "ONNX yet")
-        width = int(np.prod(static_shape(call.args[0].ty)[axes[0]:]))
-        norm_shape = static_shape(call.args[0].ty)[axes[0]:]
+        norm_shape = (shape[1],) if channels_first else shape[axes[0]:]
         gamma = call.args[1].value.numpy() if a.scale else np.ones(norm_shape, np.float32)
         beta = call.args[2].value.numpy() if a.center else np.zeros(norm_shape, np.float32)
-        assert gamma.size == width and beta.size == width
-        return self.node("LayerNormalization", [self.float_of(call.args[0]), self.const(gamma, f"{var.name}.gamma"),
-                                                self.const(beta, f"{var.name}.beta")],
-                         var.name, axis=axes[0], epsilon=float(a.epsilon))
+        assert gamma.size == beta.size == int(np.prod(norm_shape))
+        if channels_first:
+            x = self.node("Transpose", [x], f"{name}_nhwc", perm=[0, 2, 3, 1])
+        y = self.node("LayerNormalization", [x, self.const(gamma.reshape(norm_shape), f"{name}.gamma"),
+                                             self.const(beta.reshape(norm_shape), f"{name}.beta")],
+                      name if not channels_first else f"{name}_ln", axis=-1 if channels_first else axes[0],
+                      epsilon=float(a.epsilon))
+        return self.node("Transpose", [y], name, perm=[0, 3, 1, 2]) if channels_first else y
 
     def op_nn_max_pool2d(self, call, var):
         return self.node("MaxPool", [self.float_of(call.args[0])], var.name, **self.pool_attrs(call, "max"))

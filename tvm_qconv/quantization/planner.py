@@ -3,7 +3,7 @@
 
 One walk over the float graph's bindings in order, as the int8 graph will be built.  Each layer
 the analysis found asks its family's rule (``RULES``: ``conv.py``, ``pools.py``,
-``elementwise.py``, ``channels.py``) for its plan; the rule picks the kernel from the registry
+``elementwise.py``, ``norms.py``, ``channels.py``) for its plan; the rule picks the kernel from the registry
 (the user's choice, else a tuning database's measured pick, else the registry's order), and
 computes what the kernel reads: scales and zero points, packed weights, folded biases,
 multipliers.  The walk keeps what a backend will have at each step -- which int8 versions of a
@@ -23,7 +23,7 @@ from ..config import QuantConfig
 from ..graph import Graph, static_shape
 from ..schedules.requantize import UNSIGNED_ZERO
 from ..target import TargetInfo
-from . import channels, conv, elementwise, pools
+from . import channels, conv, elementwise, norms, pools
 from .plan import LayerPlan, QuantizationPlan, TensorQuant, TensorRead
 from .scales import activation_scale
 from .zero_points import PASS_THROUGH, may_run_int8, planned_unsigned
@@ -38,6 +38,7 @@ RULES = {
     "affine": elementwise.plan_affine,
     "lut": elementwise.plan_lut,
     "scale": elementwise.plan_scale,
+    "layer_norm": norms.plan_layer_norm,
     "concat": channels.plan_concat,
     "channels": channels.plan_channels,
 }
@@ -153,7 +154,7 @@ class Planner:
             return "in the skip list"
         if ly.kind == "dense" and not self.config.quantize_dense:
             return "quantize_dense=False"
-        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale") \
+        if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale", "layer_norm") \
                 and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
         if ly.kind == "lut" and not any(may_run_int8(r, self.config) for r in self.readers.get(ly.output, [])):

@@ -17,7 +17,7 @@ is unsigned when every layer that reads it can take it:
 - a conv (any padding, groups, stride);
 - a max / average pool, a channel gather (ShuffleNet's shuffle and split);
 - a residual add, a concatenation, an affine layer (DenseNet's BatchNorm), a lookup table, a channel
-  scale (squeeze-excite): each
+  scale (squeeze-excite), a LayerNorm (its statistics do not see the zero point): each
   subtracts the zero point from its input (or folds it into its offset, or its table);
 - a linear layer (it quantizes its float input itself, and folds the zero point into its bias),
   or any float op (they read the dequantized tensor, ``(q - zero) * s``).
@@ -34,7 +34,8 @@ from ..graph import Graph
 # Layers whose output can be unsigned: a conv whose activation is a ReLU / ReLU6 (clip at >= 0),
 # and the ops that keep a never-negative input never negative.
 PASS_THROUGH = ("max_pool2d", "channels")     # the same integers, zero point and scale as the input
-READERS = ("conv2d", "max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut", "scale")
+READERS = ("conv2d", "max_pool2d", "avg_pool2d", "channels", "dense", "add", "concat", "affine", "lut", "scale",
+           "layer_norm")
 # float ops that keep a never-negative tensor so: shapes, and the pools a model leaves float (VGG16's
 # and AlexNet's adaptive average pool before the classifier, ShuffleNet's global mean)
 NONNEG_FLOAT_OPS = ("relax.reshape", "relax.flatten", "relax.nn.adaptive_avg_pool2d", "relax.mean",

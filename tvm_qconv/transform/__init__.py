@@ -1,4 +1,5 @@
-"""The Relax module passes of a build after lowering: weights lifted to parameters, kernels scheduled."""
+"""The Relax rewrites of a build: before the analysis, channels-last regions as NCHW ops
+(``channels_first``); after lowering, weights lifted to parameters and kernels scheduled."""
 from .lift_params import LiftConstantsToParams
 from .schedule_kernels import ScheduleInt8Kernels
 
