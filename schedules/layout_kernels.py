@@ -183,21 +183,28 @@ class Lut(LayoutKernel):
 
 
 class Scale(LayoutKernel):
-    """Squeeze-excite's gated multiply: int8 in, a float gate per (image, channel), int8 out."""
+    """Squeeze-excite's gated multiply: int8 in, a float gate per (image, channel) -- or the gate's
+    int8 input and its 256-entry table -- int8 out."""
 
     op = "scale"
 
     def compute(self, wl):
         n, h, w = wl.shape
         return self.tag(scale_int8.scale_int8(self.packing, self.packing.packed_shape((n, wl.channels, h, w)),
-                                              wl.channels, wl.rescale, wl.in_zero, wl.out_zero), wl)
+                                              wl.channels, wl.rescale, wl.in_zero, wl.out_zero, wl.gate_table), wl)
 
-    def reference(self, wl, x, gate):
-        return scale_int8.scale_int8_ref(self.packing, x, gate, wl.channels, wl.rescale, wl.in_zero, wl.out_zero)
+    def reference(self, wl, x, gate, table=None):
+        return scale_int8.scale_int8_ref(self.packing, x, gate, wl.channels, wl.rescale, wl.in_zero, wl.out_zero,
+                                         table)
 
     def schedule(self, func, target):
         # the gate is one value per (image, channel): only X's reads are vectorized
         return _schedule_reading_x(func, target, "scale")
+
+    def pack_params(self, wl, *table) -> list:
+        if not wl.gate_table:
+            return no_constants(self, table)
+        return [np.ascontiguousarray(table[0], np.float32)]
 
     def out_shape(self, wl):
         return self._per_pixel(wl)

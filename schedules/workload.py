@@ -265,6 +265,7 @@ class ScaleWorkload:
     rescale: float
     in_zero: int = 0
     out_zero: int = 0
+    gate_table: bool = False   # the gate as an int8 input and a 256-entry table (scale_int8.py)
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

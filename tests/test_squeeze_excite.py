@@ -30,16 +30,24 @@ def _run(impl, wl, *args):
 
 @pytest.mark.parametrize("layout", ["NCHW4c", "NHWC32"])
 @pytest.mark.parametrize("zeros", [(0, 0), (-128, 0), (-128, -128)], ids=["symmetric", "unsigned-in", "unsigned"])
-def test_the_scale_kernel_is_its_numpy_twin_and_the_float_product_rounded(layout, zeros):
+@pytest.mark.parametrize("gate_table", [False, True], ids=["float-gate", "gate-table"])
+def test_the_scale_kernel_is_its_numpy_twin_and_the_float_product_rounded(layout, zeros, gate_table):
     packing = registry.layout(layout)
     impl = registry.get(f"scale.{layout.lower()}")
     s_x, s_y = 0.05, 0.03
-    wl = ScaleWorkload((2, 5, 3), 7, s_x / s_y, *zeros)   # 7 channels: padded in both layouts
+    wl = ScaleWorkload((2, 5, 3), 7, s_x / s_y, *zeros, gate_table=gate_table)   # 7 channels: padded in both
     q = RNG.integers(-128 if zeros[0] else -127, 128, (2, 7, 5, 3)).astype(np.int8)
-    gate = RNG.random((2, 7, 1, 1)).astype(np.float32)
     x = packing.pack(q)
-    got = _run(impl, wl, x, gate)
-    assert np.array_equal(got, impl.reference(wl, x, gate))   # bit for bit, padded channels 0
+    if gate_table:   # the gate conv's int8 output and a sigmoid table of its 256 values (scale 0.1)
+        logits = RNG.integers(-127, 128, (2, 7, 1, 1)).astype(np.int8)
+        table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
+        gate = table[logits.astype(int) + 128]
+        args = (x, packing.pack(logits), *impl.pack_params(wl, table))
+    else:
+        gate = RNG.random((2, 7, 1, 1)).astype(np.float32)
+        args = (x, gate)
+    got = _run(impl, wl, *args)
+    assert np.array_equal(got, impl.reference(wl, *args))   # bit for bit, padded channels 0
     # the float path it replaces: dequantize, multiply, quantize at s_y (one rounding step at most,
     # where the fixed-point rescale rounds a tie the other way)
     real = (q.astype(np.float64) - zeros[0]) * s_x * gate
@@ -69,8 +77,11 @@ def test_a_squeeze_excite_block_runs_in_int8_with_only_its_gate_in_float(tmp_pat
     kinds = {r["kind"].split("+")[0]: r["dtype"] for r in res.report["layers"]}
     assert kinds["scale"] == "int8" and kinds["avg_pool2d"] == "int8" and kinds["lut"] == "int8"
     assert all(r["dtype"] == "int8" for r in res.report["layers"])
-    # what stays float: the sigmoid of the gate ([N, 16, 1, 1]) and the classifier's flatten
-    assert res.report["float_ops"] == {"relax.sigmoid": 1, "relax.reshape": 1}
+    # what stays float: the classifier's flatten; the gate's sigmoid is a table the scale kernel reads
+    # on the second 1x1 conv's int8 output
+    assert res.report["float_ops"] == {"relax.reshape": 1}
+    (scale,) = [r for r in res.report["layers"] if r["kind"] == "scale"]
+    assert scale["shape"].endswith("by a gate table of its int8 input")
     # no feature map leaves int8: the only dequantizes are of [N, C, 1, 1] tensors (the gate's input, the pool)
     assert not any(c.startswith("quantize") and "x (" not in c for c in res.report["conversions"]), \
         res.report["conversions"]
@@ -100,3 +111,37 @@ def test_the_cuda_build_of_a_squeeze_excite_net_equals_its_cpu_build(tmp_path):
     for e_cpu, e_gpu, a, b in zip(exposed["llvm"], exposed["cuda"], outs["llvm"][1:], outs["cuda"][1:]):
         np.testing.assert_array_equal(registry.layout(e_cpu["layout"]).unpack(a, e_cpu["channels"]),
                                       registry.layout(e_gpu["layout"]).unpack(b, e_gpu["channels"]), e_cpu["layer"])
+
+
+class SpatialGate(nn.Module):
+    """A gate that is not a per-channel scale: one factor per pixel ([N, 1, H, W], CBAM's spatial attention)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.gate, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 1, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.conv(x))
+        return self.head(x * torch.sigmoid(self.gate(x)))
+
+
+def test_the_report_says_why_each_float_op_stayed_float(tmp_path):
+    photos = skimage_photos(32)
+    # the gate's conv kept float: the scale kernel reads the float gate, its sigmoid runs in float
+    se = compile_model(SqueezeExcite().eval(), str(tmp_path / "se.so"), options=BuildOptions(image_size=32),
+                       config=QuantConfig(num_calib_images=4, skip=("fc2",)), ranges=Calibrate(photos[:4]),
+                       progress=False)
+    (scale,) = [r for r in se.report["layers"] if r["kind"] == "scale"]
+    assert scale["dtype"] == "int8" and scale["shape"].endswith("by a float gate")
+    why = {d["op"]: d for d in se.report["float_op_details"]}
+    assert why["relax.sigmoid"]["why"].startswith("computes a channel-scale gate") and \
+        why["relax.sigmoid"]["shape"] == [1, 16, 1, 1] and why["relax.sigmoid"]["dtype"] == "float32"
+    assert why["relax.reshape"]["why"].startswith("a view")
+    # a per-pixel gate is not a channel scale: its multiply stays float, and the report says so (never mis-fused)
+    sg = compile_model(SpatialGate().eval(), str(tmp_path / "sg.so"), options=BuildOptions(image_size=32),
+                       config=QuantConfig(num_calib_images=4), ranges=Calibrate(photos[:4]), progress=False)
+    (mul,) = [d for d in sg.report["float_op_details"] if d["op"] == "relax.multiply"]
+    assert mul["shape"] == [1, 8, 32, 32] and mul["why"].startswith("no int8 kernel for relax.multiply")
+    assert "scale" not in [r["kind"] for r in sg.report["layers"]]
+    assert sg.report["verify"]["status"] == "ok"

@@ -15,7 +15,9 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
 - ``scale``: ``multiply(x, g)`` of a 4-D activation ``x`` [N, C, H, W] and a per-(image, channel) factor
   ``g`` [N, C, 1, 1] computed at run time (squeeze-excite's gate): ``x`` is its input, ``g`` its
-  ``Layer.gate``, read in float;
+  ``Layer.gate``; where ``g`` is an elementwise chain of one activation ``a`` [N, C, 1, 1] (a sigmoid
+  or hardsigmoid of the block's second conv), ``a`` is its second input and the chain its
+  ``Layer.gate_chain`` (read as a 256-entry table), else ``g`` is read in float;
 - ``layer_norm``: ``layer_norm(x, gamma, beta, axes=[1])`` of a 4-D activation, gamma and beta
   constants: a LayerNorm over each pixel's channels (ConvNeXt's, after ``transform/channels_first.py``
   made its channels-last regions NCHW); ``Layer.weight`` / ``Layer.bias`` hold gamma and beta.  A
@@ -73,6 +75,9 @@ class Layer:
     window: tuple | None = None
     channel_index: tuple | None = None  # channels: output channel j reads input channel index[j]
     gate: relax.Var | None = None       # scale: the [N, C, 1, 1] factor, read in float
+    # scale: the elementwise chain (a ``lut`` Layer: sigmoid, hardsigmoid) that computes the gate from the
+    # activation ``inputs[1]``, which the int8 kernel reads as a table of its 256 values
+    gate_chain: "Layer | None" = None
 
     @property
     def quantizable(self) -> bool:
@@ -240,6 +245,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         g.layer_of_var[layer.vars[0]] = layer
         g.consumed.update(layer.vars)
 
+    _gate_chains(g)
     _drop_luts_without_int8_reader(g)
     for ly in g.layers:
         if ly.kind in ("max_pool2d", "channels"):  # they commute with the quantizer: the output keeps the input's scale
@@ -266,6 +272,24 @@ def _layer_norm_layer(var, call, name) -> Layer:
     else:
         layer.weight, layer.bias = gamma.reshape(channels).astype(np.float32), beta.reshape(channels).astype(np.float32)
     return layer
+
+
+def _gate_chains(g: Graph) -> None:
+    """A scale layer whose gate is an elementwise chain (a ``lut`` region: sigmoid, hardsigmoid) of one
+    activation ``[N, C, 1, 1]`` (the squeeze-excite's second conv) reads that activation as its second
+    input, the chain its ``gate_chain``: the int8 kernel applies the chain as a table of the 256 values
+    the activation's int8 holds.  The chain's bindings are emitted in float only if a float reader
+    needs them (``Graph.lazy``: the kernel's float-gate fallback, the ONNX export)."""
+    chains = {ly.output: ly for ly in g.layers if ly.kind == "lut"}
+    for ly in [ly for ly in g.layers if ly.kind == "scale"]:
+        chain = chains.get(ly.gate)
+        if chain is None or _shape(chain.inputs[0]) != _shape(ly.gate):
+            continue
+        g.layers.remove(chain)
+        del g.layer_of_var[chain.vars[0]]
+        g.lazy.update(chain.vars)   # consumed (by the lut region) and emitted on demand
+        ly.gate_chain = chain
+        ly.inputs.append(chain.inputs[0])
 
 
 def _channel_scale(call: relax.Call):

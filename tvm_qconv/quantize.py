@@ -176,6 +176,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     dump_ir(debug_dump, "03_quantized", qmod)
     planned = plan.report()
     report = dict(layers=planned["layers"], float_ops=lower.report["float_ops"],
+                  float_op_details=lower.report["float_op_details"],
                   conversions=lower.report["conversions"], relayouts=lower.report["relayouts"],
                   unsigned=planned["unsigned"], unsigned_fallback=planned["unsigned_fallback"],
                   exposed=lower.report["exposed"], ranges=ranges_report)

@@ -33,6 +33,7 @@ def format_report(meta: dict) -> str:
     fl = rep.get("float_ops") or {}
     lines.append("stayed float: " + (", ".join(f"{k.removeprefix('relax.')} x{v}" for k, v in sorted(fl.items()))
                                      or "nothing"))
+    lines += format_float_ops(rep.get("float_op_details") or [])
     conversions = rep.get("conversions", [])
     lines.append(f"conversions: {len(conversions)} ({rep.get('relayouts', 0)} relayouts): "
                  + (", ".join(conversions) or "none"))
@@ -49,6 +50,15 @@ def format_report(meta: dict) -> str:
         lines.append("output: " + rep["output"])
     lines.append(format_seconds(meta.get("build_seconds", {})))
     return "\n".join(lines)
+
+
+def format_float_ops(details: list) -> list[str]:
+    """One line per (op, dtype, reason) of the ops that stayed float: how many, an output shape, why."""
+    groups: dict = {}
+    for d in details:
+        groups.setdefault((d["op"], d["dtype"], d["why"]), []).append(d)
+    return [f"  {op.removeprefix('relax.')} x{len(ds)} {dtype} (e.g. {ds[0]['shape']}): {why}"
+            for (op, dtype, why), ds in groups.items()]
 
 
 def format_seconds(bs: dict) -> str:

@@ -23,6 +23,7 @@ from tvm import relax
 
 from .. import registry
 from ..graph import static_shape
+from ..quantization.float_ops import describe, float_op_reasons
 from ..quantization.plan import LayerPlan, QuantizationPlan, TensorQuant, TensorRead
 from ..relax_utils import bindings_of, free_vars, substitute
 from ..schedules.workload import DequantizeWorkload, QuantizeRowsWorkload, QuantizeWorkload, RelayoutWorkload
@@ -67,6 +68,8 @@ class _Emitter:
         self.fenv: dict = {}   # old var -> new float var
         self.qenv: dict = {}   # old var -> {layout name: _Int8}
         self.float_ops: Counter = Counter()
+        self.float_details: list = []   # every float op: its shape, dtype and why (quantization/float_ops.py)
+        self.why_float = float_op_reasons(plan)
         self.conversions: list = []   # (kind, tensor) of every conversion kernel emitted
         self.pending: dict = {}       # graph.lazy var -> its binding, emitted in float at the first float read
 
@@ -138,6 +141,8 @@ class _Emitter:
         new = substitute(value, vmap)
         if isinstance(new, relax.Call) and getattr(new.op, "name", None):
             self.float_ops[new.op.name] += 1
+            self.float_details.append(describe(binding.var, new.op.name,
+                                               self.why_float.get(binding.var, f"no int8 kernel for {new.op.name}")))
         self.fenv[binding.var] = self.bb.emit(new, name_hint=binding.var.name)
 
     # ---- layers -------------------------------------------------------------------------
@@ -190,7 +195,7 @@ class _Emitter:
             if gv.name_hint != "main" and gv.name_hint not in [g.name_hint for g in new_mod.get_global_vars()]:
                 new_mod[gv] = f
         kinds = Counter(kind for kind, _ in self.conversions)
-        self.lower.report = {"float_ops": dict(self.float_ops),
+        self.lower.report = {"float_ops": dict(self.float_ops), "float_op_details": self.float_details,
                              "conversions": [f"{kind} {at}" for kind, at in self.conversions],
                              "relayouts": kinds.get("relayout", 0),
                              "exposed": [e for e, _ in exposed]}

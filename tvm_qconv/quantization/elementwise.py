@@ -1,13 +1,15 @@
 """Planning rules of the elementwise int8 layers: a residual add (each input requantized to the
 output's scale), an affine layer (a BatchNorm no conv absorbed: a multiplier, shift and offset
 per channel), a lookup table (an elementwise function of one int8 tensor, 256 entries) and a
-channel scale (squeeze-excite's gated multiply: a float factor per image and channel)."""
+channel scale (squeeze-excite's gated multiply: a factor per image and channel, read in float or
+computed from its int8 input by a table of the gate function)."""
 from __future__ import annotations
 
+import numpy as np
 
 from .. import registry
 from ..graph import static_shape
-from ..lut_table import lut_table
+from ..lut_table import dequantized_inputs, evaluate, lut_table
 from ..schedules.requantize import add_multipliers, affine_params
 from ..schedules.workload import AddWorkload, AffineWorkload, LutWorkload, ScaleWorkload
 from .plan import LayerPlan, TensorQuant, TensorRead
@@ -78,11 +80,18 @@ def plan_scale(p, ly) -> LayerPlan | str:
         return p.no_kernel("scale", f"{x.layout} tensor")
     n, c, h, w = static_shape(ly.output.ty)
     s_y, z_y = p.scale(ly.output), p.zero(ly.output)
-    wl = ScaleWorkload((n, h, w), c, x.scale / s_y, x.zero, z_y)
     out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
     out = TensorQuant(s_y, z_y, c, impl.layout, out_shape)
+    reads, float_reads, params = (TensorRead(ly.inputs[0], x),), (ly.gate,), ()
+    table = ly.gate_chain is not None and p.quantized(ly.inputs[1]) is not None
+    if table:   # the gate's sigmoid / hard-sigmoid as a table of its int8 input's 256 values
+        gate = p.read(ly.inputs[1], x.layout)
+        values = evaluate(ly.gate_chain, p.value, dequantized_inputs(gate.quant.scale, gate.quant.zero))
+        reads, float_reads, params = reads + (gate,), (), (values.astype(np.float32),)
+    wl = ScaleWorkload((n, h, w), c, x.scale / s_y, x.zero, z_y, gate_table=table)
     p.produce(ly.output, out)
-    return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), float_reads=(ly.gate,),
-                     output=out, out_shape=out_shape,
+    how = "a gate table of its int8 input" if table else "a float gate"
+    return LayerPlan(ly, impl=impl, workload=wl, reads=reads, float_reads=float_reads, output=out,
+                     out_shape=out_shape, params=tuple(impl.pack_params(wl, *params)),
                      row=dict(layer=ly.name, kind="scale", kernel=impl.name, dtype="int8",
-                              shape=f"{static_shape(ly.output.ty)} by a float gate"))
+                              shape=f"{static_shape(ly.output.ty)} by {how}"))
