@@ -83,6 +83,17 @@ def test_the_cuda_schedule_compiles_for_every_layer_norm_shape(shape, channels):
     assert source.count("__shfl_down_sync") >= 2 * 5   # two reductions of 32 lanes: 5 steps each
 
 
+def test_the_nchw4c_layer_norm_is_left_to_dlight_on_cuda_and_compiles():
+    """A GPU without int8 tensor cores runs the LayerNorm in NCHW4c: no own schedule, dlight's rules
+    (``registry.compile_kernel`` applies the build's) give a kernel that compiles (unscheduled, CUDA
+    codegen refuses it: every loop must be bound to threads)."""
+    impl = registry.get("layer_norm.nchw4c")
+    cuda = make_target("cuda", "sm_61")
+    wl = LayerNormWorkload((2, 14, 14), 96, 0)
+    assert impl.schedule(impl.compute(wl), cuda) is None
+    assert "__global__" in cuda_source(registry.compile_kernel(impl, wl, cuda))   # scheduled: it lowers to CUDA
+
+
 class _TinyConvNeXt(nn.Module):
     """ConvNeXt's stem, one block and its downsampling, small: the Linear layers, GELU, layer
     scale and both LayerNorm forms (``LayerNorm2d``: permute, normalize, permute back)."""
