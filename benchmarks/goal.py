@@ -1,0 +1,178 @@
+"""Issue 34's goal, measured: every zoo classifier's int8 library against PyTorch's best (fp16 and bf16
+channels_last with CUDA graphs, ``torch.compile(mode="max-autotune")``), at batch 1 and 64, with
+``deploy.py compare`` -- one (model, batch) per GPU at a time, resumable across device calls.
+
+    python benchmarks/goal.py run --out docs/results/goal --deadline 540          # every GPU of the machine
+    python benchmarks/goal.py run --models convnext_tiny densenet121 --batches 64 --out docs/results/goal
+    python benchmarks/goal.py table docs/results/goal                              # goal.md + goal.json
+
+Why a driver: ``torch.compile`` with max-autotune takes ~5 minutes per model and batch on an H100, so
+the 32 measurements take ~3 hours of one GPU, and a device call lasts at most 10 minutes.  ``run``
+starts one ``deploy.py compare --model M --batch B`` per GPU (``CUDA_VISIBLE_DEVICES``), as many
+(model, batch) units as there are GPUs, the next as one finishes; a unit whose
+``<out>/<model>_b<batch>/compare_<model>.json`` exists is done and skipped, so a later call goes on
+where an earlier one stopped.  At ``--deadline`` seconds the running units are interrupted (their
+rows so far stay in ``compare_<model>.partial.json``; the unit runs again next time) and no new one
+starts where fewer than ``--unit-seconds`` remain.  ``table`` reads every finished unit: per model
+and batch, the int8 library's median, PyTorch's best row and which it was, the speed-up, and
+whether it reaches the goal (1.5x) and the moonshot (2x).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tvm_qconv.zoo import SIZES  # noqa: E402
+
+BASELINES = "int8-graph,torch-fp16-graph,torch-bf16-graph,torch-compile"
+GOAL, MOONSHOT = 1.5, 2.0
+
+
+def unit_dir(out: str, model: str, batch: int) -> str:
+    return os.path.join(out, f"{model}_b{batch}")
+
+
+def pending(out: str, models: list[str], batches: list[int]) -> list[tuple[str, int]]:
+    """The (model, batch) units without a finished comparison in ``out``, batch 64 first (the slower)."""
+    units = [(m, b) for b in sorted(batches, reverse=True) for m in models]
+    return [(m, b) for m, b in units if not os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))]
+
+
+def command(out: str, model: str, batch: int, size: int) -> list[str]:
+    return [sys.executable, os.path.join(ROOT, "deploy.py"), "compare", "--model", model, "--batch", str(batch),
+            "--image-size", str(size), "--baselines", BASELINES, "--out", unit_dir(out, model, batch),
+            "--work-dir", os.path.join("/tmp", "tvm_qconv_goal", f"{model}_b{batch}"), "--quiet"]
+
+
+def gpu_count() -> int:
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listed.splitlines())
+
+
+def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: float, unit_seconds: float,
+        size: int, dry_run: bool = False) -> int:
+    """Measure the pending units, one per GPU at a time, until none is left or the deadline; returns
+    how many finished."""
+    todo = pending(out, models, batches)
+    print(f"{len(todo)} of {len(models) * len(batches)} units to measure on {gpus} GPU(s): "
+          + ", ".join(f"{m} b{b}" for m, b in todo), flush=True)
+    if dry_run:
+        for m, b in todo:
+            print(" ".join(command(out, m, b, size)))
+        return 0
+    if gpus < 1:
+        raise SystemExit("no GPU: the goal is measured on one (nvidia-smi lists none)")
+    start, running, finished = time.monotonic(), {}, 0
+    while todo or running:
+        left = deadline - (time.monotonic() - start)
+        free = [g for g in range(gpus) if g not in running]
+        while todo and free and left >= unit_seconds:
+            (m, b), g = todo.pop(0), free.pop(0)
+            os.makedirs(unit_dir(out, m, b), exist_ok=True)
+            log = open(os.path.join(unit_dir(out, m, b), "log.txt"), "a")
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g))
+            running[g] = (m, b, subprocess.Popen(command(out, m, b, size), env=env, stdout=log, stderr=log), log)
+            print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b}", flush=True)
+        for g, (m, b, proc, log) in list(running.items()):
+            if proc.poll() is None and left > 0:
+                continue
+            if proc.poll() is None:   # past the deadline: interrupt, its rows so far stay in the partial file
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            log.close()
+            done = os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))
+            finished += done
+            print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b} "
+                  + ("done" if done else f"not finished (exit {proc.returncode}; log.txt)"), flush=True)
+            del running[g]
+        if not running and (not todo or left < unit_seconds):
+            break
+        time.sleep(2)
+    return finished
+
+
+def table(out: str) -> dict:
+    """Every finished unit of ``out``: ``{"rows": [...], "models": n, "goal_met": [...], ...}``, and goal.md."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out, "*_b*", "compare_*.json"))):
+        if path.endswith(".partial.json"):
+            continue
+        with open(path) as f:
+            result = json.load(f)
+        for s in result["summary"]:
+            best = s.get("best", {})
+            int8, torch_best = best.get("tvm_qconv"), best.get("pytorch")
+            speedup = (s.get("speedup") or {}).get("pytorch")
+            rows.append(dict(model=result["model"], batch=s["batch"], device=result.get("device"),
+                             int8_ms=int8 and int8["median_ms"], pytorch_ms=torch_best and torch_best["median_ms"],
+                             pytorch_best=torch_best and torch_best["name"], speedup=speedup,
+                             goal=speedup is not None and speedup >= GOAL,
+                             moonshot=speedup is not None and speedup >= MOONSHOT))
+    rows.sort(key=lambda r: (r["model"], r["batch"]))
+    summary = dict(rows=rows, goal=GOAL, measured=len(rows), goal_met=sum(r["goal"] for r in rows),
+                   missed=[f"{r['model']} b{r['batch']}" for r in rows if not r["goal"]])
+    lines = ["| model | batch | int8 (ms) | PyTorch's best (ms) | which | speed-up | goal 1.5x |",
+             "|---|---|---|---|---|---|---|"]
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    for r in rows:
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        verdict = "**yes** (2x)" if r["moonshot"] else "yes" if r["goal"] else "no"
+        lines.append(f"| {r['model']} | {r['batch']} | {ms(r['int8_ms'])} | {ms(r['pytorch_ms'])} | "
+                     f"{r['pytorch_best'] or '-'} | {speedup} | {verdict} |")
+    lines.append(f"\n{summary['goal_met']} of {len(rows)} measured (model, batch) at the goal; missed: "
+                 + (", ".join(summary["missed"]) or "none"))
+    with open(os.path.join(out, "goal.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out, "goal.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n".join(lines))
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="measure the pending (model, batch) units on this machine's GPUs")
+    r.add_argument("--models", nargs="+", default=list(SIZES), help="zoo models (default: all 16)")
+    r.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    r.add_argument("--size", type=int, default=224)
+    r.add_argument("--gpus", type=int, default=None, help="default: every GPU nvidia-smi lists")
+    r.add_argument("--deadline", type=float, default=540.0, help="seconds this call may run (default 540)")
+    r.add_argument("--unit-seconds", type=float, default=420.0,
+                   help="start no unit with fewer seconds left than this (default 420: a build and max-autotune)")
+    r.add_argument("--dry-run", action="store_true", help="print the commands of the pending units")
+    r.add_argument("--out", default="results/goal")
+    t = sub.add_parser("table", help="the goal table of the finished units")
+    t.add_argument("out")
+    args = ap.parse_args(argv)
+    if args.cmd == "table":
+        table(args.out)
+        return 0
+    unknown = sorted(set(args.models) - set(SIZES))
+    if unknown:
+        raise SystemExit(f"not zoo models: {unknown}; the zoo's are {list(SIZES)}")
+    gpus = args.gpus if args.gpus is not None else gpu_count()
+    run(args.out, args.models, args.batches, gpus, args.deadline, args.unit_seconds, args.size, args.dry_run)
+    table(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

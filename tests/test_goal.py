@@ -1,0 +1,54 @@
+"""benchmarks/goal.py, the driver of issue 34's goal measurement: which (model, batch) units are
+left, the commands it runs, and the table it makes of finished comparisons (CPU: no GPU is run)."""
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks import goal
+
+
+def _finished(out, model, batch, int8_ms, torch_ms, best="torch.compile max-autotune fp16"):
+    """A finished unit as ``deploy.py compare`` writes it (the fields ``table`` reads)."""
+    d = goal.unit_dir(str(out), model, batch)
+    os.makedirs(d)
+    summary = [dict(batch=batch, best=dict(tvm_qconv=dict(name="tvm_qconv int8 + CUDA graph", median_ms=int8_ms),
+                                           pytorch=dict(name=best, median_ms=torch_ms)),
+                    speedup=dict(pytorch=torch_ms / int8_ms))]
+    with open(os.path.join(d, f"compare_{model}.json"), "w") as f:
+        json.dump(dict(model=model, device="NVIDIA H100", summary=summary), f)
+
+
+def test_finished_units_are_skipped_and_batch_64_goes_first(tmp_path):
+    _finished(tmp_path, "resnet18", 64, 0.5, 1.7)
+    os.makedirs(goal.unit_dir(str(tmp_path), "vgg16", 1))   # started, cut short: no compare_vgg16.json
+    assert goal.pending(str(tmp_path), ["resnet18", "vgg16"], [1, 64]) == [
+        ("vgg16", 64), ("resnet18", 1), ("vgg16", 1)]
+
+
+def test_the_table_gives_each_unit_its_speed_up_and_verdict(tmp_path):
+    _finished(tmp_path, "resnet18", 64, 0.5, 1.7)               # 3.4x: the moonshot
+    _finished(tmp_path, "densenet121", 64, 8.6, 8.61, "PyTorch fp16 channels_last + CUDA graph")   # 1.00x
+    _finished(tmp_path, "convnext_tiny", 1, 0.49, 0.80)         # 1.63x
+    summary = goal.table(str(tmp_path))
+    verdicts = {(r["model"], r["batch"]): (round(r["speedup"], 2), r["goal"], r["moonshot"]) for r in summary["rows"]}
+    assert verdicts == {("resnet18", 64): (3.4, True, True), ("densenet121", 64): (1.0, False, False),
+                        ("convnext_tiny", 1): (1.63, True, False)}
+    assert summary["missed"] == ["densenet121 b64"]
+    text = (tmp_path / "goal.md").read_text()
+    assert "| densenet121 | 64 | 8.600 | 8.610 | PyTorch fp16 channels_last + CUDA graph | 1.00x | no |" in text
+    assert json.loads((tmp_path / "goal.json").read_text())["goal_met"] == 2
+
+
+def test_a_dry_run_prints_one_compare_per_pending_unit_and_refuses_unknown_models(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "goal.py")
+    res = subprocess.run([sys.executable, script, "run", "--models", "resnet18", "--batches", "1", "64", "--dry-run",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if "deploy.py compare" in ln]
+    assert len(lines) == 2 and all(f"--baselines {goal.BASELINES}" in ln for ln in lines)
+    assert "--batch 64" in lines[0] and "--batch 1 " in lines[1]
+    bad = subprocess.run([sys.executable, script, "run", "--models", "resnet19", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "not zoo models: ['resnet19']" in bad.stderr
