@@ -11,6 +11,7 @@ from torch import nn
 from torchvision.models.convnext import CNBlock, LayerNorm2d
 from tvm import relax
 
+from tests.cuda_vs_cpu import assert_cuda_build_equals_cpu_build
 from tvm_qconv import registry
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
@@ -224,21 +225,5 @@ def test_the_onnx_export_runs_the_layer_norm_over_channels_as_onnx_runtime_does(
 def test_the_cuda_build_of_a_convnext_block_equals_its_cpu_build(tmp_path):
     """Every int8 activation, integer for integer: the LayerNorm's warp schedule (channels-last)
     against the CPU's compute definition (NCHW4c); batch 2, 48 channels after the downsampling."""
-    from tvm_qconv.target import device_arch
-    photos = skimage_photos(64)
-    model = _TinyConvNeXt().eval()
-    outs, exposed = {}, {}
-    for target in ("llvm", "cuda"):
-        res = compile_model(model, str(tmp_path / f"{target}.so"), config=QuantConfig(num_calib_images=4),
-                            options=BuildOptions(target=target, arch=device_arch() if target == "cuda" else None,
-                                                 batch=2, image_size=64, expose_activations=True),
-                            ranges=Calibrate(photos[:4]), progress=False)
-        outs[target] = CompiledModel(res.lib_path).outputs(photos[4:6])
-        exposed[target] = res.report["exposed"]
-    assert [e["layer"] for e in exposed["cuda"] if e["layer"].startswith("layer_norm")]
-    for e_cpu, e_gpu, a, b in zip(exposed["llvm"], exposed["cuda"], outs["llvm"][1:], outs["cuda"][1:]):
-        np.testing.assert_array_equal(registry.layout(e_cpu["layout"]).unpack(a, e_cpu["channels"]),
-                                      registry.layout(e_gpu["layout"]).unpack(b, e_gpu["channels"]), e_cpu["layer"])
-
-
-
+    layers = assert_cuda_build_equals_cpu_build(_TinyConvNeXt().eval(), skimage_photos(64), 64, tmp_path)
+    assert [name for name in layers if name.startswith("layer_norm")]

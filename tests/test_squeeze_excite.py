@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.cuda_vs_cpu import assert_cuda_build_equals_cpu_build
 from tvm_qconv import registry
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
@@ -96,21 +97,8 @@ def test_a_squeeze_excite_block_runs_in_int8_with_only_its_gate_in_float(tmp_pat
 def test_the_cuda_build_of_a_squeeze_excite_net_equals_its_cpu_build(tmp_path):
     """Every int8 activation, the channel scale's and the large global pool's (dlight's reduction
     schedule) included, integer for integer; at 48 px the first map is 2,304 pixels."""
-    from tvm_qconv.target import device_arch
-    photos = skimage_photos(48)
-    model = SqueezeExcite().eval()
-    outs, exposed = {}, {}
-    for target in ("llvm", "cuda"):
-        res = compile_model(model, str(tmp_path / f"{target}.so"), config=QuantConfig(num_calib_images=4),
-                            options=BuildOptions(target=target, arch=device_arch() if target == "cuda" else None,
-                                                 batch=2, image_size=48, expose_activations=True),
-                            ranges=Calibrate(photos[:4]), progress=False)
-        outs[target] = CompiledModel(res.lib_path).outputs(photos[4:6])
-        exposed[target] = res.report["exposed"]
-    assert "scale" in [e["layer"].split("_")[0] for e in exposed["cuda"]]
-    for e_cpu, e_gpu, a, b in zip(exposed["llvm"], exposed["cuda"], outs["llvm"][1:], outs["cuda"][1:]):
-        np.testing.assert_array_equal(registry.layout(e_cpu["layout"]).unpack(a, e_cpu["channels"]),
-                                      registry.layout(e_gpu["layout"]).unpack(b, e_gpu["channels"]), e_cpu["layer"])
+    layers = assert_cuda_build_equals_cpu_build(SqueezeExcite().eval(), skimage_photos(48), 48, tmp_path)
+    assert "scale" in [name.split("_")[0] for name in layers]
 
 
 class SpatialGate(nn.Module):

@@ -62,14 +62,11 @@ def plan_lut(p, ly) -> LayerPlan | str:
         return p.no_kernel("lut", f"{x.layout} tensor")
     n, c, h, w = static_shape(ly.output.ty)
     wl = LutWorkload((n, h, w), c)
-    s_y = p.scale(ly.output)
-    table = lut_table(ly, p.value, x.scale, s_y, x.zero)
-    out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
-    out = TensorQuant(s_y, 0, c, impl.layout, out_shape)
-    p.produce(ly.output, out)
+    table = lut_table(ly, p.value, x.scale, p.scale(ly.output), x.zero)
+    out = p.produce_output(ly, impl)
     ops = " ".join(str(p.value[v].op.name).removeprefix("relax.") for v in ly.vars)
     return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), output=out,
-                     out_shape=out_shape, params=tuple(impl.pack_params(wl, table)),
+                     out_shape=out.shape, params=tuple(impl.pack_params(wl, table)),
                      row=dict(layer=ly.name, kind="lut", kernel=impl.name, dtype="int8", shape=f"table of {ops}"))
 
 
@@ -79,19 +76,16 @@ def plan_scale(p, ly) -> LayerPlan | str:
     if impl is None:
         return p.no_kernel("scale", f"{x.layout} tensor")
     n, c, h, w = static_shape(ly.output.ty)
-    s_y, z_y = p.scale(ly.output), p.zero(ly.output)
-    out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
-    out = TensorQuant(s_y, z_y, c, impl.layout, out_shape)
     reads, float_reads, params = (TensorRead(ly.inputs[0], x),), (ly.gate,), ()
     table = ly.gate_chain is not None and p.quantized(ly.inputs[1]) is not None
     if table:   # the gate's sigmoid / hard-sigmoid as a table of its int8 input's 256 values
         gate = p.read(ly.inputs[1], x.layout)
         values = evaluate(ly.gate_chain, p.value, dequantized_inputs(gate.quant.scale, gate.quant.zero))
         reads, float_reads, params = reads + (gate,), (), (values.astype(np.float32),)
-    wl = ScaleWorkload((n, h, w), c, x.scale / s_y, x.zero, z_y, gate_table=table)
-    p.produce(ly.output, out)
+    out = p.produce_output(ly, impl)
+    wl = ScaleWorkload((n, h, w), c, x.scale / out.scale, x.zero, out.zero, gate_table=table)
     how = "a gate table of its int8 input" if table else "a float gate"
     return LayerPlan(ly, impl=impl, workload=wl, reads=reads, float_reads=float_reads, output=out,
-                     out_shape=out_shape, params=tuple(impl.pack_params(wl, *params)),
+                     out_shape=out.shape, params=tuple(impl.pack_params(wl, *params)),
                      row=dict(layer=ly.name, kind="scale", kernel=impl.name, dtype="int8",
                               shape=f"{static_shape(ly.output.ty)} by {how}"))

@@ -137,6 +137,15 @@ class Planner:
             raise RuntimeError(f"{var.name}: made with zero point {quant.zero}, planned {self.zero(var)}")
         self.versions[var] = {quant.layout: quant}
 
+    def produce_output(self, ly, impl) -> TensorQuant:
+        """``ly``'s output as ``impl`` writes it: the layer's own shape packed in the kernel's layout, at the
+        output's planned scale and zero point (the memory-bound kernels that keep their input's shape)."""
+        n, c, h, w = static_shape(ly.output.ty)
+        shape = registry.layout(impl.layout).packed_shape((n, c, h, w))
+        out = TensorQuant(self.scale(ly.output), self.zero(ly.output), c, impl.layout, shape)
+        self.produce(ly.output, out)
+        return out
+
     def make_symmetric(self, var) -> None:
         """Take ``var`` out of the unsigned plan, with the max pools and gathers that pass its
         integers on (their outputs are the same tensor); none of its readers is planned yet."""
