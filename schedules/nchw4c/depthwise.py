@@ -109,6 +109,22 @@ def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
+def bind_threads_and_store(sch, outer, threads: int):
+    """The loops ``outer`` fused into one thread each (blocks of ``threads``), the ``conv`` accumulators
+    in registers, the ``requant`` epilogue computed from them in the same thread and stored through a
+    register copy as one vector (int8x4 words).  Returns the thread loop."""
+    conv, requant = sch.get_sblock("conv"), sch.get_sblock("requant")
+    bx, tx = sch.split(sch.fuse(*outer), [None, threads])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(conv, 0, "local")
+    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
+    store = sch.cache_write(requant, 0, "local")
+    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(store)[-1])
+    return tx
+
+
 def schedule_word_per_thread(sch, outer, ry, rx, oi, wl: ConvWorkload) -> None:
     """The CUDA schedule of a depthwise kernel (blocks ``pad``, ``conv``, ``requant``) in either
     layout, from its ``conv`` loops: ``outer`` fused into one thread per output word, the taps
@@ -120,14 +136,7 @@ def schedule_word_per_thread(sch, outer, ry, rx, oi, wl: ConvWorkload) -> None:
     by byte."""
     conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
     sch.reorder(*outer, ry, rx, oi)
-    bx, tx = sch.split(sch.fuse(*outer), [None, THREADS])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.set_scope(conv, 0, "local")
-    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
-    store = sch.cache_write(requant, 0, "local")
-    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(store)[-1])
+    bind_threads_and_store(sch, outer, THREADS)
     if wl.out_channels == wl.in_channels:
         sch.set_scope(pad, 0, "local")
         sch.compute_at(pad, rx, preserve_unit_loops=True)

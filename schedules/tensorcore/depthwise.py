@@ -22,7 +22,7 @@ import tvm
 from tvm import te, tirx
 
 from ..requantize import requantize_ref, requantize_tir
-from ..nchw4c.depthwise import depthwise_acc_nhwc, schedule_word_per_thread
+from ..nchw4c.depthwise import bind_threads_and_store, depthwise_acc_nhwc, schedule_word_per_thread
 from ..workload import ConvWorkload
 from .layout import ceil32
 
@@ -123,14 +123,7 @@ def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     xo, xi = sch.split(x, [None, row_tile(wl)])
     sch.reorder(n, y, xo, ob, ry, rx, xi, oi)
-    bx, tx = sch.split(sch.fuse(n, y, xo, ob), [None, THREADS])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    sch.set_scope(conv, 0, "local")
-    sch.reverse_compute_at(requant, tx, preserve_unit_loops=True)
-    store = sch.cache_write(requant, 0, "local")
-    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(store)[-1])
+    bind_threads_and_store(sch, (n, y, xo, ob), THREADS)
     sch.set_scope(pad, 0, "local")
     sch.compute_at(pad, ry, preserve_unit_loops=True)      # the input words of one filter row
     sch.vectorize(sch.get_loops(pad)[-1])
