@@ -235,16 +235,23 @@ class LayerNorm(LayoutKernel):
 
 
 class Affine(LayoutKernel):
+    """A per-channel affine (BatchNorm) with its clamp; of one int8 tensor, or of the concatenation of
+    several that it reads in place (``AffineWorkload.inputs``)."""
+
     op = "affine"
 
     def compute(self, wl):
-        return self.tag(affine_int8.affine_int8(self.packing, wl.shape, wl.act_min, wl.act_max, wl.out_zero), wl)
+        return self.tag(affine_int8.affine_int8(self.packing, wl.shape, wl.act_min, wl.act_max, wl.out_zero,
+                                                tuple(wl.inputs)), wl)
 
-    def reference(self, wl, x, mult, shift, bias):
-        return affine_int8.affine_int8_ref(self.packing, x, mult, shift, bias, wl.act_min, wl.act_max, wl.out_zero)
+    def reference(self, wl, *args):
+        *xs, mult, shift, bias = args
+        return affine_int8.affine_int8_ref(self.packing, xs if wl.inputs else xs[0], mult, shift, bias, wl.act_min,
+                                           wl.act_max, wl.out_zero, tuple(wl.inputs))
 
     def schedule(self, func, target):
-        return schedule_elementwise(func, target, "affine", operands=(0,))
+        # one input: its bytes loaded 16 at a time; several: each byte from its input, the stores vectorized
+        return schedule_elementwise(func, target, "affine", operands=(0,) if len(func.params) == 5 else ())
 
     def pack_params(self, wl, mult, shift, bias) -> list:
         return affine_int8.pack_affine(self.packing, wl.shape, mult, shift, bias)

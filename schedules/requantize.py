@@ -51,8 +51,8 @@ def requantize_tir(acc, mult, shift, lo: int, hi: int = 127, offset=None, zero: 
     """TIR expression: clip(round_half_up((acc * mult + offset) * 2**-shift) + zero, lo, hi) as int8.
 
     ``acc`` is an int8, int32 or int64 expression; ``mult`` and ``shift`` int32 expressions;
-    ``offset`` (None: 0) an int64 expression added to the product, at its scale ``2**shift``
-    (the affine kernel's bias, ``affine_params``); ``zero``: the output's zero point (0, or -128
+    ``offset`` (None: 0) an int64 expression added to the product, at its scale ``2**shift``;
+    ``zero``: the output's zero point (0, or -128
     for an unsigned output), added after the rounding.
     """
     v = acc.astype("int64") * mult.astype("int64")
@@ -88,22 +88,39 @@ def add_multipliers(s_a: float, s_b: float, s_out: float) -> tuple[int, int, int
     return mult_a, mult_b, shift
 
 
-MAX_AFFINE_BIAS = 2 ** 62  # |bias| beyond it saturates the output whatever x is (|q_x * mult| < 2**38)
+# The affine kernel's fixed point, all in 32-bit integers: |q_x| <= 128 (an int8 less its zero point folded
+# into the bias), |mult| < 2**AFFINE_MULT_BITS, shift <= AFFINE_MAX_SHIFT, |bias| <= AFFINE_MAX_BIAS, so
+# q_x * mult + bias + 2**(shift - 1) < 2**22 + 2**30 + 2**21 < 2**31.  A bias clamped to AFFINE_MAX_BIAS
+# saturates the output as the true one would: (2**30 - 2**22) / 2**22 > 255 steps.  A 15-bit multiplier
+# (in [2**14, 2**15) unless the shift is capped) is off by at most 2**-15 of itself: the product by
+# 128 * r * 2**-15 steps for a channel's r = |a| * s_x / s_y (0.008 steps at r = 2), the bias by
+# 2**-(shift + 1) -- nothing an 8-bit output can see but a near-tie rounded the other way.
+AFFINE_MULT_BITS = 15
+AFFINE_MAX_SHIFT = 22
+AFFINE_MAX_BIAS = 2 ** 30
 
 
 def affine_params(a: np.ndarray, b: np.ndarray, s_x: float, s_y: float, z_x: int = 0) -> tuple[np.ndarray, ...]:
     """Fixed-point form of a per-channel affine ``y = a * x + b`` from scale ``s_x`` to ``s_y``:
-    (mult int32, shift int32, bias int64), each [C], with ``q_y = (q_x * mult + bias) >> shift``
-    rounded (``mult`` signed: a BatchNorm's gamma may be negative; a zero ``a`` gives mult 0).
-    ``z_x``: the input's zero point (``x = s_x * (q_x - z_x)``), ``-z_x * mult`` in the bias: exact."""
+    (mult, shift, bias), each int32 [C], with ``q_y = (q_x * mult + bias) >> shift`` rounded half up
+    (``mult`` signed: a BatchNorm's gamma may be negative; a zero ``a`` gives mult 0).  ``z_x``: the
+    input's zero point (``x = s_x * (q_x - z_x)``), ``-z_x * mult`` in the bias: exact.
+
+    Raises:
+        ValueError: a multiplier of 2**14 or more (a_c * s_x / s_y): the scales are inconsistent.
+    """
     m = np.asarray(a, np.float64) * s_x / s_y
     mag = np.abs(m)
-    mult, shift = quantize_multiplier(np.where(mag > 0, mag, 1.0))
-    mult = np.where(mag > 0, np.sign(m) * mult.astype(np.int64), 0).astype(np.int32)
-    bias = np.clip(np.round(np.asarray(b, np.float64) / s_y * 2.0 ** shift.astype(np.float64)),
-                   -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS).astype(np.int64)
-    bias = np.clip(bias - np.int64(z_x) * mult.astype(np.int64), -MAX_AFFINE_BIAS, MAX_AFFINE_BIAS)  # in integers
-    return mult, shift, bias
+    if (mag >= 2.0 ** (AFFINE_MULT_BITS - 1)).any():
+        raise ValueError(f"affine rescale factor {mag.max():.3g} too large: scales are inconsistent")
+    # the largest shift that keeps |mult| below 2**15 (mult in [2**14, 2**15)), at most 22
+    exp = np.floor(np.log2(np.where(mag > 0, mag, 1.0))).astype(np.int64)
+    shift = np.clip(AFFINE_MULT_BITS - 1 - exp, 1, AFFINE_MAX_SHIFT).astype(np.int64)
+    mult = np.rint(m * 2.0 ** shift).astype(np.int64)
+    mult = np.clip(mult, -(2 ** AFFINE_MULT_BITS - 1), 2 ** AFFINE_MULT_BITS - 1)
+    bias = np.rint(np.asarray(b, np.float64) / s_y * 2.0 ** shift) - np.float64(z_x) * mult
+    bias = np.clip(bias, -AFFINE_MAX_BIAS, AFFINE_MAX_BIAS).astype(np.int64)
+    return mult.astype(np.int32), shift.astype(np.int32), bias.astype(np.int32)
 
 
 # ---------------------------------------------------------------- the 32-bit form (CUDA epilogues)

@@ -298,6 +298,7 @@ class AffineWorkload:
     act_min: int = QMIN
     act_max: int = 127
     out_zero: int = 0
+    inputs: tuple[int, ...] = ()   # the real channels of each concatenated input (affine_int8.py); () = one input
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

@@ -210,7 +210,7 @@ def _workload_and_arrays(impl):
             "scale": (ScaleWorkload((1, 7, 5), 6, 0.5), 2, ()),   # the int8 map and the float gate
             "layer_norm": (LayerNormWorkload((1, 7, 5), 6), 1, layer_norm_params(np.ones(6), np.zeros(6), 1e-6, 0.1,
                                                                                   0.05, 0, 6)),
-            "affine": (AffineWorkload(packed), 1, (np.ones(6, np.int32), np.ones(6, np.int32), np.zeros(6, np.int64))),
+            "affine": (AffineWorkload(packed), 1, (np.ones(6, np.int32), np.ones(6, np.int32), np.zeros(6, np.int32))),
             }[impl.op]
 
 

@@ -19,7 +19,7 @@ from tvm_qconv.schedules.pool_int8 import (avg_pool2d_int8, avg_pool2d_int8_ref,
                                            pool_out_size)
 from tvm_qconv.schedules.tensorcore.layout import LAYOUT as NHWC32
 from tvm_qconv.schedules.quantize import quantize_ref
-from tvm_qconv.schedules.requantize import (QMIN, add_multipliers, quantize_multiplier, requantize_ref,
+from tvm_qconv.schedules.requantize import (QMIN, add_multipliers, affine_params, quantize_multiplier, requantize_ref,
                                             requantize_ref_i32)
 from tvm_qconv.schedules.workload import ConvWorkload
 
@@ -337,9 +337,8 @@ def _elementwise_case(op: str, shape, seed: int = 0):
         wl = AffineWorkload(shape, act_min=-6, act_max=100)
         impl = registry.get(f"affine.{layout}")
         c = impl.packing.logical_shape(shape)[1]
-        mult, shift = quantize_multiplier(rng.uniform(0.2, 2.0, c))
-        mult = (mult * rng.choice([-1, 1], c)).astype(np.int32)        # a BatchNorm's gamma may be negative
-        bias = rng.integers(-2 ** 40, 2 ** 40, c).astype(np.int64)
+        a = rng.uniform(0.2, 2.0, c) * rng.choice([-1, 1], c)          # a BatchNorm's gamma may be negative
+        mult, shift, bias = affine_params(a, rng.normal(0.0, 2.0, c), 0.03, 0.05)
         inputs = [x, mult, shift, bias]
     impl = registry.get(f"{op}.{layout}")
     return impl, wl, inputs, impl.reference(wl, *inputs)
@@ -723,6 +722,36 @@ def test_affine_int8_is_batchnorm_and_relu_within_half_a_step_with_negative_gamm
     exact = np.maximum(a[None, :, None, None] * layout.unpack(x, 12) * 0.03 + b[None, :, None, None], 0) / 0.05
     assert (a < 0).any() and np.abs(layout.unpack(ref, 12) - np.clip(exact, 0, 127)).max() <= 0.5 + 1e-9
     assert not layout.unpack(out, layout.logical_shape(out.shape)[1])[:, 12:].any()  # padded channels stay 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+def test_an_affine_of_a_concatenation_reads_its_inputs_in_place(layout):
+    """DenseNet's BatchNorm + ReLU of a concat nothing else reads: one kernel over the inputs, each
+    channel at its input's own scale and zero point; equal to the float BatchNorm of the float
+    concatenation within half a step (and the 15-bit multiplier's 128 * r * 2**-15, r <= ~3 here), and
+    its CUDA schedule's CPU twin bit-exact.  Inputs of 6, 32
+    and 5 channels: the later ones start mid-group in both layouts."""
+    from tvm_qconv import registry
+    from tvm_qconv.schedules.requantize import affine_params
+    from tvm_qconv.schedules.workload import AffineWorkload
+    from tvm_qconv.target import make_target
+    channels, scales, zeros = (6, 32, 5), (0.03, 0.05, 0.02), (0, -128, 0)
+    qs = [RNG.integers(-128 if z else -127, 128, (2, c, 3, 5)).astype(np.int8) for c, z in zip(channels, zeros)]
+    a, b = RNG.normal(0, 1, 43), RNG.normal(0, 0.5, 43)
+    s_y, z_y = 0.04, -128
+    offsets = np.cumsum([0, *channels])
+    parts = [affine_params(a[i:j], b[i:j], s, s_y, z) for i, j, s, z in zip(offsets, offsets[1:], scales, zeros)]
+    mult, shift, bias = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    impl = registry.get(f"affine.{layout.name.lower()}")
+    wl = AffineWorkload(layout.packed_shape((2, 43, 3, 5)), -128, 127, z_y, channels)
+    args = [layout.pack(q) for q in qs] + impl.pack_params(wl, mult, shift, bias)
+    ref = impl.reference(wl, *args)
+    real = np.concatenate([(q.astype(np.float64) - z) * s for q, z, s in zip(qs, zeros, scales)], axis=1)
+    exact = np.maximum(a[None, :, None, None] * real + b[None, :, None, None], 0) / s_y + z_y
+    ratio = np.abs(a) * np.repeat(scales, channels) / s_y
+    assert np.abs(layout.unpack(ref, 43) - np.clip(exact, -128, 127)).max() <= 0.5 + 128 * ratio.max() * 2 ** -15
+    for func in (impl.compute(wl), _gpu_twin(impl.schedule(impl.compute(wl), make_target("cuda", "sm_90")))):
+        np.testing.assert_array_equal(run(func, *args, out_shape=ref.shape, out_dtype="int8"), ref)
 
 
 @pytest.mark.parametrize("shape", [(2, 40, 9, 7), (1, 3, 1, 13), (2, 64, 4, 4)], ids=["40ch", "3ch-tail", "64ch"])

@@ -12,7 +12,9 @@ calibrated are exactly the tensors that get quantized.  A *layer* is one of
 - ``avg_pool2d``: NCHW average pooling dividing by the whole window (no padding, or
   ``count_include_pad``), and a global average pool: ``mean(x, axis=[2, 3], keepdims=True)`` (a
   classifier's, a squeeze-excite's; ``Layer.window`` holds the geometry of both);
-- ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``].
+- ``affine``: an inference ``batch_norm`` no conv absorbed (DenseNet's BN -> ReLU -> conv) [+ ``relu``];
+  of a ``concat`` that nothing else reads, the concat's inputs are its inputs and the concat its
+  ``Layer.joined`` (the kernel reads the joined tensor in place: it is never written).
 - ``scale``: ``multiply(x, g)`` of a 4-D activation ``x`` [N, C, H, W] and a per-(image, channel) factor
   ``g`` [N, C, 1, 1] computed at run time (squeeze-excite's gate): ``x`` is its input, ``g`` its
   ``Layer.gate``; where ``g`` is an elementwise chain of one activation ``a`` [N, C, 1, 1] (a sigmoid
@@ -78,6 +80,7 @@ class Layer:
     # scale: the elementwise chain (a ``lut`` Layer: sigmoid, hardsigmoid) that computes the gate from the
     # activation ``inputs[1]``, which the int8 kernel reads as a table of its 256 values
     gate_chain: "Layer | None" = None
+    joined: "Layer | None" = None       # affine: the concat it normalizes, read in place (its inputs are ours)
 
     @property
     def quantizable(self) -> bool:
@@ -246,6 +249,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         g.consumed.update(layer.vars)
 
     _gate_chains(g)
+    _concats_into_affines(g, user, uses, returned)
     _drop_luts_without_int8_reader(g)
     for ly in g.layers:
         if ly.kind in ("max_pool2d", "channels"):  # they commute with the quantizer: the output keeps the input's scale
@@ -272,6 +276,25 @@ def _layer_norm_layer(var, call, name) -> Layer:
     else:
         layer.weight, layer.bias = gamma.reshape(channels).astype(np.float32), beta.reshape(channels).astype(np.float32)
     return layer
+
+
+def _concats_into_affines(g: Graph, user: dict, uses: dict, returned: set) -> None:
+    """An ``affine`` layer (a BatchNorm) whose input is a ``concat`` that nothing else reads takes the
+    concat's inputs as its own and the concat goes (DenseNet: each dense layer joins every earlier
+    feature map only to normalize them): the affine kernel reads each byte where its input lies, and
+    the joined tensor is never written.  The concat's bindings are emitted in float only where a float
+    reader needs them (``Graph.lazy``: the ONNX export)."""
+    concats = {ly.output: ly for ly in g.layers if ly.kind == "concat"}
+    for ly in [ly for ly in g.layers if ly.kind == "affine"]:
+        joined = concats.get(ly.inputs[0])
+        if joined is None or joined.output in returned or uses.get(joined.output, 0) != 1 \
+                or len(user.get(joined.output, [])) != 1:
+            continue
+        g.layers.remove(joined)
+        del g.layer_of_var[joined.vars[0]]
+        g.lazy.update(joined.vars)
+        ly.inputs = list(joined.inputs)
+        ly.joined = joined
 
 
 def _gate_chains(g: Graph) -> None:

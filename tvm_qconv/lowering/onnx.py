@@ -324,7 +324,9 @@ class ONNXEmitter:
 
     def layer_affine(self, lp) -> None:
         ly = lp.layer
-        y = self.batch_norm(ly.call, self.dq(self.qver[ly.inputs[0]]), ly.name)
+        x = self.dq(self.qver[ly.inputs[0]]) if ly.joined is None else \
+            self.node("Concat", [self.int8_of(r) for r in lp.reads], ly.joined.name, axis=1)  # read in place
+        y = self.batch_norm(ly.call, x, ly.name)
         self.produce(ly.output, self.activation(ly, y, ly.name), lp.output)
 
     # ---- attributes ---------------------------------------------------------------------

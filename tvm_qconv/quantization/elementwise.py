@@ -39,19 +39,35 @@ def plan_add(p, ly) -> LayerPlan | str:
 
 
 def plan_affine(p, ly) -> LayerPlan | str:
-    x = p.quantized(ly.inputs[0])
     s_y, z_y = p.scale(ly.output), p.zero(ly.output)
     activation, act_min, act_max = int8_clamp(ly, s_y, z_y)
-    wl = AffineWorkload(x.shape, act_min, act_max, z_y)
-    impl = p.select("affine", wl, layout=x.layout)
+    n, c, h, w = static_shape(ly.output.ty)
+    if ly.joined is None:
+        x = p.quantized(ly.inputs[0])
+        reads, layout = (TensorRead(ly.inputs[0], x),), x.layout
+    else:   # a concat read in place: each input in the layout most of its channels are in
+        layout = p.majority_layout(ly.inputs)
+        reads = tuple(p.read(v, layout) for v in ly.inputs)
+    shape = registry.layout(layout).packed_shape((n, c, h, w))
+    inputs = tuple(r.quant.channels for r in reads) if ly.joined is not None else ()
+    wl = AffineWorkload(shape, act_min, act_max, z_y, inputs)
+    impl = p.select("affine", wl, layout=layout)
     if impl is None:
-        return p.no_kernel("affine", f"{x.layout} tensor")
-    mult, shift, bias = affine_params(ly.weight, ly.bias, x.scale, s_y, x.zero)
-    out = TensorQuant(s_y, z_y, x.channels, impl.layout, x.shape)
+        return p.no_kernel("affine", f"{layout} tensor")
+    # each channel's fixed point from its input's scale and zero point
+    offsets = np.cumsum([0, *(r.quant.channels for r in reads)])
+    try:
+        parts = [affine_params(ly.weight[a:b], ly.bias[a:b], r.quant.scale, s_y, r.quant.zero)
+                 for r, a, b in zip(reads, offsets[:-1], offsets[1:])]
+    except ValueError as err:   # a multiplier past the kernel's 15 bits: the ranges disagree with the BatchNorm
+        return str(err)
+    mult, shift, bias = (np.concatenate([part[i] for part in parts]) for i in range(3))
+    out = TensorQuant(s_y, z_y, c, impl.layout, shape)
     p.produce(ly.output, out)
-    return LayerPlan(ly, impl=impl, workload=wl, reads=(TensorRead(ly.inputs[0], x),), output=out, out_shape=x.shape,
+    kind = "batch_norm" + activation_suffix(activation, act_min, act_max)
+    return LayerPlan(ly, impl=impl, workload=wl, reads=reads, output=out, out_shape=shape,
                      params=tuple(impl.pack_params(wl, mult, shift, bias)),
-                     row=dict(layer=ly.name, kind="batch_norm" + activation_suffix(activation, act_min, act_max),
+                     row=dict(layer=ly.name, kind=kind if ly.joined is None else f"concat x{len(reads)}+{kind}",
                               kernel=impl.name, dtype="int8", shape=str(static_shape(ly.output.ty))))
 
 
