@@ -20,6 +20,8 @@ import tvm
 from . import add_int8, affine_int8, channels_int8, concat_int8, layer_norm_int8, lut_int8, pool_int8, scale_int8
 from .elementwise_int8 import schedule_elementwise
 from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants
+from .tensorcore import affine as tensorcore_affine
+from .workload import AffineWorkload
 
 
 class LayoutKernel(KernelImpl):
@@ -250,6 +252,11 @@ class Affine(LayoutKernel):
                                            wl.act_max, wl.out_zero, tuple(wl.inputs))
 
     def schedule(self, func, target):
+        if target.kind.name == "cuda" and self.layout == "NHWC32":
+            # 16 channels x up to 8 pixels a thread, the concat's inputs read in place by vector
+            kernel = tensorcore_affine.affine_kernel(AffineWorkload.of(func))
+            if kernel is not None:
+                return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
         # one input: its bytes loaded 16 at a time; several: each byte from its input, the stores vectorized
         return schedule_elementwise(func, target, "affine", operands=(0,) if len(func.params) == 5 else ())
 

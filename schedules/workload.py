@@ -303,6 +303,11 @@ class AffineWorkload:
     def to_dict(self) -> dict:
         return self.__dict__.copy()
 
+    @classmethod
+    def of(cls, func) -> "AffineWorkload":
+        """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
+        return cls(**ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))
+
 
 # ---- the conversion kernels' workloads (``conversion_kernels.py``) -------------------------------
 # What each conversion's compute needs.  ``scale`` is held as the float32 the kernels compute with

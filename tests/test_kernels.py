@@ -344,8 +344,13 @@ def _elementwise_case(op: str, shape, seed: int = 0):
     return impl, wl, inputs, impl.reference(wl, *inputs)
 
 
-@pytest.mark.parametrize("shape", ELEMENTWISE_SHAPES, ids=["nhwc32", "nhwc32_odd_pixels", "nchw4c", "tail"])
-@pytest.mark.parametrize("op", ["add", "affine"])
+# the affine in NHWC32 has its own CUDA kernel (test_nhwc32_affine_cuda_kernel_...); in NCHW4c the
+# elementwise schedule's
+ELEMENTWISE_SCHEDULED = [("add", s) for s in ELEMENTWISE_SHAPES] + [("affine", (3, 11, 2, 5, 4))]
+
+
+@pytest.mark.parametrize("op,shape", ELEMENTWISE_SCHEDULED,
+                         ids=["add-nhwc32", "add-nhwc32_odd_pixels", "add-nchw4c", "add-tail", "affine-nchw4c"])
 def test_elementwise_cuda_schedule_loads_16_bytes_and_computes_the_reference(op, shape):
     """dlight's schedule of the add loaded one byte per operand per thread (1.2 of ResNet-50's
     3.4 ms at batch 64): built for CUDA, the vector loads and stores are in the source, and the
@@ -389,6 +394,82 @@ def test_input_quantize_cuda_schedule_stores_a_pixel_per_word_and_computes_the_r
     twin = tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
     ref = pack_nchw4c(quantize_ref(x, s))
     np.testing.assert_array_equal(run(twin, x, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def _concat_affine_case(channels, n=2, h=3, w=5, seed=0, zeros=None):
+    """(implementation, workload, packed inputs, reference) of an NHWC32 affine of the concatenation
+    of int8 tensors of ``channels`` (each at its own scale and zero point, as DenseNet's)."""
+    from tvm_qconv.schedules.workload import AffineWorkload
+    rng = np.random.default_rng(seed)
+    zeros = zeros or [(-128 if i % 2 else 0) for i in range(len(channels))]
+    scales = rng.uniform(0.01, 0.05, len(channels))
+    total = sum(channels)
+    a, b = rng.normal(0, 1, total), rng.normal(0, 0.5, total)
+    offsets = np.cumsum([0, *channels])
+    parts = [affine_params(a[i:j], b[i:j], s, 0.04, z) for i, j, s, z in zip(offsets, offsets[1:], scales, zeros)]
+    mult, shift, bias = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    impl = registry.get("affine.nhwc32")
+    wl = AffineWorkload(NHWC32.packed_shape((n, total, h, w)), -128, 127, -128, tuple(channels))
+    qs = [rng.integers(-128 if z else -127, 128, (n, c, h, w)).astype(np.int8) for c, z in zip(channels, zeros)]
+    args = [NHWC32.pack(q) for q in qs] + impl.pack_params(wl, mult, shift, bias)
+    return impl, wl, args, impl.reference(wl, *args)
+
+
+# (inputs' channels, pixels n x h x w, MIN_THREADS): one input (a plain BatchNorm); DenseNet's 64 + 32
+# + 32; 48 + 80 + 16 (inputs padded to 64 and 96 in memory, 144 channels padded to 160: the last
+# vector is the output's padding); 8 pixels a thread over 2 x 3 x 5 pixels (30: the last thread's
+# pixels run past the end), by lowering the thread floor
+NHWC32_AFFINES = [((), 2 * 9 * 7, None), ((64, 32, 32), 2 * 3 * 5, None), ((48, 80, 16), 2 * 3 * 5, None),
+                  ((64, 32), 2 * 3 * 5, 1)]
+
+
+@pytest.mark.parametrize("channels,pixels,floor", NHWC32_AFFINES, ids=["one-input", "densenet", "padded", "8px"])
+def test_nhwc32_affine_cuda_kernel_loads_16_bytes_per_input_and_computes_the_reference(channels, pixels, floor,
+                                                                                     monkeypatch):
+    """The NHWC32 affine's CUDA kernel (schedules/tensorcore/affine.py): one 16-byte load per input
+    branch and one 16-byte store, the parameters loaded 4 int32 at a time; its CPU twin (thread
+    loops serial) is bit-exact against the NumPy reference, pixels a thread included."""
+    from tvm_qconv.schedules.tensorcore import affine as tc_affine
+    from tvm_qconv.target import cuda_source, make_target
+    if floor is not None:
+        monkeypatch.setattr(tc_affine, "MIN_THREADS", floor)
+    if channels:
+        impl, wl, args, ref = _concat_affine_case(channels)
+    else:
+        impl, wl, args, ref = _elementwise_case("affine", (2, 9, 7, 64))
+    assert tc_affine.pixels_per_thread(wl.shape[-1] // 16 * pixels) == (8 if floor else 1)
+    target = make_target("cuda", "sm_90")
+    kernel = impl.schedule(impl.compute(wl), target)
+    assert kernel.attrs["tvm_qconv.workload"] == impl.compute(wl).attrs["tvm_qconv.workload"]
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": kernel}), target=target))
+    loads = re.findall(r"\*\(int4\*\)\(xv_ptr \+ 0\) = \*\(int4\*\)\(x\d_ptr", src)
+    stores = re.findall(r"\*\(int4\*\)\(y_ptr \+ [^;]*\) = \*\(int4\*\)\(yv_ptr", src)
+    unroll = 8 if floor else 1
+    assert len(loads) == unroll * max(1, len(channels)) and len(stores) == unroll, src
+    assert len(re.findall(r"\*\(int4\*\)\(m_ptr \+ \d+\) = \*\(int4\*\)\(Mult_ptr", src)) == 4
+    np.testing.assert_array_equal(run(_gpu_twin(kernel), *args, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def test_nhwc32_affine_keeps_the_elementwise_schedule_where_a_vector_would_straddle_two_inputs():
+    # 6 + 32 + 5 channels: the second input starts mid-vector (test_an_affine_of_a_concatenation_...
+    # checks that schedule's numbers)
+    from tvm_qconv.schedules.tensorcore.affine import affine_kernel
+    from tvm_qconv.schedules.workload import AffineWorkload
+    assert affine_kernel(AffineWorkload(NHWC32.packed_shape((2, 43, 3, 5)), inputs=(6, 32, 5))) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [(64, 32, 32), (48, 80, 16)], ids=["densenet", "padded"])
+@pytest.mark.parametrize("n,h,w", [(1, 56, 56), (64, 28, 28)], ids=["b1", "b64"])
+def test_nhwc32_affine_of_a_concatenation_on_gpu_is_bit_exact(channels, n, h, w):
+    from tvm_qconv.target import device_arch, make_target
+    impl, wl, args, ref = _concat_affine_case(channels, n, h, w, seed=2)
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)  # poisoned
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), ref)
 
 
 @pytest.mark.gpu
