@@ -170,6 +170,13 @@ class KernelImpl:
         ``quantize_rows``: int8 ``[N, k_padded]``."""
         raise NotImplementedError(f"{self.name} does not give its {self.op} output shape")
 
+    def scratch(self, wl) -> list[tuple[tuple[int, ...], str]]:
+        """(shape, dtype) of each output the kernel writes before its result (the compute
+        definition's parameters between the inputs and the result), for its own use: e.g. the
+        partial sums between the two CUDA kernels of a global pool.  The build allocates them as
+        call outputs, so Relax plans their memory and a CUDA graph replays them; none by default."""
+        return []
+
     def in_features_padded(self, wl) -> int:
         """``dense`` only: the K of the int8 input rows it reads (``QuantizeRowsWorkload.k_padded``:
         the input's ``quantize_rows`` pads K to it with zeros)."""
@@ -263,6 +270,26 @@ def tirx_kernel(func: tirx.PrimFunc, kernel: tirx.PrimFunc) -> tirx.PrimFunc:
     parse a TIRx kernel as S-TIR)."""
     attrs = {k: v for k, v in func.attrs.items()}
     attrs.update({TIRX_ATTR: True, "tir.is_scheduled": True, "tirx.is_scheduled": True})
+    return kernel.with_attr(attrs)
+
+
+def parse_written_kernel(src: str) -> tirx.PrimFunc:
+    """The PrimFunc of the TVMScript ``src`` of a kernel written out with thread loops, its body
+    (every line after ``T.func_attr``) put in a root block: Relax's analyses of the functions a
+    ``call_tir`` calls (``RewriteDataflowReshape``) and dlight's rules expect one."""
+    lines = src.strip("\n").replace("@T.prim_func(private=True)", "@T.prim_func(private=True, s_tir=True)").split("\n")
+    at = next(i for i, line in enumerate(lines) if "T.func_attr(" in line) + 1
+    body = ["    " + line if line.strip() else line for line in lines[at:]]
+    return tvm.script.from_source("\n".join(lines[:at] + ['    with T.sblock("root"):'] + body) + "\n")
+
+
+def written_kernel(func: tirx.PrimFunc, kernel: tirx.PrimFunc) -> tirx.PrimFunc:
+    """A kernel written out in plain TIR (thread loops, no blocks: ``tensorcore/affine.py``) in place of
+    the compute definition ``func``: ``func``'s attributes, marked scheduled for ScheduleInt8Kernels
+    (``tir.is_scheduled``) and for dlight (``tirx.is_scheduled``: its rules look for a root block and
+    raise on a function without one)."""
+    attrs = {k: v for k, v in func.attrs.items()}
+    attrs.update({"tir.is_scheduled": True, "tirx.is_scheduled": True})
     return kernel.with_attr(attrs)
 
 

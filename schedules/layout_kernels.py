@@ -19,9 +19,10 @@ import tvm
 
 from . import add_int8, affine_int8, channels_int8, concat_int8, layer_norm_int8, lut_int8, pool_int8, scale_int8
 from .elementwise_int8 import schedule_elementwise
-from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants
+from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants, written_kernel
 from .tensorcore import affine as tensorcore_affine
-from .workload import AffineWorkload
+from .tensorcore import global_pool
+from .workload import AffineWorkload, AvgPoolWorkload
 
 
 class LayoutKernel(KernelImpl):
@@ -97,12 +98,39 @@ class AvgPool2d(LayoutKernel):
         h, w = self.packing.logical_shape(tuple(wl["shape"]))[2:]
         if tuple(wl["pool"]) == (h, w) and h * w >= pool_int8.GLOBAL_MIN_PIXELS:
             # a global pool of a large map (squeeze-excite's at 112 x 112) has few outputs: one thread
-            # per output would sum 12,544 bytes alone; dlight's reduction rule spreads each sum over a block
+            # per output would sum 12,544 bytes alone; dlight's reduction rule spreads each sum over a
+            # block (NCHW4c; NHWC32 has its own kernels, GlobalAvgPool2d, where they apply)
             return None
         return pool_int8.schedule_pool(func, target)
 
     def out_shape(self, wl):
         return self._pooled(wl)
+
+
+class GlobalAvgPool2d(AvgPool2d):
+    """The average pool over a whole large map in NHWC32 (squeeze-excite's squeeze): the sums of
+    chunks of each image's pixels, an output the build allocates, then requantized; on CUDA a block
+    per chunk with 16-byte loads (``tensorcore/global_pool.py``).  At batch 1 on an H200 dlight's
+    reduction schedule of these pools took ~220 of EfficientNet-B0's 613 us of kernels
+    (``docs/results/kernel_profile_efficientnet_b0_b1_h200_squeeze_excite.json``)."""
+
+    def __init__(self, packing: Layout):
+        super().__init__(packing)
+        self.name = f"avg_pool2d.{packing.name.lower()}.global"
+
+    def applies(self, wl, target) -> bool:
+        return self.layout == "NHWC32" and global_pool.applies(wl)
+
+    def compute(self, wl):
+        return self.tag(global_pool.global_avg_pool_int8(wl), wl)
+
+    def schedule(self, func, target):
+        if target.kind.name != "cuda":
+            return None
+        return written_kernel(func, global_pool.global_pool_kernel(AvgPoolWorkload.of(func)))
+
+    def scratch(self, wl):
+        return [(global_pool.scratch_shape(wl), "int32")]
 
 
 class Add(LayoutKernel):
@@ -256,7 +284,7 @@ class Affine(LayoutKernel):
             # 16 channels x up to 8 pixels a thread, the concat's inputs read in place by vector
             kernel = tensorcore_affine.affine_kernel(AffineWorkload.of(func))
             if kernel is not None:
-                return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
+                return written_kernel(func, kernel)
         # one input: its bytes loaded 16 at a time; several: each byte from its input, the stores vectorized
         return schedule_elementwise(func, target, "affine", operands=(0,) if len(func.params) == 5 else ())
 
@@ -268,7 +296,8 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, channel gather, average pool, affine, lookup-table, channel-scale and
-    LayerNorm implementations of ``packing``."""
-    return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), AvgPool2d(packing), Affine(packing),
-            Lut(packing), Scale(packing), LayerNorm(packing))
+    """The max-pool, add, concat, channel gather, average pool (the global one first: it applies to
+    NHWC32's large maps only), affine, lookup-table, channel-scale and LayerNorm implementations of
+    ``packing``."""
+    return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), GlobalAvgPool2d(packing),
+            AvgPool2d(packing), Affine(packing), Lut(packing), Scale(packing), LayerNorm(packing))

@@ -492,6 +492,125 @@ def test_elementwise_cuda_kernel_on_gpu_is_bit_exact(op, shape):
     np.testing.assert_array_equal(out.numpy(), ref)
 
 
+# (packed shape, in / out zero points): EfficientNet-B0's first squeeze at batch 1 (24 blocks share
+# the image) and at 17 x 19 (one block per image), unsigned in and out; 96 channels (6 vectors: 42
+# lanes, 4 idle threads) over 3 images
+GLOBAL_POOLS = [((1, 112, 112, 32), 0, 0), ((2, 17, 19, 64), -128, -128), ((3, 16, 16, 96), -128, 0)]
+
+
+def _global_pool_case(shape, in_zero, out_zero, seed=0):
+    """(implementation, workload, input, reference) of an NHWC32 global average pool."""
+    from tvm_qconv.schedules.workload import AvgPoolWorkload
+    n, h, w, cp = shape
+    # the mean rescaled by 0.45 (x + 128 of an unsigned input into a signed output: 0..115)
+    mult, shift = quantize_multiplier(np.array([0.45 / (h * w)]))
+    wl = AvgPoolWorkload(shape, (h, w), (1, 1), (0, 0, 0, 0), int(mult[0]), int(shift[0]), in_zero, out_zero)
+    rng = np.random.default_rng(seed)
+    # a mean per channel (-100..100) and noise: outputs spread over the range, rounding cases included
+    x = np.clip(rng.integers(-100, 101, cp) + rng.integers(-28, 29, shape), -128, 127).astype(np.int8)
+    impl = registry.get("avg_pool2d.nhwc32.global")
+    return impl, wl, x, impl.reference(wl, x)
+
+
+def _run_global_pool(func, wl, x, dev=None):
+    """The pool's result (its scratch output, the chunks' sums, poisoned first)."""
+    from tvm_qconv.schedules.tensorcore.global_pool import scratch_shape
+    if dev is None:
+        lib, dev = tvm.compile(tvm.IRModule({"main": func}), target="llvm"), CPU
+    else:
+        lib = func
+    n, _, _, cp = wl.shape
+    partial = tvm.runtime.tensor(np.full(scratch_shape(wl), 12345, np.int32), dev)
+    out = tvm.runtime.tensor(np.full((n, 1, 1, cp), 77, np.int8), dev)
+    lib["main"](tvm.runtime.tensor(x, dev), partial, out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("shape,in_zero,out_zero", GLOBAL_POOLS, ids=["se-112px-b1", "unsigned", "96ch"])
+def test_nhwc32_global_pool_splits_images_into_chunks_and_computes_the_reference(shape, in_zero, out_zero):
+    """The NHWC32 global average pool (schedules/tensorcore/global_pool.py): its compute definition
+    and its CUDA kernels' CPU twin (16-byte loads; a kernel of per-chunk sums, one that
+    requantizes) are bit-exact against the NumPy reference of every average pool."""
+    from tvm_qconv.schedules.tensorcore.global_pool import chunking
+    from tvm_qconv.target import cuda_source, make_target
+    impl, wl, x, ref = _global_pool_case(shape, in_zero, out_zero)
+    assert ref.shape == (shape[0], 1, 1, shape[3]) and len(np.unique(ref)) > 10
+    assert chunking(wl)[0] == {1: 24, 2: 1, 3: 1}[shape[0]]
+    target = make_target("cuda", "sm_90")
+    func = impl.compute(wl)
+    kernel = impl.schedule(func, target)
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": kernel}), target=target))
+    assert src.count("extern \"C\" __global__") == 4, src   # two kernels, each declared and defined
+    assert re.search(r"\*\(int4\*\)\(xv_ptr \+ 0\) = \*\(int4\*\)\(x_ptr", src), src
+    for f in (func, _gpu_twin(kernel)):
+        np.testing.assert_array_equal(_run_global_pool(f, wl, x), ref)
+
+
+def test_the_global_pool_takes_large_whole_map_pools_in_nhwc32_only():
+    from tvm_qconv.schedules.workload import AvgPoolWorkload
+    from tvm_qconv.target import TargetInfo, make_target
+    impl, target = registry.get("avg_pool2d.nhwc32.global"), TargetInfo.from_target(make_target("cuda", "sm_90a"))
+
+    def wl(shape, pool, padding=(0, 0, 0, 0)):
+        return AvgPoolWorkload(shape, pool, (1, 1), padding, 1 << 20, 28)
+    assert impl.applies(wl((1, 16, 16, 32), (16, 16)), target)
+    assert not impl.applies(wl((1, 16, 16, 32), (16, 16), (1, 1, 1, 1)), target)   # padded
+    assert not impl.applies(wl((1, 7, 7, 1280), (7, 7)), target)                   # 49 pixels: generic kernel
+    assert not impl.applies(wl((1, 16, 16, 4128), (16, 16)), target)               # > 256 vectors
+    assert not impl.applies(wl((1, 16, 16, 32), (8, 8)), target)                   # not the whole map
+    assert registry.select("avg_pool2d", wl((1, 16, 16, 32), (16, 16)), target, layout="NHWC32") is impl
+
+
+class _DenseAndSqueeze(torch.nn.Module):
+    """DenseNet's BatchNorm of a concat (read in place by the affine) and a squeeze-excite's mean over
+    a 16 x 16 map (the global pool with its scratch output): the two written-out kernels in a model."""
+
+    def __init__(self):
+        super().__init__()
+        from torch import nn
+        torch.manual_seed(0)
+        self.stem, self.c1 = nn.Conv2d(3, 64, 3, padding=1), nn.Conv2d(64, 32, 3, padding=1)
+        self.bn = nn.BatchNorm2d(96)
+        self.fc1, self.fc2, self.head = nn.Conv2d(96, 8, 1), nn.Conv2d(8, 96, 1), nn.Conv2d(96, 10, 1)
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.weight.data.uniform_(-1.5, 1.5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = torch.relu(self.bn(torch.cat([x, self.c1(x)], 1)))
+        gate = torch.sigmoid(self.fc2(torch.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
+        return self.head(x * gate).mean((2, 3))
+
+
+def test_a_model_with_written_out_kernels_builds_for_cuda(tmp_path):
+    """The kernels written out in TVMScript (thread loops, no blocks) go through Relax's CUDA pipeline,
+    whose dlight rules and ``RewriteDataflowReshape`` expect a root block (``kernel.parse_written_kernel``):
+    the first affine kernel had none, and a CUDA build of this model failed in dlight ("The function
+    body is expected to be the root block", b64c133)."""
+    from tvm_qconv.build import BuildOptions, compile_model
+    from tvm_qconv.config import QuantConfig
+    from tvm_qconv.data import skimage_photos
+    from tvm_qconv.ranges import Calibrate
+    res = compile_model(_DenseAndSqueeze().eval(), str(tmp_path / "m.so"), config=QuantConfig(num_calib_images=4),
+                        options=BuildOptions(target="cuda", arch="sm_90a", batch=2, image_size=16),
+                        ranges=Calibrate(skimage_photos(16)[:4]), progress=False)
+    kernels = {r["kernel"] for r in res.report["layers"]}
+    assert {"affine.nhwc32", "avg_pool2d.nhwc32.global"} <= kernels, kernels
+    how = {label: h for label, h in res.report["schedules"].values()}
+    assert how["affine.nhwc32"] == how["avg_pool2d.nhwc32.global"] == "default"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 112, 112, 32), (64, 112, 112, 32), (64, 28, 28, 240)],
+                         ids=["b1", "b64", "b64-240ch"])
+def test_nhwc32_global_pool_on_gpu_is_bit_exact(shape):
+    from tvm_qconv.target import device_arch, make_target
+    impl, wl, x, ref = _global_pool_case(shape, -128, -128, seed=3)
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    np.testing.assert_array_equal(_run_global_pool(lib, wl, x, tvm.cuda(0)), ref)
+
+
 # (size, kernel, stride, pad, dilation): every pad PyTorch accepts (at most half the kernel).
 POOL_GRID = [(size, k, s, p, d) for size in (4, 5, 6, 7) for k in (1, 2, 3) for s in (1, 2, 3)
              for p in range(k // 2 + 1) for d in (1, 2) if (k - 1) * d + 1 <= size + 2 * p]
@@ -656,7 +775,9 @@ def _gpu_twin(func):
 
     from tvm.script import parser as tvmscript
     text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"range(\1)", func.script())
-    return tvmscript.parse(text.replace('scope="local"', 'scope="global"'))
+    # shared memory: a kernel that shares it writes it in one thread loop and reads it in the next
+    # (the barrier between them is TVM's), so the serial loops keep the order
+    return tvmscript.parse(text.replace('scope="local"', 'scope="global"').replace("T.alloc_shared(", "T.alloc_buffer("))
 
 
 @pytest.mark.parametrize("wl", DEPTHWISE, ids=DEPTHWISE_IDS)

@@ -95,8 +95,9 @@ def test_a_squeeze_excite_block_runs_in_int8_with_only_its_gate_in_float(tmp_pat
 
 @pytest.mark.gpu
 def test_the_cuda_build_of_a_squeeze_excite_net_equals_its_cpu_build(tmp_path):
-    """Every int8 activation, the channel scale's and the large global pool's (dlight's reduction
-    schedule) included, integer for integer; at 48 px the first map is 2,304 pixels."""
+    """Every int8 activation, the channel scale's and the large global pool's (its own NHWC32
+    kernels, tensorcore/global_pool.py) included, integer for integer; at 48 px the first map is
+    2,304 pixels."""
     layers = assert_cuda_build_equals_cpu_build(SqueezeExcite().eval(), skimage_photos(48), 48, tmp_path)
     assert "scale" in [name.split("_")[0] for name in layers]
 

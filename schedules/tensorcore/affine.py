@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tvm
 
+from ..kernel import parse_written_kernel
 from ..workload import AffineWorkload
 from .layout import ceil32
 
@@ -114,4 +115,4 @@ def main({params},
                         for l in T.vectorized({VEC}):
                             y[px * {cp} + v * {VEC} + l] = yv[l]
 '''
-    return tvm.script.from_source(src)
+    return parse_written_kernel(src)

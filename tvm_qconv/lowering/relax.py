@@ -126,11 +126,17 @@ class _Emitter:
                                "a layout without its conversions is not registered whole (registry.py)")
         return impl
 
-    def call(self, prim, name, args, shape, dtype):
+    def call(self, prim, name, args, shape, dtype, scratch=()):
+        """``prim`` on ``args``, its result a ``dtype`` tensor of ``shape``; ``scratch``: (shape, dtype)
+        of the outputs it writes before its result, for its own use (``KernelImpl.scratch``)."""
         if "global_symbol" in prim.attrs:
             prim = prim.without_attr("global_symbol")  # add_func names it; te's default "main" would clash
         gv = self.bb.add_func(prim.with_attr("op_pattern", 8), name)  # 8 = kOpaque: FuseOps leaves it alone
-        return self.bb.emit(relax.call_tir(gv, args, relax.TensorType(shape, dtype)), name_hint=name)
+        if not scratch:
+            return self.bb.emit(relax.call_tir(gv, args, relax.TensorType(shape, dtype)), name_hint=name)
+        outs = [relax.TensorType(s, d) for s, d in scratch] + [relax.TensorType(shape, dtype)]
+        both = self.bb.emit(relax.call_tir(gv, args, outs), name_hint=name + "_with_scratch")
+        return self.bb.emit(relax.TupleGetItem(both, len(scratch)), name_hint=name)
 
     def emit_float(self, binding):
         value = substitute(binding.value, {})
@@ -160,7 +166,7 @@ class _Emitter:
             inputs = [self.int8_of(r).var for r in lp.reads] + [self.float_of(v) for v in lp.float_reads]
         prim = lp.impl.compute(lp.workload)
         var = self.call(prim, str(prim.attrs["tvm_qconv.kernel"]), inputs + [constant(p) for p in lp.params],
-                        lp.out_shape, lp.out_dtype)
+                        lp.out_shape, lp.out_dtype, lp.impl.scratch(lp.workload))
         if lp.output is None:
             self.fenv[lp.layer.output] = var
         else:
