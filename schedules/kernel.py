@@ -277,6 +277,9 @@ def parse_written_kernel(src: str) -> tirx.PrimFunc:
     """The PrimFunc of the TVMScript ``src`` of a kernel written out with thread loops, its body
     (every line after ``T.func_attr``) put in a root block: Relax's analyses of the functions a
     ``call_tir`` calls (``RewriteDataflowReshape``) and dlight's rules expect one."""
+    if src.count("@T.prim_func(private=True)") != 1 or src.count("T.func_attr(") != 1:
+        raise ValueError("a written-out kernel's source has one '@T.prim_func(private=True)' and one "
+                         "'T.func_attr(' line, after which its body starts")
     lines = src.strip("\n").replace("@T.prim_func(private=True)", "@T.prim_func(private=True, s_tir=True)").split("\n")
     at = next(i for i, line in enumerate(lines) if "T.func_attr(" in line) + 1
     body = ["    " + line if line.strip() else line for line in lines[at:]]
@@ -284,7 +287,7 @@ def parse_written_kernel(src: str) -> tirx.PrimFunc:
 
 
 def written_kernel(func: tirx.PrimFunc, kernel: tirx.PrimFunc) -> tirx.PrimFunc:
-    """A kernel written out in plain TIR (thread loops, no blocks: ``tensorcore/affine.py``) in place of
+    """A kernel written out in TVMScript (thread loops in a root block: ``tensorcore/affine.py``) in place of
     the compute definition ``func``: ``func``'s attributes, marked scheduled for ScheduleInt8Kernels
     (``tir.is_scheduled``) and for dlight (``tirx.is_scheduled``: its rules look for a root block and
     raise on a function without one)."""

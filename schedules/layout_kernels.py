@@ -119,7 +119,7 @@ class GlobalAvgPool2d(AvgPool2d):
         self.name = f"avg_pool2d.{packing.name.lower()}.global"
 
     def applies(self, wl, target) -> bool:
-        return self.layout == "NHWC32" and global_pool.applies(wl)
+        return global_pool.applies(wl)
 
     def compute(self, wl):
         return self.tag(global_pool.global_avg_pool_int8(wl), wl)
@@ -296,8 +296,8 @@ class Affine(LayoutKernel):
 
 
 def layout_kernels(packing: Layout) -> tuple[LayoutKernel, ...]:
-    """The max-pool, add, concat, channel gather, average pool (the global one first: it applies to
-    NHWC32's large maps only), affine, lookup-table, channel-scale and LayerNorm implementations of
-    ``packing``."""
-    return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), GlobalAvgPool2d(packing),
+    """The max-pool, add, concat, channel gather, average pool (NHWC32: its whole-map pool first),
+    affine, lookup-table, channel-scale and LayerNorm implementations of ``packing``."""
+    whole_map = (GlobalAvgPool2d(packing),) if packing.name == "NHWC32" else ()
+    return (MaxPool2d(packing), Add(packing), Concat(packing), Channels(packing), *whole_map,
             AvgPool2d(packing), Affine(packing), Lut(packing), Scale(packing), LayerNorm(packing))

@@ -201,6 +201,8 @@ def _workload_and_arrays(impl):
     if impl.op in CONVERSION_OPS:
         return next(wl for case, (wl, _) in CONVERSIONS.items() if _impl(case) is impl), 1, ()
     packed = impl.packing.packed_shape((1, 6, 7, 5))
+    if impl.name == "avg_pool2d.nhwc32.global":   # a pool over a whole map of 256+ pixels
+        return AvgPoolWorkload((1, 16, 17, 32), (16, 17), (1, 1), (0, 0, 0, 0), 1 << 30, 40), 1, ()
     return {"max_pool2d": (PoolWorkload(packed, (3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True), 1, ()),
             "avg_pool2d": (AvgPoolWorkload(packed, (2, 2), (2, 2), (0, 0, 0, 0), 1 << 30, 32), 1, ()),
             "add": (AddWorkload(packed, 1 << 20, 1 << 20, 21), 2, ()),
@@ -228,7 +230,8 @@ def test_out_shape_and_pack_params_describe_the_compute_parameters(impl):
     params = [(tuple(int(d) for d in p.shape), str(p.dtype)) for p in func.params]
     assert impl.out_shape(wl) == params[-1][0]
     packed = impl.pack_params(wl, *arrays)
-    assert [(tuple(a.shape), str(a.dtype)) for a in packed] == params[inputs:-1]
+    scratch = [(tuple(shape), dtype) for shape, dtype in impl.scratch(wl)]   # outputs before the result
+    assert [(tuple(a.shape), str(a.dtype)) for a in packed] + scratch == params[inputs:-1]
     if impl.op == "dense":  # the quantize_rows before it pads K to what it reads
         assert params[0] == ((wl.batch, impl.in_features_padded(wl)), "int8")
 

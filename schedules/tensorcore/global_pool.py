@@ -17,7 +17,7 @@ are exact int32 (``pixels x 255 < 2**31``).
 
 Kernel 1, grid ``N x chunks``, 256 threads: thread ``t`` takes vector ``v = t % V`` (``V = C_p / 16``)
 of pixels ``lane, lane + L, ...`` of its chunk (``lane = t // V``, ``L = 256 // V`` lanes), summing
-16 int32 in registers; the lanes' sums meet in shared memory and ``C_p`` threads add them up into
+16 int32 in registers; the lanes' sums meet in shared memory and are added up in two rounds into
 ``partial[n, chunk, c]``.  Kernel 2, one thread per output ``(n, c)``: the chunks' sums, less
 ``pixels x in_zero``, requantized as the compute definition does (``pool_int8.avg_pool2d_int8``), so
 CUDA and CPU agree bit for bit.
@@ -49,10 +49,15 @@ def chunks_per_image(batch: int, pixels: int, lanes: int) -> int:
 
 
 def applies(wl: AvgPoolWorkload) -> bool:
-    """Whether ``wl`` (packed NHWC32 ``[N, H, W, C_p]``) is a pool this module takes."""
+    """Whether ``wl`` (packed NHWC32 ``[N, H, W, C_p]``) is a pool this module takes: the window the
+    whole map, at least ``GLOBAL_MIN_PIXELS`` pixels, at most 256 vectors of channels, a sum that
+    fits int32 (``pixels x 255``: the total times a 31-bit multiplier then fits int64) and indices
+    that fit int32."""
+    if len(wl.shape) != 4:
+        return False
     n, h, w, cp = wl.shape
     return (tuple(wl.pool) == (h, w) and not any(wl.padding) and h * w >= GLOBAL_MIN_PIXELS
-            and cp // VEC <= THREADS and n * h * w * cp < 2 ** 31)
+            and cp // VEC <= THREADS and h * w * 255 < 2 ** 31 and n * h * w * cp < 2 ** 31)
 
 
 def chunking(wl: AvgPoolWorkload) -> tuple[int, int]:
@@ -70,6 +75,8 @@ def scratch_shape(wl: AvgPoolWorkload) -> tuple[int, int, int]:
 def global_avg_pool_int8(wl: AvgPoolWorkload) -> tirx.PrimFunc:
     """Compute definition ``(X, Partial, Out)``: the chunks' sums, then ``Out[n, 0, 0, c]`` their
     total less ``pixels x in_zero``, requantized as ``pool_int8.avg_pool2d_int8`` does."""
+    if not applies(wl):
+        raise ValueError(f"not a global pool this kernel takes (tensorcore/global_pool.applies): {wl}")
     n, h, w, cp = wl.shape
     pixels = h * w
     chunks, per_chunk = chunking(wl)
@@ -104,6 +111,11 @@ def global_pool_kernel(wl: AvgPoolWorkload) -> tvm.tirx.PrimFunc:
     pixels, lanes = h * w, THREADS // vectors
     chunks, per_chunk = chunking(wl)
     steps = -(-per_chunk // lanes)
+    # the lanes' sums meet in two rounds: ``subsets`` threads per channel each add every
+    # subsets-th lane (all 256 threads busy where C_p < 256), then one thread per channel adds the
+    # subsets; the lane rows are padded by a word so that a warp's stores of one element spread
+    # over the banks
+    subsets = max(1, THREADS // cp)
     lo = QMIN if wl.out_zero == 0 else -128
     src = f'''
 @T.prim_func(private=True)
@@ -112,7 +124,8 @@ def main(X: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), partial: T.Buffer
     T.func_attr({{"tir.noalias": True}})
     x = T.decl_buffer(({n * pixels * cp},), "int8", data=X.data, align=16)
     for bx in T.thread_binding({n * chunks}, thread="blockIdx.x"):
-        lane_sums = T.alloc_buffer(({lanes}, {cp}), "int32", scope="shared")
+        lane_sums = T.alloc_buffer(({lanes}, {cp + 1}), "int32", scope="shared")
+        subset_sums = T.alloc_buffer(({subsets}, {cp}), "int32", scope="shared")
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             acc = T.alloc_buffer(({VEC},), "int32", scope="local")
             xv = T.alloc_buffer(({VEC},), "int8", scope="local")
@@ -129,12 +142,21 @@ def main(X: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), partial: T.Buffer
                 for l in T.unroll({VEC}):
                     lane_sums[tx // {vectors}, tx % {vectors} * {VEC} + l] = acc[l]
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
+            for j in T.serial({-(-subsets * cp // THREADS)}):
+                if j * {THREADS} + tx < {subsets * cp}:
+                    s = T.alloc_buffer((1,), "int32", scope="local")
+                    s[0] = 0
+                    for k in T.serial({-(-lanes // subsets)}):
+                        if (j * {THREADS} + tx) // {cp} + k * {subsets} < {lanes}:
+                            s[0] = s[0] + lane_sums[(j * {THREADS} + tx) // {cp} + k * {subsets}, (j * {THREADS} + tx) % {cp}]
+                    subset_sums[(j * {THREADS} + tx) // {cp}, (j * {THREADS} + tx) % {cp}] = s[0]
+        for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             for j in T.serial({-(-cp // THREADS)}):
                 if j * {THREADS} + tx < {cp}:
                     s = T.alloc_buffer((1,), "int32", scope="local")
                     s[0] = 0
-                    for k in T.serial({lanes}):
-                        s[0] = s[0] + lane_sums[k, j * {THREADS} + tx]
+                    for k in T.serial({subsets}):
+                        s[0] = s[0] + subset_sums[k, j * {THREADS} + tx]
                     partial[bx // {chunks}, bx % {chunks}, j * {THREADS} + tx] = s[0]
     for bx in T.thread_binding({-(-n * cp // THREADS)}, thread="blockIdx.x"):
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
