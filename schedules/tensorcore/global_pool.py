@@ -22,16 +22,19 @@ of pixels ``lane, lane + L, ...`` of its chunk (``lane = t // V``, ``L = 256 // 
 ``pixels x in_zero``, requantized as the compute definition does (``pool_int8.avg_pool2d_int8``), so
 CUDA and CPU agree bit for bit.
 
-Takes: a pool over the whole map (no padding) of at least ``pool_int8.GLOBAL_MIN_PIXELS`` pixels,
-``C_p <= 4096`` (a block's 256 threads hold one vector of every channel).  Smaller maps keep the
-generic kernel (a thread per output: 7 x 7 sums are short).
+Also the 14 x 14 maps (``MIN_PIXELS``): EfficientNet-B0's squeezes there took ~8.5 us each at batch 1
+on the generic kernel (a thread per output: 240-672 threads, each summing 196 bytes a row apart).
+The 7 x 7 ones (4.7 us: 49 bytes a thread) and the classifiers' pools keep that kernel: two launches
+would cost about what they might save.
+
+Takes: a pool over the whole map (no padding) of at least ``MIN_PIXELS`` pixels, ``C_p <= 4096`` (a
+block's 256 threads hold one vector of every channel).  Anything else keeps the generic kernels.
 """
 from __future__ import annotations
 
 import tvm
 from tvm import te, tirx
 
-from ..pool_int8 import GLOBAL_MIN_PIXELS
 from ..requantize import QMIN, requantize_tir
 from ..kernel import parse_written_kernel
 from ..workload import AvgPoolWorkload
@@ -40,6 +43,7 @@ VEC = 16
 THREADS = 256
 MIN_BLOCKS = 264      # two blocks per SM of an H100 (132 SMs)
 MIN_STEPS = 4         # pixels per thread at least, so that a chunk is not all reduction overhead
+MIN_PIXELS = 100      # 14 x 14 and up; below, the generic kernel's one thread per output (module docstring)
 
 
 def chunks_per_image(batch: int, pixels: int, lanes: int) -> int:
@@ -50,13 +54,13 @@ def chunks_per_image(batch: int, pixels: int, lanes: int) -> int:
 
 def applies(wl: AvgPoolWorkload) -> bool:
     """Whether ``wl`` (packed NHWC32 ``[N, H, W, C_p]``) is a pool this module takes: the window the
-    whole map, at least ``GLOBAL_MIN_PIXELS`` pixels, at most 256 vectors of channels, a sum that
+    whole map, at least ``MIN_PIXELS`` pixels, at most 256 vectors of channels, a sum that
     fits int32 (``pixels x 255``: the total times a 31-bit multiplier then fits int64) and indices
     that fit int32."""
     if len(wl.shape) != 4:
         return False
     n, h, w, cp = wl.shape
-    return (tuple(wl.pool) == (h, w) and not any(wl.padding) and h * w >= GLOBAL_MIN_PIXELS
+    return (tuple(wl.pool) == (h, w) and not any(wl.padding) and h * w >= MIN_PIXELS
             and cp // VEC <= THREADS and h * w * 255 < 2 ** 31 and n * h * w * cp < 2 ** 31)
 
 
