@@ -57,7 +57,7 @@ def applies(wl: AvgPoolWorkload) -> bool:
     whole map, at least ``MIN_PIXELS`` pixels, at most 256 vectors of channels, a sum that
     fits int32 (``pixels x 255``: the total times a 31-bit multiplier then fits int64) and indices
     that fit int32."""
-    if len(wl.shape) != 4:
+    if not isinstance(wl, AvgPoolWorkload) or len(wl.shape) != 4:   # a generic query (None), NCHW4c
         return False
     n, h, w, cp = wl.shape
     return (tuple(wl.pool) == (h, w) and not any(wl.padding) and h * w >= MIN_PIXELS
