@@ -118,7 +118,7 @@ def global_pool_kernel(wl: AvgPoolWorkload) -> tvm.tirx.PrimFunc:
     # the lanes' sums meet in two rounds: ``subsets`` threads per channel each add every
     # subsets-th lane (all 256 threads busy where C_p < 256), then one thread per channel adds the
     # subsets; the lane rows are padded by a word so that a warp's stores of one element spread
-    # over the banks
+    # over the banks (a flat buffer: TVM compacts a 2-D one to the columns it reads, pad gone)
     subsets = max(1, THREADS // cp)
     lo = QMIN if wl.out_zero == 0 else -128
     src = f'''
@@ -128,7 +128,7 @@ def main(X: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), partial: T.Buffer
     T.func_attr({{"tir.noalias": True}})
     x = T.decl_buffer(({n * pixels * cp},), "int8", data=X.data, align=16)
     for bx in T.thread_binding({n * chunks}, thread="blockIdx.x"):
-        lane_sums = T.alloc_buffer(({lanes}, {cp + 1}), "int32", scope="shared")
+        lane_sums = T.alloc_buffer(({lanes * (cp + 1)},), "int32", scope="shared")   # flat: compaction keeps the pad
         subset_sums = T.alloc_buffer(({subsets}, {cp}), "int32", scope="shared")
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             acc = T.alloc_buffer(({VEC},), "int32", scope="local")
@@ -144,7 +144,7 @@ def main(X: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), partial: T.Buffer
                         for l in T.unroll({VEC}):
                             acc[l] = acc[l] + T.Cast("int32", xv[l])
                 for l in T.unroll({VEC}):
-                    lane_sums[tx // {vectors}, tx % {vectors} * {VEC} + l] = acc[l]
+                    lane_sums[tx // {vectors} * {cp + 1} + tx % {vectors} * {VEC} + l] = acc[l]
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             for j in T.serial({-(-subsets * cp // THREADS)}):
                 if j * {THREADS} + tx < {subsets * cp}:
@@ -152,7 +152,8 @@ def main(X: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), partial: T.Buffer
                     s[0] = 0
                     for k in T.serial({-(-lanes // subsets)}):
                         if (j * {THREADS} + tx) // {cp} + k * {subsets} < {lanes}:
-                            s[0] = s[0] + lane_sums[(j * {THREADS} + tx) // {cp} + k * {subsets}, (j * {THREADS} + tx) % {cp}]
+                            s[0] = s[0] + lane_sums[((j * {THREADS} + tx) // {cp} + k * {subsets}) * {cp + 1}
+                                                    + (j * {THREADS} + tx) % {cp}]
                     subset_sums[(j * {THREADS} + tx) // {cp}, (j * {THREADS} + tx) % {cp}] = s[0]
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             for j in T.serial({-(-cp // THREADS)}):
