@@ -183,7 +183,8 @@ PASS_OPS = ("conv2d", "dense", "max_pool2d", "avg_pool2d", "add", "concat", "cha
             "layer_norm", *CONVERSION_OPS)
 TRAINING_OPS = ("conv2d_grad_input", "conv2d_grad_weight")
 TARGETS = [TargetInfo.from_target(t) for t in (LLVM, make_target("cuda", "sm_90a"))]
-CONV_CANDIDATES = [conv_wl(1, 32, 8, 8, 64), conv_wl(1, 32, 8, 8, 32, groups=32), conv_wl(1, 3, 16, 16, 32)]
+CONV_CANDIDATES = [conv_wl(1, 32, 8, 8, 64), conv_wl(1, 32, 8, 8, 32, groups=32), conv_wl(1, 3, 16, 16, 32),
+                   conv_wl(1, 32, 8, 8, 32, groups=8)]
 
 
 def _workload_and_arrays(impl):

@@ -5,6 +5,8 @@ name                           op          runs
 =============================  ==========  ==============================================================
 ``conv2d.nhwc32.mma``          conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
 ``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
+``conv2d.nhwc32.grouped``      conv2d      CUDA sm_80+, grouped convs on ``__dp4a`` (``grouped.py``; not
+                                           preferred untuned: not measured yet)
 ``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
@@ -31,11 +33,11 @@ from tvm_qconv.target import TargetInfo
 
 from ..channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
 from ..conversion_kernels import Dequantize, Quantize
-from ..kernel import KernelImpl
+from ..kernel import KernelImpl, written_kernel
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, dense, depthwise, mma, pipeline, space
+from . import conv2d, dense, depthwise, grouped, mma, pipeline, space
 from .pool import MaxPool2dNhwc32
 from .layout import LAYOUT, dequantize_unpack_nhwc32, quantize_pack_nhwc32
 
@@ -143,6 +145,43 @@ class Conv2dDepthwise(KernelImpl):
         return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
 
 
+class Conv2dGrouped(KernelImpl):
+    """Grouped convs (group widths a multiple of 4: ResNeXt, RegNet) in the tensor cores' layout on
+    ``__dp4a`` (``grouped.py``): no relayout around them.  Not preferred untuned until it is measured
+    against the NCHW4c dp4a kernel with its two relayouts (``--family grouped`` picks it)."""
+
+    name = "conv2d.nhwc32.grouped"
+    op = "conv2d"
+    layout = LAYOUT.name
+    family = "grouped"
+    runs_on = "CUDA sm_80+"
+    instruction = "dp4a"
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        return target.kind == "cuda" and target.has_int8_mma and grouped.takes(wl)
+
+    def preferred(self, wl, target) -> bool:
+        return False
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(grouped.grouped_nhwc32_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return grouped.grouped_nhwc32_int8_ref(wl, *args)
+
+    def schedule(self, func, target):
+        if target.kind.name != "cuda":
+            return None
+        return written_kernel(func, grouped.grouped_kernel(ConvWorkload.of(func)))
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        return [grouped.pack_grouped(weight, wl.groups), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
+                conv2d.pack_channels(shift, fill=1)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
+
+
 # Fewer rows than this and a linear layer is a GEMV, which dlight's GEMV rule streams at the
 # weights' read speed.  From 2 rows on, dlight has only its SIMT matmul rule: VGG16's fc6 at
 # batch 16 took 781 us there (30 % of the model's GPU time, H100, 2026-11-25,
@@ -191,9 +230,10 @@ class DenseMma(KernelImpl):
 
 CONV2D_MMA = Conv2dMma()
 CONV2D_DEPTHWISE = Conv2dDepthwise()
+CONV2D_GROUPED = Conv2dGrouped()
 DENSE_MMA = DenseMma()
 # the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
-IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
+IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, CONV2D_GROUPED, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
                    *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))
 # float <-> int8 NHWC32, threads on pixels on CUDA (dlight's read the float side a feature map
 # apart per thread: ``channels_last_conversions.py``)

@@ -1,0 +1,185 @@
+"""Grouped int8 conv (ResNeXt's 32 groups, RegNet's group widths) in NHWC32, the tensor-core
+family's layout, on ``__dp4a``: a grouped conv between two tensor-core convs reads and writes their
+layout, where the NCHW4c dp4a kernel needs a relayout in and one out (the sm_90a plan of ResNeXt-50
+at batch 64 has 32 relayouts, two per grouped conv: ~840 MB moved per forward).
+
+Each output channel ``o`` of group ``g = o // go`` sums ``gi`` input channels ``g * gi ...`` over the
+taps: ``gi / 4`` int8x4 words per tap, one ``__dp4a`` each.  Same fused epilogue as every conv:
+int32 accumulate, + bias, fixed-point requantize, clamp.
+
+Layouts: data ``[n, h, w, ceil32(c)]``; weight ``[kh, kw, gi / 4, ceil32(o), 4]`` (for one tap and
+input word, the 4 words of 4 consecutive output channels are 16 contiguous bytes); bias / mult /
+shift ``[ceil32(o)]`` (``conv2d.pack_channels``).  Takes ``gi`` and ``go`` multiples of 4.
+
+On CUDA the kernel is written out (``grouped_kernel``): a thread per output word (4 channels) and a
+row of up to ``ROW_TILE`` pixels, consecutive threads on consecutive words (coalesced stores and
+weight loads; the threads of one group read the same input words); per tap and input word one
+16-byte weight load serves the row.  Untuned; not preferred over the NCHW4c dp4a kernel until
+measured (``impls.Conv2dGrouped.preferred``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from tvm import te, tirx
+
+from ..kernel import parse_written_kernel
+from ..requantize import requantize_ref, requantize_tir
+from ..workload import ConvWorkload
+from .layout import ceil32
+
+KERNEL_NAME = "conv2d_grouped_nhwc32_int8"
+THREADS = 128
+ROW_TILE = 4
+MIN_THREADS = 1 << 16   # as the depthwise kernel: a row tile only where the grid stays this large
+
+
+def takes(wl: ConvWorkload) -> bool:
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    return wl.groups > 1 and not wl.is_depthwise and gi % 4 == 0 and go % 4 == 0 and wl.out_dtype == "int8"
+
+
+def grouped_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Compute definition ``(A, W, Bias, Mult, Shift, Out)``: blocks ``pad``, ``conv``, ``requant``."""
+    assert takes(wl), wl
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    cip, cop = ceil32(wl.in_channels), ceil32(wl.out_channels)
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    h, w = wl.height, wl.width
+    A = te.placeholder((wl.batch, h, w, cip), "int8", name="A")
+    W = te.placeholder((kh, kw, gi // 4, cop, 4), "int8", name="W")
+    pad = te.compute(
+        (wl.batch, h + pt + pb, w + pl + pr, cip),
+        lambda n, y, x, c: tirx.if_then_else(
+            tirx.all(y >= pt, y < h + pt, x >= pl, x < w + pl), A[n, y - pt, x - pl, c],
+            tirx.const(wl.in_zero, "int8")),
+        name="pad")
+    ry, rx = te.reduce_axis((0, kh), name="ry"), te.reduce_axis((0, kw), name="rx")
+    ri = te.reduce_axis((0, gi), name="ri")
+
+    def source(o, i):   # the input channel i of output o's group (a padded o: the last group; its weights are 0)
+        return tirx.min(o // go, wl.groups - 1) * gi + i
+
+    conv = te.compute(
+        (wl.batch, wl.out_height, wl.out_width, cop),
+        lambda n, y, x, o: te.sum(
+            pad[n, y * sh + ry * dh, x * sw + rx * dw, source(o, ri)].astype("int32")
+            * W[ry, rx, ri // 4, o, ri % 4].astype("int32"), axis=[ry, rx, ri]),
+        name="conv")
+    bias = te.placeholder((cop,), "int32", name="Bias")
+    mult = te.placeholder((cop,), "int32", name="Mult")
+    shift = te.placeholder((cop,), "int32", name="Shift")
+    out = te.compute(
+        conv.shape,
+        lambda n, y, x, o: requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"),
+                                          mult[o], shift[o], wl.act_min, wl.act_max),
+        name="requant")
+    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
+        {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def grouped_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
+    """NumPy int64 reference of :func:`grouped_nhwc32_int8` (same layouts)."""
+    g, gi, go = wl.groups, wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow, o = wl.out_height, wl.out_width, wl.out_channels
+    xp = np.pad(a[..., :wl.in_channels].astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)),
+                constant_values=wl.in_zero)
+    taps = w[:, :, :, :o].transpose(0, 1, 3, 2, 4).reshape(kh, kw, g, go, gi).astype(np.int64)  # [kh, kw, g, go, gi]
+    acc = np.zeros((a.shape[0], oh, ow, g, go), np.int64)
+    for y in range(kh):
+        for x in range(kw):
+            win = xp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
+            acc += np.einsum("nhwgi,goi->nhwgo", win.reshape(*win.shape[:3], g, gi), taps[y, x])
+    full = np.zeros((a.shape[0], oh, ow, w.shape[3]), np.int64)
+    full[..., :o] = acc.reshape(*acc.shape[:3], o)
+    return requantize_ref(full + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+
+
+def pack_grouped(w: np.ndarray, groups: int) -> np.ndarray:
+    """[O, gi, KH, KW] -> [KH, KW, gi / 4, ceil32(O), 4], output channels zero-padded."""
+    o, gi, kh, kw = w.shape
+    wp = np.zeros((kh, kw, gi // 4, ceil32(o), 4), w.dtype)
+    wp[:, :, :, :o, :] = w.reshape(o, gi // 4, 4, kh, kw).transpose(3, 4, 1, 0, 2)
+    return wp
+
+
+def row_tile(wl: ConvWorkload) -> int:
+    """Pixels per thread: the largest divisor of the output width up to ``ROW_TILE`` that leaves at
+    least ``MIN_THREADS`` threads (1 where none does)."""
+    words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4
+    return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or words // d >= MIN_THREADS))
+
+
+def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFunc:
+    """The CUDA kernel of :func:`grouped_nhwc32_int8` (module docstring).  ``emulate_dp4a``: each
+    ``__dp4a`` written as its four products instead, for a CPU twin (tests)."""
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    cip, cop = ceil32(wl.in_channels), ceil32(wl.out_channels)
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl = wl.padding[0], wl.padding[1]
+    n, h, w, oh, ow = wl.batch, wl.height, wl.width, wl.out_height, wl.out_width
+    words, r = cop // 4, row_tile(wl)
+    threads = n * oh * (ow // r) * words
+    zero_word = int(np.array([wl.in_zero] * 4, np.int8).view(np.int32)[0])
+
+    def dp4a(x_word: str, x_byte, w_local: str) -> str:
+        """acc + the 4 products of an input word and the weight word at ``w_local``."""
+        if not emulate_dp4a:
+            return f'T.call_pure_extern("int32", "__dp4a", {x_word}, wv.vload([{w_local}], "int8x4"), {{acc}})'
+        terms = " + ".join(f"T.Cast(\"int32\", {x_byte(k)}) * T.Cast(\"int32\", wv[{w_local} + {k}])" for k in range(4))
+        return f"{{acc}} + {terms}"
+
+    # the input word's index written out in the load (not through a bound variable): the vector
+    # load is one 32-bit word only where TVM can prove the index a multiple of 4 (through a let it
+    # cannot, and it gathered 4 bytes)
+    base = f"T.min(ob * 4 // {go}, {wl.groups - 1}) * {gi}"
+    xi = f"((img * {h} + iy) * {w} + ix) * {cip} + {base} + i4 * 4"
+    inside = dp4a(f"x.vload([{xi}], \"int8x4\")", lambda k: f"x[{xi} + {k}]", "oo * 4")
+    border = dp4a(f"T.int32({zero_word})", lambda k: f"T.int8({wl.in_zero})", "oo * 4")
+    src = f'''
+@T.prim_func(private=True)
+def main(A: T.Buffer(({n}, {h}, {w}, {cip}), "int8", align=16), W: T.Buffer(({kh}, {kw}, {gi // 4}, {cop}, 4), "int8", align=16),
+         Bias: T.Buffer(({cop},), "int32"), Mult: T.Buffer(({cop},), "int32"), Shift: T.Buffer(({cop},), "int32"),
+         Out: T.Buffer(({n}, {oh}, {ow}, {cop}), "int8", align=16)):
+    T.func_attr({{"tir.noalias": True}})
+    x = T.decl_buffer(({n * h * w * cip},), "int8", data=A.data, align=16)
+    wt = T.decl_buffer(({kh * kw * (gi // 4) * cop * 4},), "int8", data=W.data, align=16)
+    y = T.decl_buffer(({n * oh * ow * cop},), "int8", data=Out.data, align=16)
+    for bx in T.thread_binding({-(-threads // THREADS)}, thread="blockIdx.x"):
+        for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
+            acc = T.alloc_buffer(({r * 4},), "int32", scope="local")
+            wv = T.alloc_buffer((16,), "int8", scope="local")
+            yv = T.alloc_buffer((4,), "int8", scope="local")
+            if bx * {THREADS} + tx < {threads}:
+                ob = (bx * {THREADS} + tx) % {words}
+                col = (bx * {THREADS} + tx) // {words} % {ow // r} * {r}
+                row = (bx * {THREADS} + tx) // {words * (ow // r)} % {oh}
+                img = (bx * {THREADS} + tx) // {words * (ow // r) * oh}
+                for a in T.unroll({r * 4}):
+                    acc[a] = 0
+                for ry in T.unroll({kh}):
+                    for rx in T.unroll({kw}):
+                        for i4 in T.serial({gi // 4}):
+                            for l in T.vectorized(16):
+                                wv[l] = wt[((ry * {kw} + rx) * {gi // 4} + i4) * {cop * 4} + ob * 16 + l]
+                            for p in T.unroll({r}):
+                                iy = row * {sh} + ry * {dh} - {pt}
+                                ix = (col + p) * {sw} + rx * {dw} - {pl}
+                                for oo in T.unroll(4):
+                                    if 0 <= iy and iy < {h} and 0 <= ix and ix < {w}:
+                                        acc[p * 4 + oo] = {inside.format(acc="acc[p * 4 + oo]")}
+                                    else:
+                                        acc[p * 4 + oo] = {border.format(acc="acc[p * 4 + oo]")}
+                for p in T.unroll({r}):
+                    for oo in T.unroll(4):
+                        yv[oo] = T.Cast("int8", T.max(T.min(T.shift_right(
+                            (T.Cast("int64", acc[p * 4 + oo]) + T.Cast("int64", Bias[ob * 4 + oo]))
+                            * T.Cast("int64", Mult[ob * 4 + oo])
+                            + T.shift_left(T.int64(1), T.Cast("int64", Shift[ob * 4 + oo]) - T.int64(1)),
+                            T.Cast("int64", Shift[ob * 4 + oo])), T.int64({wl.act_max})), T.int64({wl.act_min})))
+                    for oo in T.vectorized(4):
+                        y[((img * {oh} + row) * {ow} + col + p) * {cop} + ob * 4 + oo] = yv[oo]
+'''
+    return parse_written_kernel(src)
