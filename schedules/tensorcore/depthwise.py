@@ -58,6 +58,14 @@ def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
             pad[n, y * sh + ry * dh, x * sw + rx * dw, source(o)].astype("int32") * W[ry, rx, o].astype("int32"),
             axis=[ry, rx]),
         name="conv")
+    return with_epilogue(A, W, conv, wl, KERNEL_NAME)
+
+
+def with_epilogue(A, W, conv, wl: ConvWorkload, kernel_name: str) -> tirx.PrimFunc:
+    """The PrimFunc ``(A, W, Bias, Mult, Shift, Out)`` of an NHWC32 conv whose int32 sums are
+    ``conv`` ``[n, oh, ow, O_p]``: the fused epilogue (+ bias, fixed-point requantize, clamp) in
+    block ``requant``; the depthwise and the grouped kernels' shared tail."""
+    cop = int(conv.shape[-1])
     bias = te.placeholder((cop,), "int32", name="Bias")
     mult = te.placeholder((cop,), "int32", name="Mult")
     shift = te.placeholder((cop,), "int32", name="Shift")
@@ -67,7 +75,7 @@ def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
                                           mult[o], shift[o], wl.act_min, wl.act_max),
         name="requant")
     return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
-        {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+        {"tvm_qconv.kernel": kernel_name, "tvm_qconv.workload": str(wl.to_dict())})
 
 
 def depthwise_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:

@@ -23,8 +23,9 @@ import numpy as np
 from tvm import te, tirx
 
 from ..kernel import parse_written_kernel
-from ..requantize import requantize_ref, requantize_tir
+from ..requantize import requantize_ref
 from ..workload import ConvWorkload
+from .depthwise import with_epilogue
 from .layout import ceil32
 
 KERNEL_NAME = "conv2d_grouped_nhwc32_int8"
@@ -66,16 +67,7 @@ def grouped_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
             pad[n, y * sh + ry * dh, x * sw + rx * dw, source(o, ri)].astype("int32")
             * W[ry, rx, ri // 4, o, ri % 4].astype("int32"), axis=[ry, rx, ri]),
         name="conv")
-    bias = te.placeholder((cop,), "int32", name="Bias")
-    mult = te.placeholder((cop,), "int32", name="Mult")
-    shift = te.placeholder((cop,), "int32", name="Shift")
-    out = te.compute(
-        conv.shape,
-        lambda n, y, x, o: requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"),
-                                          mult[o], shift[o], wl.act_min, wl.act_max),
-        name="requant")
-    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
-        {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+    return with_epilogue(A, W, conv, wl, KERNEL_NAME)
 
 
 def grouped_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
