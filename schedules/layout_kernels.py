@@ -111,7 +111,7 @@ class GlobalAvgPool2d(AvgPool2d):
     """The average pool over a whole large map in NHWC32 (squeeze-excite's squeeze): the sums of
     chunks of each image's pixels, an output the build allocates, then requantized; on CUDA a block
     per chunk with 16-byte loads (``tensorcore/global_pool.py``).  At batch 1 on an H200 dlight's
-    reduction schedule of these pools took ~220 of EfficientNet-B0's 613 us of kernels
+    reduction and per-output schedules of these pools took 232 of EfficientNet-B0's 613 us of kernels
     (``docs/results/kernel_profile_efficientnet_b0_b1_h200_squeeze_excite.json``)."""
 
     def __init__(self, packing: Layout):
