@@ -109,6 +109,8 @@ class KernelImpl:
             names the paths it measures (``dp4a``, ``mma.sync``): the peak that its "% of
             peak" figures refer to; empty = none measured.
         runs_on: the target it needs, in words for messages (``CUDA sm_80+``); empty = any.
+        takes_table: (conv) its epilogue can end in a 256-entry table (``ConvWorkload.table``,
+            ``epilogue_table.py``); ``registry.candidates`` offers only these for such a workload.
     """
 
     name: str = ""
@@ -121,6 +123,7 @@ class KernelImpl:
     own_task: bool = False
     instruction: str = ""
     runs_on: str = ""
+    takes_table: bool = False
 
     def input_layout(self) -> str:
         """The layout its int8 input is read in (:attr:`in_layout`, else :attr:`layout`)."""

@@ -46,6 +46,9 @@ class ConvWorkload:
             padded tap is a real zero); the accumulator's ``-in_zero * sum(w)`` is the bias's.
             A family whose padding cannot be that value (wgmma: TMA's out-of-bounds fill is 0)
             adds the padding's share through a bias per border class (``border_bias.py``).
+        table: the epilogue ends in a 256-entry table (the elementwise function after the conv:
+            ``epilogue_table.py``); the kernel takes it as its last argument before the output.
+            Left out of :meth:`to_dict` when False, so a kernel without one is recorded as before.
     """
 
     batch: int
@@ -63,6 +66,7 @@ class ConvWorkload:
     act_max: int = 127
     out_dtype: str = "int8"
     in_zero: int = 0
+    table: bool = False
 
     def __post_init__(self):
         # ValueError, not InputError: a workload is built by the passes and the training
@@ -91,6 +95,8 @@ class ConvWorkload:
                              f"({self.act_min}, {self.act_max})")
         if self.in_zero not in (0, UNSIGNED_ZERO):
             raise ValueError(f"in_zero must be 0 or {UNSIGNED_ZERO}, got {self.in_zero}")
+        if self.table and self.out_dtype != "int8":
+            raise ValueError("a table epilogue needs the requantized int8 output (out_dtype='int8')")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -139,8 +145,9 @@ class ConvWorkload:
             if self.dilation != (1, 1) else ""
         s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
         u = " u8" if self.in_zero else ""
+        t = " +table" if self.table else ""
         return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
-                f"@{self.height}x{self.width} b{self.batch}")
+                f"@{self.height}x{self.width} b{self.batch}{t}")
 
     @property
     def pads_with_zero_point(self) -> bool:
@@ -148,7 +155,10 @@ class ConvWorkload:
         return bool(self.in_zero) and any(self.padding)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["table"]:
+            del d["table"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ConvWorkload":

@@ -92,7 +92,10 @@ def test_target_info_comes_from_the_target_not_from_constants():
 def test_grouped_conv_runs_in_int8_where_the_groups_fit_the_layout_and_falls_back_otherwise():
     aligned = conv_wl(1, 32, 8, 8, 64, groups=4)      # groups of 8 -> 16 channels
     ragged = conv_wl(1, 6, 8, 8, 6, groups=3)         # groups of 2 channels
-    assert registry.select("conv2d", aligned, SM90).name == "conv2d.nchw4c.dp4a"
+    # in the tensor cores' layout on sm_80+ (no relayout around it), on NCHW4c where there are none
+    assert registry.select("conv2d", aligned, SM90).name == "conv2d.nhwc32.grouped"
+    assert registry.select("conv2d", aligned, TargetInfo.from_target(make_target("cuda", "sm_75"))).name == \
+        "conv2d.nchw4c.dp4a"
     assert registry.select("conv2d", ragged, SM90) is None
     # the training path packs each group on its own, so any grouping runs there
     assert registry.select("conv2d", dataclasses.replace(ragged, out_dtype="int32"), SM90) is not None

@@ -722,3 +722,28 @@ def test_a_family_that_runs_no_layer_for_the_arch_is_named_with_what_it_needs(sm
                                          r"runs on --arch sm_90a"):
         tune_model("small_vgg", 1, arch="sm_90", work_dir=str(tmp_path), image_size=SIZE, model=model,
                    families=["wgmma"], runner=_FakeRunner())
+
+
+def test_a_kernel_with_a_table_epilogue_takes_the_plain_convs_schedule(tmp_path):
+    # a SiLU table fused into the conv before it (quantization/epilogues.py) adds a table argument
+    # and a lookup in the epilogue's expression, no block: a record tuned on the plain conv (a
+    # database from before fusion) schedules it (tuning/apply.py: tuning_twin)
+    from tvm_qconv.tuning.apply import tuning_twin
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.SiLU(),
+                                torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(16 * SIZE * SIZE, 10)).eval()
+    images = np.random.default_rng(0).normal(size=(4, 3, SIZE, SIZE)).astype(np.float32)
+    q = quantize_module(model, (1, 3, SIZE, SIZE), CUDA_INFO, config=QuantConfig(calibration="max"),
+                        ranges=Calibrate(images), progress=False)
+    qmod = LiftConstantsToParams()(q.mod)
+    convs = {gv.name_hint: ConvWorkload.of(f) for gv, f in qmod.functions.items()
+             if registry.of_func(f) is not None and registry.of_func(f).op == "conv2d"}
+    (fused,) = [n for n, wl in convs.items() if wl.table]
+    plain = tuning_twin(convs[fused])
+    assert not plain.table and tuning_twin(plain) is None
+    commit(tmp_path, types.SimpleNamespace(func=task_func(registry.get("conv2d.nchw4c.dp4a").compute(plain))), [5e-6])
+    mod, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA)
+    assert set(tuned) == {fused} and mod[fused].attrs["tir.is_scheduled"]
+    with CUDA:
+        assert "Table" in build_cuda_source(tvm.compile(ScheduleInt8Kernels(CUDA)(mod), target=CUDA))

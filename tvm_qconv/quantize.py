@@ -29,6 +29,7 @@ from .ranges import describe as describe_ranges
 from .target import TargetInfo
 from .weight_rounding import gptq_model
 from .quantization import QuantizationPlan, plan_quantization
+from .quantization.epilogues import fuse_tables
 from .quantization.zero_points import may_run_int8
 
 
@@ -171,10 +172,12 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     with phases("quantize", f"choose int8 kernels for {target.kind} {target.arch or ''}".rstrip()):
         plan = plan_quantization(graph, amax, config, target, choices=choices, chooser=chooser,
                                  channel_means=ctx.channel_means if config.bias_correction else None)
-        lower = LowerToRelax(plan, expose_activations)
+        # tables into their convs' epilogues, except where every layer's output must exist to compare
+        lowered = plan if expose_activations else fuse_tables(plan)
+        lower = LowerToRelax(lowered, expose_activations)
         qmod = lower(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
-    planned = plan.report()
+    planned = lowered.report()
     report = dict(layers=planned["layers"], float_ops=lower.report["float_ops"],
                   float_op_details=lower.report["float_op_details"],
                   conversions=lower.report["conversions"], relayouts=lower.report["relayouts"],

@@ -42,7 +42,8 @@ LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
 # tensor cores' NHWC32 on sm_80+, where the convs around it run; else NCHW4c), then Hopper's
 # wgmma (sm_90a), then int8 tensor cores (sm_80+, 16+ input channels), then the stem conv
 # (sm_80+, 1-4 input channels: dp4a into the tensor cores' layout), then grouped convs in NHWC32
-# (sm_80+, not preferred until measured), then dp4a (CUDA), then the CPU kernel.
+# (sm_80+, group widths a multiple of 4: no relayouts around them), then dp4a (CUDA), then the
+# CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     tensorcore.CONV2D_DEPTHWISE,
     nchw4c.CONV2D_DEPTHWISE,
@@ -91,7 +92,8 @@ def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> li
     """Every implementation of ``op`` that runs ``wl`` on ``target`` (in ``layout`` if given),
     in priority order."""
     return [impl for impl in IMPLEMENTATIONS
-            if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)]
+            if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)
+            and (impl.takes_table or not getattr(wl, "table", False))]
 
 
 def select(op: str, wl, target: TargetInfo, layout: str | None = None,

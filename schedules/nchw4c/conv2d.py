@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
+from .. import epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .layout import ceil4
@@ -86,13 +87,15 @@ def conv2d_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     bias = te.placeholder((occ, 4), "int32", name="Bias")
     mult = te.placeholder((occ, 4), "int32", name="Mult")
     shift = te.placeholder((occ, 4), "int32", name="Shift")
+    table = epilogue_table.te_table(wl)
     out = te.compute(
         (wl.batch, occ, oh, ow, 4),
-        lambda n, oc, y, x, oci: requantize_tir(
+        lambda n, oc, y, x, oci: epilogue_table.finish(requantize_tir(
             conv[n, oc, y, x, oci].astype("int64") + bias[oc, oci].astype("int64"),
-            mult[oc, oci], shift[oc, oci], wl.act_min, wl.act_max),
+            mult[oc, oci], shift[oc, oci], wl.act_min, wl.act_max), oc * 4 + oci, table, wl.out_channels),
         name="requant")
-    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(attrs)
+    args = [A, W, bias, mult, shift] + ([table] if table is not None else []) + [out]
+    return te.create_prim_func(args).with_attr(attrs)
 
 
 def conv2d_nchw4c_int8_ref(wl: ConvWorkload, a, w, bias=None, mult=None, shift=None) -> np.ndarray:

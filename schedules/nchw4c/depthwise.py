@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from .. import epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .conv2d import zero_pad
@@ -54,12 +55,14 @@ def depthwise_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     bias = te.placeholder((occ, 4), "int32", name="Bias")
     mult = te.placeholder((occ, 4), "int32", name="Mult")
     shift = te.placeholder((occ, 4), "int32", name="Shift")
+    table = epilogue_table.te_table(wl)
     out = te.compute(
         conv.shape,
-        lambda n, ob, y, x, oi: requantize_tir(conv[n, ob, y, x, oi].astype("int64") + bias[ob, oi].astype("int64"),
-                                               mult[ob, oi], shift[ob, oi], wl.act_min, wl.act_max),
+        lambda n, ob, y, x, oi: epilogue_table.finish(
+            requantize_tir(conv[n, ob, y, x, oi].astype("int64") + bias[ob, oi].astype("int64"),
+                           mult[ob, oi], shift[ob, oi], wl.act_min, wl.act_max), ob * 4 + oi, table, wl.out_channels),
         name="requant")
-    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
+    return te.create_prim_func([A, W, bias, mult, shift] + ([table] if table is not None else []) + [out]).with_attr(
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 

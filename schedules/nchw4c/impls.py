@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import epilogue_table
 from ..conversion_kernels import Dequantize, Quantize
 from ..elementwise_int8 import schedule_elementwise
 from ..kernel import KernelImpl
@@ -38,6 +39,7 @@ class _Conv2dNCHW4c(KernelImpl):
 
     op = "conv2d"
     layout = LAYOUT.name
+    takes_table = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # A group whose channels are not a multiple of 4 would need each group padded on its
@@ -49,7 +51,8 @@ class _Conv2dNCHW4c(KernelImpl):
         return self.tag(conv2d.conv2d_nchw4c_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        return conv2d.conv2d_nchw4c_int8_ref(wl, *args)
+        args, table = epilogue_table.split_args(wl, args)
+        return epilogue_table.apply_ref(LAYOUT, conv2d.conv2d_nchw4c_int8_ref(wl, *args), wl.out_channels, table)
 
     def pack_params(self, wl: ConvWorkload, weight: np.ndarray, bias: np.ndarray, mult: np.ndarray,
                     shift: np.ndarray) -> list[np.ndarray]:
@@ -70,6 +73,7 @@ class Conv2dDepthwise(KernelImpl):
     layout = LAYOUT.name
     family = "depthwise"
     runs_on = "CUDA or CPU"
+    takes_table = True
     SCHEDULES = {"cuda": depthwise.schedule_cuda, "llvm": lambda func, target: depthwise.schedule_cpu(func)}
 
     def applies(self, wl: ConvWorkload, target) -> bool:
@@ -79,7 +83,8 @@ class Conv2dDepthwise(KernelImpl):
         return self.tag(depthwise.depthwise_nchw4c_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        return depthwise.depthwise_nchw4c_int8_ref(wl, *args)
+        args, table = epilogue_table.split_args(wl, args)
+        return epilogue_table.apply_ref(LAYOUT, depthwise.depthwise_nchw4c_int8_ref(wl, *args), wl.out_channels, table)
 
     def schedule(self, func, target):
         return self.SCHEDULES[target.kind.name](func, target)

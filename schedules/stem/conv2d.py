@@ -39,6 +39,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .. import epilogue_table
 from ..requantize import requantize_i32_ok, requantize_ref, requantize_tir, requantize_tir_i32
 from ..tensorcore.layout import ceil32
 from ..workload import ConvWorkload
@@ -143,8 +144,10 @@ def conv2d_stem_compute(wl: ConvWorkload) -> tirx.PrimFunc:
     KS, CN = k_steps(KH * KW), tile_channels(OP)
     Q = CN // 4                                      # consecutive channels of one lane
     LO, HI = wl.act_min, wl.act_max
+    LUT = epilogue_table.script_table(wl)            # wl.table: the function after the conv (epilogue_table.py)
 
-    @T.prim_func(s_tir=True)
+    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
+    @T.prim_func(s_tir=True, check_well_formed=LUT is None)
     def main(data: T.Buffer((N, 1, H, W, 4), "int8"), weight: T.Buffer((KS, OP // CN, CN // 8, 32, 2, 4), "int8"),
              bias: T.Buffer((OP,), "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
              out: T.Buffer((N, OH, OW, OP), "int8")):
@@ -166,10 +169,11 @@ def conv2d_stem_compute(wl: ConvWorkload) -> tirx.PrimFunc:
             for n, y, x, o in T.grid(N, OH, OW, OP):
                 with T.sblock("requant"):
                     vn, vy, vx, vo = T.axis.remap("SSSS", [n, y, x, o])
-                    out[vn, vy, vx, vo] = requantize_tir(T.Cast("int64", acc[vn, vy, vx, vo])
-                                                         + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI)
+                    out[vn, vy, vx, vo] = epilogue_table.finish(requantize_tir(
+                        T.Cast("int64", acc[vn, vy, vx, vo]) + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI),
+                        vo, LUT, wl.out_channels)
 
-    return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME})
+    return epilogue_table.with_table_param(main, LUT).with_attr({"tvm_qconv.kernel": KERNEL_NAME})
 
 
 def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
@@ -195,8 +199,9 @@ def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
     WORDS = KS * TAPS_PER_STEP * OP
     NACC = MT * NTC * 4
     LO, HI = wl.act_min, wl.act_max
+    LUT = epilogue_table.script_table(wl)
 
-    @T.prim_func(private=True)
+    @T.prim_func(private=True, check_well_formed=LUT is None)
     def main(data: T.Buffer((N, 1, H, W, 4), "int8", align=4),
              weight: T.Buffer((KS, CHUNKS, NTC, 32, 2, 4), "int8", align=16),
              bias: T.Buffer((OP,), "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
@@ -273,8 +278,9 @@ def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
                         for k in T.unroll(Q):
                             o = T.meta_var(c * CN + t4 * Q + k)
                             for i in T.unroll(2 * MT):
-                                v = T.meta_var(_requant(fast, acc[(i // 2 * NTC + k // 2) * 4 + i % 2 * 2 + k % 2],
-                                                        bias[o], mult[o], shift[o], LO, HI))
+                                v = T.meta_var(epilogue_table.finish_int32(
+                                    _requant(fast, acc[(i // 2 * NTC + k // 2) * 4 + i % 2 * 2 + k % 2],
+                                             bias[o], mult[o], shift[o], LO, HI), o, LUT, wl.out_channels))
                                 packed[i * (Q // 4) + k // 4] = T.bitwise_or(packed[i * (Q // 4) + k // 4], T.shift_left(
                                     T.Cast("uint32", T.bitwise_and(v, 255)), T.uint32(8 * (k % 4))))
                         for i in T.unroll(2 * MT):
@@ -283,7 +289,7 @@ def conv2d_stem(wl: ConvWorkload, num_sm: int) -> tirx.PrimFunc:
                                 for q in T.vectorized(Q // 4):
                                     out32[(pix * OP + c * CN + t4 * Q) // 4 + q] = packed[i * (Q // 4) + q]
 
-    return main
+    return epilogue_table.with_table_param(main, LUT)
 
 
 def _requant(fast, acc, bias, mult, shift, lo: int, hi: int):

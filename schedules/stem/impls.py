@@ -16,6 +16,7 @@ the first conv in NCHW4c.
 """
 from __future__ import annotations
 
+from .. import epilogue_table
 from ..kernel import KernelImpl, tirx_kernel
 from ..nchw4c.layout import LAYOUT as NCHW4C
 from ..tensorcore import pipeline
@@ -38,6 +39,7 @@ class Conv2dStem(KernelImpl):
     runs_on = "CUDA sm_80+"
     spaces = ()
     instruction = "mma.sync"
+    takes_table = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # Its output must be able to feed tensor cores (16+ channels): a stem of fewer output
@@ -50,7 +52,8 @@ class Conv2dStem(KernelImpl):
         return self.tag(conv2d.conv2d_stem_compute(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        return conv2d.conv2d_stem_ref(wl, *args)
+        args, table = epilogue_table.split_args(wl, args)
+        return epilogue_table.apply_ref(NHWC32, conv2d.conv2d_stem_ref(wl, *args), wl.out_channels, table)
 
     def pack_params(self, wl, weight, bias, mult, shift):
         return [conv2d.pack_weight(weight), pack_channels(bias), pack_channels(mult), pack_channels(shift, fill=1)]

@@ -25,7 +25,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import border_bias
+from .. import border_bias, epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .layout import ceil32
@@ -62,8 +62,10 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
     LO, HI = wl.act_min, wl.act_max
     ZERO = 0 if table else wl.in_zero
     BIAS = (border_bias.table_rows(wl), Op) if table else (Op,)
+    LUT = epilogue_table.script_table(wl)    # wl.table: the function after the conv (epilogue_table.py)
 
-    @T.prim_func(s_tir=True)
+    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
+    @T.prim_func(s_tir=True, check_well_formed=LUT is None)
     def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
              bias: T.Buffer(BIAS, "int32"), mult: T.Buffer((Op,), "int32"),
              shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
@@ -101,12 +103,17 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
                 with T.sblock("requant"):
                     vm, vo = T.axis.remap("SS", [m, o])
                     b = T.meta_var(bias_at(wl, bias, vm, vo, table))
-                    T.reads(C[vm, vo], b, mult[vo], shift[vo])
+                    if LUT is None:
+                        T.reads(C[vm, vo], b, mult[vo], shift[vo])
+                    else:
+                        T.reads(C[vm, vo], b, mult[vo], shift[vo], LUT[0:256])
                     T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
                     if vm < M:
-                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = requantize_tir(
-                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", b), mult[vo], shift[vo], LO, HI)
+                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = epilogue_table.finish(requantize_tir(
+                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", b), mult[vo], shift[vo], LO, HI),
+                            vo, LUT, wl.out_channels)
 
+    main = epilogue_table.with_table_param(main, LUT)
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 

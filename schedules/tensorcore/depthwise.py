@@ -21,6 +21,7 @@ import numpy as np
 import tvm
 from tvm import te, tirx
 
+from .. import epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..nchw4c.depthwise import bind_threads_and_store, depthwise_acc_nhwc, schedule_word_per_thread
 from ..workload import ConvWorkload
@@ -63,18 +64,21 @@ def depthwise_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
 
 def with_epilogue(A, W, conv, wl: ConvWorkload, kernel_name: str) -> tirx.PrimFunc:
     """The PrimFunc ``(A, W, Bias, Mult, Shift, Out)`` of an NHWC32 conv whose int32 sums are
-    ``conv`` ``[n, oh, ow, O_p]``: the fused epilogue (+ bias, fixed-point requantize, clamp) in
-    block ``requant``; the depthwise and the grouped kernels' shared tail."""
+    ``conv`` ``[n, oh, ow, O_p]``: the fused epilogue (+ bias, fixed-point requantize, clamp, and
+    ``wl.table``'s lookup with a ``Table`` before ``Out``: ``epilogue_table.py``) in block
+    ``requant``; the depthwise and the grouped kernels' shared tail."""
     cop = int(conv.shape[-1])
     bias = te.placeholder((cop,), "int32", name="Bias")
     mult = te.placeholder((cop,), "int32", name="Mult")
     shift = te.placeholder((cop,), "int32", name="Shift")
+    table = epilogue_table.te_table(wl)
     out = te.compute(
         conv.shape,
-        lambda n, y, x, o: requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"),
-                                          mult[o], shift[o], wl.act_min, wl.act_max),
+        lambda n, y, x, o: epilogue_table.finish(
+            requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"), mult[o], shift[o],
+                           wl.act_min, wl.act_max), o, table, wl.out_channels),
         name="requant")
-    return te.create_prim_func([A, W, bias, mult, shift, out]).with_attr(
+    return te.create_prim_func([A, W, bias, mult, shift] + ([table] if table is not None else []) + [out]).with_attr(
         {"tvm_qconv.kernel": kernel_name, "tvm_qconv.workload": str(wl.to_dict())})
 
 

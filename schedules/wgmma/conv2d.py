@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import border_bias
+from .. import border_bias, epilogue_table
 from ..requantize import requantize_i32_ok, requantize_tir, requantize_tir_i32
 from ..tensorcore.conv2d import gemm_shape
 from ..tensorcore.layout import ceil32
@@ -219,7 +219,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     # the copy-out: whole 16-byte segments, the same number for each of the 128 threads
     assert not STAGED or (BN % 16 == 0 and BM * SEGS % 128 == 0), config
 
-    @T.prim_func(private=True)
+    LUT = epilogue_table.script_table(wl)     # wl.table: the function after the conv (epilogue_table.py)
+    C = wl.out_channels
+
+    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
+    @T.prim_func(private=True, check_well_formed=LUT is None)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
              bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
              out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
@@ -347,10 +351,12 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                         col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
                                         reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
                                         cls = T.meta_var(_border_class(wl, row, TABLE))
-                                        q0 = T.meta_var(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
-                                                                 mult[col], shift[col], LO, HI))
-                                        q1 = T.meta_var(_requant(fast, acc[reg + 1], _bias(bias, cls, col + 1, TABLE),
-                                                                 mult[col + 1], shift[col + 1], LO, HI))
+                                        q0 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
+                                                                         mult[col], shift[col], LO, HI), col, LUT, C))
+                                        q1 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg + 1],
+                                                                         _bias(bias, cls, col + 1, TABLE),
+                                                                         mult[col + 1], shift[col + 1], LO, HI),
+                                                                col + 1, LUT, C))
                                         pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
                                             T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
                                         if STAGED:
@@ -369,7 +375,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                              tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
-    return main
+    return epilogue_table.with_table_param(main, LUT)
 
 
 def _bias(bias, row, col, table: bool):

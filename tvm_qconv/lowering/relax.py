@@ -169,8 +169,8 @@ class _Emitter:
                         lp.out_shape, lp.out_dtype, lp.impl.scratch(lp.workload))
         if lp.output is None:
             self.fenv[lp.layer.output] = var
-        else:
-            self.qenv[lp.layer.output] = {lp.output.layout: _Int8(var, lp.output)}
+        else:   # a conv with a table in its epilogue writes the table layer's output (lp.writes)
+            self.qenv[lp.layer.output if lp.writes is None else lp.writes] = {lp.output.layout: _Int8(var, lp.output)}
 
     def run(self, mod):
         func = mod["main"]
@@ -181,7 +181,9 @@ class _Emitter:
                     ly = self.g.layer_of_var.get(b.var)
                     if ly is not None:
                         lp = self.plan.of(ly)
-                        if lp.int8:
+                        if lp.fused_into is not None:
+                            pass   # its output is made by the kernel of the layer it was fused into
+                        elif lp.int8:
                             self.emit_layer(lp)
                         else:
                             for v in ly.vars:

@@ -66,6 +66,11 @@ class LayerPlan:
             backend that stores weights unpacked (ONNX).
         gather: (channel gather) the tensor read and the channel index from it, gathers of
             gathers composed.
+        writes: the float graph's var its kernel's output stands for where that is not its
+            layer's own output: a conv with a table in its epilogue writes the table layer's
+            (``epilogues.py``); None: ``layer.output``.
+        fused_into: the layer whose kernel computes this one (a table in a conv's epilogue):
+            it has no kernel of its own.
         row: the build report's row.
     """
 
@@ -81,6 +86,8 @@ class LayerPlan:
     params: tuple[np.ndarray, ...] = ()
     weight: tuple[np.ndarray, np.ndarray] | None = None
     gather: tuple | None = None
+    writes: object = None
+    fused_into: str | None = None
     row: dict = field(default_factory=dict)
 
     @property

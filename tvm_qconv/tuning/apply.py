@@ -44,9 +44,21 @@ def symmetric_twin(wl):
     return dataclasses.replace(wl, in_zero=0)
 
 
+def tuning_twin(wl):
+    """The workload whose records serve ``wl`` where it has none of its own, else None: its
+    :func:`symmetric_twin`, and without its table epilogue (``ConvWorkload.table``: the same
+    blocks, the table read in the epilogue's expression, so the conv's trace applies as it is;
+    a database tuned before tables were fused keeps serving)."""
+    if not isinstance(wl, ConvWorkload):
+        return None
+    plain = dataclasses.replace(wl, table=False)
+    twin = symmetric_twin(plain)
+    return twin if twin is not None else (plain if wl.table else None)
+
+
 def lookup(db, impl, func) -> list:
     """The database's best record (a list of at most one) for ``func`` (a kernel of ``impl``), or
-    for its :func:`symmetric_twin` (made only where ``func`` has none); ``[]`` where it has neither."""
+    for its :func:`tuning_twin` (made only where ``func`` has none); ``[]`` where it has neither."""
     mod = tvm.IRModule({"main": task_func(func)})
     if not db.has_workload(mod):  # has_workload first: a query would add it
         mod = _twin_module(impl, func)
@@ -56,7 +68,7 @@ def lookup(db, impl, func) -> list:
 
 
 def _twin_module(impl, func):
-    twin = symmetric_twin(ConvWorkload.of(func)) if "tvm_qconv.workload" in func.attrs else None
+    twin = tuning_twin(ConvWorkload.of(func)) if "tvm_qconv.workload" in func.attrs else None
     return None if twin is None else tvm.IRModule({"main": task_func(impl.compute(twin))})
 
 
@@ -156,7 +168,7 @@ def apply_tuning_database(mod: tvm.IRModule, work_dir: str, target: tvm.target.T
             continue
         record = top[0]
         try:
-            # replays the trace on this kernel (its twin's trace, for an unsigned one)
+            # replays the trace on this kernel (its twin's trace, for an unsigned one or one with a table)
             # on a deep copy: a schedule may rewrite in place the statements it shares with ``func``
             sch = tvm.s_tir.Schedule(tvm.ir.load_json(tvm.ir.save_json(tvm.IRModule({"main": task_func(func)}))))
             record.trace.apply_to_schedule(sch, remove_postproc=False)
