@@ -22,7 +22,8 @@ from .elementwise_int8 import schedule_elementwise
 from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants, written_kernel
 from .tensorcore import affine as tensorcore_affine
 from .tensorcore import global_pool
-from .workload import AffineWorkload, AvgPoolWorkload
+from .tensorcore import scale as tensorcore_scale
+from .workload import AffineWorkload, AvgPoolWorkload, ScaleWorkload
 
 
 class LayoutKernel(KernelImpl):
@@ -228,6 +229,11 @@ class Scale(LayoutKernel):
                                          table)
 
     def schedule(self, func, target):
+        if target.kind.name == "cuda" and self.layout == "NHWC32":
+            # 16 channels x up to 8 pixels a thread, their factors computed once
+            kernel = tensorcore_scale.scale_kernel(ScaleWorkload.of(func))
+            if kernel is not None:
+                return written_kernel(func, kernel)
         # the gate is one value per (image, channel): only X's reads are vectorized
         return _schedule_reading_x(func, target, "scale")
 

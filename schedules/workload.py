@@ -280,6 +280,11 @@ class ScaleWorkload:
     def to_dict(self) -> dict:
         return self.__dict__.copy()
 
+    @classmethod
+    def of(cls, func) -> "ScaleWorkload":
+        """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
+        return cls(**ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))
+
 
 @dataclass(frozen=True)
 class AvgPoolWorkload:

@@ -484,7 +484,7 @@ def test_elementwise_cuda_kernel_on_gpu_is_bit_exact(op, shape):
 # the image) and at 17 x 19 (one block per image), unsigned in and out; 96 channels (6 vectors: 42
 # lanes, 4 idle threads) over 3 images; a 14 x 14 squeeze (672 channels: 42 vectors, 6 lanes, 8 chunks)
 GLOBAL_POOLS = [((1, 112, 112, 32), 0, 0), ((2, 17, 19, 64), -128, -128), ((3, 16, 16, 96), -128, 0),
-                ((1, 14, 14, 672), 0, -128)]
+                ((1, 14, 14, 672), 0, -128), ((2, 7, 7, 1152), 0, 0)]
 
 
 def _global_pool_case(shape, in_zero, out_zero, seed=0):
@@ -515,7 +515,8 @@ def _run_global_pool(func, wl, x, dev=None):
     return out.numpy()
 
 
-@pytest.mark.parametrize("shape,in_zero,out_zero", GLOBAL_POOLS, ids=["se-112px-b1", "unsigned", "96ch", "se-14px-b1"])
+@pytest.mark.parametrize("shape,in_zero,out_zero", GLOBAL_POOLS,
+                         ids=["se-112px-b1", "unsigned", "96ch", "se-14px-b1", "se-7px-b2"])
 def test_nhwc32_global_pool_splits_images_into_chunks_and_computes_the_reference(shape, in_zero, out_zero):
     """The NHWC32 global average pool (schedules/tensorcore/global_pool.py): its compute definition
     and its CUDA kernels' CPU twin (16-byte loads; a kernel of per-chunk sums, one that
@@ -524,7 +525,7 @@ def test_nhwc32_global_pool_splits_images_into_chunks_and_computes_the_reference
     from tvm_qconv.target import cuda_source, make_target
     impl, wl, x, ref = _global_pool_case(shape, in_zero, out_zero)
     assert ref.shape == (shape[0], 1, 1, shape[3]) and len(np.unique(ref)) > 10
-    assert chunking(wl)[0] == {(1, 112): 24, (2, 17): 1, (3, 16): 1, (1, 14): 8}[shape[:2]]
+    assert chunking(wl)[0] == {(1, 112): 24, (2, 17): 1, (3, 16): 1, (1, 14): 8, (2, 7): 4}[shape[:2]]
     target = make_target("cuda", "sm_90")
     func = impl.compute(wl)
     kernel = impl.schedule(func, target)
@@ -536,7 +537,7 @@ def test_nhwc32_global_pool_splits_images_into_chunks_and_computes_the_reference
         np.testing.assert_array_equal(_run_global_pool(f, wl, x), ref)
 
 
-def test_the_global_pool_takes_whole_map_pools_of_100_pixels_or_more_in_nhwc32_only():
+def test_the_global_pool_takes_whole_map_pools_of_49_pixels_or_more_in_nhwc32_only():
     from tvm_qconv.schedules.workload import AvgPoolWorkload
     from tvm_qconv.target import TargetInfo, make_target
     impl, target = registry.get("avg_pool2d.nhwc32.global"), TargetInfo.from_target(make_target("cuda", "sm_90a"))
@@ -546,7 +547,8 @@ def test_the_global_pool_takes_whole_map_pools_of_100_pixels_or_more_in_nhwc32_o
     assert impl.applies(wl((1, 16, 16, 32), (16, 16)), target)
     assert not impl.applies(wl((1, 16, 16, 32), (16, 16), (1, 1, 1, 1)), target)   # padded
     assert impl.applies(wl((1, 14, 14, 672), (14, 14)), target)                    # EfficientNet's 14 x 14 squeeze
-    assert not impl.applies(wl((1, 7, 7, 1280), (7, 7)), target)                   # 49 pixels: generic kernel
+    assert impl.applies(wl((1, 7, 7, 1152), (7, 7)), target)                       # and its 7 x 7 ones
+    assert not impl.applies(wl((1, 6, 6, 1280), (6, 6)), target)                   # 36 pixels: generic kernel
     assert not impl.applies(wl((1, 16, 16, 4128), (16, 16)), target)               # > 256 vectors
     assert not impl.applies(wl((1, 16, 16, 32), (8, 8)), target)                   # not the whole map
     assert registry.select("avg_pool2d", wl((1, 16, 16, 32), (16, 16)), target, layout="NHWC32") is impl
@@ -593,8 +595,8 @@ def test_a_model_with_written_out_kernels_builds_for_cuda(tmp_path):
 
 @pytest.mark.gpu
 # (an NHWC32 map's channels are a multiple of 32: EfficientNet's 240 are stored as 256)
-@pytest.mark.parametrize("shape", [(1, 112, 112, 32), (64, 112, 112, 32), (64, 28, 28, 256), (1, 14, 14, 672)],
-                         ids=["b1", "b64", "b64-256ch", "b1-14px"])
+@pytest.mark.parametrize("shape", [(1, 112, 112, 32), (64, 112, 112, 32), (64, 28, 28, 256), (1, 14, 14, 672),
+                                   (64, 7, 7, 1152)], ids=["b1", "b64", "b64-256ch", "b1-14px", "b64-7px"])
 def test_nhwc32_global_pool_on_gpu_is_bit_exact(shape):
     from tvm_qconv.target import device_arch, make_target
     impl, wl, x, ref = _global_pool_case(shape, -128, -128, seed=3)

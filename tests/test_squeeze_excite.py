@@ -134,3 +134,64 @@ def test_the_report_says_why_each_float_op_stayed_float(tmp_path):
     assert mul["shape"] == [1, 8, 32, 32] and mul["why"].startswith("no int8 kernel for relax.multiply")
     assert "scale" not in [r["kind"] for r in sg.report["layers"]]
     assert sg.report["verify"]["status"] == "ok"
+
+
+def _scale_case(n, h, w, c, zeros, gate_table, seed=0):
+    """(implementation, workload, args, reference) of the NHWC32 channel scale."""
+    rng = np.random.default_rng(seed)
+    impl, packing = registry.get("scale.nhwc32"), registry.layout("NHWC32")
+    wl = ScaleWorkload((n, h, w), c, 0.05 / 0.03, *zeros, gate_table=gate_table)
+    x = packing.pack(rng.integers(-128 if zeros[0] else -127, 128, (n, c, h, w)).astype(np.int8))
+    if gate_table:
+        table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
+        args = (x, packing.pack(rng.integers(-127, 128, (n, c, 1, 1)).astype(np.int8)), *impl.pack_params(wl, table))
+    else:
+        args = (x, rng.random((n, c, 1, 1)).astype(np.float32))
+    return impl, wl, args, impl.reference(wl, *args)
+
+
+@pytest.mark.parametrize("zeros", [(0, 0), (-128, -128)], ids=["symmetric", "unsigned"])
+@pytest.mark.parametrize("gate_table", [False, True], ids=["float-gate", "gate-table"])
+@pytest.mark.parametrize("floor", [None, 8], ids=["pixel-a-thread", "8-pixels-a-thread"])
+def test_the_nhwc32_scales_cuda_kernel_loads_16_bytes_and_computes_the_reference(zeros, gate_table, floor,
+                                                                                 monkeypatch):
+    """The NHWC32 scale's CUDA kernel (schedules/tensorcore/scale.py): one 16-byte load and store per
+    pixel, each channel's factor formed once; its CPU twin (thread loops serial) is bit-exact against
+    the reference, padded channels (40 of 64) and pixel tails (8 pixels a thread over 63) included."""
+    import re
+
+    import tvm
+
+    from tests.test_kernels import _gpu_twin
+    from tvm_qconv.schedules.tensorcore import scale as tc_scale
+    from tvm_qconv.target import cuda_source
+    if floor is not None:
+        monkeypatch.setattr(tc_scale, "MIN_THREADS", floor)
+    impl, wl, args, ref = _scale_case(2, 9, 7, 40, zeros, gate_table)
+    target = make_target("cuda", "sm_90")
+    kernel = impl.schedule(impl.compute(wl), target)
+    assert kernel.attrs["tvm_qconv.workload"] == impl.compute(wl).attrs["tvm_qconv.workload"]
+    with target:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": kernel}), target=target))
+    pixels = 8 if floor else 1
+    assert len(re.findall(r"\*\(int4\*\)\(xv_ptr \+ 0\) = \*\(int4\*\)\(x_ptr", src)) == pixels, src
+    assert len(re.findall(r"\*\(int4\*\)\(y_ptr \+ [^;]*\) = \*\(int4\*\)\(yv_ptr", src)) == pixels, src
+    lib = tvm.compile(tvm.IRModule({"main": _gpu_twin(kernel)}), target="llvm")
+    out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), tvm.cpu())
+    lib["main"](*[tvm.runtime.tensor(a, tvm.cpu()) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,h,w,c", [(1, 112, 112, 32), (64, 56, 56, 144), (64, 7, 7, 1152)],
+                         ids=["b1-112px", "b64-56px-144ch", "b64-7px"])
+def test_the_nhwc32_scale_on_gpu_is_bit_exact(n, h, w, c):
+    import tvm
+
+    from tvm_qconv.target import device_arch
+    impl, wl, args, ref = _scale_case(n, h, w, c, (0, 0), True, seed=3)
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), ref)

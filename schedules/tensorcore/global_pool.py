@@ -22,10 +22,11 @@ of pixels ``lane, lane + L, ...`` of its chunk (``lane = t // V``, ``L = 256 // 
 ``pixels x in_zero``, requantized as the compute definition does (``pool_int8.avg_pool2d_int8``), so
 CUDA and CPU agree bit for bit.
 
-Also the 14 x 14 maps (``MIN_PIXELS``): EfficientNet-B0's squeezes there took ~8.5 us each at batch 1
-on the generic kernel (a thread per output: 240-672 threads, each summing 196 bytes a row apart).
-The 7 x 7 ones (4.7 us: 49 bytes a thread) and the classifiers' pools keep that kernel: two launches
-would cost about what they might save.
+Also the 14 x 14 and 7 x 7 maps (``MIN_PIXELS``): on the generic kernel (a thread per output, each
+summing its pixels a row apart, a load and an add per pixel) EfficientNet-B0's squeezes took ~8.5 us
+each at 14 x 14 and 8.85 us each at 7 x 7 x 1152 at batch 1 on an H200 (2026-11-28,
+``docs/results/kernel_profile_efficientnet_b0_b1_h200_tables_in_epilogues.json``), where this
+kernel's two launches took 2.2-2.8 and 0.8-1.2 us for the larger maps.
 
 Takes: a pool over the whole map (no padding) of at least ``MIN_PIXELS`` pixels, ``C_p <= 4096`` (a
 block's 256 threads hold one vector of every channel).  Anything else keeps the generic kernels.
@@ -43,7 +44,7 @@ VEC = 16
 THREADS = 256
 MIN_BLOCKS = 264      # two blocks per SM of an H100 (132 SMs)
 MIN_STEPS = 4         # pixels per thread at least, so that a chunk is not all reduction overhead
-MIN_PIXELS = 100      # 14 x 14 and up; below, the generic kernel's one thread per output (module docstring)
+MIN_PIXELS = 49       # 7 x 7 and up; below, the generic kernel's one thread per output (module docstring)
 
 
 def chunks_per_image(batch: int, pixels: int, lanes: int) -> int:

@@ -12,11 +12,12 @@ name                           op          runs
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
 ``concat.nhwc32``              concat      any target (dlight on CUDA)
 ``channels.nhwc32``            channels    split, shuffle; any target (dlight on CUDA)
-``avg_pool2d.nhwc32.global``   avg_pool2d  a pool over a whole map of 100+ pixels: per-chunk sums, then
+``avg_pool2d.nhwc32.global``   avg_pool2d  a pool over a whole map of 49+ pixels: per-chunk sums, then
                                            requantized (written out on CUDA: ``global_pool.py``)
 ``avg_pool2d.nhwc32``          avg_pool2d  any target (one thread per output on CUDA)
 ``affine.nhwc32``              affine      inference BatchNorm no conv absorbs, a concat's inputs read in
                                            place (written out on CUDA: ``affine.py``)
+``scale.nhwc32``               scale       squeeze-excite's gated multiply (written out on CUDA: ``scale.py``)
 ``quantize.nhwc32.generic``    quantize    float NCHW -> NHWC32, any target (threads on pixels on CUDA:
                                            ``channels_last_conversions.py``)
 ``dequantize.nhwc32.generic``  dequantize  NHWC32 -> float NCHW, any target (the same on CUDA)
