@@ -111,6 +111,10 @@ class KernelImpl:
         runs_on: the target it needs, in words for messages (``CUDA sm_80+``); empty = any.
         takes_table: (conv) its epilogue can end in a 256-entry table (``ConvWorkload.table``,
             ``epilogue_table.py``); ``registry.candidates`` offers only these for such a workload.
+        follows_input: (conv) where a layer's int8 input already is in :meth:`input_layout`, the
+            planner picks it before the registry's order (``Planner.pick``): a memory-bound kernel
+            (depthwise, grouped, a conv of few channels) that would otherwise cost a relayout on
+            each side.
     """
 
     name: str = ""
@@ -124,6 +128,7 @@ class KernelImpl:
     instruction: str = ""
     runs_on: str = ""
     takes_table: bool = False
+    follows_input: bool = False
 
     def input_layout(self) -> str:
         """The layout its int8 input is read in (:attr:`in_layout`, else :attr:`layout`)."""

@@ -5,13 +5,13 @@ into the conv that feeds it alone (tvm_qconv/quantization/epilogues.py)."""
 import dataclasses
 
 import numpy as np
-import torch
 import pytest
+import torch
 import tvm
-
-from tvm_qconv import registry
 from tvm_qconv.schedules.requantize import quantize_multiplier
 from tvm_qconv.schedules.workload import ConvWorkload
+
+from tvm_qconv import registry
 from tvm_qconv.target import TargetInfo, cuda_source, make_target
 
 CPU = tvm.cpu()
@@ -181,3 +181,28 @@ def test_a_build_runs_tables_in_their_convs_epilogues_and_computes_the_same_inte
                for conv in fused.values())
     assert not any(r["kernel"].startswith("in ") for r in reports[True]["layers"])
     assert sum(r["kind"] == "lut" for r in reports[False]["layers"]) == 4   # every table is still an int8 layer
+
+
+def test_a_wgmma_record_of_the_plain_conv_builds_the_kernel_with_its_table():
+    """A database tuned before tables were fused holds the plain conv's wgmma tile: the fused layer
+    takes it (tuning/apply.tuning_twin) and gets its own kernel, table included; a task tuned on the
+    fused compute replays to the same kernel."""
+    import tvm_ffi
+    from tvm_qconv.schedules.kernel import tirx_kernel
+    from tvm_qconv.schedules.wgmma import conv2d as wgmma_conv2d
+    from tvm_qconv.schedules.wgmma import space
+
+    from tvm_qconv.tuning import task_func
+    from tvm_qconv.tuning.apply import tuning_twin
+    impl, target = registry.get("conv2d.nhwc32.wgmma"), make_target("cuda", "sm_90a")
+    fused = W("none", batch=64, in_channels=40, height=28, width=28, out_channels=240, kernel=(1, 1),
+              padding=(0, 0, 0, 0), table=True)
+    plain = tuning_twin(fused)
+    num_sm = TargetInfo.from_target(target).num_sm
+    for tuned_on in (plain, fused):
+        sch = tvm.s_tir.Schedule(task_func(impl.compute(tuned_on)))
+        impl.trace_point(sch, tuned_on, 1)
+        kernel = impl.tuned(sch.mod["main"], impl.compute(fused), target)
+        config = space.candidate_configs(plain)[1]
+        want = tirx_kernel(impl.compute(fused), wgmma_conv2d.conv2d_wgmma(fused, config, num_sm))
+        assert tvm_ffi.structural_equal(kernel, want) and len(kernel.params) == 7

@@ -792,18 +792,21 @@ def _grouped_wl(c, o, groups, size, kernel, stride, in_zero=0, batch=2):
 
 # ResNeXt's first stage (groups of 4, 128 channels scaled down to 32), RegNet-X's groups of 16 at
 # stride 2 on an unsigned input (padding reads -128), 8 per group with 40 channels (padded to 64:
-# the last output words are padding), ResNeXt's widest groups (32)
+# the last output words are padding), ResNeXt's widest groups (32); one group of few channels, its
+# input channels padded to 4 with zero weights: EfficientNet-B0's squeeze-excite conv (6 -> 144 on
+# a 1 x 3 map), 10 channels at stride 2 on an unsigned input
 GROUPED = [_grouped_wl(32, 32, 8, 7, 3, 1), _grouped_wl(48, 48, 3, 8, 3, 2, in_zero=-128),
-           _grouped_wl(40, 40, 5, 6, 3, 1), _grouped_wl(64, 64, 2, 5, 3, 1, in_zero=-128)]
-GROUPED_IDS = ["resnext-g4", "regnet-g16-s2-unsigned", "g8-padded-out", "g32"]
+           _grouped_wl(40, 40, 5, 6, 3, 1), _grouped_wl(64, 64, 2, 5, 3, 1, in_zero=-128),
+           _grouped_wl(6, 144, 1, 1, 1, 1), _grouped_wl(10, 24, 1, 6, 3, 2, in_zero=-128)]
+GROUPED_IDS = ["resnext-g4", "regnet-g16-s2-unsigned", "g8-padded-out", "g32", "one-group-6ch", "one-group-10ch-s2"]
 
 
 def _grouped_args(wl, seed=0):
     rng = np.random.default_rng(seed)
     impl = registry.get("conv2d.nhwc32.grouped")
-    x = np.zeros((wl.batch, wl.height, wl.width, -(-wl.in_channels // 32) * 32), np.int8)
-    x[..., :wl.in_channels] = rng.integers(-128 if wl.in_zero else -127, 128,
-                                           (wl.batch, wl.height, wl.width, wl.in_channels))
+    # the padded channels hold garbage too: the kernel must not read them, or only times a zero weight
+    x = rng.integers(-128 if wl.in_zero else -127, 128,
+                     (wl.batch, wl.height, wl.width, -(-wl.in_channels // 32) * 32)).astype(np.int8)
     w = rng.integers(-127, 128, (wl.out_channels, wl.in_channels // wl.groups, *wl.kernel)).astype(np.int8)
     mult, shift = quantize_multiplier(rng.uniform(2e-3, 6e-3, wl.out_channels))
     bias = rng.integers(-3000, 3000, wl.out_channels).astype(np.int32)

@@ -195,3 +195,16 @@ def test_the_nhwc32_scale_on_gpu_is_bit_exact(n, h, w, c):
     out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), ref)
+
+
+def test_the_gates_conv_of_few_channels_reads_the_tensor_cores_layout_without_a_relayout():
+    """fc2 (4 -> 16 channels, under the tensor-core template's 16) reads fc1's NHWC32 output: the NHWC32
+    dp4a kernel takes it where it is (KernelImpl.follows_input), not the stem kernel (NCHW4c in) with a
+    relayout before it; the image's conv keeps the stem kernel."""
+    from tvm_qconv.quantize import quantize_module
+    from tvm_qconv.target import TargetInfo
+    q = quantize_module(SqueezeExcite().eval(), (1, 3, 32, 32), TargetInfo.from_target(make_target("cuda", "sm_90a")),
+                        ranges=Calibrate(skimage_photos(32)[:4]), progress=False)
+    kernels = {r["layer"]: r["kernel"] for r in q.report["layers"]}
+    assert kernels["stem.0"] == "conv2d.nhwc32.stem" and kernels["fc2"] == "conv2d.nhwc32.grouped"
+    assert q.report["relayouts"] == 0, q.report["conversions"]

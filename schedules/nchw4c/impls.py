@@ -74,6 +74,7 @@ class Conv2dDepthwise(KernelImpl):
     family = "depthwise"
     runs_on = "CUDA or CPU"
     takes_table = True
+    follows_input = True
     SCHEDULES = {"cuda": depthwise.schedule_cuda, "llvm": lambda func, target: depthwise.schedule_cpu(func)}
 
     def applies(self, wl: ConvWorkload, target) -> bool:

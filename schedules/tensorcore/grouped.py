@@ -11,11 +11,16 @@ Layouts: data ``[n, h, w, ceil32(c)]``; weight ``[kh, kw, gi / 4, ceil32(o), 4]`
 input word, the 4 words of 4 consecutive output channels are 16 contiguous bytes); bias / mult /
 shift ``[ceil32(o)]`` (``conv2d.pack_channels``).  Takes ``gi`` and ``go`` multiples of 4.
 
+Also one group of fewer than ``FEW_CHANNELS`` input channels (squeeze-excite's second conv: 4-10
+channels in EfficientNet-B0), which the tensor-core template does not take: its ``gi`` padded to a
+multiple of 4 with zero weights (the NHWC32 input's padded channels are read and multiplied by 0).
+Reading NHWC32, it spares such a conv the relayouts around an NCHW4c kernel (11 of EfficientNet-B0's
+at batch 1); the planner picks it where the input already is NHWC32 (``KernelImpl.follows_input``).
+
 On CUDA the kernel is written out (``grouped_kernel``): a thread per output word (4 channels) and a
 row of up to ``ROW_TILE`` pixels, consecutive threads on consecutive words (coalesced stores and
 weight loads; the threads of one group read the same input words); per tap and input word one
-16-byte weight load serves the row.  Untuned; not preferred over the NCHW4c dp4a kernel until
-measured (``impls.Conv2dGrouped.preferred``).
+16-byte weight load serves the row.  Untuned.
 """
 from __future__ import annotations
 
@@ -34,15 +39,29 @@ ROW_TILE = 4
 MIN_THREADS = 1 << 16   # as the depthwise kernel: a row tile only where the grid stays this large
 
 
+FEW_CHANNELS = 16       # one group of fewer input channels: the tensor-core template's minimum
+
+
 def takes(wl: ConvWorkload) -> bool:
+    if wl.out_dtype != "int8":
+        return False
+    if wl.groups == 1:
+        return wl.in_channels < FEW_CHANNELS
     gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
-    return wl.groups > 1 and not wl.is_depthwise and gi % 4 == 0 and go % 4 == 0 and wl.out_dtype == "int8"
+    return not wl.is_depthwise and gi % 4 == 0 and go % 4 == 0
+
+
+def group_widths(wl: ConvWorkload) -> tuple[int, int]:
+    """(input, output) channels per group as the kernel reads them: one group's input channels
+    padded to a multiple of 4 (zero weights on the padded ones)."""
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    return (-(-gi // 4) * 4 if wl.groups == 1 else gi), go
 
 
 def grouped_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     """Compute definition ``(A, W, Bias, Mult, Shift, Out)``: blocks ``pad``, ``conv``, ``requant``."""
     assert takes(wl), wl
-    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    gi, go = group_widths(wl)
     cip, cop = ceil32(wl.in_channels), ceil32(wl.out_channels)
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
@@ -72,11 +91,11 @@ def grouped_nhwc32_int8(wl: ConvWorkload) -> tirx.PrimFunc:
 
 def grouped_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
     """NumPy int64 reference of :func:`grouped_nhwc32_int8` (same layouts)."""
-    g, gi, go = wl.groups, wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    g, (gi, go) = wl.groups, group_widths(wl)
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
     oh, ow, o = wl.out_height, wl.out_width, wl.out_channels
-    xp = np.pad(a[..., :wl.in_channels].astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)),
+    xp = np.pad(a[..., :g * gi].astype(np.int64), ((0, 0), (pt, pb), (pl, pr), (0, 0)),
                 constant_values=wl.in_zero)
     taps = w[:, :, :, :o].transpose(0, 1, 3, 2, 4).reshape(kh, kw, g, go, gi).astype(np.int64)  # [kh, kw, g, go, gi]
     acc = np.zeros((a.shape[0], oh, ow, g, go), np.int64)
@@ -90,7 +109,10 @@ def grouped_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.nda
 
 
 def pack_grouped(w: np.ndarray, groups: int) -> np.ndarray:
-    """[O, gi, KH, KW] -> [KH, KW, gi / 4, ceil32(O), 4], output channels zero-padded."""
+    """[O, gi, KH, KW] -> [KH, KW, gi / 4, ceil32(O), 4], output channels zero-padded (one group's
+    input channels too, to a multiple of 4)."""
+    if groups == 1 and w.shape[1] % 4:
+        w = np.pad(w, ((0, 0), (0, -w.shape[1] % 4), (0, 0), (0, 0)))
     o, gi, kh, kw = w.shape
     wp = np.zeros((kh, kw, gi // 4, ceil32(o), 4), w.dtype)
     wp[:, :, :, :o, :] = w.reshape(o, gi // 4, 4, kh, kw).transpose(3, 4, 1, 0, 2)
@@ -107,7 +129,7 @@ def row_tile(wl: ConvWorkload) -> int:
 def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFunc:
     """The CUDA kernel of :func:`grouped_nhwc32_int8` (module docstring).  ``emulate_dp4a``: each
     ``__dp4a`` written as its four products instead, for a CPU twin (tests)."""
-    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    gi, go = group_widths(wl)
     cip, cop = ceil32(wl.in_channels), ceil32(wl.out_channels)
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl = wl.padding[0], wl.padding[1]

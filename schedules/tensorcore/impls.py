@@ -5,8 +5,8 @@ name                           op          runs
 =============================  ==========  ==============================================================
 ``conv2d.nhwc32.mma``          conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
 ``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
-``conv2d.nhwc32.grouped``      conv2d      CUDA sm_80+, grouped convs on ``__dp4a`` (``grouped.py``): no
-                                           relayouts around them
+``conv2d.nhwc32.grouped``      conv2d      CUDA sm_80+, grouped convs (and one group of < 16 input
+                                           channels) on ``__dp4a`` (``grouped.py``): no relayouts around them
 ``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
@@ -129,6 +129,7 @@ class Conv2dDepthwise(KernelImpl):
     family = "depthwise"
     runs_on = "CUDA sm_80+"
     takes_table = True
+    follows_input = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         return target.kind == "cuda" and target.has_int8_mma and wl.is_depthwise and wl.out_dtype == "int8"
@@ -157,7 +158,9 @@ class Conv2dGrouped(KernelImpl):
     ``__dp4a`` (``grouped.py``): no relayout around them.  Preferred over the NCHW4c dp4a kernel: on an
     H200 (2026-11-28) ResNeXt-50 at batch 64 ran 2.26 ms of kernels with it against 3.68 ms with the
     NCHW4c kernel and its 32 relayouts, the grouped kernels themselves within a few percent of the
-    NCHW4c ones (``docs/results/kernel_profile_resnext50_32x4d_b64_h200_grouped.json``)."""
+    NCHW4c ones (``docs/results/kernel_profile_resnext50_32x4d_b64_h200_grouped.json``).  Also one
+    group of fewer than 16 input channels, where its input already is NHWC32 (``follows_input``;
+    otherwise the stem or NCHW4c kernels keep it: ``preferred``)."""
 
     name = "conv2d.nhwc32.grouped"
     op = "conv2d"
@@ -165,6 +168,10 @@ class Conv2dGrouped(KernelImpl):
     family = "grouped"
     runs_on = "CUDA sm_80+"
     instruction = "dp4a"
+    follows_input = True
+
+    def preferred(self, wl: ConvWorkload, target) -> bool:
+        return wl.groups > 1
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         return target.kind == "cuda" and target.has_int8_mma and grouped.takes(wl)

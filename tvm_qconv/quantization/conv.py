@@ -34,10 +34,10 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
                  stride=tuple(map(int, a.strides)), padding=tuple(map(int, a.padding)),
                  dilation=tuple(map(int, a.dilation)), in_zero=p.zero(ly.inputs[0]))
     wl = ConvWorkload.with_activation(activation, act_min, act_max, groups=groups, **shape)
-    # a depthwise conv (memory-bound, a kernel in each layout) takes its int8 input's layout:
-    # no relayout before it, whichever family ran the conv before (dp4a's NCHW4c at small
-    # maps, the tensor cores' NHWC32)
-    x_in = p.quantized(ly.inputs[0]) if wl.is_depthwise else None
+    # a memory-bound conv (depthwise, grouped, of few channels: KernelImpl.follows_input) takes its
+    # int8 input's layout where a kernel there takes it: no relayout before it, whichever family
+    # ran the layer before (dp4a's NCHW4c at small maps, the tensor cores' NHWC32)
+    x_in = p.quantized(ly.inputs[0])
     impl = p.pick("conv2d", wl, ly.name, follow=x_in.layout if x_in else None)
     note = ""
     if impl is None and groups > 1:

@@ -8,7 +8,8 @@ the analysis found asks its family's rule (``RULES``: ``conv.py``, ``pools.py``,
 computes what the kernel reads: scales and zero points, packed weights, folded biases,
 multipliers.  The walk keeps what a backend will have at each step -- which int8 versions of a
 tensor exist, in which layouts -- because decisions depend on it: a pool runs in int8 only on
-an int8 input, a depthwise conv follows its input's layout, an add or concat takes the layout
+an int8 input, a depthwise conv (or a grouped one, or one of few channels) follows its input's
+layout, an add or concat takes the layout
 most of its channels are in.
 
 The unsigned-zero-point policy is decided here and only here: ``zero_points.planned_unsigned``
@@ -173,14 +174,14 @@ class Planner:
 
     def pick(self, op: str, wl, layer: str, follow: str | None = None):
         """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
-        chooser's (measured), else the first of the registry's that applies, in the layout
-        ``follow`` if one is given and has a kernel preferred for ``wl``."""
+        chooser's (measured), else the first that ``follows_input`` and reads the layout ``follow``
+        (the layer's int8 input's, if one is given), else the first of the registry's that applies."""
         prefer = self.choices.get(layer)
         if prefer is None and self.chooser is not None:
             prefer = self.chooser(op, wl, registry.candidates(op, wl, self.target))
         if prefer is None and follow is not None:
-            prefer = next((impl.name for impl in registry.candidates(op, wl, self.target, layout=follow)
-                           if impl.preferred(wl, self.target)), None)
+            prefer = next((impl.name for impl in registry.candidates(op, wl, self.target)
+                           if impl.follows_input and impl.input_layout() == follow), None)
         return registry.select(op, wl, self.target, prefer=prefer)
 
     def select(self, op: str, wl, layout: str | None = None):
