@@ -91,6 +91,16 @@ def test_a_table_epilogue_keeps_the_unfused_kernel_and_its_schedules(name, wl):
         assert "Table_ptr[" in src, src
 
 
+@pytest.mark.parametrize("name", ["conv2d.nchw4c.dp4a", "conv2d.nchw4c.depthwise"])
+def test_the_nchw4c_cuda_schedules_take_a_table_epilogue(name):
+    # the dp4a family's default schedule and the NCHW4c depthwise's CUDA one (GPUs without int8 tensor cores)
+    wl = W("none", batch=4, in_channels=24, height=14, width=14, out_channels=24 if "depthwise" in name else 40,
+           groups=24 if "depthwise" in name else 1, table=True)
+    target = make_target("cuda", "sm_75")
+    with target:
+        assert "Table_ptr[" in cuda_source(registry.compile_kernel(registry.get(name), wl, target))
+
+
 def test_only_implementations_that_take_a_table_are_offered_one():
     sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
     # ResNeXt's grouped conv: the NHWC32 grouped kernel is written out in CUDA without a table

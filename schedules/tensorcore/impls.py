@@ -157,8 +157,9 @@ class Conv2dGrouped(KernelImpl):
     """Grouped convs (group widths a multiple of 4: ResNeXt, RegNet) in the tensor cores' layout on
     ``__dp4a`` (``grouped.py``): no relayout around them.  Preferred over the NCHW4c dp4a kernel: on an
     H200 (2026-11-28) ResNeXt-50 at batch 64 ran 2.26 ms of kernels with it against 3.68 ms with the
-    NCHW4c kernel and its 32 relayouts, the grouped kernels themselves within a few percent of the
-    NCHW4c ones (``docs/results/kernel_profile_resnext50_32x4d_b64_h200_grouped.json``).  Also one
+    NCHW4c kernel and its 32 relayouts, the grouped kernels themselves about as fast as the NCHW4c
+    ones (229 against 209 us, 206 against 262 us for the two largest:
+    ``docs/results/kernel_profile_resnext50_32x4d_b64_h200_{grouped,nchw4c}.json``).  Also one
     group of fewer than 16 input channels, where its input already is NHWC32 (``follows_input``;
     otherwise the stem or NCHW4c kernels keep it: ``preferred``)."""
 
