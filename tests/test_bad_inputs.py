@@ -124,8 +124,8 @@ def _no_target(folder):  # database files, but no config.json and no readable re
 
 
 NOT_A_DATABASE = [
-    (_random_text, f"no {WORKLOAD_FILE} and {RECORD_FILE}, plain or .gz; it holds notes.txt"),
-    (_empty, f"no {WORKLOAD_FILE} and {RECORD_FILE}, plain or .gz; it holds nothing"),
+    (_random_text, f"no {WORKLOAD_FILE} and {RECORD_FILE}, plain, .xz or .gz; it holds notes.txt"),
+    (_empty, f"no {WORKLOAD_FILE} and {RECORD_FILE}, plain, .xz or .gz; it holds nothing"),
     (lambda folder: folder, "no such folder"),
     (_a_file, "a file, not a folder"),
     (_no_target, "no cuda or llvm target in its config.json or in its first tuning record"),
@@ -278,9 +278,10 @@ def test_a_model_returning_no_tensor_is_refused_by_name(tmp_path, capsys):
     assert "forward returns a dict of 1 with no tensor in it" in err
 
 
-def test_a_corrupt_packed_database_is_a_bad_input_not_an_internal_failure(tmp_path):
-    # zlib.error is no OSError: it ended in "internal failure", exit 1
+@pytest.mark.parametrize("suffix,magic", [(".gz", b"\x1f\x8b\x08\x00"), (".xz", b"\xfd7zXZ\x00")])
+def test_a_corrupt_packed_database_is_a_bad_input_not_an_internal_failure(tmp_path, suffix, magic):
+    # zlib.error and lzma.LZMAError are no OSError: it ended in "internal failure", exit 1
     for name in (WORKLOAD_FILE, RECORD_FILE):
-        (tmp_path / f"{name}.gz").write_bytes(b"\x1f\x8b\x08\x00" + b"not deflate data" * 4)
+        (tmp_path / f"{name}{suffix}").write_bytes(magic + b"not compressed data" * 4)
     with pytest.raises(InputError, match=str(tmp_path)):
         database_target(str(tmp_path))

@@ -5,8 +5,8 @@ way the default dp4a schedule is (test_conv_schedules.py): they build to CUDA so
 ``__dp4a``, and their CPU twin (thread loops serial, dp4a as 4 multiply-adds) is bit-exact
 against NumPy.  The database tests store real traces with made-up run times.
 """
-import gzip
 import json
+import lzma
 import os
 import re
 import sys
@@ -387,9 +387,9 @@ def test_prune_keeps_the_best_valid_record_per_workload_packed(small_int8, tuned
     for name in (WORKLOAD_FILE, RECORD_FILE):
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
     assert prune_database(str(tmp_path)) == (3, 1)
-    # Packed to commit: only the .gz files are left (no backup either: nothing to repair).
-    assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".gz", WORKLOAD_FILE + ".gz"]
-    (line,) = gzip.decompress((tmp_path / (RECORD_FILE + ".gz")).read_bytes()).decode().splitlines()
+    # Packed to commit: only the .xz files are left (no backup either: nothing to repair).
+    assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".xz", WORKLOAD_FILE + ".xz"]
+    (line,) = lzma.decompress((tmp_path / (RECORD_FILE + ".xz")).read_bytes()).decode().splitlines()
     assert json.loads(line)[1][1] == [5e-6]
     _, tuned = apply_tuning_database(qmod, str(tmp_path), CUDA)  # builds read the packed form
     assert list(tuned.values()) == ["16->16 3x3 s1 @32x32 b1"]
@@ -553,7 +553,7 @@ def test_a_truncated_packed_database_is_reported_not_unpacked(small_int8, tuned_
     for name in (WORKLOAD_FILE, RECORD_FILE):
         (tmp_path / name).write_bytes((tuned_db / name).read_bytes())
     prune_database(str(tmp_path))
-    packed = tmp_path / (WORKLOAD_FILE + ".gz")
+    packed = tmp_path / (WORKLOAD_FILE + ".xz")
     packed.write_bytes(packed.read_bytes()[:200])  # a cut-off download or checkout
     with pytest.raises(InputError, match=r"is corrupt \(EOFError.*restore it .*or delete it and tune again"):
         load_database(str(tmp_path))
@@ -562,7 +562,7 @@ def test_a_truncated_packed_database_is_reported_not_unpacked(small_int8, tuned_
     # a tuning run on it is refused before it records itself in config.json
     with pytest.raises(InputError, match="is corrupt"):
         tune_model("small_vgg", 1, arch=ARCH, work_dir=str(tmp_path), image_size=SIZE, model=small_int8[0])
-    assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".gz", WORKLOAD_FILE + ".gz"]  # left as it was
+    assert sorted(os.listdir(tmp_path)) == [RECORD_FILE + ".xz", WORKLOAD_FILE + ".xz"]  # left as it was
 
 
 VGG16_CONVS = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
