@@ -56,13 +56,12 @@ def with_table_param(func: tirx.PrimFunc, table) -> tirx.PrimFunc:
     return tirx.PrimFunc([*func.params[:-1], table, func.params[-1]], func.body, func.ret_type, func.attrs)
 
 
-def split_args(wl, args: tuple) -> tuple[tuple, np.ndarray | None]:
-    """A reference's arguments without the table, and the table (None where ``wl`` has none)."""
-    return (tuple(args[:-1]), args[-1]) if wl.table else (tuple(args), None)
-
-
-def apply_ref(layout, out: np.ndarray, channels: int, table: np.ndarray | None) -> np.ndarray:
-    """NumPy twin of :func:`finish` on a packed int8 output of ``layout`` (a ``Layout``)."""
-    if table is None:
-        return out
-    return layout.pack(np.asarray(table, np.int8)[layout.unpack(out, channels).astype(np.int32) + 128])
+def reference(layout, wl, args: tuple, plain) -> np.ndarray:
+    """A conv's NumPy reference with its table: ``plain(wl, *args)`` (the conv without one) on the
+    arguments before the table, then :func:`finish`'s twin on its packed int8 output of ``layout``
+    (a ``Layout``); ``plain`` alone where ``wl`` has no table."""
+    if not wl.table:
+        return plain(wl, *args)
+    *args, table = args
+    out = plain(wl, *args)
+    return layout.pack(np.asarray(table, np.int8)[layout.unpack(out, wl.out_channels).astype(np.int32) + 128])

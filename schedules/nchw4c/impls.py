@@ -51,8 +51,7 @@ class _Conv2dNCHW4c(KernelImpl):
         return self.tag(conv2d.conv2d_nchw4c_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        args, table = epilogue_table.split_args(wl, args)
-        return epilogue_table.apply_ref(LAYOUT, conv2d.conv2d_nchw4c_int8_ref(wl, *args), wl.out_channels, table)
+        return epilogue_table.reference(LAYOUT, wl, args, conv2d.conv2d_nchw4c_int8_ref)
 
     def pack_params(self, wl: ConvWorkload, weight: np.ndarray, bias: np.ndarray, mult: np.ndarray,
                     shift: np.ndarray) -> list[np.ndarray]:
@@ -84,8 +83,7 @@ class Conv2dDepthwise(KernelImpl):
         return self.tag(depthwise.depthwise_nchw4c_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        args, table = epilogue_table.split_args(wl, args)
-        return epilogue_table.apply_ref(LAYOUT, depthwise.depthwise_nchw4c_int8_ref(wl, *args), wl.out_channels, table)
+        return epilogue_table.reference(LAYOUT, wl, args, depthwise.depthwise_nchw4c_int8_ref)
 
     def schedule(self, func, target):
         return self.SCHEDULES[target.kind.name](func, target)

@@ -52,8 +52,7 @@ class Conv2dStem(KernelImpl):
         return self.tag(conv2d.conv2d_stem_compute(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        args, table = epilogue_table.split_args(wl, args)
-        return epilogue_table.apply_ref(NHWC32, conv2d.conv2d_stem_ref(wl, *args), wl.out_channels, table)
+        return epilogue_table.reference(NHWC32, wl, args, conv2d.conv2d_stem_ref)
 
     def pack_params(self, wl, weight, bias, mult, shift):
         return [conv2d.pack_weight(weight), pack_channels(bias), pack_channels(mult), pack_channels(shift, fill=1)]

@@ -83,8 +83,7 @@ class Conv2dMma(KernelImpl):
         return self.tag(conv2d.conv2d_nhwc_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        args, table = epilogue_table.split_args(wl, args)
-        return epilogue_table.apply_ref(LAYOUT, conv2d.conv2d_nhwc_int8_ref(wl, *args), wl.out_channels, table)
+        return epilogue_table.reference(LAYOUT, wl, args, conv2d.conv2d_nhwc_int8_ref)
 
     def pack_params(self, wl, weight, bias, mult, shift):
         return [conv2d.pack_weight(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
@@ -138,9 +137,7 @@ class Conv2dDepthwise(KernelImpl):
         return self.tag(depthwise.depthwise_nhwc32_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        args, table = epilogue_table.split_args(wl, args)
-        return epilogue_table.apply_ref(LAYOUT, depthwise.depthwise_nhwc32_int8_ref(wl, *args), wl.out_channels,
-                                        table)
+        return epilogue_table.reference(LAYOUT, wl, args, depthwise.depthwise_nhwc32_int8_ref)
 
     def schedule(self, func, target):
         return depthwise.schedule_cuda(func, target)
