@@ -222,11 +222,12 @@ class Scale(LayoutKernel):
     def compute(self, wl):
         n, h, w = wl.shape
         return self.tag(scale_int8.scale_int8(self.packing, self.packing.packed_shape((n, wl.channels, h, w)),
-                                              wl.channels, wl.rescale, wl.in_zero, wl.out_zero, wl.gate_table), wl)
+                                              wl.channels, wl.rescale, wl.in_zero, wl.out_zero, wl.gate_table,
+                                              wl.gate_shift), wl)
 
     def reference(self, wl, x, gate, table=None):
         return scale_int8.scale_int8_ref(self.packing, x, gate, wl.channels, wl.rescale, wl.in_zero, wl.out_zero,
-                                         table)
+                                         table, wl.gate_shift)
 
     def schedule(self, func, target):
         if target.kind.name == "cuda" and self.layout == "NHWC32":
@@ -240,7 +241,8 @@ class Scale(LayoutKernel):
     def pack_params(self, wl, *table) -> list:
         if not wl.gate_table:
             return no_constants(self, table)
-        return [np.ascontiguousarray(table[0], np.float32)]
+        # the gate's float values -> int32 fixed point at the workload's shift (scale_int8.py)
+        return [scale_int8.gate_multipliers(table[0], wl.rescale, wl.gate_shift)]
 
     def out_shape(self, wl):
         return self._per_pixel(wl)

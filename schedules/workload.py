@@ -276,6 +276,7 @@ class ScaleWorkload:
     in_zero: int = 0
     out_zero: int = 0
     gate_table: bool = False   # the gate as an int8 input and a 256-entry table (scale_int8.py)
+    gate_shift: int = 0        # with gate_table: the table's fixed-point shift S (scale_int8.gate_shift)
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()

@@ -891,15 +891,26 @@ def test_depthwise_kernel_and_its_schedules_are_bit_exact(wl, layout):
     func = impl.compute(wl)
     target = make_target("cuda", "sm_90")
     cuda = impl.schedule(func, target)
-    schedules = [func, _gpu_twin(cuda)]  # the compute, the CUDA schedule's twin
+    written = layout == "nhwc32" and wl.dilation == (1, 1) and wl.out_channels == wl.in_channels
+    # the compute, the CUDA schedule's twin (the written-out dp4a kernel's: its byte moves and dot
+    # products as integer arithmetic, depthwise_dp4a.py)
+    schedules = [func, _gpu_twin(_written_depthwise(wl) if written else cuda)]
     if layout == "nchw4c":
         schedules.append(impl.schedule(func, make_target("llvm")))
     for f in schedules:
         np.testing.assert_array_equal(run(f, *args, out_shape=ref.shape, out_dtype="int8"), ref)
     with target:
         src = cuda_source(tvm.compile(tvm.IRModule({"main": cuda}), target=target))
-    if wl.out_channels == wl.in_channels:  # one int8x4 word per tap, not 4 bytes
+    if written:             # one int32 word per tap of 4 channels, 4 taps of a channel per __dp4a
+        assert src.count("__dp4a(") > 2 and "__byte_perm(" in src and "a_ptr[" in src
+    elif wl.out_channels == wl.in_channels:  # one int8x4 word per tap, not 4 bytes
         assert "*(int*)(A_ptr" in src
+
+
+def _written_depthwise(wl, dp4a: bool = False):
+    """The NHWC32 depthwise conv's written-out CUDA kernel for ``wl`` (``dp4a=False``: its CPU twin)."""
+    from tvm_qconv.schedules.tensorcore.depthwise_dp4a import depthwise_dp4a_kernel
+    return depthwise_dp4a_kernel(wl, dp4a=dp4a).with_attr("global_symbol", "main")
 
 
 @pytest.mark.parametrize("wl", [DEPTHWISE[0], DEPTHWISE[4]], ids=["relu6_s2", "7x7_convnext"])
@@ -914,8 +925,52 @@ def test_depthwise_row_tile_is_bit_exact(wl, monkeypatch):
     impl = registry.get("conv2d.nhwc32.depthwise")
     args = _packed(wl, impl, _depthwise_layer(wl))
     ref = impl.reference(wl, *args)
-    twin = _gpu_twin(impl.schedule(impl.compute(wl), make_target("cuda", "sm_90")))
-    np.testing.assert_array_equal(run(twin, *args, out_shape=ref.shape, out_dtype="int8"), ref)
+    # the written-out dp4a kernel (its CPU twin) and the scheduled one (where the written one does not apply)
+    scheduled = depthwise.schedule_cuda(impl.compute(wl), make_target("cuda", "sm_90"), written=False)
+    for kernel in (_written_depthwise(wl), scheduled):
+        np.testing.assert_array_equal(run(_gpu_twin(kernel), *args, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def test_the_written_depthwise_kernel_takes_a_table_epilogue_and_an_unsigned_input():
+    """The dp4a kernel's twin with the SiLU-style table after the requantization (0 on the padded
+    channels: 5 real of 32) and an unsigned input (its padding words read -128, the real zero)."""
+    import dataclasses
+    impl = registry.get("conv2d.nhwc32.depthwise")
+    wl = dataclasses.replace(DEPTHWISE[2], in_zero=-128, table=True)
+    args = _packed(wl, impl, _depthwise_layer(wl))
+    table = RNG.integers(-128, 128, 256).astype(np.int8)
+    ref = impl.reference(wl, *args, table)
+    got = run(_gpu_twin(_written_depthwise(wl)), *args, table, out_shape=ref.shape, out_dtype="int8")
+    np.testing.assert_array_equal(got, ref)
+    assert (NHWC32.unpack(ref, 5) != 0).mean() > 0.5 and not ref[..., 5:].any()
+
+
+def test_the_written_depthwise_kernel_leaves_dilation_and_channel_multipliers_to_the_schedule():
+    from tvm_qconv.schedules.tensorcore.depthwise_dp4a import depthwise_dp4a_kernel
+    assert depthwise_dp4a_kernel(DEPTHWISE[1]) is None            # multiplier 2, dilation 2
+    assert depthwise_dp4a_kernel(W("none", batch=1, in_channels=8, height=9, width=9, out_channels=8, groups=8,
+                                   dilation=(2, 2), padding=(2, 2, 2, 2))) is None
+
+
+# EfficientNet-B0's first depthwise conv (3 x 3 over 112 x 112) and a 5 x 5 at stride 2, ConvNeXt-T's
+# 7 x 7, an odd channel count (40 of 64: padded words) -- at batch 1 and 64
+GPU_DEPTHWISE = [
+    dict(in_channels=32, height=112, width=112, kernel=(3, 3), stride=(1, 1), padding=(1, 1, 1, 1)),
+    dict(in_channels=144, height=56, width=56, kernel=(5, 5), stride=(2, 2), padding=(1, 2, 1, 2)),
+    dict(in_channels=96, height=56, width=56, kernel=(7, 7), stride=(1, 1), padding=(3, 3, 3, 3)),
+    dict(in_channels=40, height=28, width=28, kernel=(3, 3), stride=(2, 2), padding=(1, 1, 1, 1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("conv", GPU_DEPTHWISE, ids=["3x3-112px", "5x5-s2", "7x7-convnext", "40ch-s2"])
+def test_the_written_depthwise_kernel_on_gpu_is_bit_exact(conv, batch):
+    wl = W("relu", batch=batch, out_channels=conv["in_channels"], groups=conv["in_channels"], **conv)
+    impl = registry.get("conv2d.nhwc32.depthwise")
+    args = _packed(wl, impl, _depthwise_layer(wl))
+    ref = impl.reference(wl, *args)
+    np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)
 
 
 def test_depthwise_row_tile_keeps_the_grid_full():

@@ -14,6 +14,7 @@ from tvm_qconv.data import skimage_photos
 from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.runtime import CompiledModel
+from tvm_qconv.schedules import scale_int8
 from tvm_qconv.schedules.workload import ScaleWorkload
 from tvm_qconv.target import make_target
 
@@ -36,12 +37,13 @@ def test_the_scale_kernel_is_its_numpy_twin_and_the_float_product_rounded(layout
     packing = registry.layout(layout)
     impl = registry.get(f"scale.{layout.lower()}")
     s_x, s_y = 0.05, 0.03
-    wl = ScaleWorkload((2, 5, 3), 7, s_x / s_y, *zeros, gate_table=gate_table)   # 7 channels: padded in both
+    table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)  # a sigmoid at scale 0.1
+    shift = scale_int8.gate_shift(table, s_x / s_y) if gate_table else 0
+    wl = ScaleWorkload((2, 5, 3), 7, s_x / s_y, *zeros, gate_table=gate_table, gate_shift=shift)  # 7 channels: padded
     q = RNG.integers(-128 if zeros[0] else -127, 128, (2, 7, 5, 3)).astype(np.int8)
     x = packing.pack(q)
-    if gate_table:   # the gate conv's int8 output and a sigmoid table of its 256 values (scale 0.1)
+    if gate_table:   # the gate conv's int8 output and the table of its 256 values
         logits = RNG.integers(-127, 128, (2, 7, 1, 1)).astype(np.int8)
-        table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
         gate = table[logits.astype(int) + 128]
         args = (x, packing.pack(logits), *impl.pack_params(wl, table))
     else:
@@ -55,6 +57,19 @@ def test_the_scale_kernel_is_its_numpy_twin_and_the_float_product_rounded(layout
     want = np.clip(np.rint(real / s_y) + zeros[1], -127 if zeros[1] == 0 else -128, 127)
     assert np.abs(packing.unpack(got, 7).astype(int) - want).max() <= 1
 
+
+
+def test_the_gate_tables_fixed_point_keeps_every_entry_below_2_to_the_22_and_gives_up_on_huge_gates():
+    """The gate table's shift (scale_int8.gate_shift) is the largest that keeps the int32 products
+    (a 9-bit difference times an entry) below 2**31; a gate no shift fits stays float (None)."""
+    sigmoid = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
+    s = scale_int8.gate_shift(sigmoid, 0.05 / 0.03)
+    mult = scale_int8.gate_multipliers(sigmoid, 0.05 / 0.03, s)
+    assert mult.dtype == np.int32 and 2 ** 21 <= np.abs(mult).max() < 2 ** 22    # the largest shift
+    assert scale_int8.gate_shift(sigmoid, 1e-12) == scale_int8.MAX_SHIFT        # capped: the rounding term fits
+    assert scale_int8.gate_shift(np.full(256, 1e9, np.float32), 1.0) is None
+    with pytest.raises(ValueError, match="choose the shift with gate_shift"):
+        scale_int8.gate_multipliers(sigmoid, 0.05 / 0.03, s + 1)
 
 class SqueezeExcite(nn.Module):
     def __init__(self):
@@ -140,10 +155,11 @@ def _scale_case(n, h, w, c, zeros, gate_table, seed=0):
     """(implementation, workload, args, reference) of the NHWC32 channel scale."""
     rng = np.random.default_rng(seed)
     impl, packing = registry.get("scale.nhwc32"), registry.layout("NHWC32")
-    wl = ScaleWorkload((n, h, w), c, 0.05 / 0.03, *zeros, gate_table=gate_table)
+    table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
+    shift = scale_int8.gate_shift(table, 0.05 / 0.03) if gate_table else 0
+    wl = ScaleWorkload((n, h, w), c, 0.05 / 0.03, *zeros, gate_table=gate_table, gate_shift=shift)
     x = packing.pack(rng.integers(-128 if zeros[0] else -127, 128, (n, c, h, w)).astype(np.int8))
     if gate_table:
-        table = (1.0 / (1.0 + np.exp(-0.1 * np.arange(-128, 128)))).astype(np.float32)
         args = (x, packing.pack(rng.integers(-127, 128, (n, c, 1, 1)).astype(np.int8)), *impl.pack_params(wl, table))
     else:
         args = (x, rng.random((n, c, 1, 1)).astype(np.float32))

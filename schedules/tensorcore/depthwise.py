@@ -23,6 +23,7 @@ from tvm import te, tirx
 
 from .. import epilogue_table
 from ..requantize import requantize_ref, requantize_tir
+from ..kernel import written_kernel
 from ..nchw4c.depthwise import bind_threads_and_store, depthwise_acc_nhwc, schedule_word_per_thread
 from ..workload import ConvWorkload
 from .layout import ceil32
@@ -113,7 +114,7 @@ def row_tile(wl: ConvWorkload) -> int:
     return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or words // d >= MIN_THREADS))
 
 
-def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
+def schedule_cuda(func: tirx.PrimFunc, target, written: bool = True) -> tirx.PrimFunc:
     """One thread per output word (4 channels) of ``R`` consecutive pixels of a row (:func:`row_tile`:
     8 at batch 64, 1 where the grid would be too small for the GPU),
     consecutive threads on consecutive words of a pixel (coalesced loads and stores).  Per filter
@@ -124,8 +125,16 @@ def schedule_cuda(func: tirx.PrimFunc, target) -> tirx.PrimFunc:
 
     Why: ConvNeXt-T's 7 x 7 depthwise convs took 2.46 of its 4.63 ms of kernels at batch 64 on an
     H100 with one pixel per thread (2.7 T multiply-adds/s: bound by loads and byte unpacking, not
-    by memory), ``docs/history.md``.  A channel multiplier above 1 keeps the one-pixel schedule."""
+    by memory), ``docs/history.md``.  A channel multiplier above 1 keeps the one-pixel schedule.
+
+    Where ``depthwise_dp4a.py`` takes the layer (a channel multiplier of 1, no dilation: every
+    depthwise conv of the zoo), its written-out kernel runs instead: the same work per thread, with
+    each channel's taps packed four to a word for ``__dp4a`` (``written=False``: the schedule alone)."""
+    from .depthwise_dp4a import depthwise_dp4a_kernel   # it builds on this module's row tile
     wl = ConvWorkload.of(func)
+    kernel = depthwise_dp4a_kernel(wl) if written else None
+    if kernel is not None:
+        return written_kernel(func, kernel)
     sch = tvm.s_tir.Schedule(func)
     conv, pad, requant = (sch.get_sblock(b) for b in ("conv", "pad", "requant"))
     n, y, x, o, ry, rx = sch.get_loops(conv)

@@ -10,6 +10,7 @@ import numpy as np
 from .. import registry
 from ..graph import static_shape
 from ..lut_table import dequantized_inputs, evaluate, lut_table
+from ..schedules import scale_int8
 from ..schedules.requantize import add_multipliers, affine_params
 from ..schedules.workload import AddWorkload, AffineWorkload, LutWorkload, ScaleWorkload
 from .plan import LayerPlan, TensorQuant, TensorRead
@@ -93,13 +94,17 @@ def plan_scale(p, ly) -> LayerPlan | str:
         return p.no_kernel("scale", f"{x.layout} tensor")
     n, c, h, w = static_shape(ly.output.ty)
     reads, float_reads, params = (TensorRead(ly.inputs[0], x),), (ly.gate,), ()
-    table = ly.gate_chain is not None and p.quantized(ly.inputs[1]) is not None
-    if table:   # the gate's sigmoid / hard-sigmoid as a table of its int8 input's 256 values
-        gate = p.read(ly.inputs[1], x.layout)
-        values = evaluate(ly.gate_chain, p.value, dequantized_inputs(gate.quant.scale, gate.quant.zero))
-        reads, float_reads, params = reads + (gate,), (), (values.astype(np.float32),)
+    shift, s_y = 0, p.scale(ly.output)
+    if ly.gate_chain is not None and p.quantized(ly.inputs[1]) is not None:
+        # the gate's sigmoid / hard-sigmoid as a fixed-point table of its int8 input's 256 values
+        gate_q = p.quantized(ly.inputs[1])
+        values = evaluate(ly.gate_chain, p.value, dequantized_inputs(gate_q.scale, gate_q.zero)).astype(np.float32)
+        shift = scale_int8.gate_shift(values, x.scale / s_y) or 0   # None: a gate too large, kept float
+        if shift:
+            reads, float_reads, params = reads + (p.read(ly.inputs[1], x.layout),), (), (values,)
     out = p.produce_output(ly, impl)
-    wl = ScaleWorkload((n, h, w), c, x.scale / out.scale, x.zero, out.zero, gate_table=table)
+    table = shift > 0
+    wl = ScaleWorkload((n, h, w), c, x.scale / out.scale, x.zero, out.zero, gate_table=table, gate_shift=shift)
     how = "a gate table of its int8 input" if table else "a float gate"
     return LayerPlan(ly, impl=impl, workload=wl, reads=reads, float_reads=float_reads, output=out,
                      out_shape=out.shape, params=tuple(impl.pack_params(wl, *params)),
