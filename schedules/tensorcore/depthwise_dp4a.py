@@ -122,8 +122,11 @@ def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimF
                 for p in range(parts):
                     o = i * sw + 4 * p           # the window's first byte in channel j's stream
                     g, off = divmod(o, 4)
-                    win = f"xt[{j * groups + g}]" if off == 0 else \
-                        ops.perm(f"xt[{j * groups + g}]", f"xt[{j * groups + g + 1}]", FUNNEL[off])
+                    win = f"xt[{j * groups + g}]"
+                    if off:    # through an int register: __byte_perm is unsigned, and TVM's CUDA
+                        # header declares an unsigned __dp4a overload it does not define on the device
+                        body.append(f"{ind}wn[0] = " + ops.perm(win, f"xt[{j * groups + g + 1}]", FUNNEL[off]))
+                        win = "wn[0]"
                     body.append(f"{ind}acc[{i * LANES + j}] = "
                                 + ops.dot(win, f"wt[{j * wgroups + p}]", f"acc[{i * LANES + j}]"))
     body = "\n".join(body)
@@ -152,6 +155,7 @@ def main(A: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), W: T.Buffer(({kh}
             ww = T.alloc_buffer(({4 * wgroups},), "int32", scope="local")
             xt = T.alloc_buffer(({LANES * groups},), "int32", scope="local")
             wt = T.alloc_buffer(({LANES * wgroups},), "int32", scope="local")
+            wn = T.alloc_buffer((1,), "int32", scope="local")
             bv = T.alloc_buffer(({LANES},), "int32", scope="local")
             mv = T.alloc_buffer(({LANES},), "int32", scope="local")
             sv = T.alloc_buffer(({LANES},), "int32", scope="local")
