@@ -8,7 +8,8 @@ channels_last with CUDA graphs, ``torch.compile(mode="max-autotune")``), at batc
 
 Why a driver: ``torch.compile`` with max-autotune takes ~5 minutes per model and batch on an H100, so
 the 32 measurements take ~3 hours of one GPU, and a device call lasts at most 10 minutes.  ``run``
-starts one ``deploy.py compare --model M --batch B`` per GPU (``CUDA_VISIBLE_DEVICES``), as many
+starts one ``deploy.py compare --model M --batch B`` per GPU (``CUDA_VISIBLE_DEVICES``, and its share
+of the host's cores: ``thread_limits``), as many
 (model, batch) units as there are GPUs, the next as one finishes; a unit whose
 ``<out>/<model>_b<batch>/compare_<model>.json`` exists is done and skipped, so a later call goes on
 where an earlier one stopped.  At ``--deadline`` seconds the running units are interrupted (their
@@ -61,6 +62,17 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in listed.splitlines())
 
 
+def thread_limits(gpus: int, cpus: int | None = None) -> dict:
+    """Each unit's share of the host's cores, for PyTorch, OpenMP, TVM and Inductor's compile workers.
+
+    Why: every library sizes its pool to the whole host, so four units on a 64-core host ran ~1,000
+    threads; calibration, ~14 s on a 2-core box, took 113-157 s per unit on a 4 x H200 host
+    (2026-11-28), and left max-autotune too little of the 10-minute call."""
+    share = str(max(1, (cpus or os.cpu_count() or 1) // max(1, gpus)))
+    return {k: share for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS",
+                               "TORCHINDUCTOR_COMPILE_THREADS")}
+
+
 def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: float, unit_seconds: float,
         size: int, dry_run: bool = False) -> int:
     """Measure the pending units, one per GPU at a time, until none is left or the deadline; returns
@@ -82,7 +94,7 @@ def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: fl
             (m, b), g = todo.pop(0), free.pop(0)
             os.makedirs(unit_dir(out, m, b), exist_ok=True)
             log = open(os.path.join(unit_dir(out, m, b), "log.txt"), "a")
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g))
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g), **thread_limits(gpus))
             running[g] = (m, b, subprocess.Popen(command(out, m, b, size), env=env, stdout=log, stderr=log), log)
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b}", flush=True)
         for g, (m, b, proc, log) in list(running.items()):
@@ -118,7 +130,9 @@ def table(out: str) -> dict:
             best = s.get("best", {})
             int8, torch_best = best.get("tvm_qconv"), best.get("pytorch")
             speedup = (s.get("speedup") or {}).get("pytorch")
-            rows.append(dict(model=result["model"], batch=s["batch"], device=result.get("device"),
+            env = result.get("environment") or {}
+            rows.append(dict(model=result["model"], batch=s["batch"], date=env.get("date"),
+                             device=(env.get("gpu") or {}).get("name") or result.get("device"),
                              int8_ms=int8 and int8["median_ms"], pytorch_ms=torch_best and torch_best["median_ms"],
                              pytorch_best=torch_best and torch_best["name"], speedup=speedup,
                              goal=speedup is not None and speedup >= GOAL,
@@ -126,8 +140,8 @@ def table(out: str) -> dict:
     rows.sort(key=lambda r: (r["model"], r["batch"]))
     summary = dict(rows=rows, goal=GOAL, measured=len(rows), goal_met=sum(r["goal"] for r in rows),
                    missed=[f"{r['model']} b{r['batch']}" for r in rows if not r["goal"]])
-    lines = ["| model | batch | int8 (ms) | PyTorch's best (ms) | which | speed-up | goal 1.5x |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | int8 (ms) | PyTorch's best (ms) | which | speed-up | goal 1.5x | device | date |",
+             "|---|---|---|---|---|---|---|---|---|"]
     def ms(v):
         return "-" if v is None else f"{v:.3f}"
 
@@ -135,7 +149,7 @@ def table(out: str) -> dict:
         speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         verdict = "**yes** (2x)" if r["moonshot"] else "yes" if r["goal"] else "no"
         lines.append(f"| {r['model']} | {r['batch']} | {ms(r['int8_ms'])} | {ms(r['pytorch_ms'])} | "
-                     f"{r['pytorch_best'] or '-'} | {speedup} | {verdict} |")
+                     f"{r['pytorch_best'] or '-'} | {speedup} | {verdict} | {r['device'] or '-'} | {r['date'] or '-'} |")
     lines.append(f"\n{summary['goal_met']} of {len(rows)} measured (model, batch) at the goal; missed: "
                  + (", ".join(summary["missed"]) or "none"))
     with open(os.path.join(out, "goal.md"), "w") as f:

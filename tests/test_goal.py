@@ -16,7 +16,8 @@ def _finished(out, model, batch, int8_ms, torch_ms, best="torch.compile max-auto
                                            pytorch=dict(name=best, median_ms=torch_ms)),
                     speedup=dict(pytorch=torch_ms / int8_ms))]
     with open(os.path.join(d, f"compare_{model}.json"), "w") as f:
-        json.dump(dict(model=model, device="NVIDIA H100", summary=summary), f)
+        json.dump(dict(model=model, device="cuda", summary=summary,
+                       environment=dict(date="2026-11-28 05:36 UTC", gpu=dict(name="NVIDIA H200"))), f)
 
 
 def test_finished_units_are_skipped_and_batch_64_goes_first(tmp_path):
@@ -36,7 +37,8 @@ def test_the_table_gives_each_unit_its_speed_up_and_verdict(tmp_path):
                         ("convnext_tiny", 1): (1.63, True, False)}
     assert summary["missed"] == ["densenet121 b64"]
     text = (tmp_path / "goal.md").read_text()
-    assert "| densenet121 | 64 | 8.600 | 8.610 | PyTorch fp16 channels_last + CUDA graph | 1.00x | no |" in text
+    assert ("| densenet121 | 64 | 8.600 | 8.610 | PyTorch fp16 channels_last + CUDA graph | 1.00x | no | NVIDIA H200 | "
+            "2026-11-28 05:36 UTC |") in text          # which GPU and when: the units run on several machines
     assert json.loads((tmp_path / "goal.json").read_text())["goal_met"] == 2
 
 
@@ -52,3 +54,10 @@ def test_a_dry_run_prints_one_compare_per_pending_unit_and_refuses_unknown_model
     bad = subprocess.run([sys.executable, script, "run", "--models", "resnet19", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "not zoo models: ['resnet19']" in bad.stderr
+
+
+def test_each_unit_gets_its_share_of_the_cores_for_every_thread_pool():
+    limits = goal.thread_limits(4, cpus=64)
+    assert limits == {"OMP_NUM_THREADS": "16", "MKL_NUM_THREADS": "16", "TVM_NUM_THREADS": "16",
+                      "TORCHINDUCTOR_COMPILE_THREADS": "16"}
+    assert goal.thread_limits(8, cpus=4)["OMP_NUM_THREADS"] == "1"      # never 0
