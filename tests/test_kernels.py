@@ -813,16 +813,23 @@ def _grouped_args(wl, seed=0):
     return impl, [x] + impl.pack_params(wl, w, bias, mult, shift), w
 
 
+@pytest.mark.parametrize("floor", [None, 1], ids=["grid-floor", "words-and-pixels-a-thread"])
 @pytest.mark.parametrize("wl", GROUPED, ids=GROUPED_IDS)
-def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl):
+def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl, floor, monkeypatch):
     """The NHWC32 grouped conv (schedules/tensorcore/grouped.py): its compute definition and its CUDA
     kernel's CPU twin (each __dp4a written as its four products) equal the NumPy reference; the
-    reference equals the dense conv of each group; the CUDA source has the dp4a and 16-byte weight loads."""
+    reference equals the dense conv of each group; the CUDA source has the dp4a and 16-byte weight loads.
+    With the grid-size floor lowered, each thread takes up to 4 output words and 4 pixels (what
+    batch 64 gets)."""
     from tvm.script import parser as tvmscript
 
     from tvm_qconv.schedules.kernel import written_kernel
     from tvm_qconv.schedules.tensorcore import grouped
     from tvm_qconv.target import cuda_source, make_target
+    if floor is not None:
+        monkeypatch.setattr(grouped, "MIN_THREADS", floor)
+        go_words = grouped.group_widths(wl)[1] // 4
+        assert grouped.words_per_thread(wl) == max(k for k in (1, 2, 4) if go_words % k == 0)
     impl, args, w = _grouped_args(wl)
     ref = impl.reference(wl, *args)
     assert ref.shape == impl.out_shape(wl) and len(np.unique(ref)) > 50
@@ -843,7 +850,10 @@ def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl):
     target = make_target("cuda", "sm_90")
     with target:
         src = cuda_source(tvm.compile(tvm.IRModule({"main": impl.schedule(func, target)}), target=target))
-    assert "__dp4a(*(int*)(x_ptr" in src and re.search(r"\*\(int4\*\)\(wv_ptr \+ 0\) = \*\(int4\*\)\(wt_ptr", src)
+    # one 32-bit input word (or the zero point's) per tap and input word, 16-byte weight loads
+    assert "__dp4a(xw_ptr[0]" in src and re.search(r"\*\(int4\*\)\(wv_ptr \+ \d+\) = \*\(int4\*\)\(wt_ptr", src)
+    per_tap = 4 * grouped.words_per_thread(wl) * grouped.row_tile(wl)    # dp4a per tap and input word
+    assert src.count("__dp4a(xw_ptr[0]") == wl.kernel[0] * wl.kernel[1] * per_tap
 
 
 def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_nchw4c():
@@ -863,8 +873,12 @@ def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_n
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 64])
-def test_grouped_nhwc32_kernel_on_gpu_is_bit_exact(batch):
-    wl = _grouped_wl(128, 128, 32, 56, 3, 1, in_zero=-128, batch=batch)
+@pytest.mark.parametrize("c,groups,size,stride", [(128, 32, 56, 1), (160, 10, 14, 1), (224, 7, 28, 2)],
+                         ids=["resnext-g4", "regnet-g16", "regnet-g32-s2"])
+def test_grouped_nhwc32_kernel_on_gpu_is_bit_exact(batch, c, groups, size, stride):
+    # ResNeXt's first stage (one output word a thread), RegNet-X's groups of 16 and 32 (4 words a
+    # thread at batch 64)
+    wl = _grouped_wl(c, c, groups, size, 3, stride, in_zero=-128, batch=batch)
     impl, args, _ = _grouped_args(wl, seed=4)
     ref = impl.reference(wl, *args)
     np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)

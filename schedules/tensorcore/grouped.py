@@ -17,10 +17,13 @@ multiple of 4 with zero weights (the NHWC32 input's padded channels are read and
 Reading NHWC32, it spares such a conv the relayouts around an NCHW4c kernel (11 of EfficientNet-B0's
 at batch 1); the planner picks it where the input already is NHWC32 (``KernelImpl.follows_input``).
 
-On CUDA the kernel is written out (``grouped_kernel``): a thread per output word (4 channels) and a
-row of up to ``ROW_TILE`` pixels, consecutive threads on consecutive words (coalesced stores and
-weight loads; the threads of one group read the same input words); per tap and input word one
-16-byte weight load serves the row.  Untuned.
+On CUDA the kernel is written out (``grouped_kernel``): a thread per up to 4 output words (16
+channels of one group, ``words_per_thread``) and a row of up to ``ROW_TILE`` pixels, consecutive
+threads on consecutive words (coalesced stores and weight loads; the threads of one group read the
+same input words); per tap and input word, 16-byte weight loads serve the row, and each input word
+(the zero point's outside the image, chosen without a branch) feeds ``4 * words`` ``__dp4a``.  With
+one word a thread, RegNet-X's grouped convs ran at 16 % of the dp4a peak at batch 64 (H200,
+``docs/performance.md``): ~1.7 other instructions per ``dp4a``, one input load per 4.  Untuned.
 """
 from __future__ import annotations
 
@@ -119,11 +122,20 @@ def pack_grouped(w: np.ndarray, groups: int) -> np.ndarray:
     return wp
 
 
+def words_per_thread(wl: ConvWorkload) -> int:
+    """Output words (4 channels each) per thread: the most of 4, 2, 1 that divides a group's words and
+    leaves at least ``MIN_THREADS`` threads at one pixel a thread (1 where none does).  Each input word
+    a thread loads then feeds ``4 * words`` ``__dp4a`` instead of 4."""
+    go_words = group_widths(wl)[1] // 4
+    words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4
+    return max(k for k in (1, 2, 4) if go_words % k == 0 and (k == 1 or words // k >= MIN_THREADS))
+
+
 def row_tile(wl: ConvWorkload) -> int:
     """Pixels per thread: the largest divisor of the output width up to ``ROW_TILE`` that leaves at
-    least ``MIN_THREADS`` threads (1 where none does)."""
-    words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4
-    return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or words // d >= MIN_THREADS))
+    least ``MIN_THREADS`` threads (1 where none does), with :func:`words_per_thread` words each."""
+    threads = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4 // words_per_thread(wl)
+    return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or threads // d >= MIN_THREADS))
 
 
 def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFunc:
@@ -134,66 +146,69 @@ def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFun
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl = wl.padding[0], wl.padding[1]
     n, h, w, oh, ow = wl.batch, wl.height, wl.width, wl.out_height, wl.out_width
-    words, r = cop // 4, row_tile(wl)
+    oc, r = words_per_thread(wl), row_tile(wl)
+    words = cop // 4 // oc                # threads per pixel run: oc output words each
     threads = n * oh * (ow // r) * words
     zero_word = int(np.array([wl.in_zero] * 4, np.int8).view(np.int32)[0])
 
-    def dp4a(x_word: str, x_byte, w_local: str) -> str:
-        """acc + the 4 products of an input word and the weight word at ``w_local``."""
+    def dp4a(w_local: str) -> str:
+        """acc + the 4 products of the input word ``xw[0]`` and the weight word at ``w_local``."""
         if not emulate_dp4a:
-            return f'T.call_pure_extern("int32", "__dp4a", {x_word}, wv.vload([{w_local}], "int8x4"), {{acc}})'
-        terms = " + ".join(f"T.Cast(\"int32\", {x_byte(k)}) * T.Cast(\"int32\", wv[{w_local} + {k}])" for k in range(4))
+            return f'T.call_pure_extern("int32", "__dp4a", xw[0], wv.vload([{w_local}], "int8x4"), {{acc}})'
+        terms = " + ".join(f'T.Cast("int32", T.Cast("int8", T.shift_right(xw[0], {8 * k}))) '
+                           f'* T.Cast("int32", wv[{w_local} + {k}])' for k in range(4))
         return f"{{acc}} + {terms}"
 
-    # the input word's index written out in the load (not through a bound variable): the vector
-    # load is one 32-bit word only where TVM can prove the index a multiple of 4 (through a let it
-    # cannot, and it gathered 4 bytes)
-    base = f"T.min(ob * 4 // {go}, {wl.groups - 1}) * {gi}"
-    xi = f"((img * {h} + iy) * {w} + ix) * {cip} + {base} + i4 * 4"
-    inside = dp4a(f"x.vload([{xi}], \"int8x4\")", lambda k: f"x[{xi} + {k}]", "oo * 4")
-    border = dp4a(f"T.int32({zero_word})", lambda k: f"T.int8({wl.in_zero})", "oo * 4")
+    # the input word of a tap, or the zero point's outside the image: loaded once, no branch, for
+    # the 4 * oc dp4a of the thread's output words
+    base = f"T.min(ob * {4 * oc} // {go}, {wl.groups - 1}) * {gi // 4}"   # the first word of the thread's group
+    xi = f"((img * {h} + iy) * {w} + ix) * {cip // 4} + {base} + i4"
+    word = f"T.if_then_else(0 <= iy and iy < {h} and 0 <= ix and ix < {w}, x[{xi}], {zero_word})"
+    mac = dp4a("(q * 4 + oo) * 4")
     src = f'''
 @T.prim_func(private=True)
 def main(A: T.Buffer(({n}, {h}, {w}, {cip}), "int8", align=16), W: T.Buffer(({kh}, {kw}, {gi // 4}, {cop}, 4), "int8", align=16),
          Bias: T.Buffer(({cop},), "int32"), Mult: T.Buffer(({cop},), "int32"), Shift: T.Buffer(({cop},), "int32"),
          Out: T.Buffer(({n}, {oh}, {ow}, {cop}), "int8", align=16)):
     T.func_attr({{"tir.noalias": True}})
-    x = T.decl_buffer(({n * h * w * cip},), "int8", data=A.data, align=16)
+    x = T.decl_buffer(({n * h * w * cip // 4},), "int32", data=A.data, align=16)
     wt = T.decl_buffer(({kh * kw * (gi // 4) * cop * 4},), "int8", data=W.data, align=16)
     y = T.decl_buffer(({n * oh * ow * cop},), "int8", data=Out.data, align=16)
     for bx in T.thread_binding({-(-threads // THREADS)}, thread="blockIdx.x"):
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
-            acc = T.alloc_buffer(({r * 4},), "int32", scope="local")
-            wv = T.alloc_buffer((16,), "int8", scope="local")
+            acc = T.alloc_buffer(({r * oc * 4},), "int32", scope="local")
+            wv = T.alloc_buffer(({16 * oc},), "int8", scope="local")
+            xw = T.alloc_buffer((1,), "int32", scope="local")
             yv = T.alloc_buffer((4,), "int8", scope="local")
             if bx * {THREADS} + tx < {threads}:
-                ob = (bx * {THREADS} + tx) % {words}
+                ob = (bx * {THREADS} + tx) % {words}          # the thread's words: ob * oc .. ob * oc + oc - 1
                 col = (bx * {THREADS} + tx) // {words} % {ow // r} * {r}
                 row = (bx * {THREADS} + tx) // {words * (ow // r)} % {oh}
                 img = (bx * {THREADS} + tx) // {words * (ow // r) * oh}
-                for a in T.unroll({r * 4}):
+                for a in T.unroll({r * oc * 4}):
                     acc[a] = 0
                 for ry in T.unroll({kh}):
                     for rx in T.unroll({kw}):
                         for i4 in T.serial({gi // 4}):
-                            for l in T.vectorized(16):
-                                wv[l] = wt[((ry * {kw} + rx) * {gi // 4} + i4) * {cop * 4} + ob * 16 + l]
+                            for q in T.unroll({oc}):
+                                for l in T.vectorized(16):
+                                    wv[q * 16 + l] = wt[((ry * {kw} + rx) * {gi // 4} + i4) * {cop * 4} + (ob * {oc} + q) * 16 + l]
                             for p in T.unroll({r}):
                                 iy = row * {sh} + ry * {dh} - {pt}
                                 ix = (col + p) * {sw} + rx * {dw} - {pl}
-                                for oo in T.unroll(4):
-                                    if 0 <= iy and iy < {h} and 0 <= ix and ix < {w}:
-                                        acc[p * 4 + oo] = {inside.format(acc="acc[p * 4 + oo]")}
-                                    else:
-                                        acc[p * 4 + oo] = {border.format(acc="acc[p * 4 + oo]")}
+                                xw[0] = {word}
+                                for q in T.unroll({oc}):
+                                    for oo in T.unroll(4):
+                                        acc[(p * {oc} + q) * 4 + oo] = {mac.format(acc=f"acc[(p * {oc} + q) * 4 + oo]")}
                 for p in T.unroll({r}):
-                    for oo in T.unroll(4):
-                        yv[oo] = T.Cast("int8", T.max(T.min(T.shift_right(
-                            (T.Cast("int64", acc[p * 4 + oo]) + T.Cast("int64", Bias[ob * 4 + oo]))
-                            * T.Cast("int64", Mult[ob * 4 + oo])
-                            + T.shift_left(T.int64(1), T.Cast("int64", Shift[ob * 4 + oo]) - T.int64(1)),
-                            T.Cast("int64", Shift[ob * 4 + oo])), T.int64({wl.act_max})), T.int64({wl.act_min})))
-                    for oo in T.vectorized(4):
-                        y[((img * {oh} + row) * {ow} + col + p) * {cop} + ob * 4 + oo] = yv[oo]
+                    for q in T.unroll({oc}):
+                        for oo in T.unroll(4):
+                            yv[oo] = T.Cast("int8", T.max(T.min(T.shift_right(
+                                (T.Cast("int64", acc[(p * {oc} + q) * 4 + oo]) + T.Cast("int64", Bias[(ob * {oc} + q) * 4 + oo]))
+                                * T.Cast("int64", Mult[(ob * {oc} + q) * 4 + oo])
+                                + T.shift_left(T.int64(1), T.Cast("int64", Shift[(ob * {oc} + q) * 4 + oo]) - T.int64(1)),
+                                T.Cast("int64", Shift[(ob * {oc} + q) * 4 + oo])), T.int64({wl.act_max})), T.int64({wl.act_min})))
+                        for oo in T.vectorized(4):
+                            y[((img * {oh} + row) * {ow} + col + p) * {cop} + (ob * {oc} + q) * 4 + oo] = yv[oo]
 '''
     return parse_written_kernel(src)
