@@ -108,6 +108,22 @@ def test_a_squeeze_excite_block_runs_in_int8_with_only_its_gate_in_float(tmp_pat
     assert sqnr_db(ref, got) > 45.0
 
 
+def test_a_gate_table_past_the_fixed_point_keeps_the_float_gate_and_says_why(tmp_path, monkeypatch):
+    # no real sigmoid or hard-sigmoid gets here (their values are at most 1); a gate chain whose values
+    # no shift fits would, and must not be mis-scaled
+    monkeypatch.setattr(scale_int8, "gate_shift", lambda values, rescale: None)
+    photos = skimage_photos(32)
+    model = SqueezeExcite().eval()
+    res = compile_model(model, str(tmp_path / "se.so"), options=BuildOptions(image_size=32),
+                        config=QuantConfig(num_calib_images=4), ranges=Calibrate(photos[:4]), progress=False)
+    (scale,) = [r for r in res.report["layers"] if r["kind"] == "scale"]
+    assert scale["dtype"] == "int8" and "by a float gate (its table's largest gate" in scale["shape"], scale
+    with torch.no_grad():
+        ref = model(torch.from_numpy(photos[4:8])).numpy()
+    got = np.concatenate([CompiledModel(res.lib_path)(p[None]) for p in photos[4:8]])
+    assert sqnr_db(ref, got) > 45.0      # the float gate's path: the same accuracy as the table's
+
+
 @pytest.mark.gpu
 def test_the_cuda_build_of_a_squeeze_excite_net_equals_its_cpu_build(tmp_path):
     """Every int8 activation, the channel scale's and the large global pool's (its own NHWC32

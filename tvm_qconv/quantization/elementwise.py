@@ -94,7 +94,7 @@ def plan_scale(p, ly) -> LayerPlan | str:
         return p.no_kernel("scale", f"{x.layout} tensor")
     n, c, h, w = static_shape(ly.output.ty)
     reads, float_reads, params = (TensorRead(ly.inputs[0], x),), (ly.gate,), ()
-    shift, s_y = 0, p.scale(ly.output)
+    shift, s_y, why = 0, p.scale(ly.output), ""
     if ly.gate_chain is not None and p.quantized(ly.inputs[1]) is not None:
         # the gate's sigmoid / hard-sigmoid as a fixed-point table of its int8 input's 256 values
         gate_q = p.quantized(ly.inputs[1])
@@ -102,10 +102,12 @@ def plan_scale(p, ly) -> LayerPlan | str:
         shift = scale_int8.gate_shift(values, x.scale / s_y) or 0   # None: a gate too large, kept float
         if shift:
             reads, float_reads, params = reads + (p.read(ly.inputs[1], x.layout),), (), (values,)
+        else:
+            why = f" (its table's largest gate, {np.abs(values).max():.3g}, is past the fixed point's 2**21)"
     out = p.produce_output(ly, impl)
     table = shift > 0
     wl = ScaleWorkload((n, h, w), c, x.scale / out.scale, x.zero, out.zero, gate_table=table, gate_shift=shift)
-    how = "a gate table of its int8 input" if table else "a float gate"
+    how = "a gate table of its int8 input" if table else "a float gate" + why
     return LayerPlan(ly, impl=impl, workload=wl, reads=reads, float_reads=float_reads, output=out,
                      out_shape=out.shape, params=tuple(impl.pack_params(wl, *params)),
                      row=dict(layer=ly.name, kind="scale", kernel=impl.name, dtype="int8",
