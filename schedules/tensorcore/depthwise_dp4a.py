@@ -2,24 +2,27 @@
 channel packed four to a word, so one instruction does four of its multiply-adds.
 
 Why: in NHWC each int8x4 word holds one tap of four channels, and the scheduled kernel
-(``depthwise.schedule_cuda``) unpacks every byte and multiply-adds it alone -- two or three integer
-instructions per multiply-add, on the integer pipe that also does the indexing and the epilogue.
-EfficientNet-B0's 16 depthwise convs took 534 of its 1,823 us of kernels at batch 64 on an H200
-(~1 TB/s; the memory bound is ~0.12 ms, ``docs/performance.md``): bound by instruction issue.
-Here each thread gathers, per filter row, the bytes of its channel at taps ``rx = 4p .. 4p + 3`` into
-one word (the byte moves the compiler emits as ``PRMT``), and ``__dp4a`` multiply-adds it with the
-same taps of the filter: ``ceil(kw / 4)`` instructions per (pixel, channel, filter row) instead of
-``kw`` multiply-adds and their unpacking.  A tap past ``kw`` multiplies a filter byte 0.
+(``depthwise.schedule_cuda``) unpacked most bytes and multiply-added them alone (~1,150 PTX
+instructions per thread for a 3 x 3 conv of 8 pixels x 4 channels).  EfficientNet-B0's 16 depthwise
+convs took 534 of its 1,823 us of kernels at batch 64 on an H200 (~0.75 TB/s against a memory bound
+of ~0.12 ms): bound by instruction issue.  Here, per filter row, a thread's input words and filter
+words are 4 x 4 byte-transposed with ``__byte_perm`` (8 moves per 4 words), so that one word holds
+4 consecutive taps of one channel; a pixel's window is that word, or one more ``__byte_perm`` of two
+(a funnel shift) where it starts mid-word; ``__dp4a`` multiply-adds it with the filter's word of the
+same taps: ``ceil(kw / 4)`` instructions per (pixel, channel, filter row).  Taps past ``kw`` multiply
+filter bytes 0.  ~780 PTX instructions for the case above; measured 534 -> 335 us
+(``docs/performance.md``).
 
 Work per thread: one output word (4 channels) of ``R`` consecutive pixels of a row
 (``depthwise.row_tile``), as the scheduled kernel; per filter row it loads the
-``(R - 1) * stride + (kw - 1) * dilation + 1`` input words the ``R`` pixels read (a word out of
-the image is the zero point's, as the compute's padding) and the row's ``kw`` filter words once.
-The epilogue is the compute definition's (``requantize.requantize_tir``, the table of
-``epilogue_table.py``), so CUDA, the CPU build and the NumPy reference agree bit for bit.
+``(R - 1) * stride + kw`` input words the ``R`` pixels read, as int32 (a word out of the image is the
+zero point's, as the compute's padding), and the row's ``kw`` filter words once.  The epilogue is the
+compute definition's (``requantize.requantize_tir``, the table of ``epilogue_table.py``), so CUDA, the
+CPU build and the NumPy reference agree bit for bit.
 
-Takes: a channel multiplier of 1 (every depthwise conv of the zoo); indices within int32.
-``dp4a=False`` writes the four products out instead of ``__dp4a``: the CPU twin the tests run.
+Takes: a channel multiplier of 1 and no dilation (every depthwise conv of the zoo); indices within
+int32.  ``dp4a=False`` writes the byte moves and the four products as integer arithmetic instead of
+the intrinsics: the CPU twin the tests run.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import tvm
 from ..kernel import parse_written_kernel
 from ..workload import ConvWorkload
 from .depthwise import LANES, THREADS, row_tile
-from .layout import ceil32
+from .layout import ceil32, zero_word
 
 
 # __byte_perm selectors (result byte k = byte (sel >> 4k) & 7 of the pair: x's bytes 0-3, y's 4-7)
@@ -94,11 +97,9 @@ def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimF
     span = (r - 1) * sw + kw             # input words one filter row of R pixels reads
     parts = -(-kw // 4)                  # P: dp4a words per filter row
     groups = -(-((r - 1) * sw + 4 * parts) // 4)   # transposed words per channel: every window's bytes
-    wgroups = parts                      # the filter row's: taps 0 .. 4P - 1
     threads = n * oh * (ow // r) * words
     blocks = -(-threads // THREADS)
-    zero_word = (wl.in_zero & 0xFF) * 0x01010101
-    zero_word -= (1 << 32) if zero_word >= 1 << 31 else 0
+    zero = zero_word(wl.in_zero)
     ind = " " * 16
 
     body = []
@@ -109,14 +110,14 @@ def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimF
             if i < span:
                 body += [f"{ind}ix = ox * {sw} - {pl} + {i}",
                          f"{ind}xw[{i}] = T.if_then_else(0 <= iy and iy < {h} and 0 <= ix and ix < {w}, "
-                         f"a[((b * {h} + iy) * {w} + ix) * {words} + v], {zero_word})"]
+                         f"a[((b * {h} + iy) * {w} + ix) * {words} + v], {zero})"]
             else:
                 body.append(f"{ind}xw[{i}] = 0")
         # the row's filter words (taps past kw 0: they multiply whatever the window holds there)
-        for i in range(4 * wgroups):
+        for i in range(4 * parts):
             body.append(f"{ind}ww[{i}] = " + (f"wf[({ry} * {kw} + {i}) * {words} + v]" if i < kw else "0"))
         body += _transpose(ops, "xw", "xt", groups, ind)
-        body += _transpose(ops, "ww", "wt", wgroups, ind)
+        body += _transpose(ops, "ww", "wt", parts, ind)
         for i in range(r):
             for j in range(LANES):
                 for p in range(parts):
@@ -128,7 +129,7 @@ def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimF
                         body.append(f"{ind}wn[0] = " + ops.perm(win, f"xt[{j * groups + g + 1}]", FUNNEL[off]))
                         win = "wn[0]"
                     body.append(f"{ind}acc[{i * LANES + j}] = "
-                                + ops.dot(win, f"wt[{j * wgroups + p}]", f"acc[{i * LANES + j}]"))
+                                + ops.dot(win, f"wt[{j * parts + p}]", f"acc[{i * LANES + j}]"))
     body = "\n".join(body)
 
     table_param = 'Table: T.Buffer((256,), "int8"), ' if wl.table else ""
@@ -152,9 +153,9 @@ def main(A: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), W: T.Buffer(({kh}
         for tx in T.thread_binding({THREADS}, thread="threadIdx.x"):
             acc = T.alloc_buffer(({r * LANES},), "int32", scope="local")
             xw = T.alloc_buffer(({4 * groups},), "int32", scope="local")
-            ww = T.alloc_buffer(({4 * wgroups},), "int32", scope="local")
+            ww = T.alloc_buffer(({4 * parts},), "int32", scope="local")
             xt = T.alloc_buffer(({LANES * groups},), "int32", scope="local")
-            wt = T.alloc_buffer(({LANES * wgroups},), "int32", scope="local")
+            wt = T.alloc_buffer(({LANES * parts},), "int32", scope="local")
             wn = T.alloc_buffer((1,), "int32", scope="local")
             bv = T.alloc_buffer(({LANES},), "int32", scope="local")
             mv = T.alloc_buffer(({LANES},), "int32", scope="local")

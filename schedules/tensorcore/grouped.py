@@ -34,7 +34,7 @@ from ..kernel import parse_written_kernel
 from ..requantize import requantize_ref
 from ..workload import ConvWorkload
 from .depthwise import with_epilogue
-from .layout import ceil32
+from .layout import ceil32, zero_word
 
 KERNEL_NAME = "conv2d_grouped_nhwc32_int8"
 THREADS = 128
@@ -149,7 +149,6 @@ def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFun
     oc, r = words_per_thread(wl), row_tile(wl)
     words = cop // 4 // oc                # threads per pixel run: oc output words each
     threads = n * oh * (ow // r) * words
-    zero_word = int(np.array([wl.in_zero] * 4, np.int8).view(np.int32)[0])
 
     def dp4a(w_local: str) -> str:
         """acc + the 4 products of the input word ``xw[0]`` and the weight word at ``w_local``."""
@@ -163,7 +162,7 @@ def grouped_kernel(wl: ConvWorkload, emulate_dp4a: bool = False) -> tirx.PrimFun
     # the 4 * oc dp4a of the thread's output words
     base = f"T.min(ob * {4 * oc} // {go}, {wl.groups - 1}) * {gi // 4}"   # the first word of the thread's group
     xi = f"((img * {h} + iy) * {w} + ix) * {cip // 4} + {base} + i4"
-    word = f"T.if_then_else(0 <= iy and iy < {h} and 0 <= ix and ix < {w}, x[{xi}], {zero_word})"
+    word = f"T.if_then_else(0 <= iy and iy < {h} and 0 <= ix and ix < {w}, x[{xi}], {zero_word(wl.in_zero)})"
     mac = dp4a("(q * 4 + oo) * 4")
     src = f'''
 @T.prim_func(private=True)

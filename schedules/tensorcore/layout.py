@@ -95,3 +95,8 @@ class NHWC32(Layout):
 
 
 LAYOUT = NHWC32()
+
+
+def zero_word(zero: int) -> int:
+    """The int32 whose four bytes are the int8 ``zero`` (a padded tap's word in the dp4a kernels)."""
+    return int(np.array([zero] * 4, np.int8).view(np.int32)[0])
