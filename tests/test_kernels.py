@@ -1,4 +1,5 @@
 """Every int8 kernel, unscheduled on llvm, against its NumPy reference: bit-exact for int8 outputs."""
+import dataclasses
 import re
 import shutil
 
@@ -854,6 +855,56 @@ def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl, floor, monk
     assert "__dp4a(xw_ptr[0]" in src and re.search(r"\*\(int4\*\)\(wv_ptr \+ \d+\) = \*\(int4\*\)\(wt_ptr", src)
     per_tap = 4 * grouped.words_per_thread(wl) * grouped.row_tile(wl)    # dp4a per tap and input word
     assert src.count("__dp4a(xw_ptr[0]") == wl.kernel[0] * wl.kernel[1] * per_tap
+
+
+@pytest.mark.parametrize("wl", [wl for wl in GROUPED if wl.groups > 1 and wl.in_channels == wl.out_channels],
+                         ids=[i for wl, i in zip(GROUPED, GROUPED_IDS) if wl.groups > 1 and wl.in_channels == wl.out_channels])
+def test_grouped_convs_as_super_group_gemms_compute_the_grouped_reference(wl):
+    """schedules/tensorcore/grouped_gemm.py: each 32 output channels a GEMM of their 32 input channels
+    with a block-diagonal weight equals the grouped conv (its reference: the same integers as torch's
+    grouped conv, test above), padded output channels and unsigned inputs included; the mma.sync
+    template schedules it with 32-column blocks and CUDA builds it."""
+    from tvm_qconv.schedules.tensorcore import grouped, grouped_gemm
+    from tvm_qconv.target import cuda_source, make_target
+    impl = registry.get("conv2d.nhwc32.grouped_mma")
+    _, args, w = _grouped_args(wl)
+    x, (_, *channels) = args[0], args[1:]
+    ours = [x, *impl.pack_params(wl, w, *[c[:wl.out_channels] for c in channels])]
+    ref = impl.reference(wl, *ours)
+    np.testing.assert_array_equal(ref, grouped.grouped_nhwc32_int8_ref(wl, *args))
+    np.testing.assert_array_equal(run(impl.compute(wl), *ours, out_shape=ref.shape, out_dtype="int8"), ref)
+    target = make_target("cuda", "sm_90a")
+    decisions, _ = grouped_gemm.default_decisions(impl.compute(wl), 132)
+    assert 16 * decisions["o"][1] * decisions["o"][2] == grouped_gemm.SUPER      # a block: one super-group
+    with target:   # built as a model's build does (the template's pass options: cp.async copies)
+        src = cuda_source(registry.compile_kernel(impl, wl, target))
+    assert "mma.sync.aligned.m16n8k32" in src and "ldmatrix" in src and "cp.async" in src
+
+
+def test_grouped_gemms_take_equal_group_widths_dividing_32_and_are_not_preferred_untuned():
+    from tvm_qconv.target import TargetInfo, make_target
+    impl = registry.get("conv2d.nhwc32.grouped_mma")
+    sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
+    regnet = _grouped_wl(160, 160, 10, 14, 3, 1, batch=64)
+    assert impl.applies(regnet, sm90) and not impl.preferred(regnet, sm90)
+    assert registry.select("conv2d", regnet, sm90).name == "conv2d.nhwc32.grouped"     # unmeasured: dp4a stays
+    assert registry.select("conv2d", regnet, sm90, prefer="conv2d.nhwc32.grouped_mma") is impl
+    assert not impl.applies(_grouped_wl(96, 96, 4, 14, 3, 1), sm90)       # 24 a group: does not divide 32
+    assert not impl.applies(_grouped_wl(64, 128, 4, 14, 3, 1), sm90)      # 16 in, 32 out a group
+    assert not impl.applies(dataclasses.replace(regnet, table=True), sm90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("c,groups,size,stride", [(128, 32, 56, 1), (160, 10, 14, 1), (256, 8, 28, 2)],
+                         ids=["resnext-g4", "regnet-g16", "resnext-g32-s2"])
+def test_grouped_gemm_on_gpu_is_bit_exact(batch, c, groups, size, stride):
+    wl = _grouped_wl(c, c, groups, size, 3, stride, in_zero=-128, batch=batch)
+    impl = registry.get("conv2d.nhwc32.grouped_mma")
+    _, args, w = _grouped_args(wl, seed=5)
+    ours = [args[0], *impl.pack_params(wl, w, *[a[:c] for a in args[2:]])]
+    ref = impl.reference(wl, *ours)
+    np.testing.assert_array_equal(_on_gpu(impl, wl, ours, ref.shape), ref)
 
 
 def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_nchw4c():

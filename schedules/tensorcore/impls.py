@@ -7,6 +7,9 @@ name                           op          runs
 ``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
 ``conv2d.nhwc32.grouped``      conv2d      CUDA sm_80+, grouped convs (and one group of < 16 input
                                            channels) on ``__dp4a`` (``grouped.py``): no relayouts around them
+``conv2d.nhwc32.grouped_mma``  conv2d      CUDA sm_80+, grouped convs of group widths dividing 32 as
+                                           GEMMs per 32 channels on ``mma.sync`` (``grouped_gemm.py``);
+                                           not preferred untuned (unmeasured)
 ``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
@@ -39,7 +42,7 @@ from ..kernel import KernelImpl, written_kernel
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, dense, depthwise, grouped, mma, pipeline, space
+from . import conv2d, dense, depthwise, grouped, grouped_gemm, mma, pipeline, space
 from .pool import MaxPool2dNhwc32
 from .layout import LAYOUT, dequantize_unpack_nhwc32, quantize_pack_nhwc32
 
@@ -193,6 +196,51 @@ class Conv2dGrouped(KernelImpl):
         return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
 
 
+class Conv2dGroupedMma(KernelImpl):
+    """Grouped convs as GEMMs on the int8 tensor cores (``grouped_gemm.py``): each 32 output channels
+    a GEMM of their super-group's 32 input channels, the mma.sync template with 32-column blocks.
+    Applies where a group has as many inputs as outputs and its width divides 32 (ResNeXt, RegNet-X).
+    Not preferred untuned (``preferred``): not measured on a GPU yet; ``--family grouped_mma`` or a
+    tuning database that measured it faster picks it."""
+
+    name = "conv2d.nhwc32.grouped_mma"
+    op = "conv2d"
+    layout = LAYOUT.name
+    family = "grouped_mma"
+    runs_on = "CUDA sm_80+"
+    instruction = "mma.sync"
+
+    def preferred(self, wl: ConvWorkload, target) -> bool:
+        return False
+
+    def applies(self, wl: ConvWorkload, target) -> bool:
+        return target.kind == "cuda" and target.has_int8_mma and grouped_gemm.takes(wl)
+
+    def compute(self, wl: ConvWorkload):
+        return self.tag(grouped_gemm.grouped_gemm_int8(wl), wl)
+
+    def reference(self, wl: ConvWorkload, *args):
+        return grouped_gemm.grouped_gemm_int8_ref(wl, *args)
+
+    def schedule(self, func, target):
+        if target.kind.name != "cuda":
+            return None
+        return grouped_gemm.schedule(func, TargetInfo.from_target(target).num_sm)
+
+    def pack_params(self, wl, weight, bias, mult, shift):
+        return [grouped_gemm.pack_weight(weight, wl.in_channels // wl.groups), conv2d.pack_channels(bias),
+                conv2d.pack_channels(mult), conv2d.pack_channels(shift, fill=1)]
+
+    def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:
+        return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
+
+    def prepare(self) -> None:
+        mma.intrinsics()
+
+    def compile_options(self) -> dict:
+        return pipeline.compile_options()
+
+
 # Fewer rows than this and a linear layer is a GEMV, which dlight's GEMV rule streams at the
 # weights' read speed.  From 2 rows on, dlight has only its SIMT matmul rule: VGG16's fc6 at
 # batch 16 took 781 us there (30 % of the model's GPU time, H100, 2026-11-25,
@@ -242,9 +290,10 @@ class DenseMma(KernelImpl):
 CONV2D_MMA = Conv2dMma()
 CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_GROUPED = Conv2dGrouped()
+CONV2D_GROUPED_MMA = Conv2dGroupedMma()
 DENSE_MMA = DenseMma()
 # the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
-IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, CONV2D_GROUPED, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
+IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, CONV2D_GROUPED, CONV2D_GROUPED_MMA, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
                    *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))
 # float <-> int8 NHWC32, threads on pixels on CUDA (dlight's read the float side a feature map
 # apart per thread: ``channels_last_conversions.py``)

@@ -1,0 +1,158 @@
+"""Grouped convs on the int8 tensor cores (``mma.sync``): each 32 output channels a GEMM of their
+own 32 input channels -- a *super-group* of ``32 / g`` groups of ``g`` channels (ResNeXt's 4, 8,
+16, 32; RegNet-X's 16) -- with a block-diagonal weight: the template of ``mma.py`` with the block
+tile's columns fixed at one super-group (32), so each block's A tile is the im2col of that
+super-group's channels only.
+
+Why: on ``__dp4a`` (``grouped.py``) RegNet-X's grouped convs ran at 16 % of the dp4a peak at batch 64
+on an H200 (0.57 of 1.33 ms of kernels, ``docs/performance.md``); the int8 tensor cores have ~10x the
+dp4a peak, so even the block-diagonal zeros (``32 / g - 1`` of every ``32 / g`` products: 1 of 2 for
+RegNet-X) leave them far ahead.
+
+GEMM view (``conv2d.py``'s, per super-group ``s``)::
+
+    A_s[m, k]  the im2col of input channels 32 s .. 32 s + 31: k = (ky * kw + kx) * 32 + c
+    C[m, o]    sum_k A_{o // 32}[m, k] * W[o, k]          K = kh * kw * 32 for every super-group
+    Out        + bias, fixed-point requantize, clamp (the same epilogue as every conv)
+
+``A`` is one buffer ``[M_p, S * K]`` (super-group-major) and the conv reads ``A[m, (o // 32) * K + k]``:
+with 32-column blocks the template's A tile lies in one super-group, and its copy, ``ldmatrix`` and
+``mma`` are the dense conv's.  Weight ``[O_p, K]``: row ``o`` holds its group's ``g`` channels at their
+place among the super-group's 32, zeros elsewhere (:func:`pack_weight`).
+
+Takes: ``g`` input and output channels per group, ``g`` dividing 32 (and a multiple of 4), int8
+out.  Untuned: the default tile's rows, 32 columns (``default_decisions``).  Not the registry's
+default yet: not measured on a GPU (``docs/performance.md``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..requantize import requantize_ref, requantize_tir
+from ..workload import ConvWorkload
+from . import conv2d, mma
+from .layout import ceil32
+
+KERNEL_NAME = "conv2d_grouped_nhwc_int8_mma"
+SUPER = 32      # channels of a super-group: the block tile's columns
+
+
+def takes(wl: ConvWorkload) -> bool:
+    """Whether ``wl`` is a grouped conv this GEMM form takes (module docstring)."""
+    if wl.groups == 1 or wl.is_depthwise or wl.out_dtype != "int8" or wl.table:
+        return False
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    return gi == go and SUPER % go == 0 and go % 4 == 0 and conv2d.gemm_shape(wl)[0] != 16
+
+
+def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
+    """(M, M_p, O_p, K): K of one super-group."""
+    m, mp, op, _ = conv2d.gemm_shape(wl)
+    return m, mp, op, wl.kernel[0] * wl.kernel[1] * SUPER
+
+
+def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)``: blocks ``im2col``, ``conv``,
+    ``requant`` as ``conv2d.conv2d_nhwc_int8``'s (the template schedules them by name)."""
+    assert takes(wl), wl
+    N, H, W = wl.batch, wl.height, wl.width
+    Cp = ceil32(wl.in_channels)
+    M, MP, Op, K = gemm_shape(wl)
+    S = Op // SUPER
+    OH, OW, OHW = wl.out_height, wl.out_width, wl.out_height * wl.out_width
+    KW = wl.kernel[1]
+    SH, SW = wl.stride
+    DH, DW = wl.dilation
+    PT, PL = wl.padding[0], wl.padding[1]
+    LO, HI, ZERO = wl.act_min, wl.act_max, wl.in_zero
+
+    @T.prim_func(s_tir=True)
+    def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
+             bias: T.Buffer((Op,), "int32"), mult: T.Buffer((Op,), "int32"),
+             shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        with T.sblock("root"):
+            A = T.sblock_alloc_buffer((MP, S * K), "int8")
+            C = T.sblock_alloc_buffer((MP, Op), "int32")
+            for m, k in T.grid(MP, S * K):
+                with T.sblock("im2col"):
+                    vm, vk = T.axis.remap("SS", [m, k])
+                    # as conv2d's gather, per super-group: a 16-wide vector is one tap's contiguous bytes
+                    k16 = T.meta_var(vk % K // 16)
+                    ky = T.meta_var(k16 // (KW * 2))
+                    kx = T.meta_var(k16 // 2 % KW)
+                    c = T.meta_var(vk // K * SUPER + k16 % 2 * 16 + vk % 16)
+                    h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
+                    w = T.meta_var(vm % OW * SW + kx * DW - PL)
+                    T.reads(data[vm // OHW, h, w, c])
+                    T.writes(A[vm, vk])
+                    A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
+                                               data[vm // OHW, h, w, c], T.int8(ZERO))
+            for m, o, k in T.grid(MP, Op, K):
+                with T.sblock("conv"):
+                    vm, vo, vk = T.axis.remap("SSR", [m, o, k])
+                    T.reads(A[vm, vo // SUPER * K + vk], weight[vo, vk])
+                    T.writes(C[vm, vo])
+                    with T.init():
+                        C[vm, vo] = 0
+                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vo // SUPER * K + vk]) * T.Cast("int32", weight[vo, vk])
+            for m, o in T.grid(MP, Op):
+                with T.sblock("requant"):
+                    vm, vo = T.axis.remap("SS", [m, o])
+                    T.reads(C[vm, vo], bias[vo], mult[vo], shift[vo])
+                    T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
+                    if vm < M:
+                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = requantize_tir(
+                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI)
+
+    return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def pack_weight(w: np.ndarray, groups: int) -> np.ndarray:
+    """OIHW ``[O, g, KH, KW]`` -> int8 ``[O_p, KH * KW * 32]``: output channel ``o``'s ``g`` inputs at
+    their place among its super-group's 32 channels, zeros elsewhere (and on padded rows)."""
+    o, g, kh, kw = w.shape
+    dense = np.zeros((o, SUPER, kh, kw), w.dtype)
+    for oc in range(o):
+        start = oc // g * g - oc // SUPER * SUPER      # the group's first channel within the super-group
+        dense[oc, start:start + g] = w[oc]
+    return conv2d.pack_weight(dense)
+
+
+def grouped_gemm_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> np.ndarray:
+    """NumPy reference on the packed layouts: each super-group a dense conv of its 32 channels
+    (``conv2d.conv2d_nhwc_int8_ref``'s float64 accumulation), int8 ``[N, OH, OW, O_p]``."""
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow = wl.out_height, wl.out_width
+    op = weight.shape[0]
+    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=wl.in_zero).astype(np.float64)
+    wk = weight.reshape(op, kh, kw, SUPER).astype(np.float64)
+    acc = np.zeros((data.shape[0], oh, ow, op), np.float64)
+    for s in range(op // SUPER):
+        cols = slice(s * SUPER, (s + 1) * SUPER)
+        for y in range(kh):
+            for x in range(kw):
+                win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, cols]
+                acc[..., cols] += win @ wk[cols, y, x, :].T
+    return requantize_ref(acc.astype(np.int64) + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+
+
+def default_decisions(func: tirx.PrimFunc, num_sm: int) -> tuple[dict, int]:
+    """The template's untuned tiles with 32 columns: ``mma.default_decisions`` for one super-group,
+    its SMs the GPU's shared among the super-groups."""
+    mp, op, k = mma.gemm_extents(tvm.s_tir.Schedule(func))
+    decisions, stages = mma.default_decisions(mp, SUPER, k, max(1, num_sm // (op // SUPER)))
+    decisions["o"] = [op // SUPER, *decisions["o"][1:]]
+    return decisions, stages
+
+
+def schedule(func: tirx.PrimFunc, num_sm: int) -> tirx.PrimFunc:
+    """``func`` on the mma.sync template with :func:`default_decisions` (32-column blocks)."""
+    decisions, stages = default_decisions(func, num_sm)
+    sch = tvm.s_tir.Schedule(func)
+    mma.apply_mma_schedule(sch, decisions, stages)
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
