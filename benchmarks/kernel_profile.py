@@ -32,11 +32,14 @@ from tvm_qconv.target import device_arch  # noqa: E402
 from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
 
 
-def build(name: str, batch: int, size: int, images: int, out_dir: str, arch: str | None = None) -> str:
-
+def build(name: str, batch: int, size: int, images: int, out_dir: str, arch: str | None = None,
+          families: tuple[str, ...] = ()) -> str:
+    """The zoo model ``name`` built without CUDA graphs (``families``: preferred kernel families, as
+    ``deploy.py build --family``; they name the library too)."""
     options = BuildOptions(target="cuda", arch=arch or device_arch(full=True), image_size=size, batch=batch,
-                           cuda_graph=False, verify=False)
-    lib = os.path.join(out_dir, f"{name}_b{batch}_nograph.so")
+                           cuda_graph=False, verify=False, families=tuple(families) or None)
+    tag = "".join(f"_{f}" for f in families)
+    lib = os.path.join(out_dir, f"{name}_b{batch}{tag}_nograph.so")
     compile_model(zoo_model(name), lib, name=name, options=options, config=zoo_config(name, images),
                   ranges=Calibrate(skimage_photos(size)[:images]), progress=False)
     return lib
@@ -75,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="results")
     ap.add_argument("--arch", default=None, help="default: this GPU's, as sm_90a on an H100 / H200 (wgmma)")
+    ap.add_argument("--family", action="append", default=[], metavar="FAMILY",
+                    help="prefer this kernel family in the build (as deploy.py build --family); repeatable")
     args = ap.parse_args(argv)
     if not (args.model or args.lib):
         ap.error("give --model NAME (a zoo model) or --lib PATH (a built library)")
@@ -83,7 +88,7 @@ def main(argv=None):
         if args.model not in SIZES:
             ap.error(f"--model {args.model}: not a zoo model; choose from {', '.join(SIZES)}, or give --lib")
     try:
-        lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out, args.arch)
+        lib = args.lib or build(args.model, args.batch, args.size, args.images, args.out, args.arch, args.family)
         res = profile(lib, args.runs)
     except InputError as err:
         sys.exit(f"error: {err}")
