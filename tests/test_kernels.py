@@ -857,8 +857,11 @@ def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl, floor, monk
     assert src.count("__dp4a(xw_ptr[0]") == wl.kernel[0] * wl.kernel[1] * per_tap
 
 
-@pytest.mark.parametrize("wl", [wl for wl in GROUPED if wl.groups > 1 and wl.in_channels == wl.out_channels],
-                         ids=[i for wl, i in zip(GROUPED, GROUPED_IDS) if wl.groups > 1 and wl.in_channels == wl.out_channels])
+SUPER_GROUPS = [(wl, i) for wl, i in zip(GROUPED, GROUPED_IDS) if wl.groups > 1 and wl.in_channels == wl.out_channels] \
+    + [(_grouped_wl(128, 128, 2, 5, 3, 2, in_zero=-128), "g64-s2-unsigned")]   # a group of 64: its own super-group
+
+
+@pytest.mark.parametrize("wl", [wl for wl, _ in SUPER_GROUPS], ids=[i for _, i in SUPER_GROUPS])
 def test_grouped_convs_as_super_group_gemms_compute_the_grouped_reference(wl):
     """schedules/tensorcore/grouped_gemm.py: each 32 output channels a GEMM of their 32 input channels
     with a block-diagonal weight equals the grouped conv (its reference: the same integers as torch's
@@ -875,7 +878,7 @@ def test_grouped_convs_as_super_group_gemms_compute_the_grouped_reference(wl):
     np.testing.assert_array_equal(run(impl.compute(wl), *ours, out_shape=ref.shape, out_dtype="int8"), ref)
     target = make_target("cuda", "sm_90a")
     decisions, _ = grouped_gemm.default_decisions(impl.compute(wl), 132)
-    assert 16 * decisions["o"][1] * decisions["o"][2] == grouped_gemm.SUPER      # a block: one super-group
+    assert 16 * decisions["o"][1] * decisions["o"][2] == grouped_gemm.super_width(wl)   # a block: one super-group
     with target:   # built as a model's build does (the template's pass options: cp.async copies)
         src = cuda_source(registry.compile_kernel(impl, wl, target))
     assert "mma.sync.aligned.m16n8k32" in src and "ldmatrix" in src and "cp.async" in src
@@ -890,6 +893,8 @@ def test_grouped_gemms_take_equal_group_widths_dividing_32_and_are_not_preferred
     assert registry.select("conv2d", regnet, sm90).name == "conv2d.nhwc32.grouped"     # unmeasured: dp4a stays
     assert registry.select("conv2d", regnet, sm90, prefer="conv2d.nhwc32.grouped_mma") is impl
     assert not impl.applies(_grouped_wl(96, 96, 4, 14, 3, 1), sm90)       # 24 a group: does not divide 32
+    assert not impl.applies(_grouped_wl(192, 192, 2, 14, 3, 1), sm90)     # 96 a group: no block tile that wide
+    assert impl.applies(_grouped_wl(256, 256, 2, 14, 3, 1), sm90)         # 128 a group: one a block
     assert not impl.applies(_grouped_wl(64, 128, 4, 14, 3, 1), sm90)      # 16 in, 32 out a group
     assert not impl.applies(dataclasses.replace(regnet, table=True), sm90)
 

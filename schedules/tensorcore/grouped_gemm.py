@@ -1,8 +1,8 @@
-"""Grouped convs on the int8 tensor cores (``mma.sync``): each 32 output channels a GEMM of their
-own 32 input channels -- a *super-group* of ``32 / g`` groups of ``g`` channels (ResNeXt's 4, 8,
-16, 32; RegNet-X's 16) -- with a block-diagonal weight: the template of ``mma.py`` with the block
-tile's columns fixed at one super-group (32), so each block's A tile is the im2col of that
-super-group's channels only.
+"""Grouped convs on the int8 tensor cores (``mma.sync``): each *super-group* of ``S`` output channels a
+GEMM of its own ``S`` input channels -- ``32 / g`` groups of ``g`` channels where ``g`` divides 32
+(ResNeXt's 4, 8, 16, 32; RegNet-X-400MF's 16), or one group of 64 or 128 -- with a block-diagonal
+weight: the template of ``mma.py`` with the block tile's columns fixed at one super-group, so each
+block's A tile is the im2col of that super-group's channels only.
 
 Why: on ``__dp4a`` (``grouped.py``) RegNet-X's grouped convs ran at 16 % of the dp4a peak at batch 64
 on an H200 (0.57 of 1.33 ms of kernels, ``docs/performance.md``); the int8 tensor cores have ~10x the
@@ -11,18 +11,19 @@ RegNet-X) leave them far ahead.
 
 GEMM view (``conv2d.py``'s, per super-group ``s``)::
 
-    A_s[m, k]  the im2col of input channels 32 s .. 32 s + 31: k = (ky * kw + kx) * 32 + c
-    C[m, o]    sum_k A_{o // 32}[m, k] * W[o, k]          K = kh * kw * 32 for every super-group
+    A_s[m, k]  the im2col of input channels S s .. S s + S - 1: k = (ky * kw + kx) * S + c
+    C[m, o]    sum_k A_{o // S}[m, k] * W[o, k]           K = kh * kw * S for every super-group
     Out        + bias, fixed-point requantize, clamp (the same epilogue as every conv)
 
-``A`` is one buffer ``[M_p, S * K]`` (super-group-major) and the conv reads ``A[m, (o // 32) * K + k]``:
-with 32-column blocks the template's A tile lies in one super-group, and its copy, ``ldmatrix`` and
+``A`` is one buffer ``[M_p, O_p / S * K]`` (super-group-major) and the conv reads ``A[m, (o // S) * K + k]``:
+with ``S``-column blocks the template's A tile lies in one super-group, and its copy, ``ldmatrix`` and
 ``mma`` are the dense conv's.  Weight ``[O_p, K]``: row ``o`` holds its group's ``g`` channels at their
-place among the super-group's 32, zeros elsewhere (:func:`pack_weight`).
+place among the super-group's ``S``, zeros elsewhere (:func:`pack_weight`).
 
-Takes: ``g`` input and output channels per group, ``g`` dividing 32 (and a multiple of 4), int8
-out.  Untuned: the default tile's rows, 32 columns (``default_decisions``).  Not the registry's
-default yet: not measured on a GPU (``docs/performance.md``).
+Takes: ``g`` input and output channels per group, ``g`` a multiple of 4 dividing 32, or 64 or 128
+(:func:`super_width`), int8 out.  Untuned: the default tile's rows, ``S`` columns
+(``default_decisions``).  Not the registry's default yet: not measured on a GPU
+(``docs/performance.md``).
 """
 from __future__ import annotations
 
@@ -37,21 +38,30 @@ from . import conv2d, mma
 from .layout import ceil32
 
 KERNEL_NAME = "conv2d_grouped_nhwc_int8_mma"
-SUPER = 32      # channels of a super-group: the block tile's columns
+BLOCK_COLUMNS = (32, 64, 128)   # the template's block tile widths: a super-group is one of them
+
+
+def super_width(wl: ConvWorkload) -> int | None:
+    """``S``, the channels of a super-group (one block tile's columns): 32 for groups whose width
+    divides 32, the group itself for groups of 64 or 128; None for any other grouped conv."""
+    if wl.groups == 1 or wl.is_depthwise:
+        return None
+    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
+    if gi != go or go % 4:
+        return None
+    return 32 if 32 % go == 0 else go if go in BLOCK_COLUMNS else None
 
 
 def takes(wl: ConvWorkload) -> bool:
     """Whether ``wl`` is a grouped conv this GEMM form takes (module docstring)."""
-    if wl.groups == 1 or wl.is_depthwise or wl.out_dtype != "int8" or wl.table:
-        return False
-    gi, go = wl.in_channels // wl.groups, wl.out_channels // wl.groups
-    return gi == go and SUPER % go == 0 and go % 4 == 0 and conv2d.gemm_shape(wl)[0] != 16
+    return (super_width(wl) is not None and wl.out_dtype == "int8" and not wl.table
+            and conv2d.gemm_shape(wl)[0] != 16)
 
 
 def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
     """(M, M_p, O_p, K): K of one super-group."""
     m, mp, op, _ = conv2d.gemm_shape(wl)
-    return m, mp, op, wl.kernel[0] * wl.kernel[1] * SUPER
+    return m, mp, op, wl.kernel[0] * wl.kernel[1] * super_width(wl)
 
 
 def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
@@ -61,7 +71,8 @@ def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     N, H, W = wl.batch, wl.height, wl.width
     Cp = ceil32(wl.in_channels)
     M, MP, Op, K = gemm_shape(wl)
-    S = Op // SUPER
+    SUPER = super_width(wl)
+    V = SUPER // 16          # 16-byte vectors of a super-group's channels at one tap
     OH, OW, OHW = wl.out_height, wl.out_width, wl.out_height * wl.out_width
     KW = wl.kernel[1]
     SH, SW = wl.stride
@@ -75,16 +86,16 @@ def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
              shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         with T.sblock("root"):
-            A = T.sblock_alloc_buffer((MP, S * K), "int8")
+            A = T.sblock_alloc_buffer((MP, Op // SUPER * K), "int8")
             C = T.sblock_alloc_buffer((MP, Op), "int32")
-            for m, k in T.grid(MP, S * K):
+            for m, k in T.grid(MP, Op // SUPER * K):
                 with T.sblock("im2col"):
                     vm, vk = T.axis.remap("SS", [m, k])
                     # as conv2d's gather, per super-group: a 16-wide vector is one tap's contiguous bytes
                     k16 = T.meta_var(vk % K // 16)
-                    ky = T.meta_var(k16 // (KW * 2))
-                    kx = T.meta_var(k16 // 2 % KW)
-                    c = T.meta_var(vk // K * SUPER + k16 % 2 * 16 + vk % 16)
+                    ky = T.meta_var(k16 // (KW * V))
+                    kx = T.meta_var(k16 // V % KW)
+                    c = T.meta_var(vk // K * SUPER + k16 % V * 16 + vk % 16)
                     h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
                     w = T.meta_var(vm % OW * SW + kx * DW - PL)
                     T.reads(data[vm // OHW, h, w, c])
@@ -111,15 +122,16 @@ def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def pack_weight(w: np.ndarray, groups: int) -> np.ndarray:
-    """OIHW ``[O, g, KH, KW]`` -> int8 ``[O_p, KH * KW * 32]``: output channel ``o``'s ``g`` inputs at
-    their place among its super-group's 32 channels, zeros elsewhere (and on padded rows)."""
+def pack_weight(wl: ConvWorkload, w: np.ndarray) -> np.ndarray:
+    """OIHW ``[O, g, KH, KW]`` -> int8 ``[O_p, KH * KW * S]``: output channel ``o``'s ``g`` inputs at
+    their place among its super-group's ``S`` channels, zeros elsewhere (and on padded rows)."""
     o, g, kh, kw = w.shape
-    dense = np.zeros((o, SUPER, kh, kw), w.dtype)
+    s = super_width(wl)
+    dense = np.zeros((o, s, kh, kw), w.dtype)
     for oc in range(o):
-        start = oc // g * g - oc // SUPER * SUPER      # the group's first channel within the super-group
+        start = oc // g * g - oc // s * s      # the group's first channel within the super-group
         dense[oc, start:start + g] = w[oc]
-    return conv2d.pack_weight(dense)
+    return conv2d.pack_weight(dense)           # its padded rows (output channels) 0
 
 
 def grouped_gemm_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> np.ndarray:
@@ -128,12 +140,12 @@ def grouped_gemm_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> 
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
-    op = weight.shape[0]
+    op, width = weight.shape[0], super_width(wl)
     dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=wl.in_zero).astype(np.float64)
-    wk = weight.reshape(op, kh, kw, SUPER).astype(np.float64)
+    wk = weight.reshape(op, kh, kw, width).astype(np.float64)
     acc = np.zeros((data.shape[0], oh, ow, op), np.float64)
-    for s in range(op // SUPER):
-        cols = slice(s * SUPER, (s + 1) * SUPER)
+    for s in range(op // width):
+        cols = slice(s * width, (s + 1) * width)
         for y in range(kh):
             for x in range(kw):
                 win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, cols]
@@ -142,12 +154,10 @@ def grouped_gemm_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> 
 
 
 def default_decisions(func: tirx.PrimFunc, num_sm: int) -> tuple[dict, int]:
-    """The template's untuned tiles with 32 columns: ``mma.default_decisions`` for one super-group,
-    its SMs the GPU's shared among the super-groups."""
+    """The template's untuned tiles, ``S`` columns wide (``mma.default_decisions``)."""
+    s = super_width(ConvWorkload.of(func))
     mp, op, k = mma.gemm_extents(tvm.s_tir.Schedule(func))
-    decisions, stages = mma.default_decisions(mp, SUPER, k, max(1, num_sm // (op // SUPER)))
-    decisions["o"] = [op // SUPER, *decisions["o"][1:]]
-    return decisions, stages
+    return mma.default_decisions(mp, op, k, num_sm, columns=s)
 
 
 def schedule(func: tirx.PrimFunc, num_sm: int) -> tirx.PrimFunc:

@@ -198,8 +198,9 @@ class Conv2dGrouped(KernelImpl):
 
 class Conv2dGroupedMma(KernelImpl):
     """Grouped convs as GEMMs on the int8 tensor cores (``grouped_gemm.py``): each 32 output channels
-    a GEMM of their super-group's 32 input channels, the mma.sync template with 32-column blocks.
-    Applies where a group has as many inputs as outputs and its width divides 32 (ResNeXt, RegNet-X).
+    a GEMM of their super-group's 32 input channels (or one group of 64 or 128), the mma.sync template
+    with one super-group a block.  Applies where a group has as many inputs as outputs and its width
+    divides 32 or is 64 or 128 (ResNeXt, RegNet-X-400MF; ``grouped_gemm.super_width``).
     Not preferred untuned (``preferred``): not measured on a GPU yet; ``--family grouped_mma`` or a
     tuning database that measured it faster picks it."""
 
@@ -228,7 +229,7 @@ class Conv2dGroupedMma(KernelImpl):
         return grouped_gemm.schedule(func, TargetInfo.from_target(target).num_sm)
 
     def pack_params(self, wl, weight, bias, mult, shift):
-        return [grouped_gemm.pack_weight(weight, wl.in_channels // wl.groups), conv2d.pack_channels(bias),
+        return [grouped_gemm.pack_weight(wl, weight), conv2d.pack_channels(bias),
                 conv2d.pack_channels(mult), conv2d.pack_channels(shift, fill=1)]
 
     def out_shape(self, wl: ConvWorkload) -> tuple[int, ...]:

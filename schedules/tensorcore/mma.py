@@ -237,10 +237,11 @@ def _k_choice(kt: int, bm: int, bn: int, budget: int = DYN_SMEM_BUDGET):
     return None if best is None else best[1:]
 
 
-def default_decisions(mp: int, op: int, k: int, num_sm: int) -> tuple[dict, int]:
+def default_decisions(mp: int, op: int, k: int, num_sm: int, columns: int | None = None) -> tuple[dict, int]:
     """Heuristic (untuned) tiles and pipeline depth for an (M_p, O_p, K) implicit GEMM.
 
-    Block tile: among :data:`DEFAULT_TILES` that divide (M_p, O_p), minimize the estimated time
+    Block tile: among :data:`DEFAULT_TILES` that divide (M_p, O_p) (and are ``columns`` wide, where
+    given: the grouped GEMMs' one super-group a block, ``grouped_gemm.py``), minimize the estimated time
     ceil(blocks / num_sm) x BM*BN / efficiency(BM, BN) (the busiest SM's work): large tiles unless
     they leave SMs idle (small batch-1 layers then get 32x32 / 64x64 tiles; no split-K).  Warps
     2 x 2, warp tile BM/2 x BN/2.  K: :func:`_k_choice`.
@@ -251,7 +252,7 @@ def default_decisions(mp: int, op: int, k: int, num_sm: int) -> tuple[dict, int]
     mt, ot, kt = mp // 16, op // 16, k // 32
     best = None
     for bm, bn in DEFAULT_TILES:
-        if (mp % bm) or (op % bn):
+        if (mp % bm) or (op % bn) or (columns is not None and bn != columns):
             continue
         kc = _k_choice(kt, bm, bn)
         if kc is None:
