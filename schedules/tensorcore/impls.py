@@ -201,8 +201,9 @@ class Conv2dGroupedMma(KernelImpl):
     a GEMM of their super-group's 32 input channels (or one group of 64 or 128), the mma.sync template
     with one super-group a block.  Applies where a group has as many inputs as outputs and its width
     divides 32 or is 64 or 128 (ResNeXt, RegNet-X-400MF; ``grouped_gemm.super_width``).
-    Not preferred untuned (``preferred``): not measured on a GPU yet; ``--family grouped_mma`` or a
-    tuning database that measured it faster picks it."""
+    Not preferred untuned (``preferred``): not measured on a GPU yet; ``--family grouped_mma`` picks
+    it.  No search space yet, so a tuning database does not choose between it and the dp4a kernel
+    (``tuning.apply.measured_chooser`` compares tunable implementations only)."""
 
     name = "conv2d.nhwc32.grouped_mma"
     op = "conv2d"
