@@ -103,11 +103,12 @@ def test_the_nchw4c_cuda_schedules_take_a_table_epilogue(name):
 
 def test_only_implementations_that_take_a_table_are_offered_one():
     sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
-    # ResNeXt's grouped conv: the NHWC32 grouped kernel is written out in CUDA without a table
+    # ResNeXt's grouped conv: the NHWC32 grouped kernels (dp4a, mma.sync) have no table epilogue
     wl = W("relu", batch=64, in_channels=128, height=28, width=28, out_channels=128, groups=32)
     plain = {impl.name for impl in registry.candidates("conv2d", wl, sm90)}
     fused = {impl.name for impl in registry.candidates("conv2d", dataclasses.replace(wl, table=True), sm90)}
-    assert plain == {"conv2d.nhwc32.grouped", "conv2d.nchw4c.dp4a"} and fused == {"conv2d.nchw4c.dp4a"}
+    assert plain == {"conv2d.nhwc32.grouped", "conv2d.nhwc32.grouped_mma", "conv2d.nchw4c.dp4a"}
+    assert fused == {"conv2d.nchw4c.dp4a"}
     assert {impl.name for impl in registry.IMPLEMENTATIONS if impl.takes_table} == {
         "conv2d.nhwc32.mma", "conv2d.nhwc32.wgmma", "conv2d.nhwc32.stem", "conv2d.nhwc32.depthwise",
         "conv2d.nchw4c.depthwise", "conv2d.nchw4c.dp4a", "conv2d.nchw4c.cpu"}
