@@ -41,24 +41,42 @@ def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
         wl.kernel[0] * wl.kernel[1] * ceil32(wl.in_channels)
 
 
-def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
+def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False, super_width: int | None = None) -> tirx.PrimFunc:
     """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)`` (module docstring).
 
     ``border``: the form of a kernel that can only pad with 0 (wgmma's TMA), for a ``wl`` whose
     padding must read its zero point: the gather pads with 0 and ``bias`` is the
-    ``[rows, O_p]`` table of ``schedules/border_bias.py``, read at the output pixel's border class."""
-    assert wl.groups == 1 and wl.out_dtype == "int8", wl
+    ``[rows, O_p]`` table of ``schedules/border_bias.py``, read at the output pixel's border class.
+
+    ``super_width`` ``S``: a grouped conv as one GEMM per ``S`` output channels over their own ``S``
+    input channels (``grouped_gemm.py``): ``K = kh * kw * S``, the gather ``A`` holds every
+    super-group's columns one after the other, and the conv reads ``A[m, (o // S) * K + k]``."""
+    assert (wl.groups == 1) == (super_width is None) and wl.out_dtype == "int8", wl
     table = border and wl.pads_with_zero_point
     N, H, W = wl.batch, wl.height, wl.width
     Cp = ceil32(wl.in_channels)
     M, MP, Op, K = gemm_shape(wl)
+    S = super_width
+    if S is not None:           # per super-group: its S channels at every tap
+        K = wl.kernel[0] * wl.kernel[1] * S
     OH, OW = wl.out_height, wl.out_width
     KW = wl.kernel[1]
     SH, SW = wl.stride
     DH, DW = wl.dilation
     PT, PL = wl.padding[0], wl.padding[1]
     OHW = OH * OW
-    C16, KWC16 = Cp // 16, KW * Cp // 16
+    C16 = (Cp if S is None else S) // 16      # 16-byte vectors of the channels one tap gathers
+    KWC16 = KW * C16
+    COLS = K if S is None else Op // S * K     # the gather's columns
+
+    def column(vk):             # the column within its super-group (the dense conv: vk itself)
+        return vk if S is None else vk % K
+
+    def first_channel(vk, c):   # c plus the first channel of vk's super-group
+        return c if S is None else vk // K * S + c
+
+    def a_column(vo, vk):       # the column of A that output channel vo multiplies by weight[vo, vk]
+        return vk if S is None else vo // S * K + vk
     LO, HI = wl.act_min, wl.act_max
     ZERO = 0 if table else wl.in_zero
     BIAS = (border_bias.table_rows(wl), Op) if table else (Op,)
@@ -71,20 +89,20 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
              shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
         T.func_attr({"global_symbol": "main", "tirx.noalias": True})
         with T.sblock("root"):
-            A = T.sblock_alloc_buffer((MP, K), "int8")
+            A = T.sblock_alloc_buffer((MP, COLS), "int8")
             C = T.sblock_alloc_buffer((MP, Op), "int32")
-            for m, k in T.grid(MP, K):
+            for m, k in T.grid(MP, COLS):
                 with T.sblock("im2col"):
                     vm, vk = T.axis.remap("SS", [m, k])
                     # k = 16*k16 + lane: the tap (ky, kx) and the padding test depend on k16 only,
                     # so a 16-wide vector (lane) of the gather is one contiguous, uniformly
                     # predicated int8x16 load (the vectorizer only has to fold
                     # floordiv(16*a + lane, 16) = a, not prove a ramp does not cross a tap).
-                    k16 = T.meta_var(vk // 16)
+                    k16 = T.meta_var(column(vk) // 16)
                     lane = T.meta_var(vk % 16)
                     ky = T.meta_var(k16 // KWC16)
                     kx = T.meta_var(k16 // C16 % KW)
-                    c = T.meta_var(k16 % C16 * 16 + lane)
+                    c = T.meta_var(first_channel(vk, k16 % C16 * 16 + lane))
                     h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
                     w = T.meta_var(vm % OW * SW + kx * DW - PL)
                     T.reads(data[vm // OHW, h, w, c])
@@ -94,11 +112,11 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False) -> tirx.PrimFunc:
             for m, o, k in T.grid(MP, Op, K):
                 with T.sblock("conv"):
                     vm, vo, vk = T.axis.remap("SSR", [m, o, k])
-                    T.reads(A[vm, vk], weight[vo, vk])
+                    T.reads(A[vm, a_column(vo, vk)], weight[vo, vk])
                     T.writes(C[vm, vo])
                     with T.init():
                         C[vm, vo] = 0
-                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vk]) * T.Cast("int32", weight[vo, vk])
+                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, a_column(vo, vk)]) * T.Cast("int32", weight[vo, vk])
             for m, o in T.grid(MP, Op):
                 with T.sblock("requant"):
                     vm, vo = T.axis.remap("SS", [m, o])

@@ -30,12 +30,10 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import tirx
-from tvm.script import tirx as T
 
-from ..requantize import requantize_ref, requantize_tir
+from ..requantize import requantize_ref
 from ..workload import ConvWorkload
 from . import conv2d, mma
-from .layout import ceil32
 
 KERNEL_NAME = "conv2d_grouped_nhwc_int8_mma"
 BLOCK_COLUMNS = (32, 64, 128)   # the template's block tile widths: a super-group is one of them
@@ -65,61 +63,10 @@ def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
 
 
 def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
-    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)``: blocks ``im2col``, ``conv``,
-    ``requant`` as ``conv2d.conv2d_nhwc_int8``'s (the template schedules them by name)."""
+    """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)``: ``conv2d.conv2d_nhwc_int8``'s
+    blocks ``im2col``, ``conv``, ``requant`` (the template schedules them by name) per super-group."""
     assert takes(wl), wl
-    N, H, W = wl.batch, wl.height, wl.width
-    Cp = ceil32(wl.in_channels)
-    M, MP, Op, K = gemm_shape(wl)
-    SUPER = super_width(wl)
-    V = SUPER // 16          # 16-byte vectors of a super-group's channels at one tap
-    OH, OW, OHW = wl.out_height, wl.out_width, wl.out_height * wl.out_width
-    KW = wl.kernel[1]
-    SH, SW = wl.stride
-    DH, DW = wl.dilation
-    PT, PL = wl.padding[0], wl.padding[1]
-    LO, HI, ZERO = wl.act_min, wl.act_max, wl.in_zero
-
-    @T.prim_func(s_tir=True)
-    def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
-             bias: T.Buffer((Op,), "int32"), mult: T.Buffer((Op,), "int32"),
-             shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
-        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-        with T.sblock("root"):
-            A = T.sblock_alloc_buffer((MP, Op // SUPER * K), "int8")
-            C = T.sblock_alloc_buffer((MP, Op), "int32")
-            for m, k in T.grid(MP, Op // SUPER * K):
-                with T.sblock("im2col"):
-                    vm, vk = T.axis.remap("SS", [m, k])
-                    # as conv2d's gather, per super-group: a 16-wide vector is one tap's contiguous bytes
-                    k16 = T.meta_var(vk % K // 16)
-                    ky = T.meta_var(k16 // (KW * V))
-                    kx = T.meta_var(k16 // V % KW)
-                    c = T.meta_var(vk // K * SUPER + k16 % V * 16 + vk % 16)
-                    h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
-                    w = T.meta_var(vm % OW * SW + kx * DW - PL)
-                    T.reads(data[vm // OHW, h, w, c])
-                    T.writes(A[vm, vk])
-                    A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
-                                               data[vm // OHW, h, w, c], T.int8(ZERO))
-            for m, o, k in T.grid(MP, Op, K):
-                with T.sblock("conv"):
-                    vm, vo, vk = T.axis.remap("SSR", [m, o, k])
-                    T.reads(A[vm, vo // SUPER * K + vk], weight[vo, vk])
-                    T.writes(C[vm, vo])
-                    with T.init():
-                        C[vm, vo] = 0
-                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vo // SUPER * K + vk]) * T.Cast("int32", weight[vo, vk])
-            for m, o in T.grid(MP, Op):
-                with T.sblock("requant"):
-                    vm, vo = T.axis.remap("SS", [m, o])
-                    T.reads(C[vm, vo], bias[vo], mult[vo], shift[vo])
-                    T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
-                    if vm < M:
-                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = requantize_tir(
-                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", bias[vo]), mult[vo], shift[vo], LO, HI)
-
-    return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+    return conv2d.conv2d_nhwc_int8(wl, super_width=super_width(wl)).with_attr("tvm_qconv.kernel", KERNEL_NAME)
 
 
 def pack_weight(wl: ConvWorkload, w: np.ndarray) -> np.ndarray:
