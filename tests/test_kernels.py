@@ -899,19 +899,6 @@ def test_grouped_gemms_take_equal_group_widths_dividing_32_and_are_not_preferred
     assert not impl.applies(dataclasses.replace(regnet, table=True), sm90)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 64])
-@pytest.mark.parametrize("c,groups,size,stride", [(128, 32, 56, 1), (160, 10, 14, 1), (256, 8, 28, 2)],
-                         ids=["resnext-g4", "regnet-g16", "resnext-g32-s2"])
-def test_grouped_gemm_on_gpu_is_bit_exact(batch, c, groups, size, stride):
-    wl = _grouped_wl(c, c, groups, size, 3, stride, in_zero=-128, batch=batch)
-    impl = registry.get("conv2d.nhwc32.grouped_mma")
-    _, args, w = _grouped_args(wl, seed=5)
-    ours = [args[0], *impl.pack_params(wl, w, *[a[:c] for a in args[2:]])]
-    ref = impl.reference(wl, *ours)
-    np.testing.assert_array_equal(_on_gpu(impl, wl, ours, ref.shape), ref)
-
-
 def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_nchw4c():
     from tvm_qconv.target import TargetInfo, make_target
     impl = registry.get("conv2d.nhwc32.grouped")
@@ -928,14 +915,17 @@ def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_n
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["conv2d.nhwc32.grouped", "conv2d.nhwc32.grouped_mma"], ids=["dp4a", "mma"])
 @pytest.mark.parametrize("batch", [1, 64])
 @pytest.mark.parametrize("c,groups,size,stride", [(128, 32, 56, 1), (160, 10, 14, 1), (224, 7, 28, 2)],
-                         ids=["resnext-g4", "regnet-g16", "regnet-g32-s2"])
-def test_grouped_nhwc32_kernel_on_gpu_is_bit_exact(batch, c, groups, size, stride):
-    # ResNeXt's first stage (one output word a thread), RegNet-X's groups of 16 and 32 (4 words a
-    # thread at batch 64)
+                         ids=["resnext-g4", "regnet-g16", "g32-s2"])
+def test_grouped_kernels_on_gpu_are_bit_exact(name, batch, c, groups, size, stride):
+    # ResNeXt's first stage (dp4a: one output word a thread; mma: 8 groups a super-group), RegNet-X's
+    # groups of 16 and groups of 32 (dp4a: 4 words a thread at batch 64; mma: 2 and 1 a super-group)
     wl = _grouped_wl(c, c, groups, size, 3, stride, in_zero=-128, batch=batch)
-    impl, args, _ = _grouped_args(wl, seed=4)
+    impl = registry.get(name)
+    _, args, w = _grouped_args(wl, seed=4)
+    args = [args[0], *impl.pack_params(wl, w, *[a[:c] for a in args[2:]])]
     ref = impl.reference(wl, *args)
     np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)
 
