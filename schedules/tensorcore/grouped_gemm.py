@@ -56,12 +56,6 @@ def takes(wl: ConvWorkload) -> bool:
             and conv2d.gemm_shape(wl)[0] != 16)
 
 
-def gemm_shape(wl: ConvWorkload) -> tuple[int, int, int, int]:
-    """(M, M_p, O_p, K): K of one super-group."""
-    m, mp, op, _ = conv2d.gemm_shape(wl)
-    return m, mp, op, wl.kernel[0] * wl.kernel[1] * super_width(wl)
-
-
 def grouped_gemm_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     """Unscheduled PrimFunc ``(data, weight, bias, mult, shift, out)``: ``conv2d.conv2d_nhwc_int8``'s
     blocks ``im2col``, ``conv``, ``requant`` (the template schedules them by name) per super-group."""
