@@ -820,7 +820,7 @@ def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl, floor, monk
     """The NHWC32 grouped conv (schedules/tensorcore/grouped.py): its compute definition and its CUDA
     kernel's CPU twin (each __dp4a written as its four products) equal the NumPy reference; the
     reference equals the dense conv of each group; the CUDA source has the dp4a and 16-byte weight loads.
-    With the grid-size floor lowered, each thread takes up to 4 output words and 4 pixels (what
+    With the grid-size floor lowered, each thread takes up to 2 output words and 4 pixels (what
     batch 64 gets)."""
     from tvm.script import parser as tvmscript
 
@@ -830,7 +830,7 @@ def test_grouped_nhwc32_kernel_and_its_cuda_kernel_are_bit_exact(wl, floor, monk
     if floor is not None:
         monkeypatch.setattr(grouped, "MIN_THREADS", floor)
         go_words = grouped.group_widths(wl)[1] // 4
-        assert grouped.words_per_thread(wl) == max(k for k in (1, 2, 4) if go_words % k == 0)
+        assert grouped.words_per_thread(wl) == max(k for k in (1, 2) if go_words % k == 0)
     impl, args, w = _grouped_args(wl)
     ref = impl.reference(wl, *args)
     assert ref.shape == impl.out_shape(wl) and len(np.unique(ref)) > 50
@@ -884,14 +884,20 @@ def test_grouped_convs_as_super_group_gemms_compute_the_grouped_reference(wl):
     assert "mma.sync.aligned.m16n8k32" in src and "ldmatrix" in src and "cp.async" in src
 
 
-def test_grouped_gemms_take_equal_group_widths_dividing_32_and_are_not_preferred_untuned():
+def test_grouped_gemms_take_equal_group_widths_dividing_32_and_are_preferred_from_groups_of_16():
     from tvm_qconv.target import TargetInfo, make_target
     impl = registry.get("conv2d.nhwc32.grouped_mma")
     sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
     regnet = _grouped_wl(160, 160, 10, 14, 3, 1, batch=64)
-    assert impl.applies(regnet, sm90) and not impl.preferred(regnet, sm90)
-    assert registry.select("conv2d", regnet, sm90).name == "conv2d.nhwc32.grouped"     # unmeasured: dp4a stays
-    assert registry.select("conv2d", regnet, sm90, prefer="conv2d.nhwc32.grouped_mma") is impl
+    # groups of 16 and 32 ran faster on the tensor cores, groups of 4 and 8 on dp4a (Conv2dGroupedMma)
+    assert registry.select("conv2d", regnet, sm90) is impl
+    assert registry.select("conv2d", _grouped_wl(256, 256, 8, 14, 3, 1), sm90) is impl           # groups of 32
+    for narrow in (_grouped_wl(128, 128, 32, 14, 3, 1), _grouped_wl(256, 256, 32, 14, 3, 1)):    # groups of 4, 8
+        assert impl.applies(narrow, sm90) and not impl.preferred(narrow, sm90)
+        assert registry.select("conv2d", narrow, sm90).name == "conv2d.nhwc32.grouped"
+        assert registry.select("conv2d", narrow, sm90, prefer="conv2d.nhwc32.grouped_mma") is impl
+    # a tuning database's or --family's pick of the dp4a kernel still holds for groups of 16
+    assert registry.select("conv2d", regnet, sm90, prefer="conv2d.nhwc32.grouped").name == "conv2d.nhwc32.grouped"
     assert not impl.applies(_grouped_wl(96, 96, 4, 14, 3, 1), sm90)       # 24 a group: does not divide 32
     assert not impl.applies(_grouped_wl(192, 192, 2, 14, 3, 1), sm90)     # 96 a group: no block tile that wide
     assert impl.applies(_grouped_wl(256, 256, 2, 14, 3, 1), sm90)         # 128 a group: one a block
@@ -921,7 +927,7 @@ def test_the_grouped_nhwc32_kernel_applies_to_groups_of_4k_and_is_preferred_to_n
                          ids=["resnext-g4", "regnet-g16", "g32-s2"])
 def test_grouped_kernels_on_gpu_are_bit_exact(name, batch, c, groups, size, stride):
     # ResNeXt's first stage (dp4a: one output word a thread; mma: 8 groups a super-group), RegNet-X's
-    # groups of 16 and groups of 32 (dp4a: 4 words a thread at batch 64; mma: 2 and 1 a super-group)
+    # groups of 16 and groups of 32 (dp4a: 2 words a thread at batch 64; mma: 2 and 1 a super-group)
     wl = _grouped_wl(c, c, groups, size, 3, stride, in_zero=-128, batch=batch)
     impl = registry.get(name)
     _, args, w = _grouped_args(wl, seed=4)

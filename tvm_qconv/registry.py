@@ -41,17 +41,18 @@ LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
 # unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise (in the
 # tensor cores' NHWC32 on sm_80+, where the convs around it run; else NCHW4c), then Hopper's
 # wgmma (sm_90a), then int8 tensor cores (sm_80+, 16+ input channels), then the stem conv
-# (sm_80+, 1-4 input channels: dp4a into the tensor cores' layout), then grouped convs in NHWC32
-# (sm_80+, group widths a multiple of 4: no relayouts around them), then grouped convs as GEMMs on
-# the tensor cores (not preferred untuned: unmeasured), then dp4a (CUDA), then the CPU kernel.
+# (sm_80+, 1-4 input channels: dp4a into the tensor cores' layout), then grouped convs as GEMMs on
+# the tensor cores (sm_80+, groups of 16-32, 64 or 128 channels: measured faster there), then grouped
+# convs in NHWC32 on dp4a (sm_80+, group widths a multiple of 4: no relayouts around them), then dp4a
+# (CUDA), then the CPU kernel.
 IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     tensorcore.CONV2D_DEPTHWISE,
     nchw4c.CONV2D_DEPTHWISE,
     wgmma.CONV2D_WGMMA,
     tensorcore.CONV2D_MMA,
     stem.CONV2D_STEM,
-    tensorcore.CONV2D_GROUPED,
     tensorcore.CONV2D_GROUPED_MMA,
+    tensorcore.CONV2D_GROUPED,
     *(impl for impl in nchw4c.IMPLEMENTATIONS if impl is not nchw4c.CONV2D_DEPTHWISE),
     *(impl for impl in tensorcore.IMPLEMENTATIONS
       if impl not in (tensorcore.CONV2D_MMA, tensorcore.CONV2D_DEPTHWISE, tensorcore.CONV2D_GROUPED,

@@ -17,7 +17,7 @@ multiple of 4 with zero weights (the NHWC32 input's padded channels are read and
 Reading NHWC32, it spares such a conv the relayouts around an NCHW4c kernel (11 of EfficientNet-B0's
 at batch 1); the planner picks it where the input already is NHWC32 (``KernelImpl.follows_input``).
 
-On CUDA the kernel is written out (``grouped_kernel``): a thread per up to 4 output words (16
+On CUDA the kernel is written out (``grouped_kernel``): a thread per up to 2 output words (8
 channels of one group, ``words_per_thread``) and a row of up to ``ROW_TILE`` pixels, consecutive
 threads on consecutive words (coalesced stores and weight loads; the threads of one group read the
 same input words); per tap and input word, 16-byte weight loads serve the row, and each input word
@@ -122,13 +122,21 @@ def pack_grouped(w: np.ndarray, groups: int) -> np.ndarray:
     return wp
 
 
+WORDS_PER_THREAD = (1, 2)   # measured: 2 words a thread helped groups of 8, 4 hurt groups of 16 and 32
+
+
 def words_per_thread(wl: ConvWorkload) -> int:
-    """Output words (4 channels each) per thread: the most of 4, 2, 1 that divides a group's words and
-    leaves at least ``MIN_THREADS`` threads at one pixel a thread (1 where none does).  Each input word
-    a thread loads then feeds ``4 * words`` ``__dp4a`` instead of 4."""
+    """Output words (4 channels each) per thread: the most of ``WORDS_PER_THREAD`` that divides a
+    group's words and leaves at least ``MIN_THREADS`` threads at one pixel a thread (1 where none
+    does).  Each input word a thread loads then feeds ``4 * words`` ``__dp4a`` instead of 4.
+
+    Why not 4: ResNeXt-50 at batch 64 on an H200 (2026-11-28, ``docs/performance.md``), before and
+    after c029fb3 (these words, and the branchless input word): groups of 4 (one word) 229 -> 125 us
+    and of 8 (2 words) 156 -> 104 us, but groups of 16 and 32 (4 words) 206 -> 422 and 127 -> 325 us.
+    Groups of 16 and more run as GEMMs on the tensor cores where they can (``grouped_gemm.py``)."""
     go_words = group_widths(wl)[1] // 4
     words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4
-    return max(k for k in (1, 2, 4) if go_words % k == 0 and (k == 1 or words // k >= MIN_THREADS))
+    return max(k for k in WORDS_PER_THREAD if go_words % k == 0 and (k == 1 or words // k >= MIN_THREADS))
 
 
 def row_tile(wl: ConvWorkload) -> int:

@@ -196,13 +196,22 @@ class Conv2dGrouped(KernelImpl):
         return LAYOUT.packed_shape((wl.batch, wl.out_channels, wl.out_height, wl.out_width))
 
 
+MMA_GROUP_WIDTH = 16   # grouped convs with this many channels a group and more: GEMMs on the tensor cores
+
+
 class Conv2dGroupedMma(KernelImpl):
     """Grouped convs as GEMMs on the int8 tensor cores (``grouped_gemm.py``): each 32 output channels
     a GEMM of their super-group's 32 input channels (or one group of 64 or 128), the mma.sync template
     with one super-group a block.  Applies where a group has as many inputs as outputs and its width
     divides 32 or is 64 or 128 (ResNeXt, RegNet-X-400MF; ``grouped_gemm.super_width``).
-    Not preferred untuned (``preferred``): not measured on a GPU yet; ``--family grouped_mma`` picks
-    it.  No search space yet, so a tuning database does not choose between it and the dp4a kernel
+
+    Preferred untuned for groups of ``MMA_GROUP_WIDTH`` channels and more, the dp4a kernel below that
+    (registry order), as measured on an H200 at batch 64 (2026-11-28, ``docs/performance.md``):
+    RegNet-X-400MF's groups of 16 took 0.33 ms on the tensor cores against 0.57 ms (one output word a
+    thread) and 0.82 ms (4 words) on dp4a, every layer faster; ResNeXt-50's groups of 16 and 32 too
+    (177 against 206 us, 38 against 127 us), but its groups of 4 and 8 not (489 against 125 us, 215
+    against 104 us: a super-group of 8 or 4 groups multiplies 8 or 4 times the useful products).
+    No search space yet, so a tuning database does not choose between it and the dp4a kernel
     (``tuning.apply.measured_chooser`` compares tunable implementations only)."""
 
     name = "conv2d.nhwc32.grouped_mma"
@@ -213,7 +222,7 @@ class Conv2dGroupedMma(KernelImpl):
     instruction = "mma.sync"
 
     def preferred(self, wl: ConvWorkload, target) -> bool:
-        return False
+        return wl.out_channels // wl.groups >= MMA_GROUP_WIDTH
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         return target.kind == "cuda" and target.has_int8_mma and grouped_gemm.takes(wl)
