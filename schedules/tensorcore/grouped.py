@@ -133,7 +133,9 @@ def words_per_thread(wl: ConvWorkload) -> int:
     Why not 4: ResNeXt-50 at batch 64 on an H200 (2026-11-28, ``docs/performance.md``), before and
     after c029fb3 (these words, and the branchless input word): groups of 4 (one word) 229 -> 125 us
     and of 8 (2 words) 156 -> 104 us, but groups of 16 and 32 (4 words) 206 -> 422 and 127 -> 325 us.
-    Groups of 16 and more run as GEMMs on the tensor cores where they can (``grouped_gemm.py``)."""
+    With 2 words (tree fb6fe24) the groups of 16 and 32 were mixed against one: RegNet-X's 251 -> 210
+    and 119 -> 101 us, ResNeXt's 206 -> 235 and 127 -> 151 us.  Groups of 16 and more run as GEMMs
+    on the tensor cores where they can (``grouped_gemm.py``), faster than either."""
     go_words = group_widths(wl)[1] // 4
     words = wl.batch * wl.out_height * wl.out_width * ceil32(wl.out_channels) // 4
     return max(k for k in WORDS_PER_THREAD if go_words % k == 0 and (k == 1 or words // k >= MIN_THREADS))

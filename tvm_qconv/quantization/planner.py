@@ -174,14 +174,18 @@ class Planner:
 
     def pick(self, op: str, wl, layer: str, follow: str | None = None):
         """The implementation of ``op`` for ``wl``: the user's choice for the layer, else the
-        chooser's (measured), else the first that ``follows_input`` and reads the layout ``follow``
-        (the layer's int8 input's, if one is given), else the first of the registry's that applies."""
+        chooser's (measured), else the registry's pick where it reads the layout ``follow`` (the
+        layer's int8 input's, if one is given), else the first that ``follows_input`` and reads
+        ``follow``, else the registry's pick.  (Grouped convs of 16 channels and more: the registry
+        picks the tensor-core GEMM, which reads NHWC32 as the dp4a grouped kernel does.)"""
         prefer = self.choices.get(layer)
         if prefer is None and self.chooser is not None:
             prefer = self.chooser(op, wl, registry.candidates(op, wl, self.target))
         if prefer is None and follow is not None:
-            prefer = next((impl.name for impl in registry.candidates(op, wl, self.target)
-                           if impl.follows_input and impl.input_layout() == follow), None)
+            first = registry.select(op, wl, self.target)
+            if first is None or first.input_layout() != follow:
+                prefer = next((impl.name for impl in registry.candidates(op, wl, self.target)
+                               if impl.follows_input and impl.input_layout() == follow), None)
         return registry.select(op, wl, self.target, prefer=prefer)
 
     def select(self, op: str, wl, layout: str | None = None):
