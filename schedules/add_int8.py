@@ -26,7 +26,6 @@ def add_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = QMIN, a
     zero points, 0 or -128 (``zero_points.py``)."""
     a = te.placeholder(shape, "int8", name="A")
     b = te.placeholder(shape, "int8", name="B")
-    one = tirx.const(1, "int32")
     z_a, z_b, z_out = zeros
     split = split_multipliers(mult_a, mult_b, shift, span=256 if z_a or z_b else 128)
 
@@ -42,12 +41,24 @@ def add_int8(shape, mult_a: int, mult_b: int, shift: int, act_min: int = QMIN, a
             if z_out:
                 v = v + tirx.const(z_out, "int32")
             return tirx.max(tirx.min(v, tirx.const(act_max, "int32")), tirx.const(act_min, "int32")).astype("int8")
-        v = centred(a(*i), "int64", z_a) * tirx.const(mult_a, "int64") \
-            + centred(b(*i), "int64", z_b) * tirx.const(mult_b, "int64")
-        return requantize_tir(v, one, tirx.const(shift, "int32"), act_min, act_max, zero=z_out)
+        return add_tir(a(*i), b(*i), tirx.const(mult_a, "int64"), tirx.const(mult_b, "int64"),
+                       tirx.const(shift, "int32"), act_min, act_max, zeros)
 
     out = te.compute(shape, body, name="add_requant")
     return te.create_prim_func([a, b, out]).with_attr({"tvm_qconv.kernel": name})
+
+
+def add_tir(a, b, mult_a, mult_b, shift, act_min: int = QMIN, act_max: int = 127, zeros=(0, 0, 0)):
+    """The int64 form of the add on two int8 expressions (integer expressions ``mult_a``, ``mult_b``
+    (below 2**32), ``shift``): ``add_int8``'s body where no 32-bit form is exact, and a conv's
+    residual epilogue (``epilogue_residual.py``: its multipliers are an argument, not constants)."""
+    z_a, z_b, z_out = zeros
+
+    def centred(t, z):   # q - z: the integer of the real value (-127..255)
+        return t.astype("int64") if z == 0 else t.astype("int64") - tirx.const(z, "int64")
+
+    v = centred(a, z_a) * mult_a.astype("int64") + centred(b, z_b) * mult_b.astype("int64")
+    return requantize_tir(v, tirx.const(1, "int32"), shift, act_min, act_max, zero=z_out)
 
 
 I32 = 2 ** 31

@@ -111,6 +111,9 @@ class KernelImpl:
         runs_on: the target it needs, in words for messages (``CUDA sm_80+``); empty = any.
         takes_table: (conv) its epilogue can end in a 256-entry table (``ConvWorkload.table``,
             ``epilogue_table.py``); ``registry.candidates`` offers only these for such a workload.
+        takes_residual: (conv) its epilogue can end in the residual add after the conv
+            (``ConvWorkload.residual``, ``epilogue_residual.py``); ``registry.candidates``
+            offers only these for such a workload.
         follows_input: (conv) where a layer's int8 input already is in :meth:`input_layout`, the
             planner picks it before the registry's order (``Planner.pick``): a memory-bound kernel
             (depthwise, grouped, a conv of few channels) that would otherwise cost a relayout on
@@ -128,6 +131,7 @@ class KernelImpl:
     instruction: str = ""
     runs_on: str = ""
     takes_table: bool = False
+    takes_residual: bool = False
     follows_input: bool = False
 
     def input_layout(self) -> str:

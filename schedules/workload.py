@@ -49,6 +49,10 @@ class ConvWorkload:
         table: the epilogue ends in a 256-entry table (the elementwise function after the conv:
             ``epilogue_table.py``); the kernel takes it as its last argument before the output.
             Left out of :meth:`to_dict` when False, so a kernel without one is recorded as before.
+        residual: the epilogue ends in the residual add after the conv (``epilogue_residual.py``):
+            the add's ``(zero_conv, zero_residual, zero_out, act_min, act_max)``; ``()``: none.
+            The kernel takes the other addend after its input and the add's multipliers before
+            its output.  Left out of :meth:`to_dict` when empty, as ``table``.
     """
 
     batch: int
@@ -67,6 +71,7 @@ class ConvWorkload:
     out_dtype: str = "int8"
     in_zero: int = 0
     table: bool = False
+    residual: tuple = ()
 
     def __post_init__(self):
         # ValueError, not InputError: a workload is built by the passes and the training
@@ -97,6 +102,14 @@ class ConvWorkload:
             raise ValueError(f"in_zero must be 0 or {UNSIGNED_ZERO}, got {self.in_zero}")
         if self.table and self.out_dtype != "int8":
             raise ValueError("a table epilogue needs the requantized int8 output (out_dtype='int8')")
+        if self.residual:
+            if len(self.residual) != 5 or self.out_dtype != "int8" or self.table:
+                raise ValueError("a residual epilogue is (zero_conv, zero_residual, zero_out, act_min, act_max) "
+                                 f"on the requantized int8 output, without a table; got {self.residual}")
+            z_c, z_r, z_out, lo, hi = self.residual
+            if not ({z_c, z_r, z_out} <= {0, UNSIGNED_ZERO} and UNSIGNED_ZERO <= lo <= hi <= 127):
+                raise ValueError(f"residual epilogue zero points must be 0 or {UNSIGNED_ZERO} and its clamp "
+                                 f"within int8, got {self.residual}")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -145,7 +158,7 @@ class ConvWorkload:
             if self.dilation != (1, 1) else ""
         s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
         u = " u8" if self.in_zero else ""
-        t = " +table" if self.table else ""
+        t = (" +table" if self.table else "") + (" +add" if self.residual else "")
         return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
                 f"@{self.height}x{self.width} b{self.batch}{t}")
 
@@ -156,8 +169,9 @@ class ConvWorkload:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if not d["table"]:
-            del d["table"]
+        for optional in ("table", "residual"):
+            if not d[optional]:
+                del d[optional]
         return d
 
     @classmethod

@@ -96,7 +96,8 @@ def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> li
     in priority order."""
     return [impl for impl in IMPLEMENTATIONS
             if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)
-            and (impl.takes_table or not getattr(wl, "table", False))]
+            and (impl.takes_table or not getattr(wl, "table", False))
+            and (impl.takes_residual or not getattr(wl, "residual", ()))]
 
 
 def select(op: str, wl, target: TargetInfo, layout: str | None = None,

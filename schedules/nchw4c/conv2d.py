@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import te, tirx
 
-from .. import epilogue_table
+from .. import epilogue_residual, epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .layout import ceil4
@@ -88,14 +88,16 @@ def conv2d_nchw4c_int8(wl: ConvWorkload) -> tirx.PrimFunc:
     mult = te.placeholder((occ, 4), "int32", name="Mult")
     shift = te.placeholder((occ, 4), "int32", name="Shift")
     table = epilogue_table.te_table(wl)
+    residual, add = epilogue_residual.te_buffers(wl, (wl.batch, occ, oh, ow, 4))
     out = te.compute(
         (wl.batch, occ, oh, ow, 4),
-        lambda n, oc, y, x, oci: epilogue_table.finish(requantize_tir(
+        lambda n, oc, y, x, oci: epilogue_residual.finish(epilogue_table.finish(requantize_tir(
             conv[n, oc, y, x, oci].astype("int64") + bias[oc, oci].astype("int64"),
             mult[oc, oci], shift[oc, oci], wl.act_min, wl.act_max), oc * 4 + oci, table, wl.out_channels),
+            None if residual is None else residual[n, oc, y, x, oci], add, wl),
         name="requant")
-    args = [A, W, bias, mult, shift] + ([table] if table is not None else []) + [out]
-    return te.create_prim_func(args).with_attr(attrs)
+    rest = [W, bias, mult, shift] + ([table] if table is not None else [])
+    return te.create_prim_func(epilogue_residual.te_args(A, rest, out, residual, add)).with_attr(attrs)
 
 
 def conv2d_nchw4c_int8_ref(wl: ConvWorkload, a, w, bias=None, mult=None, shift=None) -> np.ndarray:

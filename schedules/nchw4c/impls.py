@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import epilogue_table
+from .. import epilogue_residual, epilogue_table
 from ..conversion_kernels import Dequantize, Quantize
 from ..elementwise_int8 import schedule_elementwise
 from ..kernel import KernelImpl
@@ -40,6 +40,7 @@ class _Conv2dNCHW4c(KernelImpl):
     op = "conv2d"
     layout = LAYOUT.name
     takes_table = True
+    takes_residual = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # A group whose channels are not a multiple of 4 would need each group padded on its
@@ -51,7 +52,8 @@ class _Conv2dNCHW4c(KernelImpl):
         return self.tag(conv2d.conv2d_nchw4c_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        return epilogue_table.reference(LAYOUT, wl, args, conv2d.conv2d_nchw4c_int8_ref)
+        return epilogue_residual.reference(
+            wl, args, lambda wl, *a: epilogue_table.reference(LAYOUT, wl, a, conv2d.conv2d_nchw4c_int8_ref))
 
     def pack_params(self, wl: ConvWorkload, weight: np.ndarray, bias: np.ndarray, mult: np.ndarray,
                     shift: np.ndarray) -> list[np.ndarray]:

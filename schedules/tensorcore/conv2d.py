@@ -25,7 +25,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import border_bias, epilogue_table
+from .. import border_bias, epilogue_residual, epilogue_table
 from ..requantize import requantize_ref, requantize_tir
 from ..workload import ConvWorkload
 from .layout import ceil32
@@ -81,9 +81,12 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False, super_width: int | 
     ZERO = 0 if table else wl.in_zero
     BIAS = (border_bias.table_rows(wl), Op) if table else (Op,)
     LUT = epilogue_table.script_table(wl)    # wl.table: the function after the conv (epilogue_table.py)
+    # wl.residual: the add after the conv, its other addend read where the conv stores (epilogue_residual.py)
+    RES, ADD = epilogue_residual.script_buffers(wl, (N, OH, OW, Op))
 
-    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
-    @T.prim_func(s_tir=True, check_well_formed=LUT is None)
+    # the table's and the residual's buffers become parameters after parsing (with_table_param,
+    # epilogue_residual.with_params): not well-formed before
+    @T.prim_func(s_tir=True, check_well_formed=LUT is None and RES is None)
     def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
              bias: T.Buffer(BIAS, "int32"), mult: T.Buffer((Op,), "int32"),
              shift: T.Buffer((Op,), "int32"), out: T.Buffer((N, OH, OW, Op), "int8")):
@@ -121,17 +124,22 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False, super_width: int | 
                 with T.sblock("requant"):
                     vm, vo = T.axis.remap("SS", [m, o])
                     b = T.meta_var(bias_at(wl, bias, vm, vo, table))
-                    if LUT is None:
+                    if RES is not None:
+                        T.reads(C[vm, vo], b, mult[vo], shift[vo],
+                                RES[vm // OHW, (vm // OW) % OH, vm % OW, vo], ADD[0:3])
+                    elif LUT is None:
                         T.reads(C[vm, vo], b, mult[vo], shift[vo])
                     else:
                         T.reads(C[vm, vo], b, mult[vo], shift[vo], LUT[0:256])
                     T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
                     if vm < M:
-                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = epilogue_table.finish(requantize_tir(
-                            T.Cast("int64", C[vm, vo]) + T.Cast("int64", b), mult[vo], shift[vo], LO, HI),
-                            vo, LUT, wl.out_channels)
+                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = epilogue_residual.finish(
+                            epilogue_table.finish(requantize_tir(
+                                T.Cast("int64", C[vm, vo]) + T.Cast("int64", b), mult[vo], shift[vo], LO, HI),
+                                vo, LUT, wl.out_channels),
+                            None if RES is None else RES[vm // OHW, (vm // OW) % OH, vm % OW, vo], ADD, wl)
 
-    main = epilogue_table.with_table_param(main, LUT)
+    main = epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 

@@ -37,7 +37,7 @@ from tvm_qconv.target import TargetInfo
 
 from ..channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
 from ..conversion_kernels import Dequantize, Quantize
-from .. import epilogue_table
+from .. import epilogue_residual, epilogue_table
 from ..kernel import KernelImpl, written_kernel
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
@@ -74,6 +74,7 @@ class Conv2dMma(KernelImpl):
     spaces = space.SPACES
     instruction = "mma.sync"
     takes_table = True
+    takes_residual = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # A GEMM of exactly one 16-row fragment (M = batch x out_h x out_w = 16: ConvNeXt's
@@ -86,7 +87,8 @@ class Conv2dMma(KernelImpl):
         return self.tag(conv2d.conv2d_nhwc_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
-        return epilogue_table.reference(LAYOUT, wl, args, conv2d.conv2d_nhwc_int8_ref)
+        return epilogue_residual.reference(
+            wl, args, lambda wl, *a: epilogue_table.reference(LAYOUT, wl, a, conv2d.conv2d_nhwc_int8_ref))
 
     def pack_params(self, wl, weight, bias, mult, shift):
         return [conv2d.pack_weight(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),

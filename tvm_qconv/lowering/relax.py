@@ -169,19 +169,22 @@ class _Emitter:
                         lp.out_shape, lp.out_dtype, lp.impl.scratch(lp.workload))
         if lp.output is None:
             self.fenv[lp.layer.output] = var
-        else:   # a conv with a table in its epilogue writes the table layer's output (lp.writes)
+        else:   # a conv with a table or an add in its epilogue writes that layer's output (lp.writes)
             self.qenv[lp.layer.output if lp.writes is None else lp.writes] = {lp.output.layout: _Int8(var, lp.output)}
 
     def run(self, mod):
         func = mod["main"]
         value = {b.var: b for b in bindings_of(func)}
+        deferred = {lp.runs_at: lp for lp in self.plan.layers if lp.runs_at is not None}
         with self.bb.function("main", list(func.params), attrs=dict(func.attrs.items()) if func.attrs else None):
             with self.bb.dataflow():
                 for b in bindings_of(func):
                     ly = self.g.layer_of_var.get(b.var)
                     if ly is not None:
                         lp = self.plan.of(ly)
-                        if lp.fused_into is not None:
+                        if ly.output in deferred:   # a conv with this residual add in its epilogue runs here
+                            self.emit_layer(deferred[ly.output])
+                        if lp.fused_into is not None or lp.runs_at is not None:
                             pass   # its output is made by the kernel of the layer it was fused into
                         elif lp.int8:
                             self.emit_layer(lp)

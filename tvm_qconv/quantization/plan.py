@@ -68,9 +68,13 @@ class LayerPlan:
             gathers composed.
         writes: the float graph's var its kernel's output stands for where that is not its
             layer's own output: a conv with a table in its epilogue writes the table layer's
-            (``epilogues.py``); None: ``layer.output``.
-        fused_into: the layer whose kernel computes this one (a table in a conv's epilogue):
-            it has no kernel of its own.
+            (``epilogues.py``), one with a residual add the add's (``residuals.py``); None:
+            ``layer.output``.
+        fused_into: the layer whose kernel computes this one (a table or a residual add in a
+            conv's epilogue): it has no kernel of its own.
+        runs_at: the float graph's var of the layer at whose place its kernel runs, where that is
+            not its own: a conv with the residual add in its epilogue runs where the add is
+            (``residuals.py``: the other addend may be computed after the conv); None: its own.
         row: the build report's row.
     """
 
@@ -88,6 +92,7 @@ class LayerPlan:
     gather: tuple | None = None
     writes: object = None
     fused_into: str | None = None
+    runs_at: object = None
     row: dict = field(default_factory=dict)
 
     @property

@@ -46,14 +46,15 @@ def symmetric_twin(wl):
 
 def tuning_twin(wl):
     """The workload whose records serve ``wl`` where it has none of its own, else None: its
-    :func:`symmetric_twin`, and without its table epilogue (``ConvWorkload.table``: the same
-    blocks, the table read in the epilogue's expression, so the conv's trace applies as it is;
-    a database tuned before tables were fused keeps serving)."""
+    :func:`symmetric_twin`, and without its table or residual epilogue (``ConvWorkload.table``,
+    ``.residual``: the same blocks, the table or the other addend read in the epilogue's
+    expression, so the conv's trace applies as it is; a database tuned before epilogues were
+    fused keeps serving)."""
     if not isinstance(wl, ConvWorkload):
         return None
-    plain = dataclasses.replace(wl, table=False)
+    plain = dataclasses.replace(wl, table=False, residual=())
     twin = symmetric_twin(plain)
-    return twin if twin is not None else (plain if wl.table else None)
+    return twin if twin is not None else (plain if wl.table or wl.residual else None)
 
 
 def lookup(db, impl, func) -> list:

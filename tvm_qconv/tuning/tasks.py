@@ -9,6 +9,8 @@ attributes that say where the function sat or which layer it serves.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from dataclasses import dataclass
 
@@ -135,6 +137,9 @@ def extract_tasks(mod: tvm.IRModule, target=None, families: list[str] | None = N
         if not is_tunable(func):
             continue
         impl, wl = registry.of_func(func), ConvWorkload.of(func)
+        if wl.residual:   # tuned as the plain conv, which every family can run (apply.tuning_twin serves it)
+            wl = dataclasses.replace(wl, residual=())
+            func = impl.compute(wl)
         others = [c for c in registry.candidates(impl.op, wl, target) if c.spaces and c is not impl] \
             if target is not None else []
         add(impl, func, wl, count, bool(others), True)  # the family names the task where a layer has two
