@@ -5,6 +5,7 @@ channels_last with CUDA graphs, ``torch.compile(mode="max-autotune")``), at batc
     python benchmarks/goal.py run --out docs/results/goal --deadline 540          # every GPU of the machine
     python benchmarks/goal.py run --models convnext_tiny densenet121 --batches 64 --out docs/results/goal
     python benchmarks/goal.py table docs/results/goal                              # goal.md + goal.json
+    python benchmarks/goal.py run --out docs/results/goal --autotune-cache .dev/autotune   # carried across calls
 
 Why a driver: ``torch.compile`` with max-autotune takes ~5 minutes per model and batch on an H100, so
 the 32 measurements take ~3 hours of one GPU, and a device call lasts at most 10 minutes.  ``run``
@@ -17,6 +18,16 @@ rows so far stay in ``compare_<model>.partial.json``; the unit runs again next t
 starts where fewer than ``--unit-seconds`` remain.  ``table`` reads every finished unit: per model
 and batch, the int8 library's median, PyTorch's best row and which it was, the speed-up, and
 whether it reaches the goal (1.5x) and the moonshot (2x).
+
+``--autotune-cache DIR``: max-autotune benchmarks every candidate kernel of every GEMM and conv on the GPU
+(EfficientNet-B0 at batch 64: 94 ops, 7-17 s each on an H200, more than a 10-minute call holds with the
+int8 build before it).  Inductor keeps those timings in ``<TORCHINDUCTOR_CACHE_DIR>/cache/<system hash>``
+(JSON, written after each op; the hash names the GPU, CUDA and Triton) and skips the benchmark of an op
+whose every candidate it holds.  With this option each unit gets its own inductor cache seeded from
+``DIR`` and its timings are merged back into ``DIR`` when it ends, interrupted or not, so a unit cut
+short resumes where its autotuning stopped in the next call.  Every row of a unit is still measured in
+one ``deploy.py compare`` run; only which kernels torch.compile picks may come from an earlier call's
+benchmark on the same kind of GPU.
 """
 from __future__ import annotations
 
@@ -24,6 +35,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +66,11 @@ def command(out: str, model: str, batch: int, size: int) -> list[str]:
             "--work-dir", os.path.join("/tmp", "tvm_qconv_goal", f"{model}_b{batch}"), "--quiet"]
 
 
+def inductor_dir(model: str, batch: int) -> str:
+    """A unit's own inductor cache (``--autotune-cache``): units running at once never write one file."""
+    return os.path.join("/tmp", "tvm_qconv_goal", "inductor", f"{model}_b{batch}")
+
+
 def gpu_count() -> int:
     try:
         listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
@@ -73,8 +90,56 @@ def thread_limits(gpus: int, cpus: int | None = None) -> dict:
                                "TORCHINDUCTOR_COMPILE_THREADS")}
 
 
+def autotune_files(cache_dir: str) -> list[str]:
+    """The autotune timing files (``<system hash>``) of an inductor cache folder's ``cache/``."""
+    return sorted(glob.glob(os.path.join(cache_dir, "cache", "*")))
+
+
+def merge_timings(into: dict, new: dict) -> dict:
+    """``into`` with every timing of ``new`` (nested ``op -> inputs -> precision -> choice``) added."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge_timings(into[key], value)
+        else:
+            into[key] = value
+    return into
+
+
+def save_timings(unit_cache: str, store: str) -> int:
+    """Merge the timings a unit's inductor cache holds into ``store`` (its ``cache/`` files by name);
+    returns how many ops ``store`` holds timings for.  A file that is not inductor's JSON is skipped."""
+    ops = 0
+    for path in autotune_files(unit_cache):
+        try:
+            with open(path) as f:
+                new = json.load(f)
+            assert isinstance(new.get("cache"), dict)
+        except (OSError, ValueError, AssertionError):
+            continue
+        target = os.path.join(store, "cache", os.path.basename(path))
+        old = {"system": new.get("system"), "cache": {}}
+        if os.path.exists(target):
+            with open(target) as f:
+                old = json.load(f)
+        merge_timings(old["cache"], new["cache"])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = target + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(old, f)
+        os.replace(tmp, target)     # never a half-written store, whatever interrupts this
+        ops += sum(len(v) for v in old["cache"].values())
+    return ops
+
+
+def seed_timings(store: str | None, unit_cache: str) -> None:
+    """A unit's inductor cache folder, holding ``store``'s timings (empty where there is none)."""
+    os.makedirs(os.path.join(unit_cache, "cache"), exist_ok=True)
+    for path in autotune_files(store) if store else []:
+        shutil.copy(path, os.path.join(unit_cache, "cache", os.path.basename(path)))
+
+
 def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: float, unit_seconds: float,
-        size: int, dry_run: bool = False) -> int:
+        size: int, dry_run: bool = False, autotune_cache: str | None = None) -> int:
     """Measure the pending units, one per GPU at a time, until none is left or the deadline; returns
     how many finished."""
     todo = pending(out, models, batches)
@@ -95,6 +160,9 @@ def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: fl
             os.makedirs(unit_dir(out, m, b), exist_ok=True)
             log = open(os.path.join(unit_dir(out, m, b), "log.txt"), "a")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g), **thread_limits(gpus))
+            if autotune_cache:
+                env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(m, b)
+                seed_timings(autotune_cache, inductor_dir(m, b))
             running[g] = (m, b, subprocess.Popen(command(out, m, b, size), env=env, stdout=log, stderr=log), log)
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b}", flush=True)
         for g, (m, b, proc, log) in list(running.items()):
@@ -107,6 +175,9 @@ def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: fl
                 except subprocess.TimeoutExpired:
                     proc.kill()
             log.close()
+            if autotune_cache:
+                held = save_timings(inductor_dir(m, b), autotune_cache)
+                print(f"[{time.monotonic() - start:5.0f} s] autotune timings of {held} ops in {autotune_cache}", flush=True)
             done = os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))
             finished += done
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b} "
@@ -172,6 +243,8 @@ def main(argv=None) -> int:
     r.add_argument("--unit-seconds", type=float, default=420.0,
                    help="start no unit with fewer seconds left than this (default 420: a build and max-autotune)")
     r.add_argument("--dry-run", action="store_true", help="print the commands of the pending units")
+    r.add_argument("--autotune-cache", default=None,
+                   help="a folder of max-autotune's timings, seeded into each unit and merged back (module docstring)")
     r.add_argument("--out", default="results/goal")
     t = sub.add_parser("table", help="the goal table of the finished units")
     t.add_argument("out")
@@ -183,7 +256,8 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"not zoo models: {unknown}; the zoo's are {list(SIZES)}")
     gpus = args.gpus if args.gpus is not None else gpu_count()
-    run(args.out, args.models, args.batches, gpus, args.deadline, args.unit_seconds, args.size, args.dry_run)
+    run(args.out, args.models, args.batches, gpus, args.deadline, args.unit_seconds, args.size, args.dry_run,
+        args.autotune_cache)
     table(args.out)
     return 0
 

@@ -61,3 +61,32 @@ def test_each_unit_gets_its_share_of_the_cores_for_every_thread_pool():
     assert limits == {"OMP_NUM_THREADS": "16", "MKL_NUM_THREADS": "16", "TVM_NUM_THREADS": "16",
                       "TORCHINDUCTOR_COMPILE_THREADS": "16"}
     assert goal.thread_limits(8, cpus=4)["OMP_NUM_THREADS"] == "1"      # never 0
+
+
+def _timings(folder, name, timings):
+    """An inductor autotune cache file as ``codecache.PersistentCache`` writes it."""
+    os.makedirs(os.path.join(folder, "cache"), exist_ok=True)
+    with open(os.path.join(folder, "cache", name), "w") as f:
+        json.dump({"system": {"hash": name}, "cache": timings}, f)
+
+
+def test_max_autotune_timings_of_a_unit_cut_short_are_kept_for_the_next_call(tmp_path):
+    store, first, second = (str(tmp_path / d) for d in ("store", "unit1", "unit2"))
+    # a unit interrupted after benchmarking two ops, on a GPU whose system hash is "h200"
+    _timings(first, "h200", {"mm": {"64x1280": {"highest": {"triton_a": 0.012, "triton_b": 0.015}}},
+                             "convolution": {"64x32x112": {"highest": {"triton_c": 0.30}}}})
+    assert goal.save_timings(first, store) == 2
+    # the next call's unit starts from them, benchmarks one op more, and a choice of the first again
+    goal.seed_timings(store, second)
+    with open(os.path.join(second, "cache", "h200")) as f:
+        assert json.load(f)["cache"]["mm"]["64x1280"]["highest"]["triton_a"] == 0.012
+    _timings(second, "h200", {"mm": {"64x1280": {"highest": {"triton_d": 0.011}}, "1x1280": {"highest": {"x": 1.0}}}})
+    _timings(second, "not-json", {})
+    with open(os.path.join(second, "cache", "not-json"), "w") as f:
+        f.write("{half a file")
+    assert goal.save_timings(second, store) == 3
+    with open(os.path.join(store, "cache", "h200")) as f:
+        kept = json.load(f)["cache"]
+    assert kept["mm"]["64x1280"]["highest"] == {"triton_a": 0.012, "triton_b": 0.015, "triton_d": 0.011}
+    assert "convolution" in kept and not os.path.exists(os.path.join(store, "cache", "not-json"))
+    assert goal.inductor_dir("resnet18", 1) != goal.inductor_dir("resnet18", 64)   # units never share a file
