@@ -13,6 +13,8 @@ from tvm_qconv.data import skimage_photos
 from tvm_qconv.lowering import LowerToRelax
 from tvm_qconv.lowering.onnx import ONNXEmitter
 from tvm_qconv.quantization import QuantizationPlan
+from tvm_qconv.quantization.epilogues import fuse_tables
+from tvm_qconv.quantization.residuals import fuse_residuals
 from tvm_qconv.quantize import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.relax_utils import bindings_of
@@ -64,9 +66,14 @@ def _onnx(plan):
     return emitter.run(), emitter.summary()
 
 
+def _lowered(plan):
+    """The plan the Relax backend lowers: tables and residual adds in their convs' epilogues."""
+    return fuse_residuals(fuse_tables(plan))
+
+
 def test_the_report_rows_are_the_plans(quantized):
     plan = quantized.plan
-    assert quantized.report["layers"] == [lp.row for lp in plan.layers]
+    assert quantized.report["layers"] == [lp.row for lp in _lowered(plan).layers]
     assert quantized.report["unsigned"] == plan.unsigned
     assert [lp.layer.name for lp in plan.layers] == [ly.name for ly in quantized.graph.layers]
 
@@ -74,7 +81,10 @@ def test_the_report_rows_are_the_plans(quantized):
 def test_the_relax_module_has_one_kernel_per_int8_layer_of_the_plan(quantized):
     int8 = [lp for lp in quantized.plan.layers if lp.int8]
     assert len(int8) == len(quantized.plan.layers) == 7   # 3 convs, add, max pool, concat, linear
-    assert len(_kernel_calls(quantized.mod)) == len(int8)
+    # the add runs in the body conv's epilogue (its only other reader is the add itself)
+    fused = [lp for lp in _lowered(quantized.plan).layers if lp.fused_into is not None]
+    assert [(lp.layer.name, lp.fused_into) for lp in fused] == [("add_0", "body")]
+    assert len(_kernel_calls(quantized.mod)) == len(int8) - len(fused)
 
 
 def test_a_layer_the_plan_keeps_float_is_float_in_both_backends(quantized):
@@ -83,7 +93,7 @@ def test_a_layer_the_plan_keeps_float_is_float_in_both_backends(quantized):
               for lp in old.layers]
     plan = QuantizationPlan(old.graph, old.target, layers, old.unsigned, old.unsigned_fallback)
     lowered = LowerToRelax(plan)(quantized.exported.at(1).mod)
-    assert len(_kernel_calls(lowered)) == len(_kernel_calls(quantized.mod)) - 1
+    assert len(_kernel_calls(lowered)) == sum(lp.int8 for lp in old.layers) - 1    # the unfused plan, less side
     assert [getattr(b.value.op, "name", "") for b in bindings_of(lowered["main"])
             if isinstance(b.value, relax.Call)].count("relax.nn.conv2d") == 1   # the side conv, in float
     _, summary = _onnx(plan)
