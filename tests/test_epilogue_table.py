@@ -170,20 +170,26 @@ class _TablesAfterConvs(torch.nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def test_a_build_runs_tables_in_their_convs_epilogues_and_computes_the_same_integers(tmp_path):
+def fused_and_exposed_builds(model, tmp_path) -> tuple[dict, dict]:
+    """``({exposed: outputs}, {exposed: report})`` of two llvm builds of ``model`` on the same ranges:
+    the library (epilogues fused) and the one that exposes every layer's activations (no fusion)."""
     from tvm_qconv.build import BuildOptions, compile_model
     from tvm_qconv.config import QuantConfig
     from tvm_qconv.ranges import Calibrate
     from tvm_qconv.runtime import CompiledModel
     x = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
     outs, reports = {}, {}
-    for expose in (False, True):   # an exposed build keeps every layer's output: no fusion
-        lib = compile_model(_TablesAfterConvs().eval(), str(tmp_path / f"{expose}.so"),
-                            config=QuantConfig(num_calib_images=4),
+    for expose in (False, True):
+        lib = compile_model(model.eval(), str(tmp_path / f"{expose}.so"), config=QuantConfig(num_calib_images=4),
                             options=BuildOptions(target="llvm", batch=4, image_size=16, expose_activations=expose,
                                                  verify=False),
                             ranges=Calibrate(x), progress=False)
         outs[expose], reports[expose] = CompiledModel(lib.lib_path).outputs(x), lib.report
+    return outs, reports
+
+
+def test_a_build_runs_tables_in_their_convs_epilogues_and_computes_the_same_integers(tmp_path):
+    outs, reports = fused_and_exposed_builds(_TablesAfterConvs(), tmp_path)
     np.testing.assert_array_equal(outs[False][0], outs[True][0])     # the same integers, the same logits
     rows = {r["layer"]: r for r in reports[False]["layers"]}
     fused = {r["layer"]: r["kernel"] for r in reports[False]["layers"] if r["kernel"].startswith("in ")}

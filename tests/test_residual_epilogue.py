@@ -10,7 +10,8 @@ import pytest
 import torch
 import tvm
 
-from tests.test_epilogue_table import _args, _run
+from tests.test_epilogue_table import CASES as TABLE_CASES
+from tests.test_epilogue_table import _args, _run, fused_and_exposed_builds
 from tvm_qconv import registry
 from tvm_qconv.schedules.add_int8 import add_int8
 from tvm_qconv.schedules.epilogue_residual import add_params
@@ -19,16 +20,11 @@ from tvm_qconv.schedules.workload import ConvWorkload
 from tvm_qconv.target import TargetInfo, cuda_source, make_target
 
 W = ConvWorkload.with_activation
-# (implementation, workload): odd channel counts (padded output channels), stride, a clamp on the conv
-CASES = [
-    ("conv2d.nhwc32.mma", W("none", batch=2, in_channels=32, height=7, width=9, out_channels=40, kernel=(1, 1),
-                            padding=(0, 0, 0, 0))),
-    ("conv2d.nhwc32.mma", W("clip", -20, 100, batch=1, in_channels=48, height=9, width=9, out_channels=24,
-                            stride=(2, 2))),
-    ("conv2d.nchw4c.cpu", W("none", batch=1, in_channels=12, height=7, width=7, out_channels=38)),
+# (implementation, workload): the table epilogue's cases of the families that take a residual (odd
+# channel counts: padded output channels; stride; a clamp on the conv), and a dp4a 1 x 1 conv
+CASES = [(name, wl) for name, wl in TABLE_CASES if registry.get(name).takes_residual] + [
     ("conv2d.nchw4c.dp4a", W("none", batch=2, in_channels=16, height=6, width=6, out_channels=20, kernel=(1, 1),
-                             padding=(0, 0, 0, 0))),
-]
+                             padding=(0, 0, 0, 0)))]
 IDS = ["mma-1x1-40ch", "mma-3x3-s2-clip", "nchw4c-cpu-38ch", "nchw4c-dp4a-1x1-20ch"]
 # the add's (zero of the conv's output, of the residual, of the sum, clamp): symmetric, an
 # unsigned residual and sum (a ReLU block's input and output), a ReLU after the add
@@ -130,19 +126,7 @@ class _ResidualBlocks(torch.nn.Module):
 
 
 def test_a_build_runs_residual_adds_in_their_convs_epilogues_and_computes_the_same_integers(tmp_path):
-    from tvm_qconv.build import BuildOptions, compile_model
-    from tvm_qconv.config import QuantConfig
-    from tvm_qconv.ranges import Calibrate
-    from tvm_qconv.runtime import CompiledModel
-    x = np.random.default_rng(0).standard_normal((4, 3, 16, 16)).astype(np.float32)
-    outs, reports = {}, {}
-    for expose in (False, True):   # an exposed build keeps every layer's output: no fusion
-        lib = compile_model(_ResidualBlocks().eval(), str(tmp_path / f"{expose}.so"),
-                            config=QuantConfig(num_calib_images=4),
-                            options=BuildOptions(target="llvm", batch=4, image_size=16, expose_activations=expose,
-                                                 verify=False),
-                            ranges=Calibrate(x), progress=False)
-        outs[expose], reports[expose] = CompiledModel(lib.lib_path).outputs(x), lib.report
+    outs, reports = fused_and_exposed_builds(_ResidualBlocks(), tmp_path)   # exposed: every add a kernel
     np.testing.assert_array_equal(outs[False][0], outs[True][0])     # the same integers, the same logits
     rows = {r["layer"]: r for r in reports[False]["layers"]}
     fused = {r["layer"]: r["kernel"] for r in reports[False]["layers"] if r["kernel"].startswith("in ")}

@@ -261,7 +261,8 @@ def _verify(exported: ExportedModel, tgt, options: BuildOptions, config: QuantCo
     target = options.accuracy_target_db
     if target is not None:
         result["target_db"] = target
-    kernels = {r["layer"]: r["kernel"] for r in q.report["layers"] if r["dtype"] == "int8"}
+    # each int8 layer's kernel in the unfused plan (a table or an add in a conv's epilogue has its own)
+    kernels = {lp.layer.name: lp.impl.name for lp in q.plan.layers if lp.int8 and lp.impl is not None}
     if kernels and (sqnr < options.verify_floor_db or (target is not None and sqnr < target)):
         # A twin at batch 1 that returns every int8 activation, from the same ranges and with the
         # same kernel per layer (a tuning database's chooser could pick others at batch 1).

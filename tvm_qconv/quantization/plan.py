@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..relax_utils import free_vars
+
 
 @dataclass(frozen=True)
 class TensorQuant:
@@ -131,3 +133,14 @@ class QuantizationPlan:
         """The plan's part of the build report: one row per layer, the unsigned tensors."""
         return dict(layers=[lp.row for lp in self.layers], unsigned=list(self.unsigned),
                     unsigned_fallback=list(self.unsigned_fallback))
+
+
+def readers_and_outputs(graph) -> tuple[dict, set]:
+    """``({var: the bindings that read it}, the model's output vars)`` of a float graph's analysis:
+    what a fusion pass asks before it drops a tensor (``epilogues.py``, ``residuals.py``)."""
+    readers: dict = {}
+    for b in graph.bindings:
+        for v in free_vars(b.value):
+            readers.setdefault(v, set()).add(b.var)
+    return readers, set(free_vars(graph.func.body.body))
+

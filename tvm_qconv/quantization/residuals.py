@@ -29,20 +29,14 @@ from __future__ import annotations
 import dataclasses
 
 from .. import registry
-from ..relax_utils import free_vars
 from ..schedules.epilogue_residual import add_params
-from .plan import LayerPlan, QuantizationPlan
+from .plan import LayerPlan, QuantizationPlan, readers_and_outputs
 
 
 def fuse_residuals(plan: QuantizationPlan) -> QuantizationPlan:
     """``plan`` with every fusable add in its conv's epilogue (module docstring); the fused adds
     stay in the plan, kernel-less, saying where they went (``LayerPlan.fused_into``)."""
-    g = plan.graph
-    readers: dict = {}      # var -> the bindings that read it
-    for b in g.bindings:
-        for v in free_vars(b.value):
-            readers.setdefault(v, set()).add(b.var)
-    outputs = set(free_vars(g.func.body.body))
+    readers, outputs = readers_and_outputs(plan.graph)
     by_output = {lp.layer.output: lp for lp in plan.layers}
     fused: dict = {}        # id(layer plan) -> its replacement
     for lp in plan.layers:
