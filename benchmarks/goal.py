@@ -177,7 +177,8 @@ def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: fl
             log.close()
             if autotune_cache:
                 held = save_timings(inductor_dir(m, b), autotune_cache)
-                print(f"[{time.monotonic() - start:5.0f} s] autotune timings of {held} ops in {autotune_cache}", flush=True)
+                print(f"[{time.monotonic() - start:5.0f} s] autotune timings of {held} ops in {autotune_cache}",
+                      flush=True)
             done = os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))
             finished += done
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b} "

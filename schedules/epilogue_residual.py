@@ -15,10 +15,10 @@ and the CPU build (whose kernels fuse too) stays bit-identical to the CUDA build
 ``ConvWorkload.residual`` = ``(z_c, z_r, z_out, act_min, act_max)`` asks for this form: the add's
 zero points and clamp (the conv's own clamp, ``act_min``/``act_max`` of the workload, still
 applies to ``c``).  The multipliers ``(m_c, m_r, s)`` differ per layer, not per kernel, so they
-are an int64[3] argument (:func:`add_params`; a multiplier may reach 2**32).  Arguments: ``(data, residual, weight, bias, mult,
-shift, add, out)``: the residual after the data (a layer's int8 inputs come first, as the
-quantization plan orders its reads), the multipliers last before the output; the residual in the
-layout and shape of the output.  Not with a table epilogue (``epilogue_table.py``) in the same
+are an int64[3] argument (:func:`add_params`; a multiplier may reach 2**32).  Arguments: ``(data,
+residual, weight, bias, mult, shift, add, out)``: the residual after the data (a layer's int8
+inputs come first, as the quantization plan orders its reads), the multipliers last before the
+output; the residual in the layout and shape of the output.  Not with a table epilogue (``epilogue_table.py``) in the same
 kernel.  An implementation that has this form says ``KernelImpl.takes_residual``; the quantization
 plan fuses an add into the conv that feeds it alone (``tvm_qconv/quantization/residuals.py``).
 """
