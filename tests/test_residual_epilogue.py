@@ -102,8 +102,9 @@ def test_a_tuning_record_of_the_plain_conv_serves_the_conv_with_its_residual():
 
 class _ResidualBlocks(torch.nn.Module):
     """An identity block (its add and ReLU fused into the second conv), a block whose two convs
-    both feed the add (fused into the first, which then runs after the second), and a conv whose
-    output two layers read (its add stays a kernel)."""
+    both feed the add (fused into the first, which then runs after the second), a conv whose
+    output two layers read (its add stays a kernel), and a conv's output added to itself (no
+    other addend: a kernel)."""
 
     def __init__(self):
         super().__init__()
@@ -114,6 +115,7 @@ class _ResidualBlocks(torch.nn.Module):
         self.c = torch.nn.Conv2d(16, 24, 3, padding=1, stride=2)
         self.d = torch.nn.Conv2d(16, 24, 1, stride=2)
         self.e = torch.nn.Conv2d(24, 24, 1)
+        self.f = torch.nn.Conv2d(24, 24, 1)
         self.head = torch.nn.Linear(24, 10)
 
     def forward(self, x):
@@ -122,7 +124,8 @@ class _ResidualBlocks(torch.nn.Module):
         y = self.c(x) + self.d(x)
         z = self.e(y)
         y = torch.relu(z + y) + torch.nn.functional.max_pool2d(z, 3, 1, 1)
-        return self.head(y.mean((2, 3)))
+        w = self.f(y)
+        return self.head((w + w).mean((2, 3)))
 
 
 def test_a_build_runs_residual_adds_in_their_convs_epilogues_and_computes_the_same_integers(tmp_path):
@@ -133,6 +136,7 @@ def test_a_build_runs_residual_adds_in_their_convs_epilogues_and_computes_the_sa
     assert fused == {"add_0": "in b's epilogue", "add_1": "in c's epilogue"}, rows
     assert rows["b"]["kind"] == "conv2d+bias+add+relu" and rows["c"]["kind"] == "conv2d+bias+add"
     assert rows["add_2"]["kernel"] == rows["add_3"]["kernel"] == "add.nchw4c"     # e's output is read twice
+    assert rows["add_4"]["kernel"] == "add.nchw4c"                                 # f's output plus itself
     assert not any(r["kernel"].startswith("in ") for r in reports[True]["layers"])
 
 

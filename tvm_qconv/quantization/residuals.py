@@ -14,7 +14,8 @@ input that qualifies), else it keeps its kernel:
 - the conv is an int8 conv whose implementation takes a residual (``KernelImpl.takes_residual``:
   the mma.sync, dp4a and CPU kernels; not wgmma's hand-written epilogue, nor the depthwise,
   grouped and stem kernels) and has no table in its epilogue (``epilogues.py``);
-- nothing else reads the conv's output (no other layer, no float op, not a model output);
+- nothing else reads the conv's output (no other layer, no float op, not a model output), and the
+  add's other input is another tensor;
 - the add reads the conv's output in the layout the conv writes it, and the other addend in the
   same layout and shape (no relayout, no group-padded layout between).
 
@@ -44,8 +45,7 @@ def fuse_residuals(plan: QuantizationPlan) -> QuantizationPlan:
             continue
         for i, read in enumerate(lp.reads):
             conv = by_output.get(read.var)
-            other = lp.reads[1 - i]
-            if conv is None or id(conv) in fused or not _fusable(conv, lp, read, other, readers, outputs, plan.target):
+            if conv is None or id(conv) in fused or not _fusable(conv, lp, i, readers, outputs, plan.target):
                 continue
             fused[id(conv)], fused[id(lp)] = _fuse(conv, lp, i)
             break
@@ -61,10 +61,14 @@ def _residual(add: LayerPlan, i: int) -> tuple:
     return (*zeros, a.zero_out, a.act_min, a.act_max)
 
 
-def _fusable(conv: LayerPlan, add: LayerPlan, read, other, readers: dict, outputs: set, target) -> bool:
+def _fusable(conv: LayerPlan, add: LayerPlan, i: int, readers: dict, outputs: set, target) -> bool:
+    """Whether the add's input ``i``, ``conv``'s output, can take the add in its epilogue (module docstring)."""
+    read, other = add.reads[i], add.reads[1 - i]
     if conv.layer.kind != "conv2d" or not conv.int8 or conv.writes is not None or conv.runs_at is not None:
         return False
-    wl = dataclasses.replace(conv.workload, residual=_residual(add, add.reads.index(read)))
+    if other.var.same_as(read.var):    # the conv's output added to itself: there is no other addend to read
+        return False
+    wl = dataclasses.replace(conv.workload, residual=_residual(add, i))
     if conv.impl not in registry.candidates("conv2d", wl, target):
         return False
     out = conv.layer.output
