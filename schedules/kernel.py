@@ -114,6 +114,8 @@ class KernelImpl:
         takes_residual: (conv) its epilogue can end in the residual add after the conv
             (``ConvWorkload.residual``, ``epilogue_residual.py``); ``registry.candidates``
             offers only these for such a workload.
+        takes_norm: (conv) its epilogue can end in the LayerNorm over channels after the conv
+            (``ConvWorkload.norm``, ``tensorcore/depthwise_layer_norm.py``).
         follows_input: (conv) where a layer's int8 input already is in :meth:`input_layout`, the
             planner picks it before the registry's order (``Planner.pick``): a memory-bound kernel
             (depthwise, grouped, a conv of few channels) that would otherwise cost a relayout on
@@ -132,6 +134,7 @@ class KernelImpl:
     runs_on: str = ""
     takes_table: bool = False
     takes_residual: bool = False
+    takes_norm: bool = False
     follows_input: bool = False
 
     def input_layout(self) -> str:

@@ -54,8 +54,19 @@ def layer_norm_params(gamma: np.ndarray, beta: np.ndarray, eps: float, in_scale:
 def layer_norm_int8(layout: Layout, shape: tuple[int, ...], channels: int, out_zero: int = 0) -> tirx.PrimFunc:
     """Kernel: int8 X of packed ``shape`` in ``layout`` (``channels`` real ones), G, B int64 [channels],
     E float64 [2] (:func:`layer_norm_params`) -> int8 in ``layout`` (padded channels 0)."""
-    n, _, h, w = layout.logical_shape(shape)
     x = te.placeholder(shape, "int8", name="X")
+    out, params = layer_norm_stages(x, layout, channels, out_zero)
+    return te.create_prim_func([x, *params, out]).with_attr(
+        {"tvm_qconv.kernel": f"layer_norm_{layout.name.lower()}_int8"})
+
+
+def layer_norm_stages(x: te.Tensor, layout: Layout, channels: int, out_zero: int = 0):
+    """``(out, (G, B, E))``: the LayerNorm of the int8 tensor ``x`` (packed in ``layout``) as TE
+    stages ``sum``, ``sum_sq``, ``row_mult``, ``layer_norm`` and their parameters; the kernel of
+    :func:`layer_norm_int8`, and the epilogue of a depthwise conv that feeds a LayerNorm alone
+    (``tensorcore/depthwise_layer_norm.py``)."""
+    shape = tuple(int(d) for d in x.shape)
+    n, _, h, w = layout.logical_shape(shape)
     gain = te.placeholder((channels,), "int64", name="G")
     offset = te.placeholder((channels,), "int64", name="B")
     consts = te.placeholder((2,), "float64", name="E")
@@ -85,9 +96,7 @@ def layer_norm_int8(layout: Layout, shape: tuple[int, ...], channels: int, out_z
         q = tirx.max(tirx.min(q, tirx.const(127, "int64")), tirx.const(lo, "int64")).astype("int8")
         return tirx.if_then_else(c < channels, q, tirx.const(0, "int8"))
 
-    out = te.compute(shape, body, name="layer_norm")
-    return te.create_prim_func([x, gain, offset, consts, out]).with_attr(
-        {"tvm_qconv.kernel": f"layer_norm_{layout.name.lower()}_int8"})
+    return te.compute(shape, body, name="layer_norm"), (gain, offset, consts)
 
 
 def layer_norm_int8_ref(layout: Layout, x: np.ndarray, gain: np.ndarray, offset: np.ndarray, consts: np.ndarray,

@@ -53,6 +53,10 @@ class ConvWorkload:
             the add's ``(zero_conv, zero_residual, zero_out, act_min, act_max)``; ``()``: none.
             The kernel takes the other addend after its input and the add's multipliers before
             its output.  Left out of :meth:`to_dict` when empty, as ``table``.
+        norm: the epilogue ends in the LayerNorm over each pixel's channels after the conv
+            (``tensorcore/depthwise_layer_norm.py``): ``(zero_out,)`` of the LayerNorm's output;
+            ``()``: none.  The kernel takes the LayerNorm's gains, offsets and row constants
+            before its output.  Left out of :meth:`to_dict` when empty.
     """
 
     batch: int
@@ -72,6 +76,7 @@ class ConvWorkload:
     in_zero: int = 0
     table: bool = False
     residual: tuple = ()
+    norm: tuple = ()
 
     def __post_init__(self):
         # ValueError, not InputError: a workload is built by the passes and the training
@@ -110,6 +115,10 @@ class ConvWorkload:
             if not ({z_c, z_r, z_out} <= {0, UNSIGNED_ZERO} and UNSIGNED_ZERO <= lo <= hi <= 127):
                 raise ValueError(f"residual epilogue zero points must be 0 or {UNSIGNED_ZERO} and its clamp "
                                  f"within int8, got {self.residual}")
+        if self.norm and (len(self.norm) != 1 or self.norm[0] not in (0, UNSIGNED_ZERO) or self.out_dtype != "int8"
+                          or self.table or self.residual):
+            raise ValueError("a LayerNorm epilogue is (zero_out,), zero_out 0 or -128, on the requantized int8 "
+                             f"output, without a table or a residual; got {self.norm}")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -158,7 +167,7 @@ class ConvWorkload:
             if self.dilation != (1, 1) else ""
         s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
         u = " u8" if self.in_zero else ""
-        t = (" +table" if self.table else "") + (" +add" if self.residual else "")
+        t = (" +table" if self.table else "") + (" +add" if self.residual else "") + (" +layer_norm" if self.norm else "")
         return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
                 f"@{self.height}x{self.width} b{self.batch}{t}")
 
@@ -169,7 +178,7 @@ class ConvWorkload:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for optional in ("table", "residual"):
+        for optional in ("table", "residual", "norm"):
             if not d[optional]:
                 del d[optional]
         return d

@@ -2,6 +2,8 @@
 (``transform/channels_first.py``), the LayerNorm over channels as one int8 kernel
 (``schedules/layer_norm_int8.py``), the token-wise Linear layers as 1x1 convs, GELU as a lookup
 table between them, the layer scale folded into the second conv."""
+import dataclasses
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -22,7 +24,7 @@ from tvm_qconv.onnx_export import export_onnx
 from tvm_qconv.ranges import Calibrate, GivenRanges
 from tvm_qconv.runtime import CompiledModel
 from tvm_qconv.schedules.layer_norm_int8 import layer_norm_float_ref, layer_norm_params
-from tvm_qconv.schedules.workload import LayerNormWorkload
+from tvm_qconv.schedules.workload import ConvWorkload, LayerNormWorkload
 from tvm_qconv.target import cuda_source, make_target
 from tvm_qconv.transform.channels_first import channels_first
 
@@ -227,3 +229,105 @@ def test_the_cuda_build_of_a_convnext_block_equals_its_cpu_build(tmp_path):
     against the CPU's compute definition (NCHW4c); batch 2, 48 channels after the downsampling."""
     layers = assert_cuda_build_equals_cpu_build(_TinyConvNeXt().eval(), skimage_photos(64), 64, tmp_path)
     assert [name for name in layers if name.startswith("layer_norm")]
+
+
+# The depthwise conv with the LayerNorm after it in one kernel (tensorcore/depthwise_layer_norm.py):
+# padded channels (40 of 64), an unsigned output, ConvNeXt's widest stage (one pixel a block)
+FUSED = [(40, 7, 2, 0), (96, 9, 1, -128), (768, 5, 1, 0)]
+FUSED_IDS = ["40ch-b2", "96ch-unsigned-out", "768ch"]
+
+
+def _fused_case(channels, size, batch, zero, seed=0):
+    """(the depthwise workload with its LayerNorm, the kernel's arguments)."""
+    from tests.test_epilogue_table import _args
+    wl = ConvWorkload.with_activation("none", batch=batch, in_channels=channels, height=size, width=size,
+                                      out_channels=channels, groups=channels, kernel=(7, 7), padding=(3, 3, 3, 3))
+    args, _ = _args(registry.get("conv2d.nhwc32.depthwise"), wl, seed)
+    rng = np.random.default_rng(seed + 1)
+    params = layer_norm_params(rng.uniform(0.5, 2.0, channels), rng.uniform(-1, 1, channels), EPS, 0.05, 0.02, zero,
+                               channels)
+    return dataclasses.replace(wl, norm=(zero,)), [*args, *params]
+
+
+@pytest.mark.parametrize("channels,size,batch,zero", FUSED, ids=FUSED_IDS)
+def test_a_depthwise_conv_with_its_layer_norm_is_the_two_kernels_one_after_the_other(channels, size, batch, zero):
+    import re
+
+    from tvm.script import parser as tvmscript
+
+    from tests.test_epilogue_table import _run as run_llvm
+    from tvm_qconv.schedules.kernel import written_kernel
+    from tvm_qconv.schedules.layer_norm_int8 import layer_norm_int8_ref
+    from tvm_qconv.schedules.tensorcore import depthwise_layer_norm
+    from tvm_qconv.schedules.tensorcore.layout import LAYOUT
+    impl = registry.get("conv2d.nhwc32.depthwise")
+    wl, args = _fused_case(channels, size, batch, zero)
+    plain = dataclasses.replace(wl, norm=())
+    # the reference: the depthwise kernel's int8 output, then the LayerNorm kernel's integers on it
+    conv = impl.reference(plain, *args[:5])
+    want = layer_norm_int8_ref(LAYOUT, conv, *args[5:], channels, zero)
+    np.testing.assert_array_equal(impl.reference(wl, *args), want)
+    assert len(np.unique(want)) > 100
+    shape = impl.out_shape(wl)
+    np.testing.assert_array_equal(run_llvm(impl.compute(wl), args, shape), want)
+    # the CUDA kernel's CPU twin: each dp4a as its products, the three thread phases one after the other
+    twin = written_kernel(impl.compute(wl), depthwise_layer_norm.depthwise_layer_norm_kernel(wl, dp4a=False))
+    text = re.sub(r'T\.thread_binding\((\d+), thread="[\w.]+"\)', r"range(\1)", twin.script())
+    np.testing.assert_array_equal(run_llvm(tvmscript.parse(text.replace('scope="shared"', 'scope="global"')), args,
+                                           shape), want)
+    target = make_target("cuda", "sm_90a")
+    with target:
+        src = cuda_source(registry.compile_kernel(impl, wl, target))
+    assert src.count("__syncthreads()") == 2 and "__dp4a(" in src and "sqrt(" in src
+
+
+def test_a_layer_norm_runs_in_the_depthwise_kernel_that_feeds_it_alone():
+    # ConvNeXt's blocks at 224 px on sm_90a: every depthwise conv's LayerNorm in its kernel; the
+    # stem's and the downsampling LayerNorms (after a conv that is not depthwise, after an add) keep theirs
+    from tvm_qconv.quantize import quantize_module
+    from tvm_qconv.target import TargetInfo
+    sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
+    x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    rows = quantize_module(_TinyConvNeXt(dim=32).eval(), (1, 3, 64, 64), sm90, ranges=Calibrate(x),
+                           progress=False).report["layers"]
+    kernel = {r["layer"]: r["kernel"] for r in rows}
+    kind = {r["layer"]: r["kind"] for r in rows}
+    assert kernel["layer_norm_1"] == "in block.block.0's kernel" and kind["block.block.0"] == "conv2d+bias+layer_norm"
+    assert kernel["layer_norm_0"] == kernel["layer_norm_2"] == "layer_norm.nhwc32"
+    assert not registry.get("conv2d.nchw4c.depthwise").takes_norm     # NCHW4c (sm_75, llvm) keeps two kernels
+    with pytest.raises(ValueError, match="without a table or a residual"):
+        dataclasses.replace(_fused_case(40, 7, 1, 0)[0], table=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels,size,batch", [(96, 56, 1), (384, 14, 1), (768, 7, 1), (192, 28, 64)],
+                         ids=["stage1-b1", "stage3-b1", "stage4-b1", "stage2-b64"])
+def test_a_depthwise_conv_with_its_layer_norm_on_gpu_is_bit_exact(channels, size, batch):
+    from tvm_qconv.target import device_arch
+    impl = registry.get("conv2d.nhwc32.depthwise")
+    wl, args = _fused_case(channels, size, batch, 0, seed=3)
+    want = impl.reference(wl, *args)
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch(full=True)))
+    dev = tvm.cuda(0)
+    out = tvm.runtime.tensor(np.full(want.shape, 77, np.int8), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+@pytest.mark.gpu
+def test_a_fused_cuda_build_computes_what_the_unfused_one_does(tmp_path):
+    """On the GPU, ConvNeXt's block built with its epilogues fused (the LayerNorm in the depthwise
+    kernel, the GELU table and the residual add in the pointwise convs) gives the logits of the build
+    that keeps every layer a kernel, exactly."""
+    from tvm_qconv.target import device_arch
+    photos = skimage_photos(64)
+    logits = {}
+    for expose in (False, True):
+        res = compile_model(_TinyConvNeXt(dim=32).eval(), str(tmp_path / f"{expose}.so"),
+                            config=QuantConfig(num_calib_images=4), ranges=Calibrate(photos[:4]), progress=False,
+                            options=BuildOptions(target="cuda", arch=device_arch(), batch=2, image_size=64,
+                                                 expose_activations=expose, verify=False))
+        logits[expose] = CompiledModel(res.lib_path).outputs(photos[4:6])[0]
+        if not expose:
+            assert any(r["kernel"].endswith("'s kernel") for r in res.report["layers"])
+    np.testing.assert_array_equal(logits[False], logits[True])

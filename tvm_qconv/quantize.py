@@ -30,6 +30,7 @@ from .target import TargetInfo
 from .weight_rounding import gptq_model
 from .quantization import QuantizationPlan, plan_quantization
 from .quantization.epilogues import fuse_tables
+from .quantization.norm_epilogues import fuse_layer_norms
 from .quantization.residuals import fuse_residuals
 from .quantization.zero_points import may_run_int8
 
@@ -173,9 +174,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     with phases("quantize", f"choose int8 kernels for {target.kind} {target.arch or ''}".rstrip()):
         plan = plan_quantization(graph, amax, config, target, choices=choices, chooser=chooser,
                                  channel_means=ctx.channel_means if config.bias_correction else None)
-        # tables and residual adds into their convs' epilogues, except where every layer's output
-        # must exist to compare
-        lowered = plan if expose_activations else fuse_residuals(fuse_tables(plan))
+        # tables, LayerNorms and residual adds into their convs' kernels, except where every layer's
+        # output must exist to compare
+        lowered = plan if expose_activations else fuse_residuals(fuse_layer_norms(fuse_tables(plan)))
         lower = LowerToRelax(lowered, expose_activations)
         qmod = lower(mod)
     dump_ir(debug_dump, "03_quantized", qmod)

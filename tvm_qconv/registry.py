@@ -97,7 +97,8 @@ def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> li
     return [impl for impl in IMPLEMENTATIONS
             if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)
             and (impl.takes_table or not getattr(wl, "table", False))
-            and (impl.takes_residual or not getattr(wl, "residual", ()))]
+            and (impl.takes_residual or not getattr(wl, "residual", ()))
+            and (impl.takes_norm or not getattr(wl, "norm", ()))]
 
 
 def select(op: str, wl, target: TargetInfo, layout: str | None = None,

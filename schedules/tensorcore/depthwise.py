@@ -26,7 +26,8 @@ from ..requantize import requantize_ref, requantize_tir
 from ..kernel import written_kernel
 from ..nchw4c.depthwise import bind_threads_and_store, depthwise_acc_nhwc, schedule_word_per_thread
 from ..workload import ConvWorkload
-from .layout import ceil32
+from ..layer_norm_int8 import layer_norm_int8_ref, layer_norm_stages
+from .layout import LAYOUT, ceil32
 
 KERNEL_NAME = "depthwise_nhwc32_int8"
 LANES = 4      # channels per thread: one int8x4 word
@@ -79,14 +80,20 @@ def with_epilogue(A, W, conv, wl: ConvWorkload, kernel_name: str) -> tirx.PrimFu
             requantize_tir(conv[n, y, x, o].astype("int64") + bias[o].astype("int64"), mult[o], shift[o],
                            wl.act_min, wl.act_max), o, table, wl.out_channels),
         name="requant")
-    return te.create_prim_func([A, W, bias, mult, shift] + ([table] if table is not None else []) + [out]).with_attr(
+    extra = [table] if table is not None else []
+    if wl.norm:   # the LayerNorm of the conv's int8 output (depthwise_layer_norm.py): its G, B, E before Out
+        out, norm_params = layer_norm_stages(out, LAYOUT, wl.out_channels, wl.norm[0])
+        extra = list(norm_params)
+    return te.create_prim_func([A, W, bias, mult, shift, *extra, out]).with_attr(
         {"tvm_qconv.kernel": kernel_name, "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def depthwise_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift) -> np.ndarray:
-    """NumPy int64 reference of :func:`depthwise_nhwc32_int8` (same layouts)."""
+def depthwise_nhwc32_int8_ref(wl: ConvWorkload, a, w, bias, mult, shift, *norm) -> np.ndarray:
+    """NumPy int64 reference of :func:`depthwise_nhwc32_int8` (same layouts; ``norm``: the
+    LayerNorm's G, B, E where ``wl.norm``)."""
     acc = depthwise_acc_nhwc(wl, a, w)
-    return requantize_ref(acc + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+    out = requantize_ref(acc + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
+    return layer_norm_int8_ref(LAYOUT, out, *norm, wl.out_channels, wl.norm[0]) if wl.norm else out
 
 
 def pack_depthwise(w: np.ndarray) -> np.ndarray:
@@ -129,9 +136,13 @@ def schedule_cuda(func: tirx.PrimFunc, target, written: bool = True) -> tirx.Pri
 
     Where ``depthwise_dp4a.py`` takes the layer (a channel multiplier of 1, no dilation: every
     depthwise conv of the zoo), its written-out kernel runs instead: the same work per thread, with
-    each channel's taps packed four to a word for ``__dp4a`` (``written=False``: the schedule alone)."""
+    each channel's taps packed four to a word for ``__dp4a`` (``written=False``: the schedule alone).
+    A conv with a LayerNorm in its epilogue (``wl.norm``) runs ``depthwise_layer_norm.py``'s kernel."""
     from .depthwise_dp4a import depthwise_dp4a_kernel   # it builds on this module's row tile
+    from .depthwise_layer_norm import depthwise_layer_norm_kernel
     wl = ConvWorkload.of(func)
+    if wl.norm:   # with the LayerNorm after it: only the written-out kernel computes both
+        return written_kernel(func, depthwise_layer_norm_kernel(wl))
     kernel = depthwise_dp4a_kernel(wl) if written else None
     if kernel is not None:
         return written_kernel(func, kernel)

@@ -80,28 +80,20 @@ def _transpose(ops: _Ops, src: str, dst: str, groups: int, indent: str) -> list[
     return lines
 
 
-def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimFunc | None:
-    """The kernel for ``wl`` with the compute's arguments ``(A, W, Bias, Mult, Shift[, Table], Out)``,
-    or None where it does not apply (module docstring)."""
-    if not wl.is_depthwise or wl.out_channels != wl.in_channels or wl.dilation != (1, 1):
-        return None
-    n, h, w, cp = wl.batch, wl.height, wl.width, ceil32(wl.in_channels)
-    oh, ow = wl.out_height, wl.out_width
+def accumulate(wl: ConvWorkload, ops: _Ops, r: int, ind: str) -> tuple[list[str], int, int]:
+    """``(lines, groups, parts)``: the TVMScript lines that add the taps of output word ``v`` (4
+    channels) of the ``r`` pixels ``ox .. ox + r - 1`` of output row ``oy`` of image ``b`` into
+    ``acc[i * 4 + j]`` (module docstring), with the local buffers' sizes: ``xw`` / ``xt`` hold
+    ``4 * groups`` words, ``ww`` / ``wt`` ``4 * parts``; ``a``, ``wf`` are the input's and filter's
+    int32 views."""
+    h, w, cp = wl.height, wl.width, ceil32(wl.in_channels)
     (kh, kw), (sh, sw) = wl.kernel, wl.stride
     pt, pl = wl.padding[0], wl.padding[1]
-    if n * max(h * w, oh * ow) * cp >= 2 ** 31:
-        return None
-    ops = _Ops(dp4a)
-    r = row_tile(wl)
-    words = cp // LANES                  # V: output words of a pixel
+    words = cp // LANES
     span = (r - 1) * sw + kw             # input words one filter row of R pixels reads
     parts = -(-kw // 4)                  # P: dp4a words per filter row
     groups = -(-((r - 1) * sw + 4 * parts) // 4)   # transposed words per channel: every window's bytes
-    threads = n * oh * (ow // r) * words
-    blocks = -(-threads // THREADS)
     zero = zero_word(wl.in_zero)
-    ind = " " * 16
-
     body = []
     for ry in range(kh):
         body.append(f"{ind}iy = oy * {sh} - {pt} + {ry}")
@@ -130,6 +122,25 @@ def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimF
                         win = "wn[0]"
                     body.append(f"{ind}acc[{i * LANES + j}] = "
                                 + ops.dot(win, f"wt[{j * parts + p}]", f"acc[{i * LANES + j}]"))
+    return body, groups, parts
+
+
+def depthwise_dp4a_kernel(wl: ConvWorkload, dp4a: bool = True) -> tvm.tirx.PrimFunc | None:
+    """The kernel for ``wl`` with the compute's arguments ``(A, W, Bias, Mult, Shift[, Table], Out)``,
+    or None where it does not apply (module docstring)."""
+    if not wl.is_depthwise or wl.out_channels != wl.in_channels or wl.dilation != (1, 1):
+        return None
+    n, h, w, cp = wl.batch, wl.height, wl.width, ceil32(wl.in_channels)
+    oh, ow = wl.out_height, wl.out_width
+    kh, kw = wl.kernel
+    if n * max(h * w, oh * ow) * cp >= 2 ** 31:
+        return None
+    ops = _Ops(dp4a)
+    r = row_tile(wl)
+    words = cp // LANES                  # V: output words of a pixel
+    threads = n * oh * (ow // r) * words
+    blocks = -(-threads // THREADS)
+    body, groups, parts = accumulate(wl, ops, r, " " * 16)
     body = "\n".join(body)
 
     table_param = 'Table: T.Buffer((256,), "int8"), ' if wl.table else ""

@@ -42,7 +42,7 @@ from ..kernel import KernelImpl, written_kernel
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, dense, depthwise, grouped, grouped_gemm, mma, pipeline, space
+from . import conv2d, dense, depthwise, depthwise_layer_norm, grouped, grouped_gemm, mma, pipeline, space
 from .pool import MaxPool2dNhwc32
 from .layout import LAYOUT, dequantize_unpack_nhwc32, quantize_pack_nhwc32
 
@@ -133,10 +133,12 @@ class Conv2dDepthwise(KernelImpl):
     family = "depthwise"
     runs_on = "CUDA sm_80+"
     takes_table = True
+    takes_norm = True
     follows_input = True
 
     def applies(self, wl: ConvWorkload, target) -> bool:
-        return target.kind == "cuda" and target.has_int8_mma and wl.is_depthwise and wl.out_dtype == "int8"
+        return (target.kind == "cuda" and target.has_int8_mma and wl.is_depthwise and wl.out_dtype == "int8"
+                and (not wl.norm or depthwise_layer_norm.takes(wl)))
 
     def compute(self, wl: ConvWorkload):
         return self.tag(depthwise.depthwise_nhwc32_int8(wl), wl)
