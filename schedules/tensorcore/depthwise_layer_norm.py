@@ -19,7 +19,8 @@ and the CPU twin runs them one after the other):
 The integers are ``layer_norm_int8.py``'s (its module docstring: ``d = C q - S1``, ``t = d M >> 20``,
 ``y = t G + B >> 36``), so the fused kernel computes what the depthwise kernel and the LayerNorm
 kernel compute one after the other, bit for bit.  Takes what ``depthwise_dp4a.py`` takes, channels
-a multiple of 4.  ``dp4a=False``: the CPU twin the tests run.
+a multiple of 4, where that kernel would take one pixel a thread (:func:`takes`: batch 1, not 64).
+``dp4a=False``: the CPU twin the tests run.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import tvm
 from ..kernel import parse_written_kernel
 from ..layer_norm_int8 import NORM_BITS, OUT_SHIFT, ROW_BITS
 from ..workload import ConvWorkload
-from .depthwise import LANES
+from .depthwise import LANES, row_tile
 from .depthwise_dp4a import _Ops, accumulate
 from .layout import ceil32
 
@@ -41,7 +42,11 @@ def pixels_per_block(wl: ConvWorkload) -> int:
 
 
 def takes(wl: ConvWorkload) -> bool:
-    return (wl.is_depthwise and wl.out_channels == wl.in_channels and wl.dilation == (1, 1)
+    """Where the unfused depthwise kernel takes one pixel a thread too (``depthwise.row_tile``: a grid
+    too small for more, as at batch 1), so the fused kernel does the same conv work: at batch 64 that
+    kernel's 8 pixels a thread share their input words, and the LayerNorm kernel alone runs at memory
+    speed (ConvNeXt-T's batch-64 build keeps the two)."""
+    return (row_tile(wl) == 1 and wl.is_depthwise and wl.out_channels == wl.in_channels and wl.dilation == (1, 1)
             and wl.out_channels % LANES == 0 and ceil32(wl.out_channels) // LANES <= 1024
             and wl.batch * max(wl.height * wl.width, wl.out_height * wl.out_width) * ceil32(wl.in_channels) < 2 ** 31)
 
