@@ -38,12 +38,14 @@ run 1.4-2.6x faster than the mma.sync family.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import border_bias, epilogue_table
+from .. import border_bias, epilogue_residual, epilogue_table
 from ..requantize import requantize_i32_ok, requantize_tir, requantize_tir_i32
 from ..tensorcore.conv2d import gemm_shape
 from ..tensorcore.layout import ceil32
@@ -220,10 +222,17 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     assert not STAGED or (BN % 16 == 0 and BM * SEGS % 128 == 0), config
 
     LUT = epilogue_table.script_table(wl)     # wl.table: the function after the conv (epilogue_table.py)
+    # wl.residual: the add after the conv, the other addend read by pairs of channels where the pair is
+    # requantized (epilogue_residual.py); rows past M (a tile's padding) read nothing
+    RES, ADD = epilogue_residual.script_buffers(wl, (N, OH, OW, OP))
+    # the staged epilogue adds it as it copies the tile out (no registers held beside the 128
+    # accumulators: added to each pair, the epilogue spilled ~0.8-1.5 KB a thread, local ptxas);
+    # the direct-store form adds it to each pair
+    PAIRS_WL = dataclasses.replace(wl, residual=()) if config.staged_store else wl
     C = wl.out_channels
 
-    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
-    @T.prim_func(private=True, check_well_formed=LUT is None)
+    # the table's and the residual's buffers become parameters after parsing: not well-formed before
+    @T.prim_func(private=True, check_well_formed=LUT is None and RES is None)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
              bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
              out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
@@ -247,6 +256,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         # channels, read and copied out as 16-byte vectors
         tile8 = T.decl_buffer((2 * BM * ROW,), "int8", data=ring.data, elem_offset=RING, scope="shared.dyn")
         out8 = T.decl_buffer((M * OP,), "int8", data=out.data)
+        res8 = T.decl_buffer((M * OP,), "int8", data=(out if RES is None else RES).data)   # the other addend
         full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
@@ -351,12 +361,14 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                         col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
                                         reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
                                         cls = T.meta_var(_border_class(wl, row, TABLE))
-                                        q0 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
-                                                                         mult[col], shift[col], LO, HI), col, LUT, C))
-                                        q1 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg + 1],
-                                                                         _bias(bias, cls, col + 1, TABLE),
-                                                                         mult[col + 1], shift[col + 1], LO, HI),
-                                                                col + 1, LUT, C))
+                                        q0 = T.meta_var(epilogue_residual.finish_int32(epilogue_table.finish_int32(
+                                            _requant(fast, acc[reg], _bias(bias, cls, col, TABLE), mult[col],
+                                                     shift[col], LO, HI), col, LUT, C),
+                                            _other(res8, row, col, M, OP), ADD, PAIRS_WL))
+                                        q1 = T.meta_var(epilogue_residual.finish_int32(epilogue_table.finish_int32(
+                                            _requant(fast, acc[reg + 1], _bias(bias, cls, col + 1, TABLE),
+                                                     mult[col + 1], shift[col + 1], LO, HI), col + 1, LUT, C),
+                                            _other(res8, row, col + 1, M, OP), ADD, PAIRS_WL))
                                         pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
                                             T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
                                         if STAGED:
@@ -371,11 +383,22 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                         r = T.meta_var((v * 128 + tid) // SEGS)
                         seg = T.meta_var((v * 128 + tid) % SEGS * 16)
                         if t // NB * BM + r < M:
-                            T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                             tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
+                            if RES is None:
+                                T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                 tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
+                            else:   # the residual add on the way out: 16 channels, the other addend's 16 bytes
+                                for i in T.unroll(16):
+                                    g = T.meta_var((t // NB * BM + r) * OP + t % NB * BN + seg + i)
+                                    out8[g] = epilogue_residual.finish(tile8[(wg - 1) * BM * ROW + r * ROW + seg + i],
+                                                                       res8[g], ADD, wl)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
-    return epilogue_table.with_table_param(main, LUT)
+    return epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
+
+
+def _other(res8, row, col, rows: int, cols: int):
+    """The other addend's int8 at GEMM ``row`` and channel ``col`` (0 on a tile's rows past the map)."""
+    return T.if_then_else(row < rows, res8[row * cols + col], T.int8(0))
 
 
 def _bias(bias, row, col, table: bool):
