@@ -202,3 +202,27 @@ def test_tuning_tasks_of_a_fused_build_are_the_plain_convs_every_family_can_run(
     tasks = extract_tasks(q.mod, sm90)
     assert not any(t.workload.residual for t in tasks)
     assert {t.impl.family for t in tasks} == {"mma", "wgmma", "dp4a"}
+
+
+def test_a_wgmma_record_of_the_plain_conv_builds_the_kernel_with_its_residual():
+    """A database tuned before adds were fused holds the plain conv's wgmma tile: the fused layer
+    takes it (tuning_twin) and gets its own kernel, the other addend and the add's multipliers
+    among its arguments."""
+    import tvm_ffi
+
+    from tvm_qconv.schedules.kernel import tirx_kernel
+    from tvm_qconv.schedules.wgmma import conv2d as wgmma_conv2d
+    from tvm_qconv.schedules.wgmma import space
+    from tvm_qconv.tuning import task_func
+    from tvm_qconv.tuning.apply import tuning_twin
+    impl, target = registry.get("conv2d.nhwc32.wgmma"), make_target("cuda", "sm_90a")
+    fused = W("none", batch=64, in_channels=64, height=56, width=56, out_channels=256, kernel=(1, 1),
+              padding=(0, 0, 0, 0), residual=RESIDUALS[1])
+    plain = tuning_twin(fused)
+    sch = tvm.s_tir.Schedule(task_func(impl.compute(plain)))
+    impl.trace_point(sch, plain, 1)
+    kernel = impl.tuned(sch.mod["main"], impl.compute(fused), target)
+    config = space.candidate_configs(plain)[1]
+    want = tirx_kernel(impl.compute(fused), wgmma_conv2d.conv2d_wgmma(fused, config, TargetInfo.from_target(target).num_sm))
+    assert tvm_ffi.structural_equal(kernel, want)
+    assert [p.name for p in kernel.params] == ["data", "Residual", "weight", "bias", "mult", "shift", "AddParams", "out"]
