@@ -12,8 +12,8 @@ same integers, one kernel and one pass over the activation fewer.
 An add is fused into the conv that produces one of its inputs where all of these hold (the first
 input that qualifies), else it keeps its kernel:
 - the conv is an int8 conv whose implementation takes a residual (``KernelImpl.takes_residual``:
-  the mma.sync, dp4a and CPU kernels; not wgmma's hand-written epilogue, nor the depthwise,
-  grouped and stem kernels) and has no table in its epilogue (``epilogues.py``);
+  the mma.sync, wgmma, dp4a and CPU kernels; not the depthwise, grouped and stem kernels) and has
+  no table in its epilogue (``epilogues.py``);
 - nothing else reads the conv's output (no other layer, no float op, not a model output), and the
   add's other input is another tensor;
 - the add reads the conv's output in the layout the conv writes it, and the other addend in the
