@@ -766,7 +766,7 @@ def _packed(wl, impl, layer):
 def _on_gpu(impl, wl, args, shape):
     """``impl``'s kernel for ``wl`` built for this GPU and run on ``args`` into a poisoned output."""
     from tvm_qconv.target import device_arch, make_target
-    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch()))
+    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch(full=True)))   # sm_90a: wgmma too
     dev = tvm.cuda(0)
     out = tvm.runtime.tensor(np.full(shape, 77, np.int8), dev)
     lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)

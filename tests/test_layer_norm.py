@@ -306,15 +306,11 @@ def test_a_layer_norm_runs_in_the_depthwise_kernel_that_feeds_it_alone():
 @pytest.mark.parametrize("channels,size,batch", [(96, 56, 1), (192, 28, 1), (384, 14, 1), (768, 7, 1)],
                          ids=["stage1-b1", "stage2-b1", "stage3-b1", "stage4-b1"])
 def test_a_depthwise_conv_with_its_layer_norm_on_gpu_is_bit_exact(channels, size, batch):
-    from tvm_qconv.target import device_arch
+    from tests.test_kernels import _on_gpu
     impl = registry.get("conv2d.nhwc32.depthwise")
     wl, args = _fused_case(channels, size, batch, 0, seed=3)
     want = impl.reference(wl, *args)
-    lib = registry.compile_kernel(impl, wl, make_target("cuda", device_arch(full=True)))
-    dev = tvm.cuda(0)
-    out = tvm.runtime.tensor(np.full(want.shape, 77, np.int8), dev)
-    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
-    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(_on_gpu(impl, wl, args, want.shape), want)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import tvm
 
 from tests.test_epilogue_table import CASES as TABLE_CASES
 from tests.test_epilogue_table import _args, _run, fused_and_exposed_builds
+from tests.test_kernels import _on_gpu
 from tvm_qconv import registry
 from tvm_qconv.schedules.add_int8 import add_int8
 from tvm_qconv.schedules.epilogue_residual import add_params
@@ -171,11 +172,7 @@ def test_a_residual_epilogue_on_gpu_is_bit_exact(name, wl, residual):
         pytest.skip(f"{name} does not run this layer on this GPU")
     _, args, _ = _fused_args(impl, wl, residual, seed=7)
     want = impl.reference(fused, *args)
-    lib = registry.compile_kernel(impl, fused, make_target("cuda", device_arch(full=True)))
-    dev = tvm.cuda(0)
-    out = tvm.runtime.tensor(np.full(want.shape, 77, np.int8), dev)
-    lib["main"](*[tvm.runtime.tensor(a, dev) for a in args], out)
-    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(_on_gpu(impl, fused, args, want.shape), want)
 
 
 def test_tuning_tasks_of_a_fused_build_are_the_plain_convs_every_family_can_run():
