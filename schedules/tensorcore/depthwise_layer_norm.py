@@ -34,6 +34,7 @@ from .depthwise_dp4a import _Ops, accumulate
 from .layout import ceil32
 
 MAX_THREADS = 256   # a block: as many whole pixels as fit (one pixel of 1,024 channels: 256 threads)
+MAX_UNROLL = 256    # a pixel's words summed by one thread, unrolled up to this many (ConvNeXt's 192: 768 channels)
 
 
 def pixels_per_block(wl: ConvWorkload) -> int:
@@ -122,7 +123,7 @@ def main(A: T.Buffer(({n}, {h}, {w}, {cp}), "int8", align=16), W: T.Buffer(({kh}
                 st[0] = 0
                 st[1] = 0
                 one[0] = 16843009
-                for k in range({real}):
+                for k in {"T.unroll" if real <= MAX_UNROLL else "range"}({real}):   # unrolled: the loads overlap
                     st[0] = {ops.dot(f"q[tx * {words} + k]", "one[0]", "st[0]")}
                     st[1] = {ops.dot(f"q[tx * {words} + k]", f"q[tx * {words} + k]", "st[1]")}
                 s1[tx] = st[0]
