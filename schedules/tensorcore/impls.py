@@ -3,13 +3,16 @@
 =============================  ==========  ==============================================================
 name                           op          runs
 =============================  ==========  ==============================================================
-``conv2d.nhwc32.mma``          conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space
-``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``)
+``conv2d.nhwc32.mma``          conv2d      CUDA sm_80+, ``mma.sync.m16n8k32`` s8; template space; a table
+                                           or a residual add in the epilogue
+``conv2d.nhwc32.depthwise``    conv2d      CUDA sm_80+, depthwise convs (memory-bound: ``depthwise.py``);
+                                           with the LayerNorm after it at batch 1
+                                           (``depthwise_layer_norm.py``)
 ``conv2d.nhwc32.grouped``      conv2d      CUDA sm_80+, grouped convs (and one group of < 16 input
                                            channels) on ``__dp4a`` (``grouped.py``): no relayouts around them
-``conv2d.nhwc32.grouped_mma``  conv2d      CUDA sm_80+, grouped convs of group widths dividing 32 as
-                                           GEMMs per 32 channels on ``mma.sync`` (``grouped_gemm.py``);
-                                           not preferred untuned (unmeasured)
+``conv2d.nhwc32.grouped_mma``  conv2d      CUDA sm_80+, grouped convs of group widths dividing 32 (or 64,
+                                           128) as GEMMs per 32 channels on ``mma.sync`` (``grouped_gemm.py``);
+                                           preferred from 16 channels a group (measured)
 ``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
