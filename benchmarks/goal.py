@@ -127,7 +127,8 @@ def save_timings(unit_cache: str, store: str) -> int:
         with open(tmp, "w") as f:
             json.dump(old, f)
         os.replace(tmp, target)     # never a half-written store, whatever interrupts this
-        ops += sum(len(v) for v in old["cache"].values())
+        # autotuning's files map an op to {choice: time}; pad_mm's map a key to one time or flag
+        ops += sum(len(v) if isinstance(v, dict) else 1 for v in old["cache"].values())
     return ops
 
 
@@ -176,9 +177,11 @@ def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: fl
                     proc.kill()
             log.close()
             if autotune_cache:
-                held = save_timings(inductor_dir(m, b), autotune_cache)
-                print(f"[{time.monotonic() - start:5.0f} s] autotune timings of {held} ops in {autotune_cache}",
-                      flush=True)
+                try:
+                    held = f"timings of {save_timings(inductor_dir(m, b), autotune_cache)} ops"
+                except Exception as e:  # the timings only save time later: never lose the run to them
+                    held = f"timings not saved ({type(e).__name__}: {e})"
+                print(f"[{time.monotonic() - start:5.0f} s] autotune {held} in {autotune_cache}", flush=True)
             done = os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))
             finished += done
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b} "

@@ -90,3 +90,13 @@ def test_max_autotune_timings_of_a_unit_cut_short_are_kept_for_the_next_call(tmp
     assert kept["mm"]["64x1280"]["highest"] == {"triton_a": 0.012, "triton_b": 0.015, "triton_d": 0.011}
     assert "convolution" in kept and not os.path.exists(os.path.join(store, "cache", "not-json"))
     assert goal.inductor_dir("resnet18", 1) != goal.inductor_dir("resnet18", 64)   # units never share a file
+
+
+def test_pad_mm_timings_a_flat_key_to_time_file_are_kept_too(tmp_path):
+    # inductor's pad_mm writes {key: time or flag} into the same cache folder (seen on an H200 run,
+    # 2026-11-28: the counter took len() of a float and ended the goal run after its first unit)
+    store, unit = str(tmp_path / "store"), str(tmp_path / "unit")
+    _timings(unit, "pad", {"base mm time: (49, 3072)": 0.062, "(49, 3072) exclude_pad": False})
+    assert goal.save_timings(unit, store) == 2
+    with open(os.path.join(store, "cache", "pad")) as f:
+        assert json.load(f)["cache"]["base mm time: (49, 3072)"] == 0.062
