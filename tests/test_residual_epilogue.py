@@ -3,7 +3,10 @@ family that takes one computes, bit for bit, the add kernel applied to the conv'
 and the other addend, padded channels included; its schedules still apply; and a build fuses an
 add into the conv that feeds it alone (tvm_qconv/quantization/residuals.py), computing the same
 integers as the unfused build."""
+import ctypes
 import dataclasses
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -83,6 +86,36 @@ def test_the_schedules_take_a_residual_epilogue():
     out = tvm.runtime.tensor(np.full(impl.out_shape(wl), 77, np.int8), tvm.cpu())
     lib["main"](*[tvm.runtime.tensor(a, tvm.cpu()) for a in args], out)
     np.testing.assert_array_equal(out.numpy(), impl.reference(wl, *args))
+
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no host C++ compiler")
+@pytest.mark.parametrize("residual", RESIDUALS, ids=["signed", "unsigned", "relu"])
+def test_the_wgmma_16_byte_add_helper_computes_the_add_kernels_integers(residual, tmp_path):
+    # the staged wgmma epilogue adds 16 channels at once in hand-written C (wgmma/conv2d.py's
+    # add16_source): compiled for the host here, against add_int8_ref on random int8s and the whole
+    # range of multipliers (below 2**32) and shifts the planner gives
+    from tvm_qconv.schedules.add_int8 import add_int8_ref
+    from tvm_qconv.schedules.wgmma.conv2d import add16_source
+    wl = dataclasses.replace(W("none", batch=1, in_channels=32, height=4, width=4, out_channels=32,
+                                kernel=(1, 1), padding=(0, 0, 0, 0)), residual=residual)
+    src = tmp_path / "add16.cpp"
+    src.write_text("#define __device__\n#define __forceinline__ inline\nstruct int4 { int x, y, z, w; };\n"
+                   "static int4 make_int4(int a, int b, int c, int d) { int4 r = {a, b, c, d}; return r; }\n"
+                   + add16_source(wl) + '\nextern "C" void run(void* d, void* t, void* r, long long mc, '
+                   "long long mr, long long s) { qconv_add16(d, t, r, mc, mr, s); }\n")
+    subprocess.run(["g++", "-O2", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "add16.so")], check=True)
+    run = ctypes.CDLL(str(tmp_path / "add16.so")).run
+    run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * 3
+    rng = np.random.default_rng(5)
+    z_c, z_r, z_out, lo, hi = residual
+    for _ in range(200):
+        t, r = rng.integers(-128, 128, (2, 16), dtype=np.int8)
+        mc, mr = (int(m) for m in rng.integers(1, 2 ** 32, 2))
+        s = int(rng.integers(20, 45))
+        out = np.zeros(16, np.int8)
+        run(out.ctypes.data, t.ctypes.data, r.ctypes.data, mc, mr, s)
+        np.testing.assert_array_equal(out, add_int8_ref(t, r, mc, mr, s, lo, hi, (z_c, z_r, z_out)))
 
 
 def test_only_implementations_that_take_a_residual_are_offered_one():

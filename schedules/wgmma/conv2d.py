@@ -81,6 +81,41 @@ STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned sho
              '{ *(unsigned short*)p = v; }')
 COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
             '{ *(int4*)dst = *(const int4*)src; }')
+
+
+def add16_source(wl: ConvWorkload) -> str:
+    """``qconv_add16(dst, tile, res, m_c, m_r, s)``: ``epilogue_residual.finish`` on 16 int8s of the
+    staged tile and 16 of the other addend, read and stored as 16-byte vectors.  Byte by byte (the
+    first form), each warp's store wrote 2 bytes of each of 16 sectors: ResNet-50's 64 -> 256 convs at
+    batch 64 took 180 us instead of 45 (H200, 2026-11-28).  The integers are add_tir's (int64)."""
+    if not wl.residual:
+        return ""
+    z_c, z_r, z_out, lo, hi = wl.residual
+    return (
+        "__device__ __forceinline__ void qconv_add16(void* dst, void* tile, void* res, long long mc, "
+        "long long mr, long long s) {\n"
+        "  int4 t = *(const int4*)tile, r = *(const int4*)res;\n"
+        "  unsigned int tv[4] = {(unsigned)t.x, (unsigned)t.y, (unsigned)t.z, (unsigned)t.w};\n"
+        "  unsigned int rv[4] = {(unsigned)r.x, (unsigned)r.y, (unsigned)r.z, (unsigned)r.w};\n"
+        "  unsigned int ov[4];\n"
+        "  long long half = 1LL << (s - 1);\n"
+        "#pragma unroll\n"
+        "  for (int w = 0; w < 4; ++w) {\n"
+        "    unsigned int o = 0;\n"
+        "#pragma unroll\n"
+        "    for (int b = 0; b < 4; ++b) {\n"
+        "      long long a = (long long)(signed char)(tv[w] >> (8 * b)) - " + f"({z_c}LL);\n"
+        "      long long c = (long long)(signed char)(rv[w] >> (8 * b)) - " + f"({z_r}LL);\n"
+        "      long long q = ((a * mc + c * mr + half) >> s) + " + f"({z_out}LL);\n"
+        f"      q = q < ({lo}LL) ? ({lo}LL) : (q > ({hi}LL) ? ({hi}LL) : q);\n"
+        "      o |= ((unsigned int)q & 255u) << (8 * b);\n"
+        "    }\n"
+        "    ov[w] = o;\n"
+        "  }\n"
+        "  *(int4*)dst = make_int4((int)ov[0], (int)ov[1], (int)ov[2], (int)ov[3]);\n"
+        "}")
+
+
 BAR_SRC = ('__device__ __forceinline__ void qconv_wg_bar(int id) '
            '{ asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory"); }')
 TMA_IM2COL = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
@@ -229,6 +264,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     # accumulators: added to each pair, the epilogue spilled ~0.8-1.5 KB a thread, local ptxas);
     # the direct-store form adds it to each pair
     PAIRS_WL = dataclasses.replace(wl, residual=()) if config.staged_store else wl
+    ADD16_SRC = add16_source(wl)
     C = wl.out_channels
 
     # the table's and the residual's buffers become parameters after parsing: not well-formed before
@@ -386,11 +422,11 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                             if RES is None:
                                 T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
                                                  tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
-                            else:   # the residual add on the way out: 16 channels, the other addend's 16 bytes
-                                for i in T.unroll(16):
-                                    g = T.meta_var((t // NB * BM + r) * OP + t % NB * BN + seg + i)
-                                    out8[g] = epilogue_residual.finish(tile8[(wg - 1) * BM * ROW + r * ROW + seg + i],
-                                                                       res8[g], ADD, wl)
+                            else:   # the residual add on the way out: 16 channels, 16-byte loads and store
+                                g = T.meta_var((t // NB * BM + r) * OP + t % NB * BN + seg)
+                                T.cuda.func_call("qconv_add16", out8.ptr_to([g]),
+                                                 tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]),
+                                                 res8.ptr_to([g]), ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
     return epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
