@@ -103,7 +103,8 @@ def test_the_wgmma_16_byte_add_helper_computes_the_add_kernels_integers(residual
     src.write_text("#define __device__\n#define __forceinline__ inline\nstruct int4 { int x, y, z, w; };\n"
                    "static int4 make_int4(int a, int b, int c, int d) { int4 r = {a, b, c, d}; return r; }\n"
                    + add16_source(wl) + '\nextern "C" void run(void* d, void* t, void* r, long long mc, '
-                   "long long mr, long long s) { qconv_add16(d, t, r, mc, mr, s); }\n")
+                   "long long mr, long long s) { const int* w = (const int*)r; "
+                   "qconv_add16(d, t, w[0], w[1], w[2], w[3], mc, mr, s); }\n")
     subprocess.run(["g++", "-O2", "-shared", "-fPIC", str(src), "-o", str(tmp_path / "add16.so")], check=True)
     run = ctypes.CDLL(str(tmp_path / "add16.so")).run
     run.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_longlong] * 3

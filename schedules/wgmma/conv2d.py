@@ -82,21 +82,26 @@ STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned sho
 COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
             '{ *(int4*)dst = *(const int4*)src; }')
 
+LD16_SRC = ('__device__ __forceinline__ void qconv_ld16(int* w, void* src) '
+            '{ int4 v = __ldg((const int4*)src); w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w; }')
+
 
 def add16_source(wl: ConvWorkload) -> str:
-    """``qconv_add16(dst, tile, res, m_c, m_r, s)``: ``epilogue_residual.finish`` on 16 int8s of the
-    staged tile and 16 of the other addend, read and stored as 16-byte vectors.  Byte by byte (the
-    first form), each warp's store wrote 2 bytes of each of 16 sectors: ResNet-50's 64 -> 256 convs at
-    batch 64 took 180 us instead of 45 (H200, 2026-11-28).  The integers are add_tir's (int64)."""
+    """``qconv_add16(dst, tile, r0..r3, m_c, m_r, s)``: ``epilogue_residual.finish`` on 16 int8s of
+    the staged tile and 16 of the other addend (four words ``qconv_ld16`` loaded), stored as one
+    16-byte vector.  The integers are add_tir's (int64).  Measured on ResNet-50's 64 -> 256 convs at
+    batch 64 (H200, 2026-11-28; the plain kernel 48 us): byte by byte, each warp's store wrote 2 bytes
+    of each of 16 sectors, 180 us; 16-byte loads and store, each load waited for the store before it,
+    120 us; hence all of a tile's loads are issued first, before the tile is staged."""
     if not wl.residual:
         return ""
     z_c, z_r, z_out, lo, hi = wl.residual
     return (
-        "__device__ __forceinline__ void qconv_add16(void* dst, void* tile, void* res, long long mc, "
-        "long long mr, long long s) {\n"
-        "  int4 t = *(const int4*)tile, r = *(const int4*)res;\n"
+        "__device__ __forceinline__ void qconv_add16(void* dst, void* tile, int r0, int r1, int r2, int r3, "
+        "long long mc, long long mr, long long s) {\n"
+        "  int4 t = *(const int4*)tile;\n"
         "  unsigned int tv[4] = {(unsigned)t.x, (unsigned)t.y, (unsigned)t.z, (unsigned)t.w};\n"
-        "  unsigned int rv[4] = {(unsigned)r.x, (unsigned)r.y, (unsigned)r.z, (unsigned)r.w};\n"
+        "  unsigned int rv[4] = {(unsigned)r0, (unsigned)r1, (unsigned)r2, (unsigned)r3};\n"
         "  unsigned int ov[4];\n"
         "  long long half = 1LL << (s - 1);\n"
         "#pragma unroll\n"
@@ -265,6 +270,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     # the direct-store form adds it to each pair
     PAIRS_WL = dataclasses.replace(wl, residual=()) if config.staged_store else wl
     ADD16_SRC = add16_source(wl)
+    COPIES = BM * SEGS // 128 if STAGED else 1     # 16-byte pieces a thread copies out per tile
     C = wl.out_channels
 
     # the table's and the residual's buffers become parameters after parsing: not well-formed before
@@ -341,6 +347,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             acc = T.alloc_buffer((NACC,), "int32", scope="local")
             acc_u = acc.view("uint32")
+            res_w = T.alloc_buffer((COPIES * 4,), "int32", scope="local")   # a tile's residual words
             dA = T.alloc_buffer((1,), "uint64", scope="local")
             dB = T.alloc_buffer((1,), "uint64", scope="local")
             for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
@@ -414,19 +421,27 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                         elif row < M:
                                             out16[(row * OP + col) // 2] = pair
                 if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
+                    if RES is not None:     # the other addend's 16-byte pieces, all in flight at once
+                        for v in T.unroll(COPIES):
+                            r = T.meta_var((v * 128 + tid) // SEGS)
+                            seg = T.meta_var((v * 128 + tid) % SEGS * 16)
+                            if t // NB * BM + r < M:
+                                T.cuda.func_call("qconv_ld16", res_w.ptr_to([v * 4]),
+                                                 res8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                 source_code=LD16_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
-                    for v in T.unroll(BM * SEGS // 128):
+                    for v in T.unroll(COPIES):
                         r = T.meta_var((v * 128 + tid) // SEGS)
                         seg = T.meta_var((v * 128 + tid) % SEGS * 16)
                         if t // NB * BM + r < M:
                             if RES is None:
                                 T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
                                                  tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
-                            else:   # the residual add on the way out: 16 channels, 16-byte loads and store
-                                g = T.meta_var((t // NB * BM + r) * OP + t % NB * BN + seg)
-                                T.cuda.func_call("qconv_add16", out8.ptr_to([g]),
+                            else:   # the residual add on the way out: 16 channels, one 16-byte store
+                                T.cuda.func_call("qconv_add16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
                                                  tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]),
-                                                 res8.ptr_to([g]), ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
+                                                 res_w[v * 4], res_w[v * 4 + 1], res_w[v * 4 + 2], res_w[v * 4 + 3],
+                                                 ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
     return epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
