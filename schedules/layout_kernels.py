@@ -157,15 +157,26 @@ class Concat(LayoutKernel):
 
     def compute(self, wl):
         return self.tag(concat_int8.concat_int8(self.packing, wl.shape, list(wl.channels), list(wl.mults),
-                                                list(wl.shifts), list(wl.zeros) or None, wl.out_zero), wl)
+                                                list(wl.shifts), list(wl.zeros) or None, wl.out_zero,
+                                                wl.gather), wl)
 
-    def reference(self, wl, *xs):
+    def reference(self, wl, *args):
+        xs, index = (args[:-1], args[-1]) if wl.gather else (args, None)
         return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts,
-                                           list(wl.zeros) or None, wl.out_zero)
+                                           list(wl.zeros) or None, wl.out_zero, index)
+
+    def pack_params(self, wl, *arrays) -> list:
+        """A gathering concatenation's index (output channel j = concatenated channel ``index[j]``);
+        none for a plain one."""
+        if not wl.gather:
+            return []
+        index = np.asarray(arrays[0], np.int32)
+        assert index.shape == (wl.gather,) and 0 <= index.min() and index.max() < sum(wl.channels), index
+        return [index]
 
     def out_shape(self, wl):
         n, h, w = wl.shape
-        return self._packed(n, sum(wl.channels), h, w)
+        return self._packed(n, wl.gather or sum(wl.channels), h, w)
 
 
 class Channels(LayoutKernel):

@@ -236,7 +236,9 @@ class AddWorkload:
 class ConcatWorkload:
     """Channel concatenation of int8 tensors of (N, H, W) = ``shape`` with ``channels`` real
     channels each, each requantized to the output scale by (``mults[i]``, ``shifts[i]``) from its
-    zero point ``zeros[i]`` to ``out_zero`` (0, or -128 for an unsigned tensor; ``()``: all 0)."""
+    zero point ``zeros[i]`` to ``out_zero`` (0, or -128 for an unsigned tensor; ``()``: all 0).
+    ``gather`` > 0: only that many channels of the concatenation, picked by an index parameter (a
+    channel gather of it, read from its inputs: ``concat_int8.py``)."""
 
     shape: tuple[int, int, int]
     channels: tuple[int, ...]
@@ -244,9 +246,13 @@ class ConcatWorkload:
     shifts: tuple[int, ...]
     zeros: tuple[int, ...] = ()
     out_zero: int = 0
+    gather: int = 0
 
     def to_dict(self) -> dict:
-        return self.__dict__.copy()
+        d = self.__dict__.copy()
+        if not self.gather:
+            del d["gather"]     # a plain concatenation is recorded as before
+        return d
 
 
 @dataclass(frozen=True)

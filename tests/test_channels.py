@@ -81,6 +81,19 @@ def test_a_shufflenet_unit_stays_int8_from_the_stem_to_the_pool(tmp_path):
     assert res.report["verify"]["logits_sqnr_db"] >= 33.0
 
 
+def test_the_split_pieces_of_a_shuffled_concatenation_read_its_branches(tmp_path):
+    # concat -> shuffle -> split: each piece one gathering concat on the two branches; the
+    # concatenation and the shuffle are never written (their kernels are dead: of the library's
+    # functions, no plain concat and no channel gather on the concat's output)
+    res = build(tmp_path)
+    rows = {r["layer"]: r for r in res.report["layers"]}
+    for name in ("split_1.0", "split_1.1", "shuffle_1"):
+        assert rows[name]["kernel"].startswith("concat.") and "concat_" in rows[name]["shape"], rows[name]
+    # kernels left: the stem's input split (a gather of a conv's output) and three gathering concats
+    # (two pieces of the first unit's concat, same shape: one function; the last unit's shuffle)
+    names = sorted(res.report["schedules"])
+    assert [n[:8] for n in names if n.startswith(("concat", "channels"))] == ["channels", "concat_n", "concat_n"], names
+
 def test_a_split_piece_kept_float_still_builds_and_reads_the_split(tmp_path):
     # the split is emitted in float only because this piece needs it ("Var ... is not defined" otherwise)
     res = build(tmp_path, skip=["split_0.1"])

@@ -1102,6 +1102,27 @@ def test_channel_gather_moves_int8_values_by_channel_and_zeroes_the_padding(layo
     assert not out[padded].any()                                      # channels in NHWC32, 58 in NCHW4c)
 
 
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda ly: ly.name)
+@pytest.mark.parametrize("zeros,out_zero", [(None, 0), ([-128, -128], -128)], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("piece", [slice(0, 58), slice(58, 116), slice(0, 116)], ids=["first_half", "second_half", "all"])
+def test_a_gather_of_a_concatenation_reads_the_branches_not_the_concatenation(layout, zeros, out_zero, piece):
+    # ShuffleNet-V2's concat (58 passed-through channels, 58 of the branch) -> shuffle -> split piece,
+    # one kernel: the concatenation's integers (each branch requantized) at the composed channels
+    from tvm_qconv.schedules.concat_int8 import concat_int8, concat_int8_ref
+    channels, index = [58, 58], _shuffle(116, 2)[piece]
+    lo = -128 if out_zero else -127
+    xs = [layout.pack(RNG.integers(lo, 128, (2, c, 3, 5)).astype(np.int8)) for c in channels]
+    m, s = quantize_multiplier(np.array([1.0, 0.62]))     # the passed-through half already at the output scale
+    args = (layout, (2, 3, 5), channels, m.tolist(), s.tolist(), zeros, out_zero)
+    out = run(concat_int8(*args, gather=len(index)), *xs, index,
+              out_shape=layout.packed_shape((2, len(index), 3, 5)), out_dtype="int8")
+    joined = concat_int8_ref(layout, xs, channels, m, s, zeros, out_zero)
+    np.testing.assert_array_equal(out, concat_int8_ref(layout, xs, channels, m, s, zeros, out_zero, index))
+    np.testing.assert_array_equal(layout.unpack(out, len(index)), layout.unpack(joined, 116)[:, index])
+    padded = layout.pack(np.ones((2, len(index), 3, 5), np.int8)) == 0
+    assert not out[padded].any()
+
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]
 
 

@@ -1,7 +1,10 @@
 """Planning rules of the layers that move channels: a concatenation (each input requantized to
 the output's scale) and a channel gather (a split piece, a shuffle: values moved, not changed,
-so the input's scale and zero point; a gather of a gather reads the first one's input)."""
+so the input's scale and zero point; a gather of a gather reads the first one's input, and a gather
+of a concatenation reads the concatenation's inputs: ``concat_int8.py``'s ``gather`` form)."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -28,9 +31,11 @@ def plan_concat(p, ly) -> LayerPlan | str:
     out_shape = registry.layout(impl.layout).packed_shape((n, c, h, w))
     out = TensorQuant(s_y, z_y, c, impl.layout, out_shape)
     p.produce(ly.output, out)
-    return LayerPlan(ly, impl=impl, workload=wl, reads=reads, output=out, out_shape=out_shape,
-                     row=dict(layer=ly.name, kind=f"concat x{len(qs)}", kernel=impl.name, dtype="int8",
-                              shape=str((n, c, h, w))))
+    lp = LayerPlan(ly, impl=impl, workload=wl, reads=reads, output=out, out_shape=out_shape,
+                   row=dict(layer=ly.name, kind=f"concat x{len(qs)}", kernel=impl.name, dtype="int8",
+                            shape=str((n, c, h, w))))
+    p.concats[ly.output] = lp
+    return lp
 
 
 def plan_channels(p, ly) -> LayerPlan | str:
@@ -41,6 +46,8 @@ def plan_channels(p, ly) -> LayerPlan | str:
         src, inner = p.gathered[src]
         index = [inner[i] for i in index]
     x = p.quantized(src)
+    if src in p.concats:
+        return _gather_of_concat(p, ly, src, index, x)
     impl = p.first("channels", x.layout)
     if impl is None:
         return p.no_kernel("channels", f"{x.layout} tensor")
@@ -54,3 +61,21 @@ def plan_channels(p, ly) -> LayerPlan | str:
                      params=tuple(impl.pack_params(wl, np.array(index, np.int32))), gather=(src, index),
                      row=dict(layer=ly.name, kind="channels", kernel=impl.name, dtype="int8",
                               shape=f"{x.channels}->{c} channels"))
+
+
+def _gather_of_concat(p, ly, src, index, x) -> LayerPlan:
+    """A gather of a concatenation's output: the concatenation's kernel in its ``gather`` form, on
+    its inputs (the same requantized integers, moved): the concatenation is not written where
+    gathers are all that read it (ShuffleNet-V2: concat -> shuffle -> split pieces, 4 passes over the
+    unit's channels -> 2; the concatenation's own kernel is then dead)."""
+    concat = p.concats[src]
+    n, c, h, w = static_shape(ly.output.ty)
+    wl = dataclasses.replace(concat.workload, gather=c)
+    out_shape = registry.layout(x.layout).packed_shape((n, c, h, w))
+    out = TensorQuant(x.scale, x.zero, c, x.layout, out_shape)
+    p.produce(ly.output, out)
+    p.gathered[ly.output] = (src, index)
+    return LayerPlan(ly, impl=concat.impl, workload=wl, reads=concat.reads, output=out, out_shape=out_shape,
+                     params=tuple(concat.impl.pack_params(wl, np.array(index, np.int32))), gather=(src, index),
+                     row=dict(layer=ly.name, kind="channels", kernel=concat.impl.name, dtype="int8",
+                              shape=f"{sum(concat.workload.channels)}->{c} channels of {concat.layer.name}'s inputs"))

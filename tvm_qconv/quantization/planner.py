@@ -81,6 +81,7 @@ class Planner:
         self.choices, self.chooser, self.channel_means = dict(choices or {}), chooser, channel_means
         self.versions: dict = {}     # var -> {layout: TensorQuant}: the int8 versions a backend will have made
         self.gathered: dict = {}     # channel gather output -> (var it reads, channel index from it)
+        self.concats: dict = {}      # concatenation output -> its LayerPlan (gathers of it read its inputs)
         self.value = {b.var: b.value for b in graph.bindings}  # the float graph's expressions (lut tables)
         self.readers: dict = {}      # var -> the layers that read it
         for ly in graph.layers:
