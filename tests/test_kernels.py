@@ -1123,6 +1123,21 @@ def test_a_gather_of_a_concatenation_reads_the_branches_not_the_concatenation(la
     padded = layout.pack(np.ones((2, len(index), 3, 5), np.int8)) == 0
     assert not out[padded].any()
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,h,w,c", [(1, 28, 28, 116), (64, 14, 14, 232)], ids=["b1_stage2", "b64_stage3"])
+def test_a_gathering_concatenation_on_gpu_is_bit_exact(n, h, w, c):
+    # ShuffleNet-V2's split piece of its shuffled concat, as the model build schedules it (dlight)
+    from tvm_qconv.schedules.workload import ConcatWorkload
+    impl = registry.get("concat.nhwc32")
+    m, s = quantize_multiplier(np.array([1.0, 0.62]))
+    wl = ConcatWorkload((n, h, w), (c // 2, c // 2), tuple(map(int, m)), tuple(map(int, s)), (-128, -128), -128,
+                        gather=c // 2)
+    xs = [impl.packing.pack(RNG.integers(-128, 128, (n, c // 2, h, w)).astype(np.int8)) for _ in range(2)]
+    args = [*xs, *impl.pack_params(wl, _shuffle(c, 2)[c // 2:])]
+    ref = impl.reference(wl, *args)
+    np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)
+
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]
 
 
