@@ -90,3 +90,35 @@ def test_a_build_with_its_verification_twin_exports_once_and_again_only_for_gptq
     assert res.report["verify"]["layers"], "the per-layer twin ran"
     assert count.calls == exports
     assert np.isfinite(res.report["verify"]["logits_sqnr_db"])
+
+
+def test_a_spatial_mean_that_drops_its_axes_is_simplified_into_a_global_pool_and_a_view():
+    # x.mean((2, 3)) (ShuffleNet-V2's classifier input): mean(keepdims=True) then reshape, the same
+    # values, so graph.py finds the int8 global pool it is (transform/global_means.py)
+    import tvm
+    from tvm import relax
+
+    from tvm_qconv.graph import analyze
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+    mod, names = export_to_relax(Head().eval(), (2, 3, 9, 9))
+    simple = simplify(mod)
+    means = [b.value for b in simple["main"].body.blocks[0].bindings
+             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", None) == "relax.mean"]
+    assert len(means) == 1 and bool(means[0].attrs.keepdims)
+    assert [ly.kind for ly in analyze(simple["main"], names).layers] == ["conv2d", "avg_pool2d", "dense"]
+    x = np.random.default_rng(0).normal(size=(2, 3, 9, 9)).astype(np.float32)
+    outs = []
+    for m in (mod, simple):
+        vm = relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())
+        out = vm["main"](tvm.runtime.tensor(x))
+        outs.append((out[0] if not hasattr(out, "numpy") else out).numpy())    # the exported main returns a tuple
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)   # float32 sums in another order

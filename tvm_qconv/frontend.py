@@ -15,6 +15,7 @@ from tvm.relax.frontend.torch import from_exported_program
 from .errors import InputError
 from .graph import Graph, analyze
 from .transform.channels_first import channels_first
+from .transform.global_means import keep_global_mean_dims
 
 _CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
 _LINEAR_TARGETS = {"aten.linear.default"}
@@ -339,10 +340,11 @@ def _layer_names(ep) -> dict:
 
 
 def simplify(mod):
-    """Fold batch norm into convs, fold constants (bias reshapes, weight transposes), drop dead code."""
+    """Fold batch norm into convs, fold constants (bias reshapes, weight transposes), drop dead code;
+    a spatial mean that drops its axes as the global pool it is (``transform/global_means.py``)."""
     seq = [relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
            relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(["main"])]
     for p in seq:
         mod = p(mod)
-    return mod
+    return keep_global_mean_dims(mod)
 
