@@ -79,9 +79,9 @@ ZOO = {
     "densenet121": (188, 188, {"relax.reshape": 1}, 28.0),
     # its channels-last blocks as NCHW ops (transform/channels_first.py): LayerNorm over channels as an int8
     # kernel, the token-wise Linear layers as 1x1 convs, GELU a lookup table between them, the layer scale
-    # folded into the second conv; the head's LayerNorm reads the global pool's no-op reshape and stays
-    # float ("input is float"), as does the flatten
-    "convnext_tiny": (118, 119, {"relax.reshape": 2, "relax.nn.layer_norm": 1}, 27.0),
+    # folded into the second conv; the head's LayerNorm an int8 kernel on the global pool's output
+    # (its no-op reshape dropped: transform/identity_reshapes.py); the flatten the one float op
+    "convnext_tiny": (119, 119, {"relax.reshape": 1}, 27.0),
 }
 
 

@@ -16,6 +16,7 @@ from .errors import InputError
 from .graph import Graph, analyze
 from .transform.channels_first import channels_first
 from .transform.global_means import keep_global_mean_dims
+from .transform.identity_reshapes import drop_identity_reshapes
 
 _CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
 _LINEAR_TARGETS = {"aten.linear.default"}
@@ -257,11 +258,13 @@ class ExportedModel:
 
     def at(self, batch: int) -> "FloatGraph":
         """The float graph at ``batch``: imported, simplified, its channels-last regions as NCHW
-        ops (``transform/channels_first.py``), analysed (made once per batch)."""
+        ops (``transform/channels_first.py``) and the identity reshapes that leaves dropped
+        (``transform/identity_reshapes.py``), analysed (made once per batch)."""
         batch = int(batch)
         if batch not in self._at:
             imported, names = self.imported(batch)
             mod, names = channels_first(simplify(imported), names)
+            mod = drop_identity_reshapes(mod)
             self._at[batch] = FloatGraph(imported, mod, names, analyze(mod["main"], names))
         return self._at[batch]
 
