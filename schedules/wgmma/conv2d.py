@@ -92,7 +92,8 @@ def add16_source(wl: ConvWorkload) -> str:
     16-byte vector.  The integers are add_tir's (int64).  Measured on ResNet-50's 64 -> 256 convs at
     batch 64 (H200, 2026-11-28; the plain kernel 48 us): byte by byte, each warp's store wrote 2 bytes
     of each of 16 sectors, 180 us; 16-byte loads and store, each load waited for the store before it,
-    120 us; hence all of a tile's loads are issued first, before the tile is staged."""
+    120 us; hence all of a tile's loads are issued together, before its first store (after the
+    staging barrier: issued before it, ptxas spilled 84 bytes a thread at BN = 96, 24 after)."""
     if not wl.residual:
         return ""
     z_c, z_r, z_out, lo, hi = wl.residual
@@ -421,7 +422,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                         elif row < M:
                                             out16[(row * OP + col) // 2] = pair
                 if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
-                    if RES is not None:     # the other addend's 16-byte pieces, all in flight at once
+                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
+                    if RES is not None:     # the other addend's 16-byte pieces, all in flight at once (add16_source)
                         for v in T.unroll(COPIES):
                             r = T.meta_var((v * 128 + tid) // SEGS)
                             seg = T.meta_var((v * 128 + tid) % SEGS * 16)
@@ -429,7 +431,6 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                 T.cuda.func_call("qconv_ld16", res_w.ptr_to([v * 4]),
                                                  res8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
                                                  source_code=LD16_SRC)
-                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
                     for v in T.unroll(COPIES):
                         r = T.meta_var((v * 128 + tid) // SEGS)
                         seg = T.meta_var((v * 128 + tid) % SEGS * 16)
