@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 
 from ..graph import static_shape
-from ..relax_utils import bindings_of, free_vars, substitute
+from ..relax_utils import bindings_of, emit_like, free_vars, rebuild_main, substitute
 
 TO_NHWC, TO_NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 # Elementwise ops of one tensor that commute with a permutation of it.
@@ -72,7 +72,7 @@ def channels_first(mod: tvm.IRModule, names: dict | None = None) -> tuple[tvm.IR
                 plan.update(region)
     if not plan:
         return mod, names
-    new_mod = _emit(mod, binds, plan)
+    new_mod = _emit(mod, plan)
     return new_mod, (_refile_names(binds, plan, names) if names is not None else None)
 
 
@@ -163,57 +163,43 @@ def _fold_layer_scale(plan, value, users, returned) -> None:
         plan[readers[0]] = ("scaled",)
 
 
-def _emit(mod, binds, plan) -> tvm.IRModule:
+def _emit(mod, plan) -> tvm.IRModule:
     """The module with the planned rewrites made (every other binding kept)."""
-    func = mod["main"]
-    outputs = {b.var for b in binds if not isinstance(b.var, relax.DataflowVar)}
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(func.params), attrs=dict(func.attrs) if func.attrs is not None else None):
-        with bb.dataflow():
-            vmap: dict = {}     # old var -> new expression (an NCHW var for region members)
-            for b in binds:
-                how = plan.get(b.var)
-                call = b.value
-                if how is None:
-                    new = substitute(call, vmap)
-                    vmap[b.var] = bb.emit(new, name_hint=b.var.name) if b.var not in outputs \
-                        else bb.emit_output(new, name_hint=b.var.name)
-                    continue
-                kind = how[0]
-                if kind == "enter":
-                    vmap[b.var] = vmap.get(call.args[0], call.args[0])
-                elif kind in ("view", "exit"):
-                    vmap[b.var] = vmap[call.args[0]]
-                elif kind == "scaled":   # the layer scale, folded into the linear layer
-                    e = next(a for a in call.args if a in plan)
-                    vmap[b.var] = vmap[e]
-                elif kind == "layer_norm":
-                    a = call.attrs
-                    vmap[b.var] = bb.emit(relax.op.nn.layer_norm(vmap[call.args[0]], call.args[1], call.args[2], axes=[1],
-                                                                 epsilon=float(a.epsilon), center=bool(a.center),
-                                                                 scale=bool(a.scale)), name_hint=b.var.name)
-                elif kind == "linear":
-                    wt = _const(call.args[1])                     # [K, O]
-                    weight = np.ascontiguousarray(wt.T)[:, :, None, None]
-                    if len(how) > 1:
-                        weight = weight * how[1].reshape(-1, 1, 1, 1).astype(weight.dtype)
-                    vmap[b.var] = bb.emit(relax.op.nn.conv2d(vmap[call.args[0]], relax.const(weight.astype(wt.dtype)),
-                                                             out_dtype="float32"), name_hint=b.var.name)
-                elif kind == "channel_const":
-                    x = next(a for a in call.args if a in vmap and a in plan)
-                    c = how[1].reshape(1, -1, 1, 1).astype(str(b.var.ty.dtype))
-                    fn = relax.op.add if _op(call) == "relax.add" else relax.op.multiply
-                    vmap[b.var] = bb.emit(fn(vmap[x], relax.const(c)), name_hint=b.var.name)
-                elif kind == "unary":
-                    args = [vmap[call.args[0]], *call.args[1:]]
-                    vmap[b.var] = bb.emit(tvm.ir.Call(call.op, args, call.attrs, call.ty_args), name_hint=b.var.name)
-            out = substitute(func.body.body, vmap)
-        bb.emit_func_output(out)
-    new_mod = bb.get()
-    for gv, f in mod.functions.items():
-        if gv.name_hint != "main":
-            new_mod[gv] = f
-    return new_mod
+
+    def rewrite(bb, b, vmap, is_output):     # vmap: old var -> new expression (an NCHW var in a region)
+        how = plan.get(b.var)
+        call = b.value
+        if how is None:
+            return emit_like(bb, b, substitute(call, vmap), is_output)
+        kind = how[0]
+        if kind == "enter":
+            return vmap.get(call.args[0], call.args[0])
+        if kind in ("view", "exit"):
+            return vmap[call.args[0]]
+        if kind == "scaled":   # the layer scale, folded into the linear layer
+            return vmap[next(a for a in call.args if a in plan)]
+        if kind == "layer_norm":
+            a = call.attrs
+            return bb.emit(relax.op.nn.layer_norm(vmap[call.args[0]], call.args[1], call.args[2], axes=[1],
+                                                  epsilon=float(a.epsilon), center=bool(a.center), scale=bool(a.scale)),
+                           name_hint=b.var.name)
+        if kind == "linear":
+            wt = _const(call.args[1])                     # [K, O]
+            weight = np.ascontiguousarray(wt.T)[:, :, None, None]
+            if len(how) > 1:
+                weight = weight * how[1].reshape(-1, 1, 1, 1).astype(weight.dtype)
+            return bb.emit(relax.op.nn.conv2d(vmap[call.args[0]], relax.const(weight.astype(wt.dtype)), out_dtype="float32"),
+                           name_hint=b.var.name)
+        if kind == "channel_const":
+            x = next(a for a in call.args if a in vmap and a in plan)
+            c = how[1].reshape(1, -1, 1, 1).astype(str(b.var.ty.dtype))
+            fn = relax.op.add if _op(call) == "relax.add" else relax.op.multiply
+            return bb.emit(fn(vmap[x], relax.const(c)), name_hint=b.var.name)
+        assert kind == "unary", kind
+        args = [vmap[call.args[0]], *call.args[1:]]
+        return bb.emit(tvm.ir.Call(call.op, args, call.attrs, call.ty_args), name_hint=b.var.name)
+
+    return rebuild_main(mod, rewrite)
 
 
 def _refile_names(binds, plan, names: dict) -> dict:

@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 
 from ..graph import static_shape
-from ..relax_utils import bindings_of, substitute
+from ..relax_utils import bindings_of, emit_like, rebuild_main, substitute
 
 
 def _dropping_global_mean(call) -> bool:
@@ -28,28 +28,15 @@ def _dropping_global_mean(call) -> bool:
 def keep_global_mean_dims(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with each spatial mean that drops its axes as a mean that keeps them, then a reshape
     (``mod`` itself where there is none)."""
-    func = mod["main"]
-    binds = bindings_of(func)
-    if not any(_dropping_global_mean(b.value) for b in binds):
+    if not any(_dropping_global_mean(b.value) for b in bindings_of(mod["main"])):
         return mod
-    outputs = {b.var for b in binds if not isinstance(b.var, relax.DataflowVar)}
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(func.params), attrs=dict(func.attrs) if func.attrs is not None else None):
-        with bb.dataflow():
-            vmap: dict = {}
-            for b in binds:
-                new = substitute(b.value, vmap)
-                if _dropping_global_mean(b.value):
-                    n, c = static_shape(b.value.args[0].ty)[:2]
-                    pooled = bb.emit(relax.op.mean(new.args[0], axis=[2, 3], keepdims=True),
-                                     name_hint=b.var.name + "_pooled")
-                    new = relax.op.reshape(pooled, [n, c])
-                vmap[b.var] = bb.emit_output(new, name_hint=b.var.name) if b.var in outputs \
-                    else bb.emit(new, name_hint=b.var.name)
-            out = substitute(func.body.body, vmap)
-        bb.emit_func_output(out)
-    new_mod = bb.get()
-    for gv, f in mod.functions.items():
-        if gv.name_hint != "main":
-            new_mod[gv] = f
-    return new_mod
+
+    def rewrite(bb, b, vmap, is_output):
+        new = substitute(b.value, vmap)
+        if _dropping_global_mean(b.value):
+            n, c = static_shape(b.value.args[0].ty)[:2]
+            pooled = bb.emit(relax.op.mean(new.args[0], axis=[2, 3], keepdims=True), name_hint=b.var.name + "_pooled")
+            new = relax.op.reshape(pooled, [n, c])
+        return emit_like(bb, b, new, is_output)
+
+    return rebuild_main(mod, rewrite)

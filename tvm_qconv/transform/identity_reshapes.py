@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 
 from ..graph import static_shape
-from ..relax_utils import bindings_of, substitute
+from ..relax_utils import bindings_of, emit_like, rebuild_main, substitute
 
 
 def _identity(b) -> bool:
@@ -26,26 +26,14 @@ def _identity(b) -> bool:
 
 def drop_identity_reshapes(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` without its identity reshapes (``mod`` itself where there is none); a returned one stays."""
-    func = mod["main"]
-    binds = bindings_of(func)
-    outputs = {b.var for b in binds if not isinstance(b.var, relax.DataflowVar)}
-    if not any(_identity(b) and b.var not in outputs for b in binds):
+    binds = bindings_of(mod["main"])
+    if not any(_identity(b) and isinstance(b.var, relax.DataflowVar) for b in binds):
         return mod
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(func.params), attrs=dict(func.attrs) if func.attrs is not None else None):
-        with bb.dataflow():
-            vmap: dict = {}
-            for b in binds:
-                new = substitute(b.value, vmap)
-                if _identity(b) and b.var not in outputs:
-                    vmap[b.var] = new.args[0]
-                    continue
-                vmap[b.var] = bb.emit_output(new, name_hint=b.var.name) if b.var in outputs \
-                    else bb.emit(new, name_hint=b.var.name)
-            out = substitute(func.body.body, vmap)
-        bb.emit_func_output(out)
-    new_mod = bb.get()
-    for gv, f in mod.functions.items():
-        if gv.name_hint != "main":
-            new_mod[gv] = f
-    return new_mod
+
+    def rewrite(bb, b, vmap, is_output):
+        new = substitute(b.value, vmap)
+        if _identity(b) and not is_output:
+            return new.args[0]      # readers read the reshape's input
+        return emit_like(bb, b, new, is_output)
+
+    return rebuild_main(mod, rewrite)
