@@ -80,7 +80,8 @@ def test_the_report_rows_are_the_plans(quantized):
 
 def test_the_relax_module_has_one_kernel_per_int8_layer_of_the_plan(quantized):
     int8 = [lp for lp in quantized.plan.layers if lp.int8]
-    assert len(int8) == len(quantized.plan.layers) == 7   # 3 convs, add, max pool, concat, linear
+    # 3 convs, add, max pool, concat, the global mean (an int8 pool: transform/global_means.py), linear
+    assert len(int8) == len(quantized.plan.layers) == 8
     # the add runs in the body conv's epilogue (its only other reader is the add itself)
     fused = [lp for lp in _lowered(quantized.plan).layers if lp.fused_into is not None]
     assert [(lp.layer.name, lp.fused_into) for lp in fused] == [("add_0", "body")]
@@ -97,7 +98,7 @@ def test_a_layer_the_plan_keeps_float_is_float_in_both_backends(quantized):
     assert [getattr(b.value.op, "name", "") for b in bindings_of(lowered["main"])
             if isinstance(b.value, relax.Call)].count("relax.nn.conv2d") == 1   # the side conv, in float
     _, summary = _onnx(plan)
-    assert summary["float_layers"] == ["side"] and summary["int8_layers"] == 6
+    assert summary["float_layers"] == ["side"] and summary["int8_layers"] == 7
 
 
 def test_the_onnx_file_carries_the_plans_scales_zero_points_and_weights(quantized):
