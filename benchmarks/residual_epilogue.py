@@ -66,6 +66,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    if not tvm.cuda(0).exist:
+        print("residual_epilogue.py times CUDA kernels: no CUDA GPU is visible here (run it on the GPU machine)",
+              file=sys.stderr)
+        return 2
     rows = measure(args.family, args.batch)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"residual_epilogue_{args.family}_b{args.batch}.json")
