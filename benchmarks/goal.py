@@ -139,28 +139,32 @@ def seed_timings(store: str | None, unit_cache: str) -> None:
         shutil.copy(path, os.path.join(unit_cache, "cache", os.path.basename(path)))
 
 
-def run(out: str, models: list[str], batches: list[int], gpus: int, deadline: float, unit_seconds: float,
-        size: int, dry_run: bool = False, autotune_cache: str | None = None) -> int:
+def run(out: str, models: list[str], batches: list[int], gpus: int | list[int], deadline: float, unit_seconds: float,
+        size: int, dry_run: bool = False, autotune_cache: str | None = None, host_gpus: int | None = None) -> int:
     """Measure the pending units, one per GPU at a time, until none is left or the deadline; returns
-    how many finished."""
+    how many finished.  ``gpus``: how many (GPUs 0, 1, ...) or which; ``host_gpus``: the machine's
+    GPU count, whose share of the cores each unit gets (default: the GPUs used), so that two runs on
+    different GPUs of one host (``--gpu-ids``) do not both take every core."""
+    gpus = list(range(gpus)) if isinstance(gpus, int) else list(gpus)
+    host_gpus = host_gpus or len(gpus)
     todo = pending(out, models, batches)
-    print(f"{len(todo)} of {len(models) * len(batches)} units to measure on {gpus} GPU(s): "
+    print(f"{len(todo)} of {len(models) * len(batches)} units to measure on {len(gpus)} GPU(s): "
           + ", ".join(f"{m} b{b}" for m, b in todo), flush=True)
     if dry_run:
         for m, b in todo:
             print(" ".join(command(out, m, b, size)))
         return 0
-    if gpus < 1:
+    if not gpus:
         raise SystemExit("no GPU: the goal is measured on one (nvidia-smi lists none)")
     start, running, finished = time.monotonic(), {}, 0
     while todo or running:
         left = deadline - (time.monotonic() - start)
-        free = [g for g in range(gpus) if g not in running]
+        free = [g for g in gpus if g not in running]
         while todo and free and left >= unit_seconds:
             (m, b), g = todo.pop(0), free.pop(0)
             os.makedirs(unit_dir(out, m, b), exist_ok=True)
             log = open(os.path.join(unit_dir(out, m, b), "log.txt"), "a")
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g), **thread_limits(gpus))
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(g), **thread_limits(host_gpus))
             if autotune_cache:
                 env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(m, b)
                 seed_timings(autotune_cache, inductor_dir(m, b))
@@ -243,6 +247,8 @@ def main(argv=None) -> int:
     r.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     r.add_argument("--size", type=int, default=224)
     r.add_argument("--gpus", type=int, default=None, help="default: every GPU nvidia-smi lists")
+    r.add_argument("--gpu-ids", type=int, nargs="+", default=None,
+                   help="these GPUs only (another job has the others); each unit still gets one GPU's share of the cores")
     r.add_argument("--deadline", type=float, default=540.0, help="seconds this call may run (default 540)")
     r.add_argument("--unit-seconds", type=float, default=420.0,
                    help="start no unit with fewer seconds left than this (default 420: a build and max-autotune)")
@@ -259,9 +265,13 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.models) - set(SIZES))
     if unknown:
         raise SystemExit(f"not zoo models: {unknown}; the zoo's are {list(SIZES)}")
-    gpus = args.gpus if args.gpus is not None else gpu_count()
+    if args.gpu_ids is not None:
+        gpus, host = args.gpu_ids, max(gpu_count(), max(args.gpu_ids) + 1)
+    else:
+        gpus = args.gpus if args.gpus is not None else gpu_count()
+        host = None
     run(args.out, args.models, args.batches, gpus, args.deadline, args.unit_seconds, args.size, args.dry_run,
-        args.autotune_cache)
+        args.autotune_cache, host)
     table(args.out)
     return 0
 

@@ -100,3 +100,24 @@ def test_pad_mm_timings_a_flat_key_to_time_file_are_kept_too(tmp_path):
     assert goal.save_timings(unit, store) == 2
     with open(os.path.join(store, "cache", "pad")) as f:
         assert json.load(f)["cache"]["base mm time: (49, 3072)"] == 0.062
+
+
+def test_a_run_on_chosen_gpus_gives_each_unit_that_gpu_and_one_gpus_share_of_the_cores(tmp_path, monkeypatch):
+    # a host's GPU 0 busy with another job: units on GPU 1 only, each with half the cores of a
+    # 2-GPU host, not all of them (two runs side by side would take every core twice)
+    started = []
+
+    class Done:     # a unit that ends at once, without results
+        returncode = 0
+
+        def __init__(self, cmd, env, stdout, stderr):
+            started.append(env)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(goal.subprocess, "Popen", Done)
+    monkeypatch.setattr(goal.os, "cpu_count", lambda: 32)
+    goal.run(str(tmp_path), ["resnet18"], [1, 64], [1], deadline=60, unit_seconds=0, size=224, host_gpus=2)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in started] == ["1", "1"]
+    assert {e["OMP_NUM_THREADS"] for e in started} == {"16"}
