@@ -79,6 +79,12 @@ FENCE_SRC = ('__device__ __forceinline__ void qconv_wg_fence(uint32_t& r) '
 # (named barrier ``wg``), with a memory clobber so no access moves across it.
 STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned short v) '
              '{ *(unsigned short*)p = v; }')
+# The residual epilogue's 16-byte loads a thread has in flight at once (add16_source): all of a tile's
+# where the reduction is short (K <= SHORT_K: the kernel is its epilogue, the loads' latency is what
+# the add costs), else 4: a long main loop hides one warpgroup's epilogue behind the other's, and all
+# 8 of a 128 x 128 tile spilled 116 bytes a thread at ConvNeXt's 3,072 -> 768 conv (local ptxas,
+# sm_90a; none at ResNet-50's K = 64..512)
+RESIDUAL_LOADS_IN_FLIGHT, SHORT_K = 4, 512
 COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
             '{ *(int4*)dst = *(const int4*)src; }')
 
@@ -272,6 +278,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     PAIRS_WL = dataclasses.replace(wl, residual=()) if config.staged_store else wl
     ADD16_SRC = add16_source(wl)
     COPIES = BM * SEGS // 128 if STAGED else 1     # 16-byte pieces a thread copies out per tile
+    IN_FLIGHT = min(COPIES, RESIDUAL_LOADS_IN_FLIGHT) if RES is not None and K > SHORT_K else COPIES
     C = wl.out_channels
 
     # the table's and the residual's buffers become parameters after parsing: not well-formed before
@@ -348,7 +355,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             acc = T.alloc_buffer((NACC,), "int32", scope="local")
             acc_u = acc.view("uint32")
-            res_w = T.alloc_buffer((COPIES * 4,), "int32", scope="local")   # a tile's residual words
+            res_w = T.alloc_buffer((IN_FLIGHT * 4,), "int32", scope="local")   # residual words in flight
             dA = T.alloc_buffer((1,), "uint64", scope="local")
             dB = T.alloc_buffer((1,), "uint64", scope="local")
             for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
@@ -423,26 +430,27 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                             out16[(row * OP + col) // 2] = pair
                 if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
-                    if RES is not None:     # the other addend's 16-byte pieces, all in flight at once (add16_source)
-                        for v in T.unroll(COPIES):
-                            r = T.meta_var((v * 128 + tid) // SEGS)
-                            seg = T.meta_var((v * 128 + tid) % SEGS * 16)
-                            if t // NB * BM + r < M:
-                                T.cuda.func_call("qconv_ld16", res_w.ptr_to([v * 4]),
-                                                 res8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                 source_code=LD16_SRC)
-                    for v in T.unroll(COPIES):
-                        r = T.meta_var((v * 128 + tid) // SEGS)
-                        seg = T.meta_var((v * 128 + tid) % SEGS * 16)
-                        if t // NB * BM + r < M:
-                            if RES is None:
-                                T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                 tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
-                            else:   # the residual add on the way out: 16 channels, one 16-byte store
-                                T.cuda.func_call("qconv_add16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                 tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]),
-                                                 res_w[v * 4], res_w[v * 4 + 1], res_w[v * 4 + 2], res_w[v * 4 + 3],
-                                                 ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
+                    for c in T.unroll((COPIES + IN_FLIGHT - 1) // IN_FLIGHT):
+                        if RES is not None:     # the other addend's 16-byte pieces, IN_FLIGHT at once (add16_source)
+                            for k in T.unroll(IN_FLIGHT):
+                                r = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) // SEGS)
+                                seg = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) % SEGS * 16)
+                                if c * IN_FLIGHT + k < COPIES and t // NB * BM + r < M:
+                                    T.cuda.func_call("qconv_ld16", res_w.ptr_to([k * 4]),
+                                                     res8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                     source_code=LD16_SRC)
+                        for k in T.unroll(IN_FLIGHT):
+                            r = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) // SEGS)
+                            seg = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) % SEGS * 16)
+                            if c * IN_FLIGHT + k < COPIES and t // NB * BM + r < M:
+                                if RES is None:
+                                    T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                     tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
+                                else:   # the residual add on the way out: 16 channels, one 16-byte store
+                                    T.cuda.func_call("qconv_add16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                     tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]),
+                                                     res_w[k * 4], res_w[k * 4 + 1], res_w[k * 4 + 2], res_w[k * 4 + 3],
+                                                     ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
     return epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
