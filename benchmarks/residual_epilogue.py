@@ -1,14 +1,16 @@
 """The residual add in the conv's epilogue against the conv then the add kernel, layer by layer.
 
-    python benchmarks/residual_epilogue.py --family wgmma --batch 64 --out results/
+    python benchmarks/residual_epilogue.py --family mma --batch 64 --out results/
 
 For ResNet-50's four residual convs (the last 1x1 of each bottleneck, 224 px, an unsigned residual
 as the sm_90a plan has it) times, with TVM's ``time_evaluator`` (best of 5 repeats of 100 runs):
-the plain conv kernel, the add kernel on its output (what the unfused build runs after it) and
-the fused kernel (``schedules/epilogue_residual.py``).  Prints and writes
-``<out>/residual_epilogue_<family>_b<batch>.json``.  Why: the wgmma form first added byte by byte
-and made ResNet-50's batch-64 kernels 1.66 -> 2.50 ms (H200, 2026-11-28; docs/performance.md).
-The fused kernel's integers are checked in ``tests/test_residual_epilogue.py``, not here.
+the family's plain conv kernel, the add kernel on its output (what the unfused build runs after
+it), the family's fused kernel (``schedules/epilogue_residual.py``) and, where the GPU has wgmma,
+the wgmma conv, which takes no residual: the build's choice is the fused kernel or wgmma + add.
+Prints and writes ``<out>/residual_epilogue_<family>_b<batch>.json``.  Why: a wgmma epilogue that
+added the residual was measured slower than wgmma + add at three of these four layers (H200,
+2026-11-28; docs/performance.md) and was taken out.  The fused kernel's integers are checked in
+``tests/test_residual_epilogue.py``, not here.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.test_residual_epilogue import RESIDUALS, W, _fused_args  # noqa: E402
 from tvm_qconv import registry  # noqa: E402
 from tvm_qconv.schedules.workload import AddWorkload  # noqa: E402
+from tvm_qconv.target import TargetInfo  # noqa: E402
 from tvm_qconv.target import make_target  # noqa: E402
 
 # ResNet-50's residual convs at 224 px: (in channels, out channels, map size)
@@ -34,8 +37,10 @@ LAYERS = ((64, 256, 56), (128, 512, 28), (256, 1024, 14), (512, 2048, 7))
 
 
 def measure(family: str, batch: int) -> list[dict]:
-    impl, add_impl = registry.get(f"conv2d.nhwc32.{family}"), registry.get("add.nhwc32")
-    dev, target = tvm.cuda(0), make_target("cuda", "sm_90a" if family == "wgmma" else "sm_80")
+    from tvm_qconv.target import device_arch
+    impl = registry.get(f"conv2d.{'nchw4c' if family == 'dp4a' else 'nhwc32'}.{family}")
+    dev, target = tvm.cuda(0), make_target("cuda", device_arch(full=True))
+    wgmma = registry.get("conv2d.nhwc32.wgmma")
     residual = RESIDUALS[1]     # unsigned: the ReLU'd block input, as ResNet-50's sm_90a plan has it
 
     def timed(lib, args) -> float:
@@ -51,18 +56,23 @@ def measure(family: str, batch: int) -> list[dict]:
         plain = timed(registry.compile_kernel(impl, wl, target), [*args, out])
         fused = timed(registry.compile_kernel(impl, dataclasses.replace(wl, residual=residual), target),
                       [*fused_args, out])
+        add_impl = registry.get(f"add.{impl.name.split('.')[1]}")   # the add in the conv's layout
         add_wl = AddWorkload(tuple(out.shape), m_c, m_r, shift, residual[3], residual[4], *residual[:3])
         add = timed(registry.compile_kernel(add_impl, add_wl, target), [out, fused_args[1], out.copy()])
-        rows.append(dict(layer=f"{c}->{o} 1x1 @{size} b{batch}", plain_us=round(plain, 2), add_us=round(add, 2),
-                         unfused_us=round(plain + add, 2), fused_us=round(fused, 2),
-                         output_mb=round(out.nbytes / 1e6, 1)))
+        row = dict(layer=f"{c}->{o} 1x1 @{size} b{batch}", plain_us=round(plain, 2), add_us=round(add, 2),
+                   unfused_us=round(plain + add, 2), fused_us=round(fused, 2), output_mb=round(out.nbytes / 1e6, 1))
+        if family == "mma" and wgmma.applies(wl, TargetInfo.from_target(target)):   # same layout, same add
+            w_args, _, _ = _fused_args(wgmma, wl, residual, seed=7)
+            w_plain = timed(registry.compile_kernel(wgmma, wl, target), [*w_args, out])
+            row.update(wgmma_plain_us=round(w_plain, 2), wgmma_unfused_us=round(w_plain + add, 2))
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", default="wgmma", choices=["wgmma", "mma"])
+    ap.add_argument("--family", default="mma", choices=["mma", "dp4a"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", default=".")
     args = ap.parse_args()

@@ -65,11 +65,6 @@ def finish(value, residual, add, wl):
     return add_tir(value, residual, add[0], add[1], add[2], lo, hi, (z_c, z_r, z_out))
 
 
-def finish_int32(q, residual, add, wl):
-    """:func:`finish` on an int32 that holds the int8 value (hand-written kernels' epilogues)."""
-    return q if not wl.residual else finish(q.astype("int8"), residual, add, wl).astype("int32")
-
-
 def with_params(func: tirx.PrimFunc, residual, add) -> tirx.PrimFunc:
     """``func`` (whose body reads ``residual`` and ``add``, buffers of no parameter) with
     ``residual`` as the parameter after the data and ``add`` before the output; ``func`` itself

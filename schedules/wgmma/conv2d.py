@@ -38,14 +38,12 @@ run 1.4-2.6x faster than the mma.sync family.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from dataclasses import dataclass
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .. import border_bias, epilogue_residual, epilogue_table
+from .. import border_bias, epilogue_table
 from ..requantize import requantize_i32_ok, requantize_tir, requantize_tir_i32
 from ..tensorcore.conv2d import gemm_shape
 from ..tensorcore.layout import ceil32
@@ -79,55 +77,8 @@ FENCE_SRC = ('__device__ __forceinline__ void qconv_wg_fence(uint32_t& r) '
 # (named barrier ``wg``), with a memory clobber so no access moves across it.
 STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned short v) '
              '{ *(unsigned short*)p = v; }')
-# The residual epilogue's 16-byte loads a thread has in flight at once (add16_source): all of a tile's
-# where the reduction is short (K <= SHORT_K: the kernel is its epilogue, the loads' latency is what
-# the add costs), else 4: a long main loop hides one warpgroup's epilogue behind the other's, and all
-# 8 of a 128 x 128 tile spilled 116 bytes a thread at ConvNeXt's 3,072 -> 768 conv (local ptxas,
-# sm_90a; none at ResNet-50's K = 64..512)
-RESIDUAL_LOADS_IN_FLIGHT, SHORT_K = 4, 512
 COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
             '{ *(int4*)dst = *(const int4*)src; }')
-
-LD16_SRC = ('__device__ __forceinline__ void qconv_ld16(int* w, void* src) '
-            '{ int4 v = __ldg((const int4*)src); w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w; }')
-
-
-def add16_source(wl: ConvWorkload) -> str:
-    """``qconv_add16(dst, tile, r0..r3, m_c, m_r, s)``: ``epilogue_residual.finish`` on 16 int8s of
-    the staged tile and 16 of the other addend (four words ``qconv_ld16`` loaded), stored as one
-    16-byte vector.  The integers are add_tir's (int64).  Measured on ResNet-50's 64 -> 256 convs at
-    batch 64 (H200, 2026-11-28; the plain kernel 48 us): byte by byte, each warp's store wrote 2 bytes
-    of each of 16 sectors, 180 us; 16-byte loads and store, each load waited for the store before it,
-    120 us; hence all of a tile's loads are issued together, before its first store (after the
-    staging barrier: issued before it, ptxas spilled 84 bytes a thread at BN = 96, 24 after)."""
-    if not wl.residual:
-        return ""
-    z_c, z_r, z_out, lo, hi = wl.residual
-    return (
-        "__device__ __forceinline__ void qconv_add16(void* dst, void* tile, int r0, int r1, int r2, int r3, "
-        "long long mc, long long mr, long long s) {\n"
-        "  int4 t = *(const int4*)tile;\n"
-        "  unsigned int tv[4] = {(unsigned)t.x, (unsigned)t.y, (unsigned)t.z, (unsigned)t.w};\n"
-        "  unsigned int rv[4] = {(unsigned)r0, (unsigned)r1, (unsigned)r2, (unsigned)r3};\n"
-        "  unsigned int ov[4];\n"
-        "  long long half = 1LL << (s - 1);\n"
-        "#pragma unroll\n"
-        "  for (int w = 0; w < 4; ++w) {\n"
-        "    unsigned int o = 0;\n"
-        "#pragma unroll\n"
-        "    for (int b = 0; b < 4; ++b) {\n"
-        "      long long a = (long long)(signed char)(tv[w] >> (8 * b)) - " + f"({z_c}LL);\n"
-        "      long long c = (long long)(signed char)(rv[w] >> (8 * b)) - " + f"({z_r}LL);\n"
-        "      long long q = ((a * mc + c * mr + half) >> s) + " + f"({z_out}LL);\n"
-        f"      q = q < ({lo}LL) ? ({lo}LL) : (q > ({hi}LL) ? ({hi}LL) : q);\n"
-        "      o |= ((unsigned int)q & 255u) << (8 * b);\n"
-        "    }\n"
-        "    ov[w] = o;\n"
-        "  }\n"
-        "  *(int4*)dst = make_int4((int)ov[0], (int)ov[1], (int)ov[2], (int)ov[3]);\n"
-        "}")
-
-
 BAR_SRC = ('__device__ __forceinline__ void qconv_wg_bar(int id) '
            '{ asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory"); }')
 TMA_IM2COL = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
@@ -269,20 +220,10 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     assert not STAGED or (BN % 16 == 0 and BM * SEGS % 128 == 0), config
 
     LUT = epilogue_table.script_table(wl)     # wl.table: the function after the conv (epilogue_table.py)
-    # wl.residual: the add after the conv, the other addend read by pairs of channels where the pair is
-    # requantized (epilogue_residual.py); rows past M (a tile's padding) read nothing
-    RES, ADD = epilogue_residual.script_buffers(wl, (N, OH, OW, OP))
-    # the staged epilogue adds it as it copies the tile out (no registers held beside the 128
-    # accumulators: added to each pair, the epilogue spilled ~0.8-1.5 KB a thread, local ptxas);
-    # the direct-store form adds it to each pair
-    PAIRS_WL = dataclasses.replace(wl, residual=()) if config.staged_store else wl
-    ADD16_SRC = add16_source(wl)
-    COPIES = BM * SEGS // 128 if STAGED else 1     # 16-byte pieces a thread copies out per tile
-    IN_FLIGHT = min(COPIES, RESIDUAL_LOADS_IN_FLIGHT) if RES is not None and K > SHORT_K else COPIES
     C = wl.out_channels
 
-    # the table's and the residual's buffers become parameters after parsing: not well-formed before
-    @T.prim_func(private=True, check_well_formed=LUT is None and RES is None)
+    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
+    @T.prim_func(private=True, check_well_formed=LUT is None)
     def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
              bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
              out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
@@ -306,7 +247,6 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         # channels, read and copied out as 16-byte vectors
         tile8 = T.decl_buffer((2 * BM * ROW,), "int8", data=ring.data, elem_offset=RING, scope="shared.dyn")
         out8 = T.decl_buffer((M * OP,), "int8", data=out.data)
-        res8 = T.decl_buffer((M * OP,), "int8", data=(out if RES is None else RES).data)   # the other addend
         full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
@@ -355,7 +295,6 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
             acc = T.alloc_buffer((NACC,), "int32", scope="local")
             acc_u = acc.view("uint32")
-            res_w = T.alloc_buffer((IN_FLIGHT * 4,), "int32", scope="local")   # residual words in flight
             dA = T.alloc_buffer((1,), "uint64", scope="local")
             dB = T.alloc_buffer((1,), "uint64", scope="local")
             for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
@@ -412,14 +351,12 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                         col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
                                         reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
                                         cls = T.meta_var(_border_class(wl, row, TABLE))
-                                        q0 = T.meta_var(epilogue_residual.finish_int32(epilogue_table.finish_int32(
-                                            _requant(fast, acc[reg], _bias(bias, cls, col, TABLE), mult[col],
-                                                     shift[col], LO, HI), col, LUT, C),
-                                            _other(res8, row, col, M, OP), ADD, PAIRS_WL))
-                                        q1 = T.meta_var(epilogue_residual.finish_int32(epilogue_table.finish_int32(
-                                            _requant(fast, acc[reg + 1], _bias(bias, cls, col + 1, TABLE),
-                                                     mult[col + 1], shift[col + 1], LO, HI), col + 1, LUT, C),
-                                            _other(res8, row, col + 1, M, OP), ADD, PAIRS_WL))
+                                        q0 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
+                                                                         mult[col], shift[col], LO, HI), col, LUT, C))
+                                        q1 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg + 1],
+                                                                         _bias(bias, cls, col + 1, TABLE),
+                                                                         mult[col + 1], shift[col + 1], LO, HI),
+                                                                col + 1, LUT, C))
                                         pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
                                             T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
                                         if STAGED:
@@ -430,35 +367,15 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                             out16[(row * OP + col) // 2] = pair
                 if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
-                    for c in T.unroll((COPIES + IN_FLIGHT - 1) // IN_FLIGHT):
-                        if RES is not None:     # the other addend's 16-byte pieces, IN_FLIGHT at once (add16_source)
-                            for k in T.unroll(IN_FLIGHT):
-                                r = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) // SEGS)
-                                seg = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) % SEGS * 16)
-                                if c * IN_FLIGHT + k < COPIES and t // NB * BM + r < M:
-                                    T.cuda.func_call("qconv_ld16", res_w.ptr_to([k * 4]),
-                                                     res8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                     source_code=LD16_SRC)
-                        for k in T.unroll(IN_FLIGHT):
-                            r = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) // SEGS)
-                            seg = T.meta_var(((c * IN_FLIGHT + k) * 128 + tid) % SEGS * 16)
-                            if c * IN_FLIGHT + k < COPIES and t // NB * BM + r < M:
-                                if RES is None:
-                                    T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                     tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
-                                else:   # the residual add on the way out: 16 channels, one 16-byte store
-                                    T.cuda.func_call("qconv_add16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                                     tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]),
-                                                     res_w[k * 4], res_w[k * 4 + 1], res_w[k * 4 + 2], res_w[k * 4 + 3],
-                                                     ADD[0], ADD[1], ADD[2], source_code=ADD16_SRC)
+                    for v in T.unroll(BM * SEGS // 128):
+                        r = T.meta_var((v * 128 + tid) // SEGS)
+                        seg = T.meta_var((v * 128 + tid) % SEGS * 16)
+                        if t // NB * BM + r < M:
+                            T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                             tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
                     T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
 
-    return epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
-
-
-def _other(res8, row, col, rows: int, cols: int):
-    """The other addend's int8 at GEMM ``row`` and channel ``col`` (0 on a tile's rows past the map)."""
-    return T.if_then_else(row < rows, res8[row * cols + col], T.int8(0))
+    return epilogue_table.with_table_param(main, LUT)
 
 
 def _bias(bias, row, col, table: bool):

@@ -51,6 +51,7 @@ class Conv2dWgmma(Conv2dMma):
     search = "exhaustive"
     own_task = True
     instruction = "wgmma"
+    takes_residual = False   # its epilogue is written in the TIRx kernel: a table, no other addend
 
     def compute(self, wl: ConvWorkload):
         return self.tag(tc_conv2d.conv2d_nhwc_int8(wl, border=True), wl)
