@@ -2,7 +2,7 @@
 (ShuffleNet), or both composed.  Output channel ``j`` is input channel ``index[j]``; the values are
 moved, not changed, so the output keeps the input's scale and no requantize runs.  The index is a
 parameter (an int32 table packed at build time), so one kernel serves any permutation.
-Memory-bound; dlight schedules it on CUDA, as it does the concat (``concat_int8.py``).
+Memory-bound; dlight schedules it on CUDA.
 """
 from __future__ import annotations
 

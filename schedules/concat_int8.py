@@ -8,7 +8,8 @@ With ``gather`` > 0 the kernel writes only the concatenation's channels an int32
 (output channel j = concatenated channel ``index[j]``): a channel gather of a concatenation read
 from the concatenation's inputs, so that the concatenation is never written (ShuffleNet-V2's
 concat -> shuffle -> split: each split piece one kernel from the two branches;
-``quantization/channels.py``).  Memory-bound; dlight schedules it on CUDA."""
+``quantization/channels.py``).  Memory-bound; on CUDA the NHWC32 form is written out
+(``tensorcore/concat.py``), the NCHW4c one left to dlight."""
 from __future__ import annotations
 
 import numpy as np

@@ -8,7 +8,8 @@ definitions are layout-generic (``pool_int8.py``, ``add_int8.py``, ``concat_int8
 instances of its layout.  Family ``generic``: every target runs them; on CUDA the pools have
 their own schedule (``pool_int8.schedule_pool``), add, affine, lut and scale the vectorized
 elementwise one (``elementwise_int8.py``), LayerNorm a warp per pixel in a channels-last layout
-(``layer_norm_int8.schedule_layer_norm``), concat and the channel gather are left to dlight.
+(``layer_norm_int8.schedule_layer_norm``), the NHWC32 concat 16 bytes a thread
+(``tensorcore/concat.py``); the NCHW4c concat and the channel gather are left to dlight.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from . import add_int8, affine_int8, channels_int8, concat_int8, layer_norm_int8
 from .elementwise_int8 import schedule_elementwise
 from .kernel import WORKLOAD_ATTR, KernelImpl, Layout, no_constants, written_kernel
 from .tensorcore import affine as tensorcore_affine
+from .tensorcore import concat as tensorcore_concat
 from .tensorcore import global_pool
 from .tensorcore import scale as tensorcore_scale
-from .workload import AffineWorkload, AvgPoolWorkload, ScaleWorkload
+from .workload import AffineWorkload, AvgPoolWorkload, ConcatWorkload, ScaleWorkload
 
 
 class LayoutKernel(KernelImpl):
@@ -164,6 +166,14 @@ class Concat(LayoutKernel):
         xs, index = (args[:-1], args[-1]) if wl.gather else (args, None)
         return concat_int8.concat_int8_ref(self.packing, list(xs), list(wl.channels), wl.mults, wl.shifts,
                                            list(wl.zeros) or None, wl.out_zero, index)
+
+    def schedule(self, func, target):
+        if target.kind.name == "cuda" and self.layout == "NHWC32":
+            # 16 channels x up to 8 pixels a thread, 16-byte stores (tensorcore/concat.py)
+            kernel = tensorcore_concat.concat_kernel(ConcatWorkload(**ast.literal_eval(str(func.attrs[WORKLOAD_ATTR]))))
+            if kernel is not None:
+                return written_kernel(func, kernel)
+        return None     # dlight's kernel
 
     def pack_params(self, wl, *arrays) -> list:
         """A gathering concatenation's index (output channel j = concatenated channel ``index[j]``);

@@ -1125,9 +1125,11 @@ def test_a_gather_of_a_concatenation_reads_the_branches_not_the_concatenation(la
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,h,w,c", [(1, 28, 28, 116), (64, 14, 14, 232)], ids=["b1_stage2", "b64_stage3"])
+@pytest.mark.parametrize("n,h,w,c", [(1, 28, 28, 116), (64, 28, 28, 116), (64, 14, 14, 232)],
+                         ids=["b1_stage2", "b64_stage2", "b64_stage3"])
 def test_a_gathering_concatenation_on_gpu_is_bit_exact(n, h, w, c):
-    # ShuffleNet-V2's split piece of its shuffled concat, as the model build schedules it (dlight)
+    # ShuffleNet-V2's split piece of its shuffled concat, as the model build schedules it (the CUDA
+    # kernel by lane, schedules/tensorcore/concat.py)
     from tvm_qconv.schedules.workload import ConcatWorkload
     impl = registry.get("concat.nhwc32")
     m, s = quantize_multiplier(np.array([1.0, 0.62]))
@@ -1136,6 +1138,115 @@ def test_a_gathering_concatenation_on_gpu_is_bit_exact(n, h, w, c):
     xs = [impl.packing.pack(RNG.integers(-128, 128, (n, c // 2, h, w)).astype(np.int8)) for _ in range(2)]
     args = [*xs, *impl.pack_params(wl, _shuffle(c, 2)[c // 2:])]
     ref = impl.reference(wl, *args)
+    np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)
+
+
+def _nhwc32_concat_case(shape, channels, reals, zeros, out_zero, index=None, seed=0):
+    """(implementation, workload, arguments, reference) of an NHWC32 concat (``index``: a gather's)."""
+    from tvm_qconv.schedules.workload import ConcatWorkload
+    impl = registry.get("concat.nhwc32")
+    m, s = quantize_multiplier(np.array(reals))
+    wl = ConcatWorkload(shape, tuple(channels), tuple(map(int, m)), tuple(map(int, s)), tuple(zeros), out_zero,
+                        gather=0 if index is None else len(index))
+    rng = np.random.default_rng(seed)
+    n, h, w = shape
+    xs = [impl.packing.pack(rng.integers(-128, 128, (n, c, h, w)).astype(np.int8)) for c in channels]
+    args = [*xs, *([] if index is None else impl.pack_params(wl, index))]
+    return impl, wl, args, impl.reference(wl, *args)
+
+
+# (channels, multipliers, input zero points, output zero point, index): GoogLeNet's inception 3a
+# (64 + 128 + 32 + 32, each branch at its own scale, signed and unsigned inputs); 48 + 80 + 16 (144
+# channels padded to 160: blocks that store the padding); ShuffleNet's 58 + 58 plain and its split
+# piece of the shuffled concat (the first branch passed through: a copy); 6 + 32 + 5 (3 inputs, mid-vector)
+NHWC32_CONCATS = [((64, 128, 32, 32), [0.9, 1.3, 0.41, 1.0], (0, -128, 0, -128), -128, None),
+                  ((48, 80, 16), [0.7, 1.0, 0.31], (-128, 0, 0), 0, None),
+                  ((58, 58), [1.0, 0.62], (-128, -128), -128, None),
+                  ((58, 58), [1.0, 0.62], (-128, -128), -128, _shuffle(116, 2)[58:]),
+                  ((6, 32, 5), [0.5, 2.3, 0.8], (0, -128, 0), 0, None)]
+NHWC32_CONCAT_IDS = ["googlenet", "padded", "shufflenet_plain", "shufflenet_gather", "three_mid_vector"]
+
+
+@pytest.mark.parametrize("floor", [None, 1], ids=["grid-floor", "pixels-a-thread"])
+@pytest.mark.parametrize("channels,reals,zeros,out_zero,index", NHWC32_CONCATS, ids=NHWC32_CONCAT_IDS)
+def test_nhwc32_concat_cuda_kernel_stores_16_bytes_and_its_cpu_twin_computes_the_reference(
+        channels, reals, zeros, out_zero, index, floor, monkeypatch):
+    """The NHWC32 concat's CUDA kernel (schedules/tensorcore/concat.py): by input where every input
+    is a run of 16-byte vectors (a 16-byte load each), by lane otherwise (byte loads); one 16-byte
+    store per vector and pixel either way.  Its CPU twin (thread loops serial) is bit-exact against
+    the NumPy reference, with 6 pixels a thread (the largest divisor of 2 x 3 x 5 up to 8) where
+    the thread floor is lowered."""
+    from tvm_qconv.schedules.tensorcore import affine as tc_affine
+    from tvm_qconv.schedules.tensorcore import concat as tc_concat
+    from tvm_qconv.target import cuda_source, make_target
+    if floor is not None:
+        monkeypatch.setattr(tc_affine, "MIN_THREADS", floor)
+    impl, wl, args, ref = _nhwc32_concat_case((2, 3, 5), channels, reals, zeros, out_zero, index)
+    vectors = ref.shape[-1] // 16
+    p = tc_concat.grid(30, vectors)[0]
+    assert p == (6 if floor else 1)
+    target = make_target("cuda", "sm_90a")
+    kernel = impl.schedule(impl.compute(wl), target)
+    assert kernel.attrs["tvm_qconv.workload"] == impl.compute(wl).attrs["tvm_qconv.workload"]
+    with target:
+        src = cuda_source(registry.compile_kernel(impl, wl, target))
+    loads = re.findall(r"\*\(int4\*\)\(xv_ptr \+ 0\) = \*\(int4\*\)\(x\d_ptr", src)
+    stores = re.findall(r"\*\(int4\*\)\(y_ptr \+ [^;]*\) = \*\(int4\*\)\(yv_ptr", src)
+    by_input = index is None and all(c % 16 == 0 for c in channels)
+    # by input: a store per pixel in each run of blocks (the inputs', the padding's), a load per input's
+    runs = len(channels) + (sum(channels) // 16 < vectors)
+    assert (len(loads), len(stores)) == ((p * len(channels), p * runs) if by_input else (0, p)), src
+    np.testing.assert_array_equal(run(_gpu_twin(kernel), *args, out_shape=ref.shape, out_dtype="int8"), ref)
+
+
+def test_nhwc32_concat_requantization_rewrite_is_the_compute_definitions_on_every_int8():
+    """The kernel's requantization (factors of two cancelled, zero points in the addend, int32 or a
+    product's high word, unreachable clamp sides dropped) equals requantize_ref for all 256 inputs,
+    at multipliers from 2**-33 (mult 0) to 1.3 * 2**21 (shift 9: the largest multiplier the int64
+    form takes) and each pair of signed / unsigned zero points."""
+    from tvm_qconv.schedules.tensorcore.concat import requantize
+    rng = np.random.default_rng(3)
+    reals = [1.0, 0.5, 2.0, 0.75, 2.0 ** -20, 2.0 ** -33, 4096.0, 1.3 * 2 ** 21, *rng.uniform(0.05, 4, 5),
+             *2.0 ** rng.uniform(-30, 12, 5)]
+    cases = [(int(m), int(s), z, oz) for (m, s) in zip(*quantize_multiplier(np.array(reals)))
+             for z in (0, -128) for oz in (0, -128)]
+    body = "\n".join(f'        Y[{k}, i] = T.Cast("int8", {requantize("X[i]", *c)})' for k, c in enumerate(cases))
+    func = tvm.script.from_source(f'''
+@T.prim_func
+def main(X: T.Buffer((256,), "int8"), Y: T.Buffer(({len(cases)}, 256), "int8")):
+    for i in range(256):
+{body}
+''')
+    x = np.arange(-128, 128).astype(np.int8)
+    out = run(func, x, out_shape=(len(cases), 256), out_dtype="int8")
+    for row, (m, s, z, oz) in zip(out, cases):
+        ref = requantize_ref(x - np.int64(z), np.int64(m), np.int64(s), QMIN if oz == 0 else -128, 127, zero=oz)
+        np.testing.assert_array_equal(row, ref, err_msg=str((m, s, z, oz)))
+
+
+def test_nhwc32_concat_keeps_dlights_kernel_where_the_written_one_does_not_apply():
+    from tvm_qconv.schedules.tensorcore.concat import concat_kernel
+    from tvm_qconv.schedules.workload import ConcatWorkload
+    from tvm_qconv.target import make_target
+    impl = registry.get("concat.nhwc32")
+    m, s = (int(a[0]) for a in quantize_multiplier(np.array([0.7])))
+
+    def wl(shape, mult=m, shift=s):
+        return ConcatWorkload(shape, (64, 64), (mult, m), (shift, s))
+    assert concat_kernel(wl((64, 128, 128))) is not None         # 2**30 output bytes
+    assert concat_kernel(wl((64, 512, 512))) is None             # 2**31: indices past int32
+    assert concat_kernel(wl((2, 3, 5), 1 << 30, 3)) is None      # a multiplier of 2**27
+    cuda, llvm = make_target("cuda", "sm_90a"), tvm.target.Target("llvm")
+    assert impl.schedule(impl.compute(wl((64, 512, 512))), cuda) is None    # None: dlight schedules it
+    assert impl.schedule(impl.compute(wl((2, 3, 5))), llvm) is None         # the CPU runs the compute
+    assert registry.get("concat.nchw4c").schedule(None, cuda) is None       # NCHW4c: dlight
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,h,w", [(1, 29, 27), (64, 15, 13)], ids=["b1", "b64"])
+@pytest.mark.parametrize("channels,reals,zeros,out_zero,index", NHWC32_CONCATS, ids=NHWC32_CONCAT_IDS)
+def test_nhwc32_concat_on_gpu_is_bit_exact(channels, reals, zeros, out_zero, index, n, h, w):
+    impl, wl, args, ref = _nhwc32_concat_case((n, h, w), channels, reals, zeros, out_zero, index, seed=4)
     np.testing.assert_array_equal(_on_gpu(impl, wl, args, ref.shape), ref)
 
 AVG_POOLS = [((3, 3), (1, 1), (1, 1, 1, 1)), ((2, 2), (2, 2), (0, 0, 0, 0))]

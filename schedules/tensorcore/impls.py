@@ -16,7 +16,7 @@ name                           op          runs
 ``dense.rows.mma``             dense       CUDA sm_80+, 2+ rows: the same template, float epilogue
 ``max_pool2d.nhwc32``          max_pool2d  any target (16 channels per thread on CUDA: ``pool.py``)
 ``add.nhwc32``                 add         any target (16 bytes per thread on CUDA: ``elementwise_int8.py``)
-``concat.nhwc32``              concat      any target (dlight on CUDA)
+``concat.nhwc32``              concat      any target (16 bytes per thread on CUDA: ``concat.py``)
 ``channels.nhwc32``            channels    split, shuffle; any target (dlight on CUDA)
 ``avg_pool2d.nhwc32.global``   avg_pool2d  a pool over a whole map of 49+ pixels: per-chunk sums, then
                                            requantized (written out on CUDA: ``global_pool.py``)
