@@ -7,4 +7,8 @@ each op's kernel computes), ``requantize.py`` (the fixed-point epilogue), ``quan
 int8 rounding), ``sched_utils.py`` (divisor tiles, loops under a compute_at), ``dense_int8.py``,
 ``layout_kernels.py`` (the memory-bound ops of every layout) and ``conversion_kernels.py``
 (quantize, dequantize, relayout and a linear layer's input rows, as implementations).
+``tvmscript_frames.py`` takes the ``inspect.stack()`` cost out of TVMScript's ``T.prim_func``.
 """
+from . import tvmscript_frames
+
+tvmscript_frames.install()
