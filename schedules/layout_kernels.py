@@ -170,7 +170,7 @@ class Concat(LayoutKernel):
     def schedule(self, func, target):
         if target.kind.name == "cuda" and self.layout == "NHWC32":
             # 16 channels x up to 8 pixels a thread, 16-byte stores (tensorcore/concat.py)
-            kernel = tensorcore_concat.concat_kernel(ConcatWorkload(**ast.literal_eval(str(func.attrs[WORKLOAD_ATTR]))))
+            kernel = tensorcore_concat.concat_kernel(ConcatWorkload.of(func))
             if kernel is not None:
                 return written_kernel(func, kernel)
         return None     # dlight's kernel

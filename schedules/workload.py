@@ -254,6 +254,11 @@ class ConcatWorkload:
             del d["gather"]     # a plain concatenation is recorded as before
         return d
 
+    @classmethod
+    def of(cls, func) -> "ConcatWorkload":
+        """The workload a kernel's PrimFunc was made for (its ``tvm_qconv.workload`` attribute)."""
+        return cls(**ast.literal_eval(str(func.attrs["tvm_qconv.workload"])))
+
 
 @dataclass(frozen=True)
 class ChannelsWorkload:
