@@ -26,7 +26,7 @@ def stack_with_cached_lines(context: int = 1) -> list[inspect.FrameInfo]:
     own source line (``context`` is accepted and ignored: one line, the only one TVM reads)."""
     frames = inspect.stack(0)[1:]       # from the caller of this function, as inspect.stack's own
     return [inspect.FrameInfo(f.frame, f.filename, f.lineno, f.function,
-                              [linecache.getline(f.filename, f.lineno, f.frame.f_globals)], 0)
+                              [linecache.getline(f.filename, f.lineno or 0, f.frame.f_globals)], 0)   # no line: ''
             for f in frames]
 
 
