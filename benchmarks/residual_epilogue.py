@@ -30,14 +30,13 @@ from tests.test_residual_epilogue import RESIDUALS, W, _fused_args  # noqa: E402
 from tvm_qconv import registry  # noqa: E402
 from tvm_qconv.schedules.workload import AddWorkload  # noqa: E402
 from tvm_qconv.target import TargetInfo  # noqa: E402
-from tvm_qconv.target import make_target  # noqa: E402
+from tvm_qconv.target import device_arch, make_target  # noqa: E402
 
 # ResNet-50's residual convs at 224 px: (in channels, out channels, map size)
 LAYERS = ((64, 256, 56), (128, 512, 28), (256, 1024, 14), (512, 2048, 7))
 
 
 def measure(family: str, batch: int) -> list[dict]:
-    from tvm_qconv.target import device_arch
     impl = registry.get(f"conv2d.{'nchw4c' if family == 'dp4a' else 'nhwc32'}.{family}")
     dev, target = tvm.cuda(0), make_target("cuda", device_arch(full=True))
     wgmma = registry.get("conv2d.nhwc32.wgmma")
