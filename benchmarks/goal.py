@@ -6,6 +6,8 @@ channels_last with CUDA graphs, ``torch.compile(mode="max-autotune")``), at batc
     python benchmarks/goal.py run --models convnext_tiny densenet121 --batches 64 --out docs/results/goal
     python benchmarks/goal.py table docs/results/goal                              # goal.md + goal.json
     python benchmarks/goal.py run --out docs/results/goal --autotune-cache .dev/autotune   # carried across calls
+    python benchmarks/goal.py build --models densenet121 --batches 1 64 --lib-dir libs     # on any machine, no GPU
+    python benchmarks/goal.py run --models densenet121 --lib-dir libs --out docs/results/goal
 
 Why a driver: ``torch.compile`` with max-autotune takes ~5 minutes per model and batch on an H100, so
 the 32 measurements take ~3 hours of one GPU, and a device call lasts at most 10 minutes.  ``run``
@@ -28,6 +30,13 @@ whose every candidate it holds.  With this option each unit gets its own inducto
 short resumes where its autotuning stopped in the next call.  Every row of a unit is still measured in
 one ``deploy.py compare`` run; only which kernels torch.compile picks may come from an earlier call's
 benchmark on the same kind of GPU.
+
+``--lib-dir DIR``: the int8 build is CPU work (DenseNet-121 at batch 64: ~100 s on a 2-core box, ~400 s
+on a 4-GPU host building four units at once), and a unit cut short by the deadline builds again in the
+next call.  ``build`` writes each pending unit's library (``deploy.py build --target cuda --cuda-graph``,
+the same seed, calibration and options ``compare`` would use, so ``compare`` finds the same float
+weights) to ``DIR/<model>_b<batch>.so`` on any machine; ``run --lib-dir DIR`` hands a unit its library
+with ``compare --lib`` where one is there, and builds the others as before.
 """
 from __future__ import annotations
 
@@ -60,10 +69,38 @@ def pending(out: str, models: list[str], batches: list[int]) -> list[tuple[str, 
     return [(m, b) for m, b in units if not os.path.exists(os.path.join(unit_dir(out, m, b), f"compare_{m}.json"))]
 
 
-def command(out: str, model: str, batch: int, size: int) -> list[str]:
+def lib_path(lib_dir: str, model: str, batch: int) -> str:
+    return os.path.join(lib_dir, f"{model}_b{batch}.so")
+
+
+def command(out: str, model: str, batch: int, size: int, lib_dir: str | None = None) -> list[str]:
+    lib = lib_path(lib_dir, model, batch) if lib_dir else None
     return [sys.executable, os.path.join(ROOT, "deploy.py"), "compare", "--model", model, "--batch", str(batch),
             "--image-size", str(size), "--baselines", BASELINES, "--out", unit_dir(out, model, batch),
-            "--work-dir", os.path.join("/tmp", "tvm_qconv_goal", f"{model}_b{batch}"), "--quiet"]
+            "--work-dir", os.path.join("/tmp", "tvm_qconv_goal", f"{model}_b{batch}"), "--quiet",
+            *(["--lib", lib] if lib and os.path.exists(lib) else [])]
+
+
+def build_command(model: str, batch: int, size: int, lib_dir: str, arch: str) -> list[str]:
+    """``deploy.py build`` of the library ``compare`` would build for the unit's int8-graph row."""
+    return [sys.executable, os.path.join(ROOT, "deploy.py"), "build", "--model", model, "--batch", str(batch),
+            "--image-size", str(size), "--target", "cuda", "--arch", arch, "--cuda-graph", "--no-verify",
+            "--quiet", "-o", lib_path(lib_dir, model, batch)]
+
+
+def build(out: str, models: list[str], batches: list[int], size: int, lib_dir: str, arch: str) -> int:
+    """Build the library of every pending unit that has none in ``lib_dir``; returns how many failed."""
+    failed = 0
+    for m, b in pending(out, models, batches):
+        if os.path.exists(lib_path(lib_dir, m, b)):
+            print(f"{m} b{b}: {lib_path(lib_dir, m, b)} is there", flush=True)
+            continue
+        os.makedirs(lib_dir, exist_ok=True)
+        t = time.monotonic()
+        rc = subprocess.run(build_command(m, b, size, lib_dir, arch)).returncode
+        failed += rc != 0
+        print(f"{m} b{b}: {'built' if rc == 0 else f'FAILED (exit {rc})'} in {time.monotonic() - t:.0f} s", flush=True)
+    return failed
 
 
 def inductor_dir(model: str, batch: int) -> str:
@@ -140,7 +177,8 @@ def seed_timings(store: str | None, unit_cache: str) -> None:
 
 
 def run(out: str, models: list[str], batches: list[int], gpus: int | list[int], deadline: float, unit_seconds: float,
-        size: int, dry_run: bool = False, autotune_cache: str | None = None, host_gpus: int | None = None) -> int:
+        size: int, dry_run: bool = False, autotune_cache: str | None = None, host_gpus: int | None = None,
+        lib_dir: str | None = None) -> int:
     """Measure the pending units, one per GPU at a time, until none is left or the deadline; returns
     how many finished.  ``gpus``: how many (GPUs 0, 1, ...) or which; ``host_gpus``: the machine's
     GPU count, whose share of the cores each unit gets (default: the GPUs used), so that two runs on
@@ -152,7 +190,7 @@ def run(out: str, models: list[str], batches: list[int], gpus: int | list[int], 
           + ", ".join(f"{m} b{b}" for m, b in todo), flush=True)
     if dry_run:
         for m, b in todo:
-            print(" ".join(command(out, m, b, size)))
+            print(" ".join(command(out, m, b, size, lib_dir)))
         return 0
     if not gpus:
         raise SystemExit("no GPU: the goal is measured on one (nvidia-smi lists none)")
@@ -168,7 +206,7 @@ def run(out: str, models: list[str], batches: list[int], gpus: int | list[int], 
             if autotune_cache:
                 env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(m, b)
                 seed_timings(autotune_cache, inductor_dir(m, b))
-            running[g] = (m, b, subprocess.Popen(command(out, m, b, size), env=env, stdout=log, stderr=log), log)
+            running[g] = (m, b, subprocess.Popen(command(out, m, b, size, lib_dir), env=env, stdout=log, stderr=log), log)
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b}", flush=True)
         for g, (m, b, proc, log) in list(running.items()):
             if proc.poll() is None and left > 0:
@@ -255,7 +293,16 @@ def main(argv=None) -> int:
     r.add_argument("--dry-run", action="store_true", help="print the commands of the pending units")
     r.add_argument("--autotune-cache", default=None,
                    help="a folder of max-autotune's timings, seeded into each unit and merged back (module docstring)")
+    r.add_argument("--lib-dir", default=None,
+                   help="prebuilt libraries (<model>_b<batch>.so, from `goal.py build`) the units time instead of building")
     r.add_argument("--out", default="results/goal")
+    b = sub.add_parser("build", help="build the pending units' libraries into --lib-dir (CPU work, no GPU needed)")
+    b.add_argument("--models", nargs="+", default=list(SIZES))
+    b.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    b.add_argument("--size", type=int, default=224)
+    b.add_argument("--arch", default="sm_90a", help="the GPU's arch (default sm_90a: H100 / H200)")
+    b.add_argument("--lib-dir", required=True)
+    b.add_argument("--out", default="results/goal", help="the goal folder: its finished units are skipped")
     t = sub.add_parser("table", help="the goal table of the finished units")
     t.add_argument("out")
     args = ap.parse_args(argv)
@@ -265,13 +312,15 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.models) - set(SIZES))
     if unknown:
         raise SystemExit(f"not zoo models: {unknown}; the zoo's are {list(SIZES)}")
+    if args.cmd == "build":
+        return 1 if build(args.out, args.models, args.batches, args.size, args.lib_dir, args.arch) else 0
     if args.gpu_ids is not None:
         gpus, host = args.gpu_ids, max(gpu_count(), max(args.gpu_ids) + 1)
     else:
         gpus = args.gpus if args.gpus is not None else gpu_count()
         host = None
     run(args.out, args.models, args.batches, gpus, args.deadline, args.unit_seconds, args.size, args.dry_run,
-        args.autotune_cache, host)
+        args.autotune_cache, host, args.lib_dir)
     table(args.out)
     return 0
 

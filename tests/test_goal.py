@@ -121,3 +121,16 @@ def test_a_run_on_chosen_gpus_gives_each_unit_that_gpu_and_one_gpus_share_of_the
     goal.run(str(tmp_path), ["resnet18"], [1, 64], [1], deadline=60, unit_seconds=0, size=224, host_gpus=2)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in started] == ["1", "1"]
     assert {e["OMP_NUM_THREADS"] for e in started} == {"16"}
+
+
+def test_a_unit_times_the_prebuilt_library_of_lib_dir_and_builds_where_there_is_none(tmp_path):
+    libs = tmp_path / "libs"
+    libs.mkdir()
+    (libs / "resnet18_b64.so").write_bytes(b"")        # built elsewhere with `goal.py build`
+    with_lib = goal.command(str(tmp_path), "resnet18", 64, 224, str(libs))
+    assert with_lib[-2:] == ["--lib", str(libs / "resnet18_b64.so")]
+    assert "--lib" not in goal.command(str(tmp_path), "resnet18", 1, 224, str(libs))   # none: compare builds it
+    build = goal.build_command("resnet18", 1, 224, str(libs), "sm_90a")
+    # the library compare's int8-graph row would build: CUDA, the GPU's arch, CUDA graphs, the seed's weights
+    assert {"--cuda-graph", "--no-verify"} <= set(build) and build[build.index("-o") + 1] == str(libs / "resnet18_b1.so")
+    assert build[build.index("--arch") + 1] == "sm_90a" and "--weights" not in build
