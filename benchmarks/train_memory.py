@@ -1,26 +1,29 @@
-"""Seed 000's mem_check.py for VGG16: peak memory and step time of a training step, int8 QAT (ours) vs float twin.
+"""Issue 35's benchmark: peak memory and step time of one training step, the int8 QAT layers (ours)
+against the float twins people train with, VGG16 or ResNet-50, each variant in a fresh process.
 
-    python benchmarks/train_memory.py --out results/ [--batch 32] [--image-size 224] [--steps 10]
+    python benchmarks/train_memory.py --out results/ --model vgg16 --batch 32
+    python benchmarks/train_memory.py --out results/ --model resnet50 --batch 128 --variants ours,tf32,amp
 
-One training step = zero_grad, forward, cross-entropy, backward, SGD (momentum 0.9) step, on
-``tvm_qconv.models.QuantizedVGG16`` with ``quantized=True`` (ours: int8 forward through the TVM dp4a
-kernel, TVM gradient kernels, int8 saved activations) or ``quantized=False`` (the twin:
-``nn.Conv2d`` + ReLU and ``nn.Linear``, cuDNN, PyTorch defaults).  Same seed, same weights, same
-random batch.  Each variant runs in a fresh subprocess, so peaks do not mix:
+One training step = zero_grad, forward, cross-entropy, backward, SGD (momentum 0.9) step, random
+images and labels, same seed and weights in every variant:
 
-* peak RAM: ``ru_maxrss`` of the process (ours includes importing TVM and, on the compile run,
-  LLVM/nvcc work in-process);
-* peak CUDA allocated / reserved: ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``
-  over the whole run (first step included: the caching allocator keeps what it reserved);
-* device used: ``total - free`` from ``cudaMemGetInfo`` at the end, which also counts what
-  PyTorch's allocator does not see (CUDA context, TVM's loaded modules);
-* step time: median wall time of ``--steps`` synchronized steps after ``--warmup`` steps.
+* ``ours``: ``QuantizedVGG16`` / ``quantized_resnet50`` with ``quantized=True`` (int8 forward and
+  gradients through TVM kernels, int8 saved activations).  A first process (``ours_compile``) fills
+  the kernel cache (``$TVM_QCONV_KERNEL_CACHE`` or ``~/.cache/tvm_qconv/kernels``; its first step's
+  time is the compile time, reported apart); the measured process loads every kernel from disk.
+* ``tf32``: the float twin (``nn.Conv2d`` / ``nn.Linear``, cuDNN), TF32 on for convs and matmuls,
+  ``cudnn.benchmark`` on: issue 35's "float twin".
+* ``amp``: the float twin in channels_last under ``torch.autocast(dtype=torch.bfloat16)``,
+  ``cudnn.benchmark`` on: what people train with.
+* ``fp32``: the float twin with PyTorch's defaults (the 2026-11-22 figure's twin).
 
-Ours runs twice: first a compile run (fills the kernel cache, ``$TVM_QCONV_KERNEL_CACHE`` or
-``~/.cache/tvm_qconv/kernels``; its first step's time is the compile time, reported apart), then
-the measured run, which loads every kernel from disk.  The measured run also reports which
-kernels ran: tvm_kernels' call counts, the CUDA kernels the profiler saw in one step, and any
-PyTorch conv/matmul op (there must be none).  Prints a table and writes ``train_memory.json``.
+Measured per variant: peak RAM (``ru_maxrss``), peak CUDA allocated / reserved over the whole run,
+device memory used at the end (``cudaMemGetInfo``, which also counts the CUDA context and TVM's
+modules), the median step time of ``--steps`` synchronized steps after ``--warmup``, and one
+profiled step: every CUDA kernel's launches and summed time (GPU-busy time against the step's wall
+time says how much is launch overhead), and any PyTorch conv / matmul op (ours must have none).
+Ours also lists the TVM kernels it called.  Prints a table and writes
+``train_memory_<model>_b<batch>.json``.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tvm_qconv.cli_args import positive_int  # noqa: E402
-from tvm_qconv.models import QuantizedVGG16  # noqa: E402  (imports no TVM)
+from tvm_qconv.models import QuantizedVGG16, quantized_resnet50  # noqa: E402  (imports no TVM)
 
 # The torch twin's child process runs this file too, and its peak RAM is a result: TVM is imported
 # only where ours needs it (tvm_kernels) and for the report.
@@ -49,25 +52,42 @@ from tvm_qconv.models import QuantizedVGG16  # noqa: E402  (imports no TVM)
 MB = 2 ** 20
 TORCH_MATMULS = ("aten::conv2d", "aten::convolution", "aten::cudnn_convolution", "aten::convolution_backward",
                  "aten::linear", "aten::mm", "aten::addmm", "aten::matmul")
+VARIANTS = ("ours", "tf32", "amp", "fp32")
+TWINS = VARIANTS[1:]
 METRICS = [("peak_ram_mb", "Peak RAM (MB)"), ("peak_cuda_allocated_mb", "Peak CUDA alloc (MB)"),
            ("peak_cuda_reserved_mb", "Peak CUDA reserved (MB)"), ("device_used_mb", "Device used (MB)"),
            ("step_ms", "Step time (ms)")]
 
 
-def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, num_classes: int) -> dict:
-    """One variant in this (fresh) process: peaks, step times and, for ours, the kernels that ran."""
+def build_model(model: str, num_classes: int, image_size: int, quantized: bool) -> torch.nn.Module:
+    """The model of a variant, seeded: every variant starts from the same weights."""
+    torch.manual_seed(0)
+    if model == "vgg16":
+        return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized)
+    return quantized_resnet50(num_classes=num_classes, quantized=quantized)
+
+
+def child(variant: str, model_name: str, batch: int, image_size: int, steps: int, warmup: int,
+          num_classes: int) -> dict:
+    """One variant in this (fresh) process: peaks, step times, one profiled step and, for ours,
+    the TVM kernels that ran."""
     ours = variant.startswith("ours")
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    model = QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=ours).to(dev).train()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    if variant in ("tf32", "amp"):
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = variant == "tf32"
+    model = build_model(model_name, num_classes, image_size, quantized=ours).to(dev).train()
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, image_size, image_size, device=dev, generator=g)
     labels = torch.randint(0, num_classes, (batch,), device=dev, generator=g)
+    if variant == "amp":
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x), labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "amp"):
+            loss = F.cross_entropy(model(x), labels)
         loss.backward()
         opt.step()
         return loss
@@ -80,7 +100,7 @@ def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, nu
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     out = {
-        "variant": variant, "batch": batch, "image_size": image_size,
+        "variant": variant, "model": model_name, "batch": batch, "image_size": image_size,
         "peak_ram_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB,
         "peak_cuda_allocated_mb": torch.cuda.max_memory_allocated(dev) / MB,
         "peak_cuda_reserved_mb": torch.cuda.max_memory_reserved(dev) / MB,
@@ -97,26 +117,34 @@ def child(variant: str, batch: int, image_size: int, steps: int, warmup: int, nu
 
 
 def _profile(step) -> dict:
-    """The CUDA kernels of one step (name -> launches) and the PyTorch conv/matmul ops among its ops."""
+    """One step under the profiler: each CUDA kernel's launches and summed microseconds (most time
+    first), the GPU-busy time, the step's wall time, and the PyTorch conv / matmul ops among its ops."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - t0)
     kernels, ops = {}, set()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name] = kernels.get(e.name, 0) + 1
+            n, us = kernels.get(e.name, (0, 0.0))
+            kernels[e.name] = (n + 1, us + e.time_range.elapsed_us())
         elif e.name in TORCH_MATMULS:
             ops.add(e.name)
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])
-    return {"cuda_kernels": dict(top), "torch_matmul_ops": sorted(ops)}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"cuda_kernels": {k: {"launches": n, "us": round(us, 1)} for k, (n, us) in top},
+            "launches": sum(n for n, _ in kernels.values()),
+            "gpu_busy_ms": round(sum(us for _, us in kernels.values()) / 1000, 3),
+            "profiled_wall_ms": round(wall_ms, 3), "torch_matmul_ops": sorted(ops)}
 
 
 def run_child(variant: str, args) -> dict:
     out = os.path.join(args.out, f".{variant}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--num-classes", str(args.num_classes)]
-    print(f"[{variant}] {' '.join(cmd[1:3])} ...", flush=True)
+    print(f"[{variant}] {args.model} batch {args.batch} ...", flush=True)
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT)
     with open(out) as f:
@@ -130,64 +158,89 @@ def _reduction(ours: float, twin: float) -> float:
     return 100.0 * (twin - ours) / twin if twin else 0.0
 
 
-def summarize(compile_run: dict, twin: dict, ours: dict) -> tuple[dict, float]:
-    """Print the table and the kernel report; return the table rows and the compile seconds."""
-    print("\n|Memory / time |PyTorch twin|Ours (int8, TVM)|Reduction|\n|---|---|---|---|")
+def summarize(results: dict, compile_run: dict | None) -> dict:
+    """Print the table (every variant, ours against each twin) and the kernel reports; return the rows."""
+    names = list(results)
+    print("\n|metric|" + "|".join(names) + "|\n|---|" + "---|" * len(names))
     rows = {}
-    for key, label in METRICS:
-        red = _reduction(ours[key], twin[key])
-        rows[key] = {"torch": round(twin[key], 2), "ours": round(ours[key], 2), "reduction_pct": round(red, 2)}
-        print(f"|{label}|{twin[key]:.2f}|{ours[key]:.2f}|{red:.2f}%|")
-    compile_s = compile_run["first_step_s"] - ours["first_step_s"]
-    print(f"\nkernel compilation (first step of the compile run minus a cached first step): {compile_s:.1f} s; "
-          f"compile run {compile_run['process_s']:.0f} s in all")
-    print("\nTVM kernels called in the measured run (kind, workload, calls over all its steps):")
-    for k in ours["kernels"]:
-        print(f"  {k['kind']:<12} {k['workload']:<48} {k['calls']:>4}")
-    print("\nCUDA kernels in one profiled step of ours (launches):")
-    for name, n in list(ours["cuda_kernels"].items())[:20]:
-        print(f"  {n:>4}  {name[:110]}")
-    print(f"\nPyTorch conv/matmul ops in ours: {ours['torch_matmul_ops'] or 'none'}; "
-          f"in the twin: {twin['torch_matmul_ops']}")
-    return rows, compile_s
+    for key, label in METRICS + [("launches", "Kernel launches"), ("gpu_busy_ms", "GPU busy (ms, profiled step)")]:
+        rows[key] = {v: round(results[v][key], 2) for v in names}
+        print(f"|{label}|" + "|".join(f"{results[v][key]:.2f}" for v in names) + "|")
+    if "ours" in results:
+        ours = results["ours"]
+        rows["ours_vs"] = {v: {"step_time_ratio": round(ours["step_ms"] / results[v]["step_ms"], 3),
+                               "allocated_reduction_pct": round(_reduction(ours["peak_cuda_allocated_mb"],
+                                                                           results[v]["peak_cuda_allocated_mb"]), 2),
+                               "reserved_reduction_pct": round(_reduction(ours["peak_cuda_reserved_mb"],
+                                                                          results[v]["peak_cuda_reserved_mb"]), 2)}
+                           for v in names if v != "ours"}
+        for v, r in rows["ours_vs"].items():
+            print(f"ours against {v}: step {r['step_time_ratio']:.2f}x its time, "
+                  f"{r['allocated_reduction_pct']:.1f} % less allocated, {r['reserved_reduction_pct']:.1f} % less reserved")
+        if compile_run is not None:
+            compile_s = compile_run["first_step_s"] - ours["first_step_s"]
+            rows["compile_seconds"] = round(compile_s, 1)
+            print(f"\nkernel compilation (first step of the compile run minus a cached first step): {compile_s:.1f} s; "
+                  f"compile run {compile_run['process_s']:.0f} s in all")
+        print("\nTVM kernels called in the measured run (kind, workload, calls over all its steps):")
+        for k in ours["kernels"]:
+            print(f"  {k['kind']:<12} {k['workload']:<48} {k['calls']:>4}")
+    for v in names:
+        print(f"\n{v}: CUDA kernels of one profiled step, most time first (launches, us):")
+        for name, k in list(results[v]["cuda_kernels"].items())[:15]:
+            print(f"  {k['launches']:>4} {k['us']:>9.1f}  {name[:100]}")
+        print(f"  PyTorch conv/matmul ops: {results[v]['torch_matmul_ops'] or 'none'}")
+    return rows
+
+
+def _variants(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}: choose from {', '.join(VARIANTS)}")
+    return names
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="results", help="folder for train_memory.json")
+    p.add_argument("--out", default="results", help="folder for train_memory_<model>_b<batch>.json")
+    p.add_argument("--model", choices=["vgg16", "resnet50"], default="vgg16")
+    p.add_argument("--variants", type=_variants, default=["ours", "tf32", "amp"],
+                   help=f"comma-separated, from {', '.join(VARIANTS)} (default ours,tf32,amp)")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (32: activations dominate)")
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
     p.add_argument("--warmup", type=positive_int, default=2, help="untimed steps first (the first compiles)")
     p.add_argument("--num-classes", type=positive_int, default=1000)
-    p.add_argument("--child", choices=["ours_compile", "ours", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("ours_compile",) + VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        res = child(args.child, args.batch, args.image_size, args.steps, args.warmup, args.num_classes)
+        res = child(args.child, args.model, args.batch, args.image_size, args.steps, args.warmup, args.num_classes)
         with open(args.child_out, "w") as f:
             json.dump(res, f)
         return 0
 
     os.makedirs(args.out, exist_ok=True)
-    print(f"VGG16 training step, batch {args.batch}, {args.image_size}x{args.image_size}, "
+    print(f"{args.model} training step, batch {args.batch}, {args.image_size}x{args.image_size}, "
           f"{args.warmup} warm-up + {args.steps} timed steps, each variant in a fresh process")
-    compile_run = run_child("ours_compile", args)
-    twin, ours = run_child("torch", args), run_child("ours", args)
+    compile_run = run_child("ours_compile", args) if "ours" in args.variants else None
+    results = {v: run_child(v, args) for v in args.variants}
 
-    rows, compile_s = summarize(compile_run, twin, ours)
+    rows = summarize(results, compile_run)
     report = {"benchmark": "train_memory", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-              "batch": args.batch, "image_size": args.image_size, "steps": args.steps, "warmup": args.warmup,
-              "table": rows, "compile_seconds": round(compile_s, 1), "ours": ours, "torch_twin": twin,
-              "compile_run": {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels")}}
+              "model": args.model, "batch": args.batch, "image_size": args.image_size, "steps": args.steps,
+              "warmup": args.warmup, "table": rows, "variants": results}
+    if compile_run is not None:
+        report["compile_run"] = {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels")}
     try:
         import tvm  # see the note at the top
         report["tvm"] = tvm.__version__
     except ImportError:
         pass
-    path = os.path.join(args.out, "train_memory.json")
+    path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {path}")

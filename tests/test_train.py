@@ -7,8 +7,9 @@ import pytest
 import torch
 import torchvision
 
-from tvm_qconv.models import QuantizedVGG16, SmallQuantizedVGG, SmallVGG
+from tvm_qconv.models import QuantizedVGG16, SmallQuantizedVGG, SmallVGG, quantized_resnet50
 from tvm_qconv.nn import (
+    QuantizedConv2d,
     QuantizedConv2dReLU,
     QuantizedLinear,
     TorchConv2dReLU,
@@ -98,6 +99,26 @@ def test_vgg16_parameter_names_match_torchvision():
         tv = torchvision.models.vgg16(weights=None)
     ours_sd = to_float_state_dict(ours.state_dict())
     assert {k: v.shape for k, v in ours_sd.items()} == {k: v.shape for k, v in tv.state_dict().items()}
+
+
+def test_resnet50_is_torchvisions_with_every_conv_and_the_classifier_int8():
+    torch.manual_seed(0)
+    ours = quantized_resnet50(num_classes=10)
+    torch.manual_seed(0)
+    tv = torchvision.models.resnet50(num_classes=10)
+    convs = [m for m in ours.modules() if isinstance(m, torch.nn.Conv2d)]
+    # 53 convs (the stem, 16 bottlenecks x 3, 4 downsamples), each followed by BatchNorm: no fused ReLU
+    assert len(convs) == 53 and all(type(m) is QuantizedConv2d for m in convs)
+    assert type(ours.fc) is QuantizedLinear
+    sd = to_float_state_dict(ours.state_dict())
+    assert sd.keys() == tv.state_dict().keys()
+    assert all(torch.equal(sd[k], v) for k, v in tv.state_dict().items())   # the same weights, same seed
+    twin = quantized_resnet50(num_classes=10, quantized=False)
+    load_float_state_dict(twin, tv.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    ours.eval(), twin.eval(), tv.eval()
+    with torch.no_grad():
+        assert torch.equal(twin(x), tv(x))     # the float twin computes torchvision's model exactly
 
 
 def test_vgg16_adapts_its_classifier_to_32x32():

@@ -1,0 +1,72 @@
+"""torchvision's ResNet-50 built from tvm_qconv's int8 quantization-aware layers (or their float twins).
+
+Every ``nn.Conv2d`` becomes ``QuantizedConv2d`` and the classifier ``QuantizedLinear``
+(``quantized=True``), or ``TorchConv2d`` / ``TorchLinear`` (``quantized=False``).  BatchNorm, the
+ReLUs, the pools and the residual adds stay torch modules: each conv feeds a BatchNorm, so no ReLU
+can be fused into it (``QuantizedConv2d``, not ``QuantizedConv2dReLU``).
+
+Module names and initialization are torchvision's (the layers are swapped after torchvision builds
+the model, weights copied), so the quantized model and its float twin built under the same seed hold
+the same weights, and torchvision state dicts load with ``load_float_state_dict``::
+
+    model = quantized_resnet50()
+    load_float_state_dict(model, torchvision.models.resnet50(weights="DEFAULT").state_dict())
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear
+
+
+def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
+    new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
+              conv.groups, bias=conv.bias is not None)
+    with torch.no_grad():
+        new.weight.copy_(conv.weight)
+        if conv.bias is not None:
+            new.bias.copy_(conv.bias)
+    return new
+
+
+def _linear_like(linear: nn.Linear, cls) -> nn.Module:
+    new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    with torch.no_grad():
+        new.weight.copy_(linear.weight)
+        if linear.bias is not None:
+            new.bias.copy_(linear.bias)
+    return new
+
+
+def swap_layers(model: nn.Module, quantized: bool = True) -> nn.Module:
+    """``model`` with every plain ``nn.Conv2d`` / ``nn.Linear`` replaced in place by the int8 QAT
+    layer (or its float twin), same name, same weights.
+
+    Args:
+        model: a float model (torchvision's, or any built from ``nn.Conv2d`` / ``nn.Linear``).
+        quantized: the int8 layers (True) or the float twins (False).
+
+    Returns:
+        ``model`` itself.
+    """
+    conv, linear = (QuantizedConv2d, QuantizedLinear) if quantized else (TorchConv2d, TorchLinear)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Conv2d:
+                setattr(parent, name, _conv_like(child, conv))
+            elif type(child) is nn.Linear:
+                setattr(parent, name, _linear_like(child, linear))
+    return model
+
+
+def quantized_resnet50(num_classes: int = 1000, quantized: bool = True) -> nn.Module:
+    """torchvision's ``resnet50`` (random init under the caller's seed) with int8 QAT layers.
+
+    Args:
+        num_classes: logits.
+        quantized: the int8 layers (True) or the float twins (False).
+    """
+    import torchvision  # here: the VGG models need no torchvision
+
+    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized)
