@@ -521,3 +521,36 @@ def test_padding4_keeps_a_four_sided_padding_and_refuses_other_lengths():
     assert padding4("same", 4, 1) == (1, 1, 2, 2)  # the odd total's extra row at the bottom, as PyTorch
     with pytest.raises(ValueError, match=r"got \(1, 2, 3\)"):
         padding4((1, 2, 3), 3, 1)
+
+
+# ----------------------------------------------------------------------------- no host syncs
+
+def test_a_caller_vouching_for_the_batch_max_keeps_no_clip_mask_and_others_keep_it_unlooked():
+    # The clip test (did anything clip?) was a device -> host sync per layer; now the caller says.
+    torch.manual_seed(0)
+    x = _input(BASE, 0).requires_grad_()
+    w = torch.randn(BASE.cout, BASE.cin, 3, 3, requires_grad=True)
+    amax = batch_amax(x)
+    vouched = _saved(lambda: quantized_conv2d(x, w, None, amax, padding=1, amax_is_batch_max=True))
+    unvouched = _saved(lambda: quantized_conv2d(x, w, None, amax, padding=1))
+    clip = (torch.uint8, (math.ceil(x.numel() / 8),))
+    assert clip not in {(t.dtype, tuple(t.shape)) for t in vouched}
+    assert clip in {(t.dtype, tuple(t.shape)) for t in unvouched}
+    # ... and the gradients are the same bits: the all-true mask changes nothing
+    g = torch.randn(BASE.batch, BASE.cout, *BASE.hw, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for vouch in (True, False):
+        x.grad = w.grad = None
+        quantized_conv2d(x, w, None, amax, padding=1, amax_is_batch_max=vouch).backward(g)
+        grads.append((x.grad.clone(), w.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_eval_before_any_training_quantizes_with_the_batch_max_chosen_on_the_device():
+    torch.manual_seed(0)
+    layer, _ = BASE.layers()
+    layer.eval()
+    x = _input(BASE, 0)
+    with torch.no_grad():
+        y = layer(x)            # input_amax is 0: never trained
+    assert torch.equal(y, quantized_conv2d(x, layer.weight, layer.bias, batch_amax(x), padding=1, relu=True))

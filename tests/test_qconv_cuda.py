@@ -180,3 +180,66 @@ def test_result_type_is_unchanged_by_the_cuda_path():
     for name in ("out",) + tuple(GRADS):
         a, b = getattr(ours, name), getattr(twin, name)
         assert a.shape == b.shape and a.dtype == b.dtype and a.device == b.device, name
+
+
+def _qat_step(model, opt, x, target):
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _small_vgg_and_sgd():
+    torch.manual_seed(0)
+    model = SmallQuantizedVGG().to(CUDA).train()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _batches(n: int):
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    return [(torch.randn(8, 3, 32, 32, device=CUDA, generator=g), torch.randint(0, 10, (8,), device=CUDA, generator=g))
+            for _ in range(n)]
+
+
+def test_a_training_step_reads_nothing_back_to_the_host():
+    # torch raises on any synchronizing call (a tensor's bool(), .item(), a pageable copy) in this
+    # mode; the clip test and the bit weights' host -> device copies were such calls (issue 35)
+    model, opt = _small_vgg_and_sgd()
+    (x, t), = _batches(1)
+    _qat_step(model, opt, x, t)         # the first step builds or loads the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _qat_step(model, opt, x, t)
+        model.eval()
+        with torch.no_grad():
+            model(x)                    # eval: the learned ranges, chosen on the device
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_a_training_step_captured_in_a_cuda_graph_replays_bit_identically_to_eager():
+    batches = _batches(3)
+    eager, eager_opt = _small_vgg_and_sgd()
+    for x, t in batches:
+        _qat_step(eager, eager_opt, x, t)
+    model, opt = _small_vgg_and_sgd()
+    static_x, static_t = batches[0][0].clone(), batches[0][1].clone()
+    side = torch.cuda.Stream()          # torch's recipe: warm up on a side stream; the warm-up is
+    side.wait_stream(torch.cuda.current_stream())   # step 1 (SGD makes its momentum buffers there)
+    with torch.cuda.stream(side):
+        _qat_step(model, opt, static_x, static_t)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):       # recorded, not run
+        _qat_step(model, opt, static_x, static_t)
+    for x, t in batches[1:]:
+        static_x.copy_(x)
+        static_t.copy_(t)
+        graph.replay()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(eager.named_buffers(), model.buffers()):   # the learned ranges
+        assert torch.equal(a, b), name

@@ -20,8 +20,9 @@ Backward (seed 000's derivation, straight-through estimator at the quantizers)::
 
 ``ctx`` keeps only what backward needs, and no activation at float width: the int8 input (1 byte
 per input element), the scalar input scale, the ReLU mask packed 8 per byte (1/8 byte per output
-element) and, only if something clipped, the clip mask packed the same way (1/8 byte per input
-element).  The float twin (``nn.Conv2d`` + ReLU) keeps the float input and the float output:
+element) and, unless the input was quantized with its own max (training: nothing clips), the clip
+mask packed the same way (1/8 byte per input element).  Nothing in forward or backward reads a
+value back to the host, so a training step can be captured in a CUDA graph.  The float twin (``nn.Conv2d`` + ReLU) keeps the float input and the float output:
 4 + 4 bytes per element.
 
 The int8 weight and its scales are *not* kept: backward re-quantizes the float weight, which
@@ -169,19 +170,34 @@ def batch_amax(x: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- bit masks
 
+_BIT_WEIGHTS_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """``_BIT_WEIGHTS`` as a uint8 tensor on ``device``, made by kernels (``1 << arange(8)``), not
+    copied from the host: a host -> device copy would break CUDA-graph capture.  Cached per device,
+    except while a graph is being captured (a tensor made then lives in the graph's memory pool)."""
+    w = _BIT_WEIGHTS_ON.get(device)
+    if w is None:
+        w = torch.bitwise_left_shift(torch.ones(8, dtype=torch.uint8, device=device),
+                                     torch.arange(8, dtype=torch.uint8, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _BIT_WEIGHTS_ON[device] = w
+    return w
+
+
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor 8 elements per byte (uint8, ``ceil(numel / 8)`` long)."""
     flat = mask.reshape(-1).to(torch.uint8)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask.device)
-    return (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+    return (flat.view(-1, 8) * _bit_weights(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: a bool tensor of ``shape``."""
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=packed.device)
+    weights = _bit_weights(packed.device)
     bits = (packed.unsqueeze(1) & weights) != 0
     n = 1
     for d in shape:
@@ -355,11 +371,10 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
         y = torch.relu_(y)
     empty = torch.empty(0, dtype=torch.uint8, device=x.device)
     relu_bits = pack_bits(y > 0) if keep_relu_mask else empty
-    # The clip mask only if something clipped: never with the batch's own amax (training), but
-    # possibly with a learned amax (eval, or a frozen scale).
-    clip_bits = empty
-    if keep_clip_mask and bool(batch_amax(x) > amax):
-        clip_bits = pack_bits(x.abs() <= amax)
+    # The clip mask unless the caller vouched that amax is the batch's own max (training: nothing
+    # clips).  Asking the tensors whether anything clipped would be a device -> host sync each
+    # layer, and a training step with one cannot be captured in a CUDA graph.
+    clip_bits = pack_bits(x.abs() <= amax) if keep_clip_mask else empty
     # The float weight, not w_q: see "ctx keeps" in the module docstring.
     return y.to(x.dtype), (x_q, weight, x_scale, relu_bits, clip_bits)
 
@@ -367,14 +382,15 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
 class QuantizedConv2dFunction(torch.autograd.Function):
     """int8 conv (+ bias, + ReLU) with the straight-through estimator; see the module docstring.
 
-    ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu)``: ``bias`` may be
-    None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is (top, left, bottom, right).
+    ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max)``:
+    ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is (top, left, bottom,
+    right); ``amax_is_batch_max``: see :func:`quantized_conv2d`.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu):
-        y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu,
-                            keep_relu_mask=relu, keep_clip_mask=ctx.needs_input_grad[0])
+    def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max):
+        y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask=relu,
+                            keep_clip_mask=ctx.needs_input_grad[0] and not amax_is_batch_max)
         ctx.save_for_backward(*saved)
         ctx.conf = (stride, padding, dilation, groups, relu)
         ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
@@ -403,7 +419,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
             dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g.sum(dim=(0, 2, 3)).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _pair(v) -> tuple[int, int]:
@@ -439,7 +455,8 @@ def padding4(padding, kernel_size, dilation) -> Padding4:
 
 
 def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
-                     stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False) -> torch.Tensor:
+                     stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False, *,
+                     amax_is_batch_max: bool = False) -> torch.Tensor:
     """int8 conv2d (+ bias, + optional fused ReLU) with STE gradients, ``F.conv2d``'s arguments.
 
     Args:
@@ -451,6 +468,10 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         padding: int, (h, w), ``'valid'`` or ``'same'``.
         groups: conv groups.
         relu: apply ReLU (its mask is kept as bits, not the float output).
+        amax_is_batch_max: the caller vouches that ``amax`` is ``batch_amax(x)`` (the layers pass
+            it in training), so nothing clips and backward keeps no clip mask.  Otherwise the
+            clip mask (1 bit per input element) is kept whenever ``x`` needs a gradient, without
+            first looking whether anything clipped: that look is a device -> host sync.
 
     Returns:
         float NCHW output in ``x``'s dtype.
@@ -469,11 +490,11 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                         _pair(dilation), int(groups), bool(relu), False, False)[0]
     return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
                                          padding4(padding, weight.shape[2:], dilation), _pair(dilation),
-                                         int(groups), bool(relu))
+                                         int(groups), bool(relu), bool(amax_is_batch_max))
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
-                     relu: bool = False) -> torch.Tensor:
+                     relu: bool = False, *, amax_is_batch_max: bool = False) -> torch.Tensor:
     """int8 linear layer ``x @ w.T + b`` (``F.linear``'s arguments), as a 1x1 conv on a 1x1 image.
 
     Args:
@@ -482,11 +503,13 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias: float ``(O,)`` or None.
         amax: 0-d tensor, the input's clipping threshold.
         relu: apply ReLU.
+        amax_is_batch_max: as :func:`quantized_conv2d`.
 
     Returns:
         float ``(*, O)``.
     """
     lead = x.shape[:-1]
     x4 = x.reshape(-1, x.shape[-1], 1, 1)
-    y = quantized_conv2d(x4, weight.view(weight.shape[0], weight.shape[1], 1, 1), bias, amax, relu=relu)
+    y = quantized_conv2d(x4, weight.view(weight.shape[0], weight.shape[1], 1, 1), bias, amax, relu=relu,
+                         amax_is_batch_max=amax_is_batch_max)
     return y.reshape(*lead, weight.shape[0])

@@ -50,12 +50,11 @@ class _RangeTracker:
         return m
 
     def _input_clip(self, x: torch.Tensor) -> torch.Tensor:
-        """The amax to quantize ``x`` with: the batch's in training, the learned one in eval."""
+        """The amax to quantize ``x`` with: the batch's in training, the learned one in eval (the
+        batch's where none was learned yet), chosen on the device: no host sync."""
         if self.training:
             return self._observe(self.input_amax, x)
-        if bool(self.input_amax > 0):
-            return self.input_amax
-        return batch_amax(x)  # never trained: quantize dynamically
+        return torch.where(self.input_amax > 0, self.input_amax, batch_amax(x).to(self.input_amax.device))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", amax_momentum={self.amax_momentum}"
@@ -92,7 +91,7 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
-                             self.dilation, self.groups, relu=self.relu)
+                             self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self.training)
         if self.training:
             self._observe(self.output_amax, y)
         return y
@@ -147,7 +146,7 @@ class QuantizedLinear(_RangeTracker, nn.Linear):
         self._init_ranges(amax_momentum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_linear(x, self.weight, self.bias, self._input_clip(x))
+        y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self.training)
         if self.training:
             self._observe(self.output_amax, y)
         return y
