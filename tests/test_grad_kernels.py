@@ -243,6 +243,28 @@ def test_tvm_forward_is_bit_exact_against_cpu_int8_conv(tvm_on_cpu, case):
     assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
 
 
+@pytest.mark.parametrize("cin, cout, stride", [(16, 20, (1, 1)), (40, 64, (2, 1))])
+def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators(tvm_on_cpu, monkeypatch, cin, cout,
+                                                                                  stride):
+    # On a GPU a layer of 16+ input channels runs the mma.sync template (NHWC32, int32 out); here
+    # its compute definition runs on llvm, so the packing around it is checked against the CPU conv.
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+
+    def run_on_llvm(kind, wl, device, data, weight, out):
+        assert kind == "forward" and data.shape[-1] % 32 == 0 and weight.shape[0] % 32 == 0
+        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
+        fn(data, weight, out)
+
+    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
+    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (2, cin, 9, 7), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (cout, cin, 3, 3), generator=g, dtype=torch.int8)
+    args = (stride, (1, 1, 1, 1), (1, 1), 1)
+    acc = tvm_kernels.int8_conv(x_q, w_q, *args)
+    assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
+
+
 def test_linear_layer_runs_as_one_wide_image_and_matches_reference(tvm_on_cpu):
     torch.manual_seed(0)
     layer = QuantizedLinear(70, 9)

@@ -243,3 +243,25 @@ def test_a_training_step_captured_in_a_cuda_graph_replays_bit_identically_to_eag
         assert torch.equal(a, b), name
     for (name, a), b in zip(eager.named_buffers(), model.buffers()):   # the learned ranges
         assert torch.equal(a, b), name
+
+
+TENSORCORE_CASES = [Case("tc_3x3", cin=32, cout=48), Case("tc_stride2", cin=16, cout=32, stride=2),
+                    Case("tc_1x1_no_relu", cin=64, cout=40, kernel=1, padding=0, relu=False),
+                    Case("tc_dilation2", cin=24, cout=32, dilation=2, padding=2, batch=2, hw=(12, 9))]
+
+
+@pytest.mark.parametrize("case", TENSORCORE_CASES, ids=[c.name for c in TENSORCORE_CASES])
+def test_a_layer_of_16_input_channels_or_more_runs_its_forward_on_tensor_cores_bit_exactly(case):
+    g = torch.Generator().manual_seed(0)
+    layer, _ = case.layers()
+    x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, layer.weight.shape, generator=g, dtype=torch.int8)
+    args = (layer.stride, functional.padding4(case.padding, layer.kernel_size, layer.dilation), layer.dilation,
+            case.groups)
+    wl = tvm_kernels.forward_workload(x_q.shape, w_q.shape, *args)
+    assert tvm_kernels.forward_layout(wl, CUDA) == tvm_kernels.TENSORCORE_LAYOUT
+    acc = functional._int8_conv_forward(x_q.to(CUDA), w_q.to(CUDA), *args)
+    assert torch.equal(acc.cpu(), functional.int8_conv_cpu(x_q, w_q, *args))
+    ours, _, ref = run_cuda_twins(case)
+    for name in ("out", "dx", "dw"):
+        assert_matches_reference(getattr(ours, name), getattr(ref, name))

@@ -315,3 +315,47 @@ def test_max_pool_cuda_kernel_on_gpu_is_bit_exact(wl):
     out = tvm.runtime.tensor(np.full(ref.shape, 77, np.int8), dev)  # poisoned
     lib["main"](tvm.runtime.tensor(x, dev), out)
     np.testing.assert_array_equal(out.numpy(), ref)
+
+
+# ----------------------------------------------------------------------------- the training forward
+
+def _int32_wl(batch, cin, h, w, cout, kernel=(3, 3), stride=(1, 1), padding=(1, 1, 1, 1), dilation=(1, 1)):
+    return ConvWorkload(batch, cin, h, w, cout, kernel, stride, padding, dilation, 1, activation="none",
+                        act_min=-127, out_dtype="int32")
+
+
+INT32_WLS = [_int32_wl(2, 40, 9, 7, 48, stride=(2, 1)), _int32_wl(1, 16, 7, 7, 20, kernel=(1, 1), padding=(0, 0, 0, 0)),
+             _int32_wl(3, 32, 12, 10, 64, dilation=(2, 2), padding=(2, 2, 2, 2)),
+             _int32_wl(1, 24, 8, 8, 40, kernel=(5, 5), padding=(2, 1, 2, 3))]
+
+
+@pytest.mark.parametrize("wl", INT32_WLS, ids=["40to48_s2x1", "1x1_odd_out", "dilation2", "5x5_asymmetric"])
+def test_the_int32_form_stores_the_exact_accumulators(wl):
+    # the training path's forward: the same implicit GEMM, its int32 accumulators stored as they are
+    import torch
+    x = RNG.integers(-127, 128, (wl.batch, wl.in_channels, wl.height, wl.width), dtype=np.int8)
+    w = RNG.integers(-127, 128, (wl.out_channels, wl.in_channels, *wl.kernel), dtype=np.int8)
+    data = np.zeros((wl.batch, wl.height, wl.width, (wl.in_channels + 31) // 32 * 32), np.int8)
+    data[..., :wl.in_channels] = x.transpose(0, 2, 3, 1)
+    weight = conv2d.pack_weight(w)
+    out = tvm.runtime.tensor(np.zeros((wl.batch, wl.out_height, wl.out_width, weight.shape[0]), np.int32))
+    tvm.compile(tvm.IRModule({"main": IMPL.compute(wl)}), target="llvm")["main"](
+        tvm.runtime.tensor(data), tvm.runtime.tensor(weight), out)
+    pt, pl, pb, pr = wl.padding
+    xp = torch.nn.functional.pad(torch.from_numpy(x).double(), (pl, pr, pt, pb))
+    ref = torch.nn.functional.conv2d(xp, torch.from_numpy(w).double(), stride=wl.stride, dilation=wl.dilation)
+    assert np.array_equal(out.numpy()[..., :wl.out_channels].transpose(0, 3, 1, 2), ref.numpy().astype(np.int32))
+    assert np.array_equal(conv2d.conv2d_nhwc_int32_ref(wl, data, weight), out.numpy())
+
+
+def test_the_training_forward_takes_the_tensor_cores_from_16_input_channels_and_dp4a_below():
+    info = TargetInfo.from_target(SM90)
+    assert registry.select("conv2d", INT32_WLS[0], info) is IMPL
+    stem = _int32_wl(2, 3, 32, 32, 64)          # VGG's first conv: 3 channels padded to 32 would waste 10x
+    grouped = ConvWorkload(2, 32, 8, 8, 32, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 4, activation="none",
+                           act_min=-127, out_dtype="int32")
+    assert registry.select("conv2d", stem, info).layout == NCHW4C.name
+    assert registry.select("conv2d", grouped, info).layout == NCHW4C.name
+    with SM90:
+        src = cuda_source(registry.compile_kernel(IMPL, INT32_WLS[0], SM90))
+    assert "mma.sync.aligned.m16n8k32" in src and "cp.async" in src

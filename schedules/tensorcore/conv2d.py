@@ -14,6 +14,10 @@ Blocks of :func:`conv2d_nhwc_int8`::
     requant  Out[n, y, x, o] int8 for m = (n*OH + y)*OW + x < M: + bias, fixed-point multiply,
              clamp to [act_min, act_max] (``schedules/requantize.py``, as every family)
 
+The training path's forward (``wl.out_dtype == "int32"``, :func:`conv2d_nhwc_int32`) is the same
+GEMM with the accumulator itself stored, ``Out[n, y, x, o] = C[m, o]``: its ``requant`` block only
+stores, so ``mma.py`` schedules both forms alike.
+
 The schedule (``mma.py``) never materializes ``im2col``: it is gathered into shared memory by the
 copy that feeds the tensor cores.  Layouts: data ``[N, H, W, C_p]`` (``layout.py``), weight
 ``[O_p, KH*KW*C_p]`` (packed at build time: exactly the "col" operand of ``mma.row.col``), bias /
@@ -141,6 +145,77 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False, super_width: int | 
 
     main = epilogue_residual.with_params(epilogue_table.with_table_param(main, LUT), RES, ADD)
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def conv2d_nhwc_int32(wl: ConvWorkload) -> tirx.PrimFunc:
+    """Unscheduled PrimFunc ``(data, weight, out)``: the implicit GEMM of :func:`conv2d_nhwc_int8`
+    with the int32 accumulators stored, ``out`` int32 ``[N, OH, OW, O_p]`` (the training path's
+    forward; no bias, no requantization, one group)."""
+    assert (wl.groups == 1 and wl.out_dtype == "int32" and wl.in_zero == 0 and not wl.table and not wl.residual
+            and not wl.norm), wl
+    N, H, W = wl.batch, wl.height, wl.width
+    Cp = ceil32(wl.in_channels)
+    M, MP, Op, K = gemm_shape(wl)
+    OH, OW, KW = wl.out_height, wl.out_width, wl.kernel[1]
+    SH, SW = wl.stride
+    DH, DW = wl.dilation
+    PT, PL = wl.padding[0], wl.padding[1]
+    OHW, C16 = OH * OW, Cp // 16
+    KWC16 = KW * C16
+
+    @T.prim_func(s_tir=True)
+    def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
+             out: T.Buffer((N, OH, OW, Op), "int32")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        with T.sblock("root"):
+            A = T.sblock_alloc_buffer((MP, K), "int8")
+            C = T.sblock_alloc_buffer((MP, Op), "int32")
+            for m, k in T.grid(MP, K):
+                with T.sblock("im2col"):    # as conv2d_nhwc_int8's gather (its comments)
+                    vm, vk = T.axis.remap("SS", [m, k])
+                    k16 = T.meta_var(vk // 16)
+                    ky = T.meta_var(k16 // KWC16)
+                    kx = T.meta_var(k16 // C16 % KW)
+                    c = T.meta_var(k16 % C16 * 16 + vk % 16)
+                    h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
+                    w = T.meta_var(vm % OW * SW + kx * DW - PL)
+                    T.reads(data[vm // OHW, h, w, c])
+                    T.writes(A[vm, vk])
+                    A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
+                                               data[vm // OHW, h, w, c], T.int8(0))
+            for m, o, k in T.grid(MP, Op, K):
+                with T.sblock("conv"):
+                    vm, vo, vk = T.axis.remap("SSR", [m, o, k])
+                    with T.init():
+                        C[vm, vo] = 0
+                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vk]) * T.Cast("int32", weight[vo, vk])
+            for m, o in T.grid(MP, Op):
+                with T.sblock("requant"):   # the epilogue block mma.py schedules: here a store
+                    vm, vo = T.axis.remap("SS", [m, o])
+                    T.reads(C[vm, vo])
+                    T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
+                    if vm < M:
+                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = C[vm, vo]
+
+    return main.with_attr({"tvm_qconv.kernel": "conv2d_nhwc_int32", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def conv2d_nhwc_int32_ref(wl: ConvWorkload, data, weight) -> np.ndarray:
+    """NumPy reference of :func:`conv2d_nhwc_int32`: int32 ``[N, OH, OW, O_p]`` accumulators
+    (float64 BLAS, exact: see :func:`conv2d_nhwc_int8_ref`)."""
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    pt, pl, pb, pr = wl.padding
+    oh, ow = wl.out_height, wl.out_width
+    n, _, _, cp = data.shape
+    op = weight.shape[0]
+    wk = weight.reshape(op, kh, kw, cp).astype(np.float64)
+    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    acc = np.zeros((n, oh, ow, op), np.float64)
+    for y in range(kh):
+        for x in range(kw):
+            win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
+            acc += win.astype(np.float64) @ wk[:, y, x, :].T
+    return acc.astype(np.int32)
 
 
 def bias_at(wl: ConvWorkload, bias, m, o, table: bool):

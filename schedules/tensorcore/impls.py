@@ -83,10 +83,14 @@ class Conv2dMma(KernelImpl):
         # A GEMM of exactly one 16-row fragment (M = batch x out_h x out_w = 16: ConvNeXt's
         # 4x4 stage at batch 1 and 64 px) makes TVM's reverse_compute_at of the epilogue fail
         # (its region check cannot prove the single fragment row); such a layer is tiny: dp4a.
-        return (target.kind == "cuda" and target.has_int8_mma and wl.groups == 1 and wl.out_dtype == "int8"
-                and wl.in_channels >= MIN_IN_CHANNELS and conv2d.gemm_shape(wl)[0] != 16)
+        # int32 out: the training path's forward (the accumulators, no epilogue: conv2d_nhwc_int32)
+        return (target.kind == "cuda" and target.has_int8_mma and wl.groups == 1 and wl.in_channels >= MIN_IN_CHANNELS
+                and (wl.out_dtype == "int8" or (wl.in_zero == 0 and not wl.norm))
+                and conv2d.gemm_shape(wl)[0] != 16)
 
     def compute(self, wl: ConvWorkload):
+        if wl.out_dtype == "int32":
+            return self.tag(conv2d.conv2d_nhwc_int32(wl), wl)
         return self.tag(conv2d.conv2d_nhwc_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):

@@ -7,7 +7,8 @@ zero-copy (tvm-ffi takes them through DLPack):
 ===============  =======================  =======================================================
 kind             registry op              what
 ===============  =======================  =======================================================
-``forward``      ``conv2d``, int32 out    the int8 conv's accumulator (on CUDA: the dp4a family)
+``forward``      ``conv2d``, int32 out    the int8 conv's accumulator (on CUDA: ``mma.sync`` tensor cores
+                                          for one group of 16+ input channels, else the dp4a family)
 ``grad_input``   ``conv2d_grad_input``    float32 dx from int8 weights
 ``grad_weight``  ``conv2d_grad_weight``   float32 split-K partial dw from the int8 input
 ===============  =======================  =======================================================
@@ -21,9 +22,11 @@ unscheduled for llvm: slow, and used only by the tests, which run the autograd l
 them to check everything this module does around the kernels (packing, groups, the linear-layer
 layout, split-K sums) without a GPU.
 
-Layout work happens in torch, on the device, in int8 where possible: NCHW int8 -> NCHW4c and
-OIHW int8 -> OIHW4o4i before the forward kernel (1 byte per element), NCHW4c int32 -> NCHW
-after it.  The gradient kernels take plain NCHW / OIHW through free views.
+Layout work happens in torch, on the device, in int8 where possible: before the forward kernel
+NCHW int8 -> NHWC32 and OIHW int8 -> [O_p, KH*KW*C_p] for the tensor cores (or NCHW4c /
+OIHW4o4i for dp4a: :func:`forward_layout` says which the registry picked), 1 byte per element;
+after it the int32 accumulators are a strided NCHW view that ``functional`` turns into float
+NCHW in its one conversion pass.  The gradient kernels take plain NCHW / OIHW through free views.
 
 Details that matter:
 
@@ -71,11 +74,13 @@ from .. import registry, schedules
 from ..fileio import atomic_path
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
+from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
 from .functional import register_conv_grad_kernels, register_int8_conv_kernel
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
+TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
 ALIGNMENT = 64  # bytes; TVM's kAllocAlignment, which its kernels assume for every argument
 _SCHEDULES_DIR = os.path.dirname(os.path.abspath(schedules.__file__))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,16 +141,29 @@ def device_target(device: torch.device) -> tuple[object, str]:
     raise NotImplementedError(f"no TVM kernels for device type {device.type!r}")
 
 
-def _definition(kind: str, wl: ConvWorkload, target):
-    """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
-    its default schedule where it has one (llvm: the bare compute definition)."""
+def _impl(kind: str, wl: ConvWorkload, target):
+    """The registry's implementation of one kernel for the target."""
     if kind not in OPS:
         raise ValueError(f"unknown kernel kind {kind!r}; kinds: {sorted(OPS)}")
     impl = registry.select(OPS[kind], wl, TargetInfo.from_target(target))
     if impl is None:
         raise NotImplementedError(f"no {OPS[kind]} kernel for {wl.describe()} on {target}")
+    return impl
+
+
+def _definition(kind: str, wl: ConvWorkload, target):
+    """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
+    its default schedule where it has one (llvm: the bare compute definition)."""
+    impl = _impl(kind, wl, target)
     func = impl.compute(wl)
     return impl.schedule(func, target) or func
+
+
+@functools.lru_cache(maxsize=None)
+def forward_layout(wl: ConvWorkload, device: torch.device) -> str:
+    """The activation layout of the forward kernel the registry picks for ``wl`` on ``device``:
+    ``NHWC32`` (int8 tensor cores, ``mma.sync``: one group, 16+ input channels) or ``NCHW4c`` (dp4a)."""
+    return _impl("forward", wl, device_target(device)[0]).layout
 
 
 def symbol(kind: str) -> str:
@@ -167,8 +185,10 @@ def _build(kind: str, wl, target, path: str) -> None:
     """Compile one kernel and write it to ``path`` atomically."""
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
     func = _definition(kind, wl, target).with_attr("global_symbol", symbol(kind))
-    with target:
-        ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target)
+    # the implementation's own pipeline and PassContext entries (the mma template's async copies)
+    options = registry.compile_options([_impl(kind, wl, target)])
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target, tir_pipeline=options["tir_pipeline"])
     with atomic_path(path, suffix=".so") as tmp:
         ex.export_library(tmp)
 
@@ -266,6 +286,23 @@ def _pack_weight(w: torch.Tensor, groups: int) -> torch.Tensor:
     return wp.reshape(-1, 4, _ceil4(i) // 4, 4, kh, kw).permute(0, 2, 4, 5, 1, 3).contiguous()
 
 
+def _ceil32(c: int) -> int:
+    return (c + 31) // 32 * 32
+
+
+def _pack_input_nhwc32(x: torch.Tensor) -> torch.Tensor:
+    """int8 [N, C, H, W] -> [N, H, W, C_p], channels zero-padded to a multiple of 32 (the
+    tensor-core family's activation layout, ``schedules/tensorcore/layout.py``)."""
+    return _pad_dim(x.permute(0, 2, 3, 1), 3, _ceil32(x.shape[1])).contiguous()
+
+
+def _pack_weight_nhwc32(w: torch.Tensor) -> torch.Tensor:
+    """int8 [O, C, KH, KW] -> [O_p, KH*KW*C_p] (``schedules/tensorcore/conv2d.py``'s ``pack_weight``)."""
+    o, c, kh, kw = w.shape
+    wp = _pad_dim(_pad_dim(w.permute(0, 2, 3, 1), 3, _ceil32(c)), 0, _ceil32(o))
+    return wp.reshape(_ceil32(o), -1).contiguous()
+
+
 def _unpack_output(acc: torch.Tensor, channels: int, groups: int) -> torch.Tensor:
     """int32 [N, G*ogb, OH, OW, 4] -> [N, channels, OH, OW] (padded channels dropped)."""
     n, oc, oh, ow, _ = acc.shape
@@ -295,6 +332,14 @@ def _width_to_rows(t: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- the three ops
 
+def forward_workload(x_shape, w_shape, stride, padding, dilation, groups: int) -> ConvWorkload:
+    """The forward kernel's workload (int32 out) of a conv of these shapes and arguments."""
+    n, c, h, w = x_shape
+    o, _, kh, kw = w_shape
+    return ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
+                        activation="none", act_min=QMIN, out_dtype="int32")
+
+
 def int8_conv(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], padding: tuple[int, int, int, int],
               dilation: tuple[int, int], groups: int) -> torch.Tensor:
     """Exact int8 x int8 -> int32 conv through the TVM kernel: ``functional.int8_conv_cpu``'s contract.
@@ -313,9 +358,12 @@ def int8_conv(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], pad
         out = int8_conv(_rows_to_width(x_q), w_q, stride, padding, dilation, groups)
         return _width_to_rows(out)
     n, c, h, w = x_q.shape
-    o, cg, kh, kw = w_q.shape
-    wl = ConvWorkload(n, c, h, w, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
-                      activation="none", act_min=QMIN, out_dtype="int32")
+    o = w_q.shape[0]
+    wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
+    if forward_layout(wl, x_q.device) == TENSORCORE_LAYOUT:    # int8 tensor cores: [N, OH, OW, O_p] accumulators
+        acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
+        _call("forward", wl, x_q.device, _pack_input_nhwc32(x_q), _pack_weight_nhwc32(w_q), acc)
+        return acc[..., :o].permute(0, 3, 1, 2)
     shape = (n, groups * _ceil4(o // groups) // 4, wl.out_height, wl.out_width, 4)
     acc = torch.empty(shape, dtype=torch.int32, device=x_q.device)
     _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)
