@@ -17,6 +17,7 @@ import sys
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.nn.functional import INPUT_GRADS
 from tvm_qconv.training import MODELS, TrainConfig, run_training
 
 
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive, default=d.batch_size, help=f"batch size (default {d.batch_size})")
     p.add_argument("--lr", type=_positive_float, default=d.lr, help=f"Adam learning rate (default {d.lr})")
     p.add_argument("--qat", action="store_true", help="quantization-aware training with the int8 layers")
+    p.add_argument("--input-grad", choices=INPUT_GRADS, default=d.input_grad,
+                   help="with --qat: input gradients in float32 (default) or from the gradient quantized to int8")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="with --qat: do not train the float model for comparison")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -40,7 +43,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                         qat=args.qat, seed=args.seed)
+                         qat=args.qat, seed=args.seed, input_grad=args.input_grad)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
     def train() -> int:
         run_training(config, out=args.out, baseline=args.baseline, report=print)

@@ -14,6 +14,8 @@ the same weights, and torchvision state dicts load with ``load_float_state_dict`
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLin
 
 def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
     new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-              conv.groups, bias=conv.bias is not None)
+              conv.groups, bias=conv.bias is not None)  # cls: a layer class, or a partial of one
     with torch.no_grad():
         new.weight.copy_(conv.weight)
         if conv.bias is not None:
@@ -39,18 +41,23 @@ def _linear_like(linear: nn.Linear, cls) -> nn.Module:
     return new
 
 
-def swap_layers(model: nn.Module, quantized: bool = True) -> nn.Module:
+def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "float32") -> nn.Module:
     """``model`` with every plain ``nn.Conv2d`` / ``nn.Linear`` replaced in place by the int8 QAT
     layer (or its float twin), same name, same weights.
 
     Args:
         model: a float model (torchvision's, or any built from ``nn.Conv2d`` / ``nn.Linear``).
         quantized: the int8 layers (True) or the float twins (False).
+        input_grad: how the int8 layers compute input gradients (``QuantizedConv2d``).
 
     Returns:
         ``model`` itself.
     """
-    conv, linear = (QuantizedConv2d, QuantizedLinear) if quantized else (TorchConv2d, TorchLinear)
+    if quantized:
+        conv = functools.partial(QuantizedConv2d, input_grad=input_grad)
+        linear = functools.partial(QuantizedLinear, input_grad=input_grad)
+    else:
+        conv, linear = TorchConv2d, TorchLinear
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Conv2d:
@@ -60,13 +67,14 @@ def swap_layers(model: nn.Module, quantized: bool = True) -> nn.Module:
     return model
 
 
-def quantized_resnet50(num_classes: int = 1000, quantized: bool = True) -> nn.Module:
+def quantized_resnet50(num_classes: int = 1000, quantized: bool = True, input_grad: str = "float32") -> nn.Module:
     """torchvision's ``resnet50`` (random init under the caller's seed) with int8 QAT layers.
 
     Args:
         num_classes: logits.
         quantized: the int8 layers (True) or the float twins (False).
+        input_grad: how the int8 layers compute input gradients (``QuantizedConv2d``).
     """
     import torchvision  # here: the VGG models need no torchvision
 
-    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized)
+    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized, input_grad)

@@ -265,6 +265,31 @@ def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators
     assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
 
 
+def _int8_dx(case, seed=0):
+    torch.manual_seed(seed)
+    layer, _ = case.layers()
+    layer.input_grad = "int8"
+    x = torch.randn((case.batch, case.cin) + case.hw, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    out = layer(x)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    return x.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_int8_input_gradient_through_tvm_kernels_equals_the_exact_cpu_path(tvm_on_cpu, monkeypatch, case):
+    # stride 1, one group: an int8 conv of the quantized gradient, exact on both (bit-equal); the
+    # others the float gradient kernel on the dequantized gradient (float32 rounding, as above)
+    ours = _int8_dx(case)
+    monkeypatch.setitem(functional.INT8_CONV_KERNELS, "cpu", functional.int8_conv_cpu)
+    monkeypatch.setitem(functional.CONV_GRAD_KERNELS, "cpu",
+                        (functional.conv_input_grad_torch, functional.conv_weight_grad_torch))
+    cpu = _int8_dx(case)
+    if case.stride == 1 and case.groups == 1:
+        assert torch.equal(ours, cpu)
+    else:
+        assert_matches_reference(ours, cpu)
+
+
 def test_linear_layer_runs_as_one_wide_image_and_matches_reference(tvm_on_cpu):
     torch.manual_seed(0)
     layer = QuantizedLinear(70, 9)

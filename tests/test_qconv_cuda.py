@@ -265,3 +265,24 @@ def test_a_layer_of_16_input_channels_or_more_runs_its_forward_on_tensor_cores_b
     ours, _, ref = run_cuda_twins(case)
     for name in ("out", "dx", "dw"):
         assert_matches_reference(getattr(ours, name), getattr(ref, name))
+
+
+@pytest.mark.parametrize("case", CASES + TENSORCORE_CASES, ids=CASE_IDS + [c.name for c in TENSORCORE_CASES])
+def test_cuda_int8_input_gradient_equals_the_cpus(case):
+    # input_grad="int8": on stride-1 one-group convs an int8 conv of the quantized gradient (the
+    # tensor cores from 16 output channels: the gradient's input), exact, so bit-equal to the CPU's
+    def dx(device):
+        torch.manual_seed(0)
+        layer, _ = case.layers()
+        layer = layer.to(device)
+        layer.input_grad = "int8"
+        x = _input(case, 0).to(device).requires_grad_()
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device))
+        return x.grad.cpu()
+
+    ours, cpu = dx(CUDA), dx(torch.device("cpu"))
+    if case.stride == 1 and case.groups == 1:
+        assert torch.equal(ours, cpu)
+    else:
+        assert_matches_reference(ours, cpu)

@@ -1,6 +1,7 @@
 """QAT on digits, the checkpoint format, and state-dict interchange between the float and int8 VGGs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -43,6 +44,21 @@ def test_qat_small_vgg_reaches_float_accuracy_on_digits(qat_run):
     assert acc["float"] > 90.0, acc  # the float baseline really trained
     # QAT within one point of float (3.6 of the 360 test digits): the int8 rounding costs little.
     assert acc["qat"] >= acc["float"] - 1.0, acc
+
+
+def test_qat_with_int8_input_gradients_reaches_float_accuracy_on_digits(qat_run, tmp_path):
+    # input_grad="int8": every layer's dx from its output gradient quantized to int8 (per tensor);
+    # one thread, as the fixture (~10 s)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run_training(dataclasses.replace(QAT_CONFIG, input_grad="int8"), str(tmp_path / "ckpt.pt"),
+                              baseline=False, report=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert result["accuracy"]["qat"] >= qat_run[0]["accuracy"]["float"] - 1.0, result["accuracy"]
+    ckpt = torch.load(tmp_path / "ckpt.pt", map_location="cpu", weights_only=True)
+    assert ckpt["config"]["input_grad"] == "int8"
 
 
 def test_checkpoint_has_learned_ranges_for_every_quantized_layer(qat_run):

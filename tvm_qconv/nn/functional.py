@@ -343,6 +343,45 @@ def _conv_input_grad(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     return _grad_kernels(grad.device.type)[0](grad, w_q, w_scale, input_shape, stride, padding, dilation, groups)
 
 
+INPUT_GRADS = ("float32", "int8")  # how dx is computed: see _conv_input_grad_int8
+
+
+def transposed_padding(kernel: Sequence[int], padding: Padding4, dilation) -> Padding4 | None:
+    """The padding of the stride-1 conv that computes a stride-1 conv's ``dx`` (the gradient
+    convolved with the flipped, transposed weights): ``d * (k - 1) - p`` per side; None where a
+    side would be negative (a conv padded more than its kernel reaches)."""
+    (kh, kw), (dh, dw) = tuple(kernel), tuple(dilation)
+    top, left, bottom, right = padding
+    pads = (dh * (kh - 1) - top, dw * (kw - 1) - left, dh * (kh - 1) - bottom, dw * (kw - 1) - right)
+    return pads if min(pads) >= 0 else None
+
+
+def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
+                          stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dx`` from an int8 gradient (``input_grad="int8"``), float32 NCHW.
+
+    The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
+    axis, so it cannot be applied after it), ``g'`` is quantized to int8 per tensor (its max /
+    127, rounded to nearest), and ``dx = s_g' * sum_o g'_q[o] * w_q[o]``: for a stride-1 conv of one
+    group that sum is itself an int8 conv, of ``g'_q`` with the flipped, transposed weights, exact
+    in int32 on whatever kernel computes the forward (on CUDA the int8 tensor cores).  Other convs
+    (strides, groups) run the float gradient kernel on the dequantized ``g'_q * s_g'``: the same
+    values up to float32 rounding.
+
+    Measured (CPU, 2026-11-28): the small VGG's QAT on digits reaches the same test accuracy with it
+    as with float32 gradients (seeds 0 and 1); its gradients differ from float32's by 0.1-1.4 %.
+    """
+    g_w = grad * w_scale.view(1, -1, 1, 1)
+    g_q, s_g = quantize_per_tensor(g_w, batch_amax(g_w))
+    pads = transposed_padding(w_q.shape[2:], padding, dilation)
+    if tuple(stride) == (1, 1) and groups == 1 and pads is not None:
+        w_t = w_q.flip(2, 3).transpose(0, 1)                  # [C, O, KH, KW]
+        acc = _int8_conv_forward(g_q, w_t, (1, 1), pads, tuple(dilation), 1)
+        return torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc).mul_(s_g)
+    return _conv_input_grad(g_q.to(torch.float32).mul_(s_g), w_q, torch.ones_like(w_scale), input_shape, stride,
+                            padding, dilation, groups)
+
+
 def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
                       stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
     """The dispatch point of ``dw`` (float32 OIHW) from the int8 input, its scale and the gradient."""
@@ -382,17 +421,19 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
 class QuantizedConv2dFunction(torch.autograd.Function):
     """int8 conv (+ bias, + ReLU) with the straight-through estimator; see the module docstring.
 
-    ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max)``:
-    ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is (top, left, bottom,
-    right); ``amax_is_batch_max``: see :func:`quantized_conv2d`.
+    ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
+    input_grad)``: ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is
+    (top, left, bottom, right); ``amax_is_batch_max``, ``input_grad``: see :func:`quantized_conv2d`.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max):
+    def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
+                input_grad):
         y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask=relu,
                             keep_clip_mask=ctx.needs_input_grad[0] and not amax_is_batch_max)
         ctx.save_for_backward(*saved)
         ctx.conf = (stride, padding, dilation, groups, relu)
+        ctx.input_grad = input_grad
         ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
@@ -411,7 +452,8 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             w_q, w_scale = quantize_weight(weight)  # bit-identical to the forward's
-            dx = _conv_input_grad(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
+            dx_of = _conv_input_grad_int8 if ctx.input_grad == "int8" else _conv_input_grad
+            dx = dx_of(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)
@@ -419,7 +461,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
             dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g.sum(dim=(0, 2, 3)).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _pair(v) -> tuple[int, int]:
@@ -456,7 +498,7 @@ def padding4(padding, kernel_size, dilation) -> Padding4:
 
 def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
                      stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False, *,
-                     amax_is_batch_max: bool = False) -> torch.Tensor:
+                     amax_is_batch_max: bool = False, input_grad: str = "float32") -> torch.Tensor:
     """int8 conv2d (+ bias, + optional fused ReLU) with STE gradients, ``F.conv2d``'s arguments.
 
     Args:
@@ -472,6 +514,8 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             it in training), so nothing clips and backward keeps no clip mask.  Otherwise the
             clip mask (1 bit per input element) is kept whenever ``x`` needs a gradient, without
             first looking whether anything clipped: that look is a device -> host sync.
+        input_grad: ``"float32"`` (dx from the float gradient) or ``"int8"`` (from the gradient
+            quantized to int8, on the int8 conv kernels: :func:`_conv_input_grad_int8`).
 
     Returns:
         float NCHW output in ``x``'s dtype.
@@ -483,6 +527,8 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     if x.dim() != 4:
         raise ValueError(f"quantized_conv2d expects an NCHW input, got shape {tuple(x.shape)}")
+    if input_grad not in INPUT_GRADS:
+        raise ValueError(f"input_grad must be one of {INPUT_GRADS}, got {input_grad!r}")
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         # Inference: no graph, so no masks to build (ctx.needs_input_grad ignores no_grad mode).
@@ -490,11 +536,12 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                         _pair(dilation), int(groups), bool(relu), False, False)[0]
     return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
                                          padding4(padding, weight.shape[2:], dilation), _pair(dilation),
-                                         int(groups), bool(relu), bool(amax_is_batch_max))
+                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
-                     relu: bool = False, *, amax_is_batch_max: bool = False) -> torch.Tensor:
+                     relu: bool = False, *, amax_is_batch_max: bool = False, input_grad: str = "float32"
+                     ) -> torch.Tensor:
     """int8 linear layer ``x @ w.T + b`` (``F.linear``'s arguments), as a 1x1 conv on a 1x1 image.
 
     Args:
@@ -503,7 +550,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias: float ``(O,)`` or None.
         amax: 0-d tensor, the input's clipping threshold.
         relu: apply ReLU.
-        amax_is_batch_max: as :func:`quantized_conv2d`.
+        amax_is_batch_max, input_grad: as :func:`quantized_conv2d`.
 
     Returns:
         float ``(*, O)``.
@@ -511,5 +558,5 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     lead = x.shape[:-1]
     x4 = x.reshape(-1, x.shape[-1], 1, 1)
     y = quantized_conv2d(x4, weight.view(weight.shape[0], weight.shape[1], 1, 1), bias, amax, relu=relu,
-                         amax_is_batch_max=amax_is_batch_max)
+                         amax_is_batch_max=amax_is_batch_max, input_grad=input_grad)
     return y.reshape(*lead, weight.shape[0])

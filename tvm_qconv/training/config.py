@@ -8,21 +8,23 @@ from typing import Callable
 from torch import nn
 
 from ..models.quantized_vgg import QuantizedVGG16, SmallQuantizedVGG
+from ..nn.functional import INPUT_GRADS
 
 TRAIN_CONFIG_VERSION = 1
 DIGITS_CLASSES = 10
 
 
-def _small_vgg(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
-    return SmallQuantizedVGG(num_classes=num_classes, image_size=image_size, quantized=quantized)
+def _small_vgg(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32") -> nn.Module:
+    return SmallQuantizedVGG(num_classes=num_classes, image_size=image_size, quantized=quantized,
+                             input_grad=input_grad)
 
 
-def _vgg16(quantized: bool, num_classes: int, image_size: int) -> nn.Module:
-    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized)
+def _vgg16(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32") -> nn.Module:
+    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized, input_grad=input_grad)
 
 
 # The CLI's --model choices.
-MODELS: dict[str, Callable[[bool, int, int], nn.Module]] = {"small_vgg": _small_vgg, "vgg16": _vgg16}
+MODELS: dict[str, Callable[..., nn.Module]] = {"small_vgg": _small_vgg, "vgg16": _vgg16}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class TrainConfig:
         qat: train the int8 quantized model (else the float twin).
         seed: seeds the initialization, the batch order and the data split.
         image_size: digits are upsampled to this size (32 for both models).
+        input_grad: how the int8 layers compute input gradients: ``"float32"``, or ``"int8"`` (the
+            output gradient quantized to int8, on the int8 conv kernels: ``QuantizedConv2d``).
     """
 
     model: str = "small_vgg"
@@ -48,6 +52,7 @@ class TrainConfig:
     qat: bool = False
     seed: int = 0
     image_size: int = 32
+    input_grad: str = "float32"
     version: int = TRAIN_CONFIG_VERSION
 
     def __post_init__(self):
@@ -57,6 +62,7 @@ class TrainConfig:
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.input_grad in INPUT_GRADS, f"input_grad must be one of {INPUT_GRADS}, got {self.input_grad!r}"),
             (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
             (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
         ]
@@ -78,4 +84,4 @@ class TrainConfig:
 def build_model(config: TrainConfig, quantized: bool | None = None) -> nn.Module:
     """The model of ``config`` (quantized iff ``config.qat`` unless ``quantized`` says otherwise)."""
     q = config.qat if quantized is None else quantized
-    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size)
+    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size, config.input_grad)
