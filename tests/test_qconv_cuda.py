@@ -78,14 +78,20 @@ def test_cuda_gradient_close_to_float_twin(case, grad):
     assert relative_error(getattr(ours, grad), getattr(twin, grad)) < TWIN_GRAD_TOLERANCE[case.relu]
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_cuda_int8_conv_is_bit_exact_against_cpu_kernel(case):
+def _int8_operands(case: Case):
+    """Random int8 input and weight of ``case`` and its conv arguments (stride, padding4, dilation, groups)."""
     g = torch.Generator().manual_seed(0)
     layer, _ = case.layers()
     x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
     w_q = torch.randint(-127, 128, layer.weight.shape, generator=g, dtype=torch.int8)
     args = (layer.stride, functional.padding4(case.padding, layer.kernel_size, layer.dilation), layer.dilation,
             case.groups)
+    return x_q, w_q, args
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cuda_int8_conv_is_bit_exact_against_cpu_kernel(case):
+    x_q, w_q, args = _int8_operands(case)
     acc = functional._int8_conv_forward(x_q.to(CUDA), w_q.to(CUDA), *args)
     assert acc.dtype == torch.int32 and acc.is_cuda
     assert torch.equal(acc.cpu(), functional.int8_conv_cpu(x_q, w_q, *args))
@@ -252,12 +258,7 @@ TENSORCORE_CASES = [Case("tc_3x3", cin=32, cout=48), Case("tc_stride2", cin=16, 
 
 @pytest.mark.parametrize("case", TENSORCORE_CASES, ids=[c.name for c in TENSORCORE_CASES])
 def test_a_layer_of_16_input_channels_or_more_runs_its_forward_on_tensor_cores_bit_exactly(case):
-    g = torch.Generator().manual_seed(0)
-    layer, _ = case.layers()
-    x_q = torch.randint(-127, 128, (case.batch, case.cin) + case.hw, generator=g, dtype=torch.int8)
-    w_q = torch.randint(-127, 128, layer.weight.shape, generator=g, dtype=torch.int8)
-    args = (layer.stride, functional.padding4(case.padding, layer.kernel_size, layer.dilation), layer.dilation,
-            case.groups)
+    x_q, w_q, args = _int8_operands(case)
     wl = tvm_kernels.forward_workload(x_q.shape, w_q.shape, *args)
     assert tvm_kernels.forward_layout(wl, CUDA) == tvm_kernels.TENSORCORE_LAYOUT
     acc = functional._int8_conv_forward(x_q.to(CUDA), w_q.to(CUDA), *args)

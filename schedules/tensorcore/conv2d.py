@@ -201,21 +201,28 @@ def conv2d_nhwc_int32(wl: ConvWorkload) -> tirx.PrimFunc:
 
 
 def conv2d_nhwc_int32_ref(wl: ConvWorkload, data, weight) -> np.ndarray:
-    """NumPy reference of :func:`conv2d_nhwc_int32`: int32 ``[N, OH, OW, O_p]`` accumulators
-    (float64 BLAS, exact: see :func:`conv2d_nhwc_int8_ref`)."""
+    """NumPy reference of :func:`conv2d_nhwc_int32`: int32 ``[N, OH, OW, O_p]`` accumulators."""
+    return _accumulate(wl, data, weight, 0).astype(np.int32)
+
+
+def _accumulate(wl: ConvWorkload, data, weight, pad_value: int) -> np.ndarray:
+    """float64 ``[N, OH, OW, O_p]`` sums of the packed operands, the input padded with ``pad_value``.
+
+    Through BLAS in float64: every partial sum of int8 x int8 products over K <= 2**20 is an integer
+    below 2**35 < 2**53, so float64 is exact (and far faster than an int64 matmul on big layers)."""
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     pt, pl, pb, pr = wl.padding
     oh, ow = wl.out_height, wl.out_width
     n, _, _, cp = data.shape
     op = weight.shape[0]
     wk = weight.reshape(op, kh, kw, cp).astype(np.float64)
-    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=pad_value)
     acc = np.zeros((n, oh, ow, op), np.float64)
     for y in range(kh):
         for x in range(kw):
             win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
             acc += win.astype(np.float64) @ wk[:, y, x, :].T
-    return acc.astype(np.int32)
+    return acc
 
 
 def bias_at(wl: ConvWorkload, bias, m, o, table: bool):
@@ -224,24 +231,11 @@ def bias_at(wl: ConvWorkload, bias, m, o, table: bool):
 
 
 def conv2d_nhwc_int8_ref(wl: ConvWorkload, data, weight, bias, mult, shift) -> np.ndarray:
-    """NumPy reference on the packed layouts; returns int8 [N, OH, OW, O_p].
-
-    The accumulation runs in float64 through BLAS: every partial sum of int8 x int8 products over
-    K <= 2**20 is an integer below 2**35 < 2**53, so float64 is exact (and far faster than an
-    int64 matmul on big layers); the epilogue is the int64 fixed-point requantization."""
-    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    pt, pl, pb, pr = wl.padding
+    """NumPy reference on the packed layouts; returns int8 [N, OH, OW, O_p]: the exact sums
+    (:func:`_accumulate`), then the int64 fixed-point requantization."""
     oh, ow = wl.out_height, wl.out_width
-    n, _, _, cp = data.shape
-    op = weight.shape[0]
-    wk = weight.reshape(op, kh, kw, cp).astype(np.float64)
     table = bias.ndim == 2      # the ``border`` form: pads with 0, a bias per border class
-    dp = np.pad(data, ((0, 0), (pt, pb), (pl, pr), (0, 0)), constant_values=0 if table else wl.in_zero)
-    acc = np.zeros((n, oh, ow, op), np.float64)
-    for y in range(kh):
-        for x in range(kw):
-            win = dp[:, y * dh: y * dh + (oh - 1) * sh + 1: sh, x * dw: x * dw + (ow - 1) * sw + 1: sw, :]
-            acc += win.astype(np.float64) @ wk[:, y, x, :].T
+    acc = _accumulate(wl, data, weight, 0 if table else wl.in_zero)
     if table:   # [OH, OW, O_p]: each pixel's row
         bias = bias[border_bias.table_row(wl, np.arange(oh * ow), np.minimum, np.maximum)].reshape(oh, ow, -1)
     return requantize_ref(acc.astype(np.int64) + bias.astype(np.int64), mult, shift, wl.act_min, wl.act_max)
