@@ -206,7 +206,8 @@ def run(out: str, models: list[str], batches: list[int], gpus: int | list[int], 
             if autotune_cache:
                 env["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(m, b)
                 seed_timings(autotune_cache, inductor_dir(m, b))
-            running[g] = (m, b, subprocess.Popen(command(out, m, b, size, lib_dir), env=env, stdout=log, stderr=log), log)
+            proc = subprocess.Popen(command(out, m, b, size, lib_dir), env=env, stdout=log, stderr=log)
+            running[g] = (m, b, proc, log)
             print(f"[{time.monotonic() - start:5.0f} s] GPU {g}: {m} batch {b}", flush=True)
         for g, (m, b, proc, log) in list(running.items()):
             if proc.poll() is None and left > 0:
@@ -294,7 +295,8 @@ def main(argv=None) -> int:
     r.add_argument("--autotune-cache", default=None,
                    help="a folder of max-autotune's timings, seeded into each unit and merged back (module docstring)")
     r.add_argument("--lib-dir", default=None,
-                   help="prebuilt libraries (<model>_b<batch>.so, from `goal.py build`) the units time instead of building")
+                   help="prebuilt libraries (<model>_b<batch>.so, from `goal.py build`) the units time "
+                        "instead of building")
     r.add_argument("--out", default="results/goal")
     b = sub.add_parser("build", help="build the pending units' libraries into --lib-dir (CPU work, no GPU needed)")
     b.add_argument("--models", nargs="+", default=list(SIZES))

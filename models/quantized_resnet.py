@@ -23,8 +23,10 @@ from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLin
 
 
 def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
+    # cls: a layer class, or a partial of one; the int8 layers refuse a padding mode other than zeros
     new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
-              conv.groups, bias=conv.bias is not None)  # cls: a layer class, or a partial of one
+              conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode, device=conv.weight.device,
+              dtype=conv.weight.dtype)
     with torch.no_grad():
         new.weight.copy_(conv.weight)
         if conv.bias is not None:
@@ -33,7 +35,8 @@ def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
 
 
 def _linear_like(linear: nn.Linear, cls) -> nn.Module:
-    new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=linear.weight.device,
+              dtype=linear.weight.dtype)
     with torch.no_grad():
         new.weight.copy_(linear.weight)
         if linear.bias is not None:

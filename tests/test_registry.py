@@ -49,14 +49,17 @@ def test_select_picks_the_family_the_target_has(target):
     assert (impl.name if impl else None) == expected
 
 
-def test_few_input_channels_go_to_dp4a_and_the_training_conv_never_to_tensor_cores():
+def test_few_input_channels_go_to_dp4a_and_the_training_conv_to_tensor_cores_from_16():
     # VGG's first conv (3 channels) would pad to 32 for the mma K step: 10x the work of dp4a's 4.
     # Where tensor cores take the next layer (16+ channels), the stem conv (mma.sync, NHWC32 out);
     # before a layer of fewer channels (dp4a's, NCHW4c) or without int8 mma, the dp4a family.
+    # The training forward (int32 out): mma.sync from 16 input channels, dp4a below (no stem form).
     assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 64), SM90).name == "conv2d.nhwc32.stem"
     assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 8), SM90).name == "conv2d.nchw4c.dp4a"
     assert registry.select("conv2d", conv_wl(1, 3, 224, 224, 64), SM75).name == "conv2d.nchw4c.dp4a"
-    assert registry.select("conv2d", conv_wl(1, 64, 56, 56, 64, out_dtype="int32"), SM90).name == "conv2d.nchw4c.dp4a"
+    assert registry.select("conv2d", conv_wl(1, 64, 56, 56, 64, out_dtype="int32"), SM90).name == "conv2d.nhwc32.mma"
+    assert registry.select("conv2d", conv_wl(1, 3, 56, 56, 64, out_dtype="int32"), SM90).name == "conv2d.nchw4c.dp4a"
+    assert registry.select("conv2d", conv_wl(1, 64, 56, 56, 64, out_dtype="int32"), SM75).name == "conv2d.nchw4c.dp4a"
     assert [i.name for i in registry.candidates("conv2d", conv_wl(1, 64, 56, 56, 64), SM90)] == [
         "conv2d.nhwc32.mma", "conv2d.nchw4c.dp4a"]
 

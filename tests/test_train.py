@@ -152,6 +152,10 @@ def test_train_config_rejects_bad_values():
         TrainConfig(model="resnet")
     with pytest.raises(ValueError, match="epochs must be >= 1"):
         TrainConfig(epochs=0)
+    with pytest.raises(ValueError, match="input_grad must be one of"):
+        TrainConfig(qat=True, input_grad="int4")
+    with pytest.raises(ValueError, match="input_grad is the int8 layers'"):
+        TrainConfig(input_grad="int8")                  # a float run has no int8 gradients
     assert TrainConfig.from_dict(QAT_CONFIG.to_dict()) == QAT_CONFIG
 
 

@@ -67,7 +67,8 @@ def _default_schedule(func, target):
 
 
 class Conv2dMma(KernelImpl):
-    """The fused conv as an implicit GEMM on int8 tensor cores (``conv2d.py``, ``mma.py``)."""
+    """The fused conv as an implicit GEMM on int8 tensor cores (``conv2d.py``, ``mma.py``); with
+    ``out_dtype="int32"`` the training path's forward, its accumulators stored (``conv2d_nhwc_int32``)."""
 
     name = "conv2d.nhwc32.mma"
     op = "conv2d"
@@ -94,6 +95,8 @@ class Conv2dMma(KernelImpl):
         return self.tag(conv2d.conv2d_nhwc_int8(wl), wl)
 
     def reference(self, wl: ConvWorkload, *args):
+        if wl.out_dtype == "int32":
+            return conv2d.conv2d_nhwc_int32_ref(wl, *args)
         return epilogue_residual.reference(
             wl, args, lambda wl, *a: epilogue_table.reference(LAYOUT, wl, a, conv2d.conv2d_nhwc_int8_ref))
 

@@ -22,8 +22,8 @@ Backward (seed 000's derivation, straight-through estimator at the quantizers)::
 per input element), the scalar input scale, the ReLU mask packed 8 per byte (1/8 byte per output
 element) and, unless the input was quantized with its own max (training: nothing clips), the clip
 mask packed the same way (1/8 byte per input element).  Nothing in forward or backward reads a
-value back to the host, so a training step can be captured in a CUDA graph.  The float twin (``nn.Conv2d`` + ReLU) keeps the float input and the float output:
-4 + 4 bytes per element.
+value back to the host, so a training step can be captured in a CUDA graph.  The float twin
+(``nn.Conv2d`` + ReLU) keeps the float input and the float output: 4 + 4 bytes per element.
 
 The int8 weight and its scales are *not* kept: backward re-quantizes the float weight, which
 autograd keeps by reference (the parameter, 0 extra bytes; its version counter guarantees it
@@ -40,8 +40,8 @@ The autograd code calls three functions and never a kernel directly:
   ``INT8_CONV_KERNELS[x_q.device.type]``.  The CPU entry (:func:`int8_conv_cpu`) is exact
   (see its docstring).  Its contract: contiguous NCHW int8 ``x_q``, contiguous OIHW int8
   ``w_q`` (``I = C / groups``), ``padding = (top, left, bottom, right)``, returns NCHW int32
-  on ``x_q``'s device, any strides (the CUDA kernel returns a view of its NCHW4c output:
-  ``_forward`` converts to float and to contiguous NCHW in one pass).  Linear layers reach the
+  on ``x_q``'s device, any strides (the CUDA kernel returns a view of its NHWC32 or NCHW4c
+  output: ``_forward`` converts to float and to contiguous NCHW in one pass).  Linear layers reach the
   same entry point as 1x1 convs on a 1x1 image (``H = W = 1``), so a kernel may route that
   case to a dense kernel.
 * :func:`_conv_input_grad` ``(g, w_q, w_scale, ...)`` and :func:`_conv_weight_grad`
@@ -50,8 +50,8 @@ The autograd code calls three functions and never a kernel directly:
   conv gradients on the dequantized tensors (float32), device-generic.
 
 On CUDA all three are TVM kernels generated from this project's TensorIR definitions
-(:mod:`tvm_qconv.nn.tvm_kernels`: dp4a int8 forward, float32 gradient kernels with the int8
-tensors read as int8), which register themselves the first time a CUDA tensor arrives
+(:mod:`tvm_qconv.nn.tvm_kernels`: the int8 forward on tensor cores (mma.sync) or dp4a, float32
+gradient kernels with the int8 tensors read as int8), which register themselves the first time a CUDA tensor arrives
 (``LAZY_KERNELS``), so that importing ``tvm_qconv`` needs neither TVM nor CUDA.  Set
 ``TVM_QCONV_KERNELS=torch`` to run CUDA on the PyTorch reference kernels instead (the exact
 float64 forward conv and PyTorch's gradients: a debugging aid).  Other registrations:
@@ -496,6 +496,13 @@ def padding4(padding, kernel_size, dilation) -> Padding4:
     return (ph, pw, ph, pw)
 
 
+def check_input_grad(input_grad: str) -> str:
+    """``input_grad`` if it is one of :data:`INPUT_GRADS`, else a ValueError naming them."""
+    if input_grad not in INPUT_GRADS:
+        raise ValueError(f"input_grad must be one of {INPUT_GRADS}, got {input_grad!r}")
+    return input_grad
+
+
 def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
                      stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False, *,
                      amax_is_batch_max: bool = False, input_grad: str = "float32") -> torch.Tensor:
@@ -527,8 +534,7 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     if x.dim() != 4:
         raise ValueError(f"quantized_conv2d expects an NCHW input, got shape {tuple(x.shape)}")
-    if input_grad not in INPUT_GRADS:
-        raise ValueError(f"input_grad must be one of {INPUT_GRADS}, got {input_grad!r}")
+    check_input_grad(input_grad)
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         # Inference: no graph, so no masks to build (ctx.needs_input_grad ignores no_grad mode).

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import INPUT_GRADS, batch_amax, quantized_conv2d, quantized_linear
+from .functional import batch_amax, check_input_grad, quantized_conv2d, quantized_linear
 
 AMAX_BUFFERS = {"input_amax": "in0", "output_amax": "out"}  # buffer -> calibration-point suffix
 DEFAULT_AMAX_MOMENTUM = 0.1
@@ -51,7 +51,8 @@ class _RangeTracker:
 
     def _input_clip(self, x: torch.Tensor) -> torch.Tensor:
         """The amax to quantize ``x`` with: the batch's in training, the learned one in eval (the
-        batch's where none was learned yet), chosen on the device: no host sync."""
+        batch's where none was learned yet), chosen on the device: no host sync, at the price of
+        one reduction over ``x`` in every eval call."""
         if self.training:
             return self._observe(self.input_amax, x)
         return torch.where(self.input_amax > 0, self.input_amax, batch_amax(x).to(self.input_amax.device))
@@ -60,12 +61,6 @@ class _RangeTracker:
         grad = getattr(self, "input_grad", "float32")
         return super().extra_repr() + f", amax_momentum={self.amax_momentum}" + (
             f", input_grad={grad!r}" if grad != "float32" else "")
-
-
-def _check_input_grad(input_grad: str) -> str:
-    if input_grad not in INPUT_GRADS:
-        raise ValueError(f"input_grad must be one of {INPUT_GRADS}, got {input_grad!r}")
-    return input_grad
 
 
 def _check_padding_mode(padding_mode: str) -> None:
@@ -98,7 +93,7 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
         nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                            bias, padding_mode, device, dtype)
         self._init_ranges(amax_momentum)
-        self.input_grad = _check_input_grad(input_grad)
+        self.input_grad = check_input_grad(input_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
@@ -157,7 +152,7 @@ class QuantizedLinear(_RangeTracker, nn.Linear):
                  amax_momentum: float = DEFAULT_AMAX_MOMENTUM, input_grad: str = "float32"):
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
         self._init_ranges(amax_momentum)
-        self.input_grad = _check_input_grad(input_grad)
+        self.input_grad = check_input_grad(input_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self.training,

@@ -49,8 +49,8 @@ Details that matter:
   on *one* 1 x N image (the batch becomes the width): the same result, but the forward
   schedule tiles 32 columns x 8 output-channel groups instead of one pixel per block.
 * **Cache.** Key = kind, workload, target (arch), TVM version and a hash of the kernels' source
-  files (every file of ``schedules/`` and this one: editing a schedule rebuilds the kernels).  Each ``.so`` is written to a temp file
-  and ``os.replace``d into place: an interrupted build never leaves a partial entry, and an
+  files (every file of ``schedules/`` and this one: editing a schedule rebuilds the kernels).
+  Each ``.so`` is written to a temp file and ``os.replace``d into place: an interrupted build never leaves a partial entry, and an
   entry that fails to load is rebuilt with a warning.  Directory: ``$TVM_QCONV_KERNEL_CACHE``,
   else ``~/.cache/tvm_qconv/kernels``.
 """
@@ -153,9 +153,18 @@ def _impl(kind: str, wl: ConvWorkload, target):
 
 def _definition(kind: str, wl: ConvWorkload, target):
     """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
-    its default schedule where it has one (llvm: the bare compute definition)."""
+    its default schedule where it has one (llvm: the bare compute definition).
+
+    Raises:
+        NotImplementedError: a forward kernel that does not take the ``(data, weight, out)`` that
+            :func:`int8_conv` packs (a new int32 conv that needs its own packing).
+    """
     impl = _impl(kind, wl, target)
     func = impl.compute(wl)
+    if kind == "forward" and len(func.params) != 3:
+        raise NotImplementedError(f"{impl.name} takes {len(func.params)} arguments for {wl.describe()}; the training "
+                                  f"forward passes (data, weight, out) packed for {impl.layout}: teach int8_conv its "
+                                  "packing")
     return impl.schedule(func, target) or func
 
 

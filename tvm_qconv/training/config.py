@@ -63,6 +63,8 @@ class TrainConfig:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (self.input_grad in INPUT_GRADS, f"input_grad must be one of {INPUT_GRADS}, got {self.input_grad!r}"),
+            (self.qat or self.input_grad == "float32", "input_grad is the int8 layers' (qat=True); the float model "
+                                                       "has float gradients"),
             (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
             (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
         ]
