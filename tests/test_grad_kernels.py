@@ -30,10 +30,9 @@ from tvm.script import parser as tvmscript
 
 from tests.test_qconv_autograd import CASES, CASE_IDS, NONCONTIGUOUS, assert_matches_reference, run_twins
 from tests.workloads import conv_wl
+from tvm_qconv import registry
 from tvm_qconv.nn import QuantizedLinear, batch_amax, functional, quantize_per_tensor, quantize_weight
 from tvm_qconv.nn import tvm_kernels
-from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8
-from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
 from tvm_qconv.schedules.training.grad_input import (conv2d_grad_input_int8, conv2d_grad_input_int8_ref,
                                                      schedule_grad_input_cuda)
 from tvm_qconv.schedules.training.grad_weight import (conv2d_grad_weight_int8, conv2d_grad_weight_int8_ref,
@@ -179,27 +178,30 @@ VGG_WORKLOADS = [GW(32, 3, 224, 224, 64), GW(32, 256, 56, 56, 256), GW(32, 512, 
 
 
 def _cuda_funcs(wl: GW):
+    """The three kernels the training path builds for ``wl`` on CUDA (the forward as the registry picks it)."""
     fwd = conv_wl(wl.batch, wl.in_channels, wl.height, wl.width, wl.out_channels, wl.kernel, wl.stride,
                   wl.padding, wl.dilation, relu=False, out_dtype="int32")
-    return {"forward": schedule_dp4a(conv2d_nchw4c_int8(fwd), CUDA),
-            "grad_input": schedule_grad_input_cuda(conv2d_grad_input_int8(wl), CUDA),
-            "grad_weight": schedule_grad_weight_cuda(conv2d_grad_weight_int8(wl), CUDA)}
+    return {"forward": (tvm_kernels._definition("forward", fwd, CUDA), tvm_kernels._impl("forward", fwd, CUDA)),
+            "grad_input": (schedule_grad_input_cuda(conv2d_grad_input_int8(wl), CUDA), None),
+            "grad_weight": (schedule_grad_weight_cuda(conv2d_grad_weight_int8(wl), CUDA), None)}
 
 
 @pytest.mark.parametrize("wl", VGG_WORKLOADS, ids=["vgg_conv1", "vgg_256@56", "vgg_512@14", "vgg_fc3"])
 def test_cuda_kernels_build_with_shared_tiles_and_no_tvm_allocated_global_memory(wl):
-    for kind, func in _cuda_funcs(wl).items():
+    for kind, (func, impl) in _cuda_funcs(wl).items():
         # Every buffer a kernel allocates lives in shared memory or registers: a global one
         # would be allocated by TVM, outside PyTorch's allocator and its memory statistics.
         allocs = [line.strip() for line in func.script().splitlines() if "alloc_buffer(" in line]
-        assert allocs and all('scope="shared"' in a or 'scope="local"' in a for a in allocs), (kind, allocs)
-        with CUDA:
-            src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=CUDA))
+        scopes = re.compile(r'scope="(shared|shared\.dyn|local|warp)"')
+        assert allocs and all(scopes.search(a) for a in allocs), (kind, allocs)
+        options = registry.compile_options([impl] if impl else [])
+        with CUDA, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+            src = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=CUDA, tir_pipeline=options["tir_pipeline"]))
         assert "__shared__" in src and "__syncthreads()" in src, kind
         threads = [int(t) for t in re.findall(r"__launch_bounds__\((\d+)\)", src)]
         assert threads and max(threads) <= 1024, kind
-        if kind == "forward":
-            assert "__dp4a" in src
+        if kind == "forward":   # 3 input channels: dp4a; 16 and more: the int8 tensor cores
+            assert ("__dp4a" if wl.in_channels < 16 else "mma.sync.aligned.m16n8k32") in src
         else:
             assert "signed char" in src  # the int8 tensor is read as int8, not a float copy
 
