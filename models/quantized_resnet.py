@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
-from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear
+from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear, load_float_state_dict
 
 
 def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
@@ -27,20 +26,14 @@ def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
     new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation,
               conv.groups, bias=conv.bias is not None, padding_mode=conv.padding_mode, device=conv.weight.device,
               dtype=conv.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(conv.weight)
-        if conv.bias is not None:
-            new.bias.copy_(conv.bias)
+    load_float_state_dict(new, conv.state_dict())
     return new
 
 
 def _linear_like(linear: nn.Linear, cls) -> nn.Module:
     new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=linear.weight.device,
               dtype=linear.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(linear.weight)
-        if linear.bias is not None:
-            new.bias.copy_(linear.bias)
+    load_float_state_dict(new, linear.state_dict())
     return new
 
 
