@@ -40,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.input_grad != "float32" and not args.qat:
+        parser.error(f"--input-grad {args.input_grad} is for the int8 layers: add --qat (the float model's "
+                     "gradients are float)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed, input_grad=args.input_grad)

@@ -165,3 +165,11 @@ def test_cli_rejects_non_positive_epochs(capsys):
     with pytest.raises(SystemExit):
         train.main(["--epochs", "0"])
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_cli_refuses_int8_gradients_without_qat(capsys):
+    import train
+
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--input-grad", "int8"])
+    assert exit_info.value.code == 2 and "add --qat" in capsys.readouterr().err
