@@ -368,8 +368,8 @@ def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.
     (strides, groups) run the float gradient kernel on the dequantized ``g'_q * s_g'``: the same
     values up to float32 rounding.
 
-    Measured (CPU, 2026-11-28): the small VGG's QAT on digits reaches the same test accuracy with it
-    as with float32 gradients (seeds 0 and 1); its gradients differ from float32's by 0.1-1.4 %.
+    The small VGG's QAT on digits stays within a point of the float model with it (a test;
+    figures per seed in docs/history.md, "Issue 35, first steps").
     """
     g_w = grad * w_scale.view(1, -1, 1, 1)
     g_q, s_g = quantize_per_tensor(g_w, batch_amax(g_w))
