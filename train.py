@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qat", action="store_true", help="quantization-aware training with the int8 layers")
     p.add_argument("--input-grad", choices=INPUT_GRADS, default=d.input_grad,
                    help="with --qat: input gradients in float32 (default) or from the gradient quantized to int8")
+    p.add_argument("--weight-grad", choices=INPUT_GRADS, default=d.weight_grad,
+                   help="with --qat: weight gradients in float32 (default) or from the gradient quantized to int8 "
+                        "per channel")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="with --qat: do not train the float model for comparison")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -42,12 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.input_grad != "float32" and not args.qat:
-        parser.error(f"--input-grad {args.input_grad} is for the int8 layers: add --qat (the float model's "
-                     "gradients are float)")
+    for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
+        if value != "float32" and not args.qat:
+            parser.error(f"{flag} {value} is for the int8 layers: add --qat (the float model's gradients are float)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                         qat=args.qat, seed=args.seed, input_grad=args.input_grad)
+                         qat=args.qat, seed=args.seed, input_grad=args.input_grad,
+                         weight_grad=args.weight_grad)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
     def train() -> int:
         run_training(config, out=args.out, baseline=args.baseline, report=print)

@@ -18,7 +18,8 @@ images and labels, same seed and weights in every variant:
 * ``defaults``: the float twin with PyTorch's defaults (cuDNN's convs in TF32, matmuls in fp32,
   ``cudnn.benchmark`` off: the 2026-11-22 figure's twin).
 
-``--input-grad int8`` runs ours with int8 input gradients (``QuantizedConv2d``'s ``input_grad``).
+``--input-grad int8`` / ``--weight-grad int8`` run ours with int8 input / weight gradients
+(``QuantizedConv2d``'s ``input_grad`` / ``weight_grad``).
 
 Measured per variant: peak RAM (``ru_maxrss``), peak CUDA allocated / reserved over the whole run,
 device memory used at the end (``cudaMemGetInfo``, which also counts the CUDA context and TVM's
@@ -63,17 +64,18 @@ METRICS = [("peak_ram_mb", "Peak RAM (MB)"), ("peak_cuda_allocated_mb", "Peak CU
 
 
 def build_model(model: str, num_classes: int, image_size: int, quantized: bool,
-                input_grad: str = "float32") -> torch.nn.Module:
+                input_grad: str = "float32", weight_grad: str = "float32") -> torch.nn.Module:
     """The model of a variant, seeded: every variant starts from the same weights."""
     torch.manual_seed(0)
     if model == "vgg16":
         return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized,
-                              input_grad=input_grad)
-    return quantized_resnet50(num_classes=num_classes, quantized=quantized, input_grad=input_grad)
+                              input_grad=input_grad, weight_grad=weight_grad)
+    return quantized_resnet50(num_classes=num_classes, quantized=quantized, input_grad=input_grad,
+                              weight_grad=weight_grad)
 
 
 def child(variant: str, model_name: str, batch: int, image_size: int, steps: int, warmup: int,
-          num_classes: int, input_grad: str = "float32") -> dict:
+          num_classes: int, input_grad: str = "float32", weight_grad: str = "float32") -> dict:
     """One variant in this (fresh) process: peaks, step times, one profiled step and, for ours,
     the TVM kernels that ran."""
     ours = variant.startswith("ours")
@@ -81,7 +83,8 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
     if variant in ("tf32", "amp"):
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = variant == "tf32"
-    model = build_model(model_name, num_classes, image_size, quantized=ours, input_grad=input_grad).to(dev).train()
+    model = build_model(model_name, num_classes, image_size, quantized=ours, input_grad=input_grad,
+                        weight_grad=weight_grad).to(dev).train()
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, image_size, image_size, device=dev, generator=g)
     labels = torch.randint(0, num_classes, (batch,), device=dev, generator=g)
@@ -105,7 +108,8 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     out = {
-        "variant": variant, "model": model_name, "input_grad": input_grad if ours else None, "batch": batch,
+        "variant": variant, "model": model_name, "input_grad": input_grad if ours else None,
+        "weight_grad": weight_grad if ours else None, "batch": batch,
         "image_size": image_size,
         "peak_ram_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB,
         "peak_cuda_allocated_mb": torch.cuda.max_memory_allocated(dev) / MB,
@@ -148,7 +152,7 @@ def _profile(step) -> dict:
 def run_child(variant: str, args) -> dict:
     out = os.path.join(args.out, f".{variant}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
-           "--input-grad", args.input_grad,
+           "--input-grad", args.input_grad, "--weight-grad", args.weight_grad,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--num-classes", str(args.num_classes)]
     print(f"[{variant}] {args.model} batch {args.batch} ...", flush=True)
@@ -217,6 +221,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default ours,tf32,amp)")
     p.add_argument("--input-grad", choices=INPUT_GRADS, default="float32",
                    help="ours: input gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
+    p.add_argument("--weight-grad", choices=INPUT_GRADS, default="float32",
+                   help="ours: weight gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (32: activations dominate)")
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
@@ -227,7 +233,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         res = child(args.child, args.model, args.batch, args.image_size, args.steps, args.warmup, args.num_classes,
-                    args.input_grad)
+                    args.input_grad, args.weight_grad)
         with open(args.child_out, "w") as f:
             json.dump(res, f)
         return 0
@@ -242,7 +248,8 @@ def main(argv=None) -> int:
     report = {"benchmark": "train_memory", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "input_grad": args.input_grad, "batch": args.batch, "image_size": args.image_size,
+              "model": args.model, "input_grad": args.input_grad,
+              "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
               "steps": args.steps, "warmup": args.warmup, "table": rows, "variants": results}
     if compile_run is not None:
         report["compile_run"] = {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels")}
@@ -251,7 +258,8 @@ def main(argv=None) -> int:
         report["tvm"] = tvm.__version__
     except ImportError:
         pass
-    tag = "" if args.input_grad == "float32" else f"_{args.input_grad}_dx"
+    tag = "".join(f"_{value}_{name}" for name, value in (("dx", args.input_grad), ("dw", args.weight_grad))
+                  if value != "float32")
     path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}{tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

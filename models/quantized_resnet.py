@@ -37,21 +37,23 @@ def _linear_like(linear: nn.Linear, cls) -> nn.Module:
     return new
 
 
-def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "float32") -> nn.Module:
+def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "float32",
+                weight_grad: str = "float32") -> nn.Module:
     """``model`` with every plain ``nn.Conv2d`` / ``nn.Linear`` replaced in place by the int8 QAT
     layer (or its float twin), same name, same weights.
 
     Args:
         model: a float model (torchvision's, or any built from ``nn.Conv2d`` / ``nn.Linear``).
         quantized: the int8 layers (True) or the float twins (False).
-        input_grad: how the int8 layers compute input gradients (``QuantizedConv2d``).
+        input_grad, weight_grad: how the int8 layers compute input and weight gradients
+            (``QuantizedConv2d``).
 
     Returns:
         ``model`` itself.
     """
     if quantized:
-        conv = functools.partial(QuantizedConv2d, input_grad=input_grad)
-        linear = functools.partial(QuantizedLinear, input_grad=input_grad)
+        conv = functools.partial(QuantizedConv2d, input_grad=input_grad, weight_grad=weight_grad)
+        linear = functools.partial(QuantizedLinear, input_grad=input_grad, weight_grad=weight_grad)
     else:
         conv, linear = TorchConv2d, TorchLinear
     for parent in list(model.modules()):
@@ -63,14 +65,16 @@ def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "flo
     return model
 
 
-def quantized_resnet50(num_classes: int = 1000, quantized: bool = True, input_grad: str = "float32") -> nn.Module:
+def quantized_resnet50(num_classes: int = 1000, quantized: bool = True, input_grad: str = "float32",
+                       weight_grad: str = "float32") -> nn.Module:
     """torchvision's ``resnet50`` (random init under the caller's seed) with int8 QAT layers.
 
     Args:
         num_classes: logits.
         quantized: the int8 layers (True) or the float twins (False).
-        input_grad: how the int8 layers compute input gradients (``QuantizedConv2d``).
+        input_grad, weight_grad: how the int8 layers compute input and weight gradients
+            (``QuantizedConv2d``).
     """
     import torchvision  # here: the VGG models need no torchvision
 
-    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized, input_grad)
+    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized, input_grad, weight_grad)

@@ -29,22 +29,23 @@ VGG16_CFG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
 VGG16_POOL = 7  # torchvision's AdaptiveAvgPool2d((7, 7)) at 224x224
 
 
-def _layer_types(quantized: bool, input_grad: str = "float32"):
+def _layer_types(quantized: bool, input_grad: str = "float32", weight_grad: str = "float32"):
     """The (conv + ReLU, linear) layer constructors: the int8 QAT layers computing their input
-    gradients as ``input_grad`` says, or the float twins."""
+    and weight gradients as ``input_grad`` and ``weight_grad`` say, or the float twins."""
     if not quantized:
         return TorchConv2dReLU, TorchLinear
-    return (functools.partial(QuantizedConv2dReLU, input_grad=input_grad),
-            functools.partial(QuantizedLinear, input_grad=input_grad))
+    return (functools.partial(QuantizedConv2dReLU, input_grad=input_grad, weight_grad=weight_grad),
+            functools.partial(QuantizedLinear, input_grad=input_grad, weight_grad=weight_grad))
 
 
-def make_features(cfg, in_channels: int, quantized: bool, input_grad: str = "float32") -> tuple[nn.Sequential, int]:
+def make_features(cfg, in_channels: int, quantized: bool, input_grad: str = "float32",
+                  weight_grad: str = "float32") -> tuple[nn.Sequential, int]:
     """Conv3x3(pad 1) + ReLU blocks and 2x2 max-pools, indexed like torchvision's ``make_layers``.
 
     Returns:
         ``(features, out_channels)``.
     """
-    conv, _ = _layer_types(quantized, input_grad)
+    conv, _ = _layer_types(quantized, input_grad, weight_grad)
     layers, c = [], in_channels
     for v in cfg:
         if v == "M":
@@ -75,18 +76,18 @@ class QuantizedVGG16(nn.Module):
         classifier_width: hidden width of the classifier (torchvision: 4096).
         dropout: dropout probability in the classifier.
         in_channels: input channels.
-        input_grad: how the int8 layers compute input gradients (``"float32"`` or ``"int8"``:
-            ``QuantizedConv2d``); the float twins ignore it.
+        input_grad, weight_grad: how the int8 layers compute input and weight gradients
+            (``"float32"`` or ``"int8"``: ``QuantizedConv2d``); the float twins ignore them.
     """
 
     def __init__(self, num_classes: int = 1000, image_size: int = 224, quantized: bool = True,
                  classifier_width: int = 4096, dropout: float = 0.5, in_channels: int = 3,
-                 input_grad: str = "float32"):
+                 input_grad: str = "float32", weight_grad: str = "float32"):
         super().__init__()
         if image_size < 32:
             raise ValueError(f"VGG16 pools 5 times: image_size must be >= 32, got {image_size}")
-        _, linear = _layer_types(quantized, input_grad)
-        self.features, c = make_features(VGG16_CFG, in_channels, quantized, input_grad)
+        _, linear = _layer_types(quantized, input_grad, weight_grad)
+        self.features, c = make_features(VGG16_CFG, in_channels, quantized, input_grad, weight_grad)
         pool = min(VGG16_POOL, image_size // 2 ** _pools(VGG16_CFG))
         self.avgpool = nn.AdaptiveAvgPool2d((pool, pool))
         self.classifier = nn.Sequential(
@@ -108,14 +109,14 @@ class SmallQuantizedVGG(nn.Module):
         in_channels: input channels.
         image_size: input height and width.
         quantized: int8 QAT layers (True) or their float twins (False).
-        input_grad: as ``QuantizedVGG16``.
+        input_grad, weight_grad: as ``QuantizedVGG16``.
     """
 
     def __init__(self, num_classes: int = 10, cfg=SMALL_VGG_CFG, in_channels: int = 3, image_size: int = 32,
-                 quantized: bool = True, input_grad: str = "float32"):
+                 quantized: bool = True, input_grad: str = "float32", weight_grad: str = "float32"):
         super().__init__()
-        _, linear = _layer_types(quantized, input_grad)
-        self.features, c = make_features(cfg, in_channels, quantized, input_grad)
+        _, linear = _layer_types(quantized, input_grad, weight_grad)
+        self.features, c = make_features(cfg, in_channels, quantized, input_grad, weight_grad)
         size = image_size // 2 ** _pools(cfg)
         self.classifier = nn.Sequential(nn.Flatten(), linear(c * size * size, 128), nn.ReLU(inplace=True),
                                         linear(128, num_classes))

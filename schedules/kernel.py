@@ -116,6 +116,8 @@ class KernelImpl:
             offers only these for such a workload.
         takes_norm: (conv) its epilogue can end in the LayerNorm over channels after the conv
             (``ConvWorkload.norm``, ``tensorcore/depthwise_layer_norm.py``).
+        takes_splits: (conv) it can split the reduction into slices stored on their own
+            (``ConvWorkload.splits > 1``: the training path's weight gradient).
         follows_input: (conv) where a layer's int8 input already is in :meth:`input_layout`, the
             planner picks it before the registry's order (``Planner.pick``): a memory-bound kernel
             (depthwise, grouped, a conv of few channels) that would otherwise cost a relayout on
@@ -135,6 +137,7 @@ class KernelImpl:
     takes_table: bool = False
     takes_residual: bool = False
     takes_norm: bool = False
+    takes_splits: bool = False
     follows_input: bool = False
 
     def input_layout(self) -> str:

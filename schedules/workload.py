@@ -57,6 +57,10 @@ class ConvWorkload:
             (``tensorcore/depthwise_layer_norm.py``): ``(zero_out,)`` of the LayerNorm's output;
             ``()``: none.  The kernel takes the LayerNorm's gains, offsets and row constants
             before its output.  Left out of :meth:`to_dict` when empty.
+        splits: the reduction split into this many equal slices, each slice's int32 sums stored
+            on their own (``out_dtype == "int32"``, one group; the sum over slices is the
+            caller's): split-K, for the long reductions of the training path's weight gradient
+            (``schedules/training/grad_weight_mma.py``).  Left out of :meth:`to_dict` when 1.
     """
 
     batch: int
@@ -77,6 +81,7 @@ class ConvWorkload:
     table: bool = False
     residual: tuple = ()
     norm: tuple = ()
+    splits: int = 1
 
     def __post_init__(self):
         # ValueError, not InputError: a workload is built by the passes and the training
@@ -119,6 +124,9 @@ class ConvWorkload:
                           or self.table or self.residual):
             raise ValueError("a LayerNorm epilogue is (zero_out,), zero_out 0 or -128, on the requantized int8 "
                              f"output, without a table or a residual; got {self.norm}")
+        if self.splits < 1 or (self.splits > 1 and (self.out_dtype != "int32" or self.groups != 1)):
+            raise ValueError(f"splits={self.splits}: a split reduction stores int32 sums of one group "
+                             f"(out_dtype='int32', groups=1), got out_dtype={self.out_dtype!r}, groups={self.groups}")
         if self.out_height < 1 or self.out_width < 1:
             raise ValueError(f"conv output would be empty: {self}")
 
@@ -168,6 +176,7 @@ class ConvWorkload:
         s = f"s{self.stride[0]}" + (f"x{self.stride[1]}" if self.stride[1] != self.stride[0] else "")
         u = " u8" if self.in_zero else ""
         t = (" +table" if self.table else "") + (" +add" if self.residual else "") + (" +layer_norm" if self.norm else "")
+        t += f" split{self.splits}" if self.splits > 1 else ""
         return (f"{self.in_channels}->{self.out_channels} {self.kernel[0]}x{self.kernel[1]} {s}{g}{d}{u} "
                 f"@{self.height}x{self.width} b{self.batch}{t}")
 
@@ -181,6 +190,8 @@ class ConvWorkload:
         for optional in ("table", "residual", "norm"):
             if not d[optional]:
                 del d[optional]
+        if self.splits == 1:
+            del d["splits"]
         return d
 
     @classmethod

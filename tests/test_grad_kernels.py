@@ -267,12 +267,77 @@ def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators
     assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
 
 
+H100 = TargetInfo(kind="cuda", arch="sm_90", num_sm=132, has_dp4a=True, has_int8_mma=True)
+# (x shape, weight shape, stride, padding, dilation): strides, dilation, asymmetric padding, a
+# stride that leaves input rows unread (11 + 1 + 2 - 2 - 1 = 11: one), a 1x1, a linear layer
+WEIGHT_GRAD_CONVS = [((16, 8, 9, 7), (12, 8, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1)),
+                     ((17, 5, 11, 10), (7, 5, 3, 2), (2, 1), (1, 0, 2, 1), (1, 2)),
+                     ((20, 6, 8, 8), (40, 6, 1, 1), (2, 2), (0, 0, 0, 0), (1, 1)),
+                     ((32, 40, 1, 1), (24, 40, 1, 1), (1, 1), (0, 0, 0, 0), (1, 1))]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, dilation", WEIGHT_GRAD_CONVS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_int8_weight_gradient_as_a_conv_of_the_input_with_the_gradient_is_exact(
+        monkeypatch, x_shape, w_shape, stride, padding, dilation, splits):
+    # dw's sums as the forward's int32 conv, C as its batch, N as its channels, the gradient its
+    # kernel (grad_weight_mma.py): its compute definition, split or not, built for llvm, on the
+    # packing tvm_kernels does, against PyTorch's float64 conv gradient of the same integers
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+    from tvm_qconv.schedules.training import grad_weight_mma
+
+    def run_on_llvm(kind, wl, device, data, weight, out):
+        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
+        fn(data, weight, out)
+
+    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
+    wl = ConvWorkload(*x_shape, w_shape[0], w_shape[2:], stride, padding, dilation, activation="none",
+                      act_min=-127, out_dtype="int32")
+    conv = grad_weight_mma.weight_grad_conv(wl, H100)
+    steps = tc_conv2d.gemm_shape(conv)[3] // 32
+    conv = ConvWorkload(**{**conv.__dict__, "splits": max(d for d in range(1, splits + 1) if steps % d == 0)})
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, x_shape, generator=g, dtype=torch.int8)
+    g_q = torch.randint(-127, 128, (x_shape[0], w_shape[0], wl.out_height, wl.out_width), generator=g,
+                        dtype=torch.int8)
+    dw = tvm_kernels.weight_grad_by_conv(conv, x_q, g_q, w_shape)
+    assert dw.dtype == torch.int64 and dw.shape == w_shape
+    assert torch.equal(dw.double(), functional.int8_weight_grad_cpu(x_q, g_q, w_shape, stride, padding, dilation, 1))
+
+
+def test_the_weight_gradients_split_fills_the_gpu_and_keeps_int32_exact():
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+    from tvm_qconv.schedules.training import grad_weight_mma
+    for c, o, hw in [(64, 64, 224), (256, 256, 56), (512, 512, 14)]:    # VGG16's layers at batch 32
+        conv = grad_weight_mma.weight_grad_conv(GW(32, c, hw, hw, o), H100)
+        _, mp, op, k = tc_conv2d.gemm_shape(conv)
+        assert (conv.batch, conv.in_channels, conv.kernel) == (c, 32, (hw, hw))    # C images, N channels
+        assert k % (32 * conv.splits) == 0 and k // conv.splits <= grad_weight_mma.MAX_SLICE
+        assert 127 * 127 * grad_weight_mma.MAX_SLICE < 2**31
+    assert grad_weight_mma.weight_grad_conv(GW(32, 64, 224, 224, 64), H100).splits >= 13   # 1.6 M / 2**17
+    # what the tensor cores cannot take: groups, a batch under 16, no int8 mma
+    assert grad_weight_mma.weight_grad_conv(GW(32, 8, 9, 9, 8, groups=2), H100) is None
+    assert grad_weight_mma.weight_grad_conv(GW(8, 8, 9, 9, 8), H100) is None
+    assert grad_weight_mma.weight_grad_conv(GW(32, 8, 9, 9, 8), TargetInfo(kind="cuda", arch="sm_75")) is None
+
+
+def test_a_split_conv_compiles_for_sm_90_with_its_slices_on_blockIdx_y():
+    from tvm_qconv.schedules.training import grad_weight_mma
+    conv = grad_weight_mma.weight_grad_conv(GW(32, 64, 56, 56, 64), H100)
+    assert conv.splits > 1
+    func = tvm_kernels._definition("forward", conv, CUDA)
+    options = registry.compile_options([tvm_kernels._impl("forward", conv, CUDA)])
+    with CUDA, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        ex = tvm.compile(tvm.IRModule({"main": func}), target=CUDA, tir_pipeline=options["tir_pipeline"])
+    src = cuda_source(ex)
+    assert "blockIdx.y" in src and "mma.sync.aligned.m16n8k32" in src
+
+
 def _int8_dx_is_a_conv(case) -> bool:
     """Whether ``input_grad="int8"`` computes ``case``'s dx as an int8 conv (exact), not the float kernel."""
     layer, _ = case.layers()
     pad4 = functional.padding4(case.padding, layer.kernel_size, layer.dilation)
-    return (tuple(layer.stride) == (1, 1) and case.groups == 1
-            and functional.transposed_padding(layer.kernel_size, pad4, layer.dilation) is not None)
+    return functional.transposed_padding(layer.kernel_size, pad4, layer.dilation, layer.stride, case.hw) is not None
 
 
 def _int8_dx(case, seed=0):
@@ -287,8 +352,9 @@ def _int8_dx(case, seed=0):
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_int8_input_gradient_through_tvm_kernels_equals_the_exact_cpu_path(tvm_on_cpu, monkeypatch, case):
-    # stride 1, one group: an int8 conv of the quantized gradient, exact on both (bit-equal); the
-    # others the float gradient kernel on the dequantized gradient (float32 rounding, as above)
+    # an int8 conv of the quantized gradient (strided: spread out; grouped: per group), exact on
+    # both (bit-equal); a conv padded past its kernel the float gradient kernel on the dequantized
+    # gradient (float32 rounding, as above)
     ours = _int8_dx(case)
     monkeypatch.setitem(functional.INT8_CONV_KERNELS, "cpu", functional.int8_conv_cpu)
     monkeypatch.setitem(functional.CONV_GRAD_KERNELS, "cpu",

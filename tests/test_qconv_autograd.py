@@ -36,7 +36,8 @@ from tvm_qconv.nn import (
     quantize_weight,
     quantized_conv2d,
 )
-from tvm_qconv.nn.functional import INT8_CONV_KERNELS, int8_conv_cpu, pack_bits, padding4, unpack_bits
+from tvm_qconv.nn.functional import (INT8_CONV_KERNELS, int8_conv_cpu, pack_bits, padding4, quantize_per_channel,
+                                     unpack_bits)
 from tvm_qconv.observers import quantize_weight_per_channel
 
 # The float twin's own F.conv2d warns about 'same' with an even kernel (it pads a copy); so do we.
@@ -600,8 +601,56 @@ def test_transposed_padding_is_what_the_kernel_reaches_minus_the_padding():
     assert transposed_padding((4, 4), (1, 1, 2, 2), (1, 1)) == (2, 2, 1, 1)       # 'same' with an even kernel
     assert transposed_padding((3, 3), (2, 2, 2, 2), (2, 2)) == (2, 2, 2, 2)
     assert transposed_padding((1, 1), (1, 1, 1, 1), (1, 1)) is None               # padded beyond the kernel
+    # stride 2: the bottom / right also get the rows the stride leaves unread (10 + 4 - 4 - 1 = 9: one)
+    assert transposed_padding((5, 5), (2, 2, 2, 2), (1, 1), (2, 2), (10, 10)) == (2, 2, 3, 3)
+    assert transposed_padding((1, 1), (0, 0, 0, 0), (1, 1), (2, 2), (9, 8)) == (0, 0, 0, 1)
+
+
+def _int8_dw_reference(layer, x, g, amax):
+    """dw of weight_grad="int8", exactly: g (after the ReLU mask) quantized per output channel,
+    then float64 autograd of conv(x_q * s_x, w) against g_q[o] * s_g[o]."""
+    x_q, s_x = quantize_per_tensor(x, amax)
+    w_q, s_w = quantize_weight(layer.weight)
+    w = (w_q.double() * s_w.double().view(-1, 1, 1, 1)).requires_grad_()
+    out = F.conv2d(x_q.double() * s_x.double(), w, None, layer.stride, layer.padding, layer.dilation, layer.groups)
+    if layer.relu:
+        bias = 0 if layer.bias is None else layer.bias.detach().double().view(1, -1, 1, 1)
+        g = g * ((out + bias) > 0)
+    g_q, s_g = quantize_per_channel(g.float())
+    out.backward(g_q.double() * s_g.double().view(1, -1, 1, 1))
+    return w.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_int8_weight_gradient_is_the_quantized_gradients_correlation_and_near_float32s(case):
+    torch.manual_seed(0)
+    ours, _ = case.layers()
+    ours.weight_grad = "int8"
+    x = _input(case, 0)
+    res, g = _run(ours, x, None)
+    ref = _int8_dw_reference(ours, x, g, batch_amax(x))
+    # exact integer sums (float64 on the CPU), then float32(sum) * float32(s_x * s_g[o]): two
+    # float32 roundings against the float64 reference
+    assert_matches_reference(res.dw, ref.to(res.dw.dtype))
+    ours.weight_grad = "float32"
+    ours.zero_grad()
+    float_res, _ = _run(ours, x, g)
+    # each channel's int8 rounding moves every term by <= 1/254 of that channel's largest |g|
+    assert relative_error(res.dw, float_res.dw) < 0.03
+    assert torch.equal(res.out, float_res.out) and torch.equal(res.dx, float_res.dx)
+
+
+def test_per_channel_gradient_quantization_keeps_each_channels_range_and_zero_channels():
+    g = torch.tensor([[[[0.5]], [[-1e-6]], [[0.0]]], [[[-0.25]], [[2e-6]], [[0.0]]]])   # [2, 3, 1, 1]
+    q, s = quantize_per_channel(g)
+    assert q[:, 0].flatten().tolist() == [127, -64]      # 0.5 -> 127, -0.25 -> -63.5 -> -64 (ties to even)
+    # a channel a million times smaller keeps its levels: 127 and -63.5 (-63 or -64 after float32 rounding)
+    assert q[1, 1].item() == 127 and q[0, 1].item() in (-63, -64)
+    assert q[:, 2].flatten().tolist() == [0, 0] and s[2] > 0    # an all-zero channel: zeros, a positive scale
 
 
 def test_input_grad_names_its_choices():
     with pytest.raises(ValueError, match="input_grad must be one of"):
         QuantizedConv2d(3, 4, 3, input_grad="int4")
+    with pytest.raises(ValueError, match="weight_grad must be one of"):
+        QuantizedConv2d(3, 4, 3, weight_grad="int4")

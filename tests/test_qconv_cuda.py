@@ -7,6 +7,8 @@ kernel; non-contiguous inputs; streams; and that the TVM kernels, not torch conv
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -288,3 +290,53 @@ def test_cuda_int8_input_gradient_equals_the_cpus(case):
         assert torch.equal(ours, cpu)
     else:
         assert_matches_reference(ours, cpu)
+
+
+@pytest.mark.parametrize("case", CASES + TENSORCORE_CASES, ids=CASE_IDS + [c.name for c in TENSORCORE_CASES])
+def test_cuda_int8_weight_gradient_equals_the_cpus(case):
+    # weight_grad="int8" at batch 16: a one-group conv's dw sums run on the int8 tensor cores (the
+    # batch is their channels), exact, so bit-equal to the CPU's float64 sums; a grouped conv runs
+    # the float kernel on the quantized gradient (float32 rounding)
+    case = dataclasses.replace(case, batch=16)
+
+    def dw(device):
+        torch.manual_seed(0)
+        layer, _ = case.layers()
+        layer = layer.to(device)
+        layer.weight_grad = "int8"
+        out = layer(_input(case, 0).to(device))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device))
+        return layer.weight.grad.cpu()
+
+    ours, cpu = dw(CUDA), dw(torch.device("cpu"))
+    if case.groups == 1:
+        assert torch.equal(ours, cpu)
+    else:
+        assert_matches_reference(ours, cpu)
+
+
+def test_a_vgg_layers_int8_weight_gradient_is_split_and_exact():
+    # VGG16's conv4 at batch 32: K = 56 * 56 * 32 = 100 k split in slices, summed in int64
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (32, 64, 56, 56), generator=g, dtype=torch.int8)
+    g_q = torch.randint(-127, 128, (32, 96, 56, 56), generator=g, dtype=torch.int8)
+    args = ((96, 64, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)
+    got = tvm_kernels.int8_weight_grad(x_q.to(CUDA), g_q.to(CUDA), *args)
+    assert any("split" in d for _, d in tvm_kernels.CALLS)
+    assert torch.equal(got.cpu().double(), functional.int8_weight_grad_cpu(x_q, g_q, *args))
+
+
+def test_a_training_step_with_int8_gradients_runs_only_the_int8_conv_kernels():
+    # input_grad = weight_grad = "int8" at batch 16: dx and dw are int8 convs too, on the forward's
+    # kernels (the tensor cores from 16 channels), no float gradient kernel and no torch conv
+    torch.manual_seed(0)
+    model = SmallQuantizedVGG(input_grad="int8", weight_grad="int8").to(CUDA)
+    x = torch.randn(16, 3, 32, 32, device=CUDA)
+    target = torch.randint(0, 10, (16,), device=CUDA)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert not ops & TORCH_CONVS, sorted(ops & TORCH_CONVS)
+    assert {k for k, _ in tvm_kernels.CALLS} == {"forward"}
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -98,7 +98,8 @@ def candidates(op: str, wl, target: TargetInfo, layout: str | None = None) -> li
             if impl.op == op and (layout is None or impl.layout == layout) and impl.applies(wl, target)
             and (impl.takes_table or not getattr(wl, "table", False))
             and (impl.takes_residual or not getattr(wl, "residual", ()))
-            and (impl.takes_norm or not getattr(wl, "norm", ()))]
+            and (impl.takes_norm or not getattr(wl, "norm", ()))
+            and (impl.takes_splits or getattr(wl, "splits", 1) == 1)]
 
 
 def select(op: str, wl, target: TargetInfo, layout: str | None = None,

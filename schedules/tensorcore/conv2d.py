@@ -147,62 +147,114 @@ def conv2d_nhwc_int8(wl: ConvWorkload, border: bool = False, super_width: int | 
     return main.with_attr({"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.workload": str(wl.to_dict())})
 
 
+def _gather_at(wl: ConvWorkload, vm, vk):
+    """The im2col gather of the int32 forms: ``(n, h, w, c)`` that GEMM element ``A[vm, vk]`` reads
+    and whether it lies inside the image (as :func:`conv2d_nhwc_int8`'s gather; its comments)."""
+    M, _, _, _ = gemm_shape(wl)
+    OH, OW, KW = wl.out_height, wl.out_width, wl.kernel[1]
+    C16 = ceil32(wl.in_channels) // 16
+    k16 = vk // 16
+    ky, kx, c = k16 // (KW * C16), k16 // C16 % KW, k16 % C16 * 16 + vk % 16
+    h = (vm // OW) % OH * wl.stride[0] + ky * wl.dilation[0] - wl.padding[0]
+    w = vm % OW * wl.stride[1] + kx * wl.dilation[1] - wl.padding[1]
+    zero = tirx.const(0, "int32")     # 0 <= h, not h >= 0: the TIR the script form wrote
+    return (vm // (OH * OW), h, w, c), tirx.all(vm < M, zero <= h, h < wl.height, zero <= w, w < wl.width)
+
+
 def conv2d_nhwc_int32(wl: ConvWorkload) -> tirx.PrimFunc:
     """Unscheduled PrimFunc ``(data, weight, out)``: the implicit GEMM of :func:`conv2d_nhwc_int8`
     with the int32 accumulators stored, ``out`` int32 ``[N, OH, OW, O_p]`` (the training path's
-    forward; no bias, no requantization, one group)."""
+    forward; no bias, no requantization, one group).
+
+    With ``wl.splits = S > 1`` the reduction is split into S slices of ``K / S`` (split-K: the
+    training path's weight gradient, ``schedules/training/grad_weight_mma.py``): ``out`` is
+    ``[S, N, OH, OW, O_p]``, slice ``s`` holding ``sum_{k in [s K/S, (s+1) K/S)} A[m, k] W[o, k]``,
+    and ``mma.py`` binds ``s`` to ``blockIdx.y``.  Each slice must be whole 32-wide mma steps."""
     assert (wl.groups == 1 and wl.out_dtype == "int32" and wl.in_zero == 0 and not wl.table and not wl.residual
             and not wl.norm), wl
     N, H, W = wl.batch, wl.height, wl.width
     Cp = ceil32(wl.in_channels)
     M, MP, Op, K = gemm_shape(wl)
-    OH, OW, KW = wl.out_height, wl.out_width, wl.kernel[1]
-    SH, SW = wl.stride
-    DH, DW = wl.dilation
-    PT, PL = wl.padding[0], wl.padding[1]
-    OHW, C16 = OH * OW, Cp // 16
-    KWC16 = KW * C16
-
-    @T.prim_func(s_tir=True)
-    def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
-             out: T.Buffer((N, OH, OW, Op), "int32")):
-        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-        with T.sblock("root"):
-            A = T.sblock_alloc_buffer((MP, K), "int8")
-            C = T.sblock_alloc_buffer((MP, Op), "int32")
-            for m, k in T.grid(MP, K):
-                with T.sblock("im2col"):    # as conv2d_nhwc_int8's gather (its comments)
-                    vm, vk = T.axis.remap("SS", [m, k])
-                    k16 = T.meta_var(vk // 16)
-                    ky = T.meta_var(k16 // KWC16)
-                    kx = T.meta_var(k16 // C16 % KW)
-                    c = T.meta_var(k16 % C16 * 16 + vk % 16)
-                    h = T.meta_var((vm // OW) % OH * SH + ky * DH - PT)
-                    w = T.meta_var(vm % OW * SW + kx * DW - PL)
-                    T.reads(data[vm // OHW, h, w, c])
-                    T.writes(A[vm, vk])
-                    A[vm, vk] = T.if_then_else(vm < M and 0 <= h and h < H and 0 <= w and w < W,
-                                               data[vm // OHW, h, w, c], T.int8(0))
-            for m, o, k in T.grid(MP, Op, K):
-                with T.sblock("conv"):
-                    vm, vo, vk = T.axis.remap("SSR", [m, o, k])
-                    with T.init():
-                        C[vm, vo] = 0
-                    C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vk]) * T.Cast("int32", weight[vo, vk])
-            for m, o in T.grid(MP, Op):
-                with T.sblock("requant"):   # the epilogue block mma.py schedules: here a store
-                    vm, vo = T.axis.remap("SS", [m, o])
-                    T.reads(C[vm, vo])
-                    T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
-                    if vm < M:
-                        out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = C[vm, vo]
+    OH, OW = wl.out_height, wl.out_width
+    OHW = OH * OW
+    S = wl.splits
+    if K % (32 * S):
+        raise ValueError(f"{wl.describe()}: K = {K} does not split into {S} slices of whole 32-wide mma steps")
+    KS = K // S
+    if S == 1:
+        @T.prim_func(s_tir=True)
+        def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
+                 out: T.Buffer((N, OH, OW, Op), "int32")):
+            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+            with T.sblock("root"):
+                A = T.sblock_alloc_buffer((MP, K), "int8")
+                C = T.sblock_alloc_buffer((MP, Op), "int32")
+                for m, k in T.grid(MP, K):
+                    with T.sblock("im2col"):
+                        vm, vk = T.axis.remap("SS", [m, k])
+                        at, inside = T.meta_var(_gather_at(wl, vm, vk))
+                        T.reads(data[at])
+                        T.writes(A[vm, vk])
+                        A[vm, vk] = T.if_then_else(inside, data[at], T.int8(0))
+                for m, o, k in T.grid(MP, Op, K):
+                    with T.sblock("conv"):
+                        vm, vo, vk = T.axis.remap("SSR", [m, o, k])
+                        with T.init():
+                            C[vm, vo] = 0
+                        C[vm, vo] = C[vm, vo] + T.Cast("int32", A[vm, vk]) * T.Cast("int32", weight[vo, vk])
+                for m, o in T.grid(MP, Op):
+                    with T.sblock("requant"):   # the epilogue block mma.py schedules: here a store
+                        vm, vo = T.axis.remap("SS", [m, o])
+                        T.reads(C[vm, vo])
+                        T.writes(out[vm // OHW, (vm // OW) % OH, vm % OW, vo])
+                        if vm < M:
+                            out[vm // OHW, (vm // OW) % OH, vm % OW, vo] = C[vm, vo]
+    else:
+        @T.prim_func(s_tir=True)
+        def main(data: T.Buffer((N, H, W, Cp), "int8"), weight: T.Buffer((Op, K), "int8"),
+                 out: T.Buffer((S, N, OH, OW, Op), "int32")):
+            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+            with T.sblock("root"):
+                A = T.sblock_alloc_buffer((MP, K), "int8")
+                C = T.sblock_alloc_buffer((S, MP, Op), "int32")
+                for m, k in T.grid(MP, K):
+                    with T.sblock("im2col"):
+                        vm, vk = T.axis.remap("SS", [m, k])
+                        at, inside = T.meta_var(_gather_at(wl, vm, vk))
+                        T.reads(data[at])
+                        T.writes(A[vm, vk])
+                        A[vm, vk] = T.if_then_else(inside, data[at], T.int8(0))
+                for s, m, o, k in T.grid(S, MP, Op, KS):
+                    with T.sblock("conv"):
+                        vs, vm, vo, vk = T.axis.remap("SSSR", [s, m, o, k])
+                        with T.init():
+                            C[vs, vm, vo] = 0
+                        C[vs, vm, vo] = C[vs, vm, vo] + (T.Cast("int32", A[vm, vs * KS + vk])
+                                                         * T.Cast("int32", weight[vo, vs * KS + vk]))
+                for s, m, o in T.grid(S, MP, Op):
+                    with T.sblock("requant"):
+                        vs, vm, vo = T.axis.remap("SSS", [s, m, o])
+                        T.reads(C[vs, vm, vo])
+                        T.writes(out[vs, vm // OHW, (vm // OW) % OH, vm % OW, vo])
+                        if vm < M:
+                            out[vs, vm // OHW, (vm // OW) % OH, vm % OW, vo] = C[vs, vm, vo]
 
     return main.with_attr({"tvm_qconv.kernel": "conv2d_nhwc_int32", "tvm_qconv.workload": str(wl.to_dict())})
 
 
 def conv2d_nhwc_int32_ref(wl: ConvWorkload, data, weight) -> np.ndarray:
-    """NumPy reference of :func:`conv2d_nhwc_int32`: int32 ``[N, OH, OW, O_p]`` accumulators."""
-    return _accumulate(wl, data, weight, 0).astype(np.int32)
+    """NumPy reference of :func:`conv2d_nhwc_int32`: int32 ``[N, OH, OW, O_p]`` accumulators, or
+    ``[S, N, OH, OW, O_p]``, each slice's, for ``wl.splits = S > 1``."""
+    if wl.splits == 1:
+        return _accumulate(wl, data, weight, 0).astype(np.int32)
+    K = weight.shape[1]
+    ks = K // wl.splits
+    slices = []
+    for s in range(wl.splits):    # slice s: only its columns of the weight, the others 0
+        w_s = np.zeros_like(weight)
+        w_s[:, s * ks:(s + 1) * ks] = weight[:, s * ks:(s + 1) * ks]
+        slices.append(_accumulate(wl, data, w_s, 0).astype(np.int32))
+    return np.stack(slices)
 
 
 def _accumulate(wl: ConvWorkload, data, weight, pad_value: int) -> np.ndarray:

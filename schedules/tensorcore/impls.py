@@ -79,6 +79,7 @@ class Conv2dMma(KernelImpl):
     instruction = "mma.sync"
     takes_table = True
     takes_residual = True
+    takes_splits = True     # the int32 form's split-K (the training path's weight gradient)
 
     def applies(self, wl: ConvWorkload, target) -> bool:
         # A GEMM of exactly one 16-row fragment (M = batch x out_h x out_w = 16: ConvNeXt's

@@ -2,6 +2,7 @@
 
 Loop nest of the scheduled conv, outermost first (units: 16-row / 16-col / 32-k mma tiles)::
 
+    blockIdx.y   s                     the slice of a split reduction (``splits > 1``; else absent)
     blockIdx.x   fuse(m0, o0)          o0 fastest: neighbouring blocks share their A (im2col) rows
     threadIdx.y  fuse(m1, o1)          warps; warp tile WM x WN = 16*m2 x 16*o2
       conv_init                        mma_fill (accumulators = 0), m2 x o2 fragments
@@ -93,8 +94,10 @@ def apply_mma_schedule(sch: tvm.s_tir.Schedule, decisions: dict | None = None, s
     d = decisions or {}
     conv, im2col, requant = (sch.get_sblock(b) for b in ("conv", "im2col", "requant"))
 
-    # 16 x 16 x 32 mma tiles; the inner tile becomes the block tensorized by mma_i8i8i32_trans_b
-    m, o, k = sch.get_loops(conv)
+    # 16 x 16 x 32 mma tiles; the inner tile becomes the block tensorized by mma_i8i8i32_trans_b.
+    # A split reduction (``conv2d_nhwc_int32`` with ``splits > 1``) has one more, outer loop over
+    # its slices: each slice a grid row of its own (blockIdx.y), the rest as without it.
+    *split_k, m, o, k = sch.get_loops(conv)
     m, m_tc = sch.split(m, [None, 16])
     o, o_tc = sch.split(o, [None, 16])
     k, k_tc = sch.split(k, [None, 32])
@@ -133,6 +136,8 @@ def apply_mma_schedule(sch: tvm.s_tir.Schedule, decisions: dict | None = None, s
     k0, k1 = sch.split(k, k_f)
     sch.reorder(m0, o0, m1, o1, k0, k1, m2, o2)
     sch.bind(sch.fuse(m0, o0), "blockIdx.x")
+    if split_k:
+        sch.bind(split_k[0], "blockIdx.y")
     ty = sch.fuse(m1, o1)
     sch.bind(ty, "threadIdx.y")
 
@@ -140,8 +145,9 @@ def apply_mma_schedule(sch: tvm.s_tir.Schedule, decisions: dict | None = None, s
     # [M/16, O/16, lane, 8]; the epilogue iterates in that layout (transform_block_layout) so
     # that each lane (threadIdx.x) reads only its own registers.
     sch.set_scope(conv_o, 0, "warp")
-    sch.transform_layout(requant, ("read", 0), I["index_map_c"])
-    sch.transform_block_layout(requant, I["index_map_c"])
+    index_map_c = (lambda s, i, j: (s, *I["index_map_c"](i, j))) if split_k else I["index_map_c"]
+    sch.transform_layout(requant, ("read", 0), index_map_c)
+    sch.transform_block_layout(requant, index_map_c)
     sch.reverse_compute_at(requant, ty, preserve_unit_loops=True)
     r_a, r_b, r_lane, r_local = sch.get_loops(requant)[-4:]
     sch.bind(r_lane, "threadIdx.x")
@@ -269,5 +275,6 @@ def default_decisions(mp: int, op: int, k: int, num_sm: int, columns: int | None
 
 
 def gemm_extents(sch: tvm.s_tir.Schedule) -> tuple[int, int, int]:
-    """(M_p, O_p, K) of a :func:`conv2d_nhwc_int8` PrimFunc, read off its conv block's loops."""
-    return tuple(int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock("conv")))
+    """(M_p, O_p, K) of a :func:`conv2d_nhwc_int8` PrimFunc, read off its conv block's loops (a
+    split reduction's: K of one slice)."""
+    return tuple(int(sch.get(loop).extent) for loop in sch.get_loops(sch.get_sblock("conv"))[-3:])

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -125,6 +126,18 @@ def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tens
     q = x.detach().to(torch.float32) / scale
     q = q.round_().clamp_(-QMAX, QMAX)
     return q.to(torch.int8), scale
+
+
+def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize NCHW ``x`` to int8 with one symmetric scale per channel, ``max|x[:, c]| / 127``
+    (at least ``MIN_INPUT_SCALE``: an all-zero channel quantizes to zeros), rounded to nearest.
+
+    Returns:
+        ``(x_q, scale)``: int8 ``x_q`` of ``x``'s shape and the float32 ``(C,)`` scales.
+    """
+    scale = torch.clamp(x.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32) / QMAX, min=MIN_INPUT_SCALE)
+    q = x.detach().to(torch.float32) / scale.view(1, -1, 1, 1)
+    return q.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
 def weight_scales(w: torch.Tensor) -> torch.Tensor:
@@ -343,17 +356,47 @@ def _conv_input_grad(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tenso
     return _grad_kernels(grad.device.type)[0](grad, w_q, w_scale, input_shape, stride, padding, dilation, groups)
 
 
-INPUT_GRADS = ("float32", "int8")  # how dx is computed: see _conv_input_grad_int8
+INPUT_GRADS = ("float32", "int8")  # how dx and dw are computed: _conv_input_grad_int8, _conv_weight_grad_int8
 
 
-def transposed_padding(kernel: Sequence[int], padding: Padding4, dilation) -> Padding4 | None:
-    """The padding of the stride-1 conv that computes a stride-1 conv's ``dx`` (the gradient
-    convolved with the flipped, transposed weights): ``d * (k - 1) - p`` per side; None where a
-    side would be negative (a conv padded more than its kernel reaches)."""
-    (kh, kw), (dh, dw) = tuple(kernel), tuple(dilation)
+def transposed_padding(kernel: Sequence[int], padding: Padding4, dilation, stride=(1, 1),
+                       input_size: Sequence[int] | None = None) -> Padding4 | None:
+    """The padding of the stride-1 conv that computes a conv's ``dx``: the gradient (its rows and
+    columns spread ``stride`` apart, zeros between: :func:`_spread`) convolved with the flipped,
+    transposed weights.  ``d * (k - 1) - p`` per side, plus on the bottom / right the rows and
+    columns of the padded input that a stride leaves unread (``input_size`` (H, W) tells them;
+    needed for a stride above 1).  None where a side would be negative (a conv padded more than
+    its kernel reaches)."""
+    (kh, kw), (dh, dw), (sh, sw) = tuple(kernel), tuple(dilation), tuple(stride)
     top, left, bottom, right = padding
-    pads = (dh * (kh - 1) - top, dw * (kw - 1) - left, dh * (kh - 1) - bottom, dw * (kw - 1) - right)
+    rest_h = rest_w = 0
+    if (sh, sw) != (1, 1):
+        h, w = input_size
+        rest_h = (h + top + bottom - dh * (kh - 1) - 1) % sh
+        rest_w = (w + left + right - dw * (kw - 1) - 1) % sw
+    pads = (dh * (kh - 1) - top, dw * (kw - 1) - left, dh * (kh - 1) - bottom + rest_h,
+            dw * (kw - 1) - right + rest_w)
     return pads if min(pads) >= 0 else None
+
+
+def _spread(g: torch.Tensor, stride) -> torch.Tensor:
+    """``g`` [N, O, OH, OW] with ``stride - 1`` zero rows / columns between its rows / columns:
+    ``[N, O, (OH - 1) * sh + 1, (OW - 1) * sw + 1]`` (a strided conv's gradient as a stride-1 one's)."""
+    sh, sw = stride
+    if (sh, sw) == (1, 1):
+        return g
+    n, o, oh, ow = g.shape
+    out = torch.zeros((n, o, (oh - 1) * sh + 1, (ow - 1) * sw + 1), dtype=g.dtype, device=g.device)
+    out[:, :, ::sh, ::sw] = g
+    return out
+
+
+def _flipped_transposed(w_q: torch.Tensor, groups: int) -> torch.Tensor:
+    """OIHW ``[O, C/G, KH, KW]`` -> ``[C, O/G, KH, KW]`` flipped in both taps, per group: the
+    weights of the conv that computes ``dx``."""
+    o, cg, kh, kw = w_q.shape
+    w_t = w_q.view(groups, o // groups, cg, kh, kw).transpose(1, 2).reshape(groups * cg, o // groups, kh, kw)
+    return w_t.flip(2, 3)
 
 
 def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
@@ -362,10 +405,11 @@ def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.
 
     The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
     axis, so it cannot be applied after it), ``g'`` is quantized to int8 per tensor (its max /
-    127, rounded to nearest), and ``dx = s_g' * sum_o g'_q[o] * w_q[o]``: for a stride-1 conv of one
-    group that sum is itself an int8 conv, of ``g'_q`` with the flipped, transposed weights, exact
-    in int32 on whatever kernel computes the forward (on CUDA the int8 tensor cores).  Other convs
-    (strides, groups) run the float gradient kernel on the dequantized ``g'_q * s_g'``: the same
+    127, rounded to nearest), and ``dx = s_g' * sum_o g'_q[o] * w_q[o]``: that sum is itself an
+    int8 conv, stride 1, of ``g'_q`` (a strided conv's spread ``stride`` apart, zeros between)
+    with the flipped, transposed weights, per group, exact in int32 on whatever kernel computes
+    the forward (on CUDA the int8 tensor cores from 16 channels).  A conv padded more than its
+    kernel reaches runs the float gradient kernel on the dequantized ``g'_q * s_g'``: the same
     values up to float32 rounding.
 
     The small VGG's QAT on digits stays within a point of the float model with it (a test;
@@ -373,10 +417,10 @@ def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.
     """
     g_w = grad * w_scale.view(1, -1, 1, 1)
     g_q, s_g = quantize_per_tensor(g_w, batch_amax(g_w))
-    pads = transposed_padding(w_q.shape[2:], padding, dilation)
-    if tuple(stride) == (1, 1) and groups == 1 and pads is not None:
-        w_t = w_q.flip(2, 3).transpose(0, 1)                  # [C, O, KH, KW]
-        acc = _int8_conv_forward(g_q, w_t, (1, 1), pads, tuple(dilation), 1)
+    pads = transposed_padding(w_q.shape[2:], padding, dilation, stride, input_shape[2:])
+    if pads is not None:
+        acc = _int8_conv_forward(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
+                                 tuple(dilation), groups)
         return torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc).mul_(s_g)
     return _conv_input_grad(g_q.to(torch.float32).mul_(s_g), w_q, torch.ones_like(w_scale), input_shape, stride,
                             padding, dilation, groups)
@@ -386,6 +430,53 @@ def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tens
                       stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
     """The dispatch point of ``dw`` (float32 OIHW) from the int8 input, its scale and the gradient."""
     return _grad_kernels(grad.device.type)[1](x_q, x_scale, grad, weight_shape, stride, padding, dilation, groups)
+
+
+def int8_weight_grad_cpu(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride,
+                         padding: Padding4, dilation, groups: int) -> torch.Tensor | None:
+    """Exact ``sum_{n, y, x} g_q * x_q`` (the int8 weight gradient's sums, float64 OIHW) through
+    PyTorch's float64 conv gradient: every partial sum is an integer below 2**53, so exact in any
+    order (as :func:`int8_conv_cpu`).  The reference the int8 tensor-core kernel matches."""
+    x = x_q.to(_EXACT_FLOAT)
+    if _is_symmetric(padding):
+        pad = (padding[0], padding[1])
+    else:
+        x, pad = _pad(x, padding), (0, 0)
+    return torch.nn.grad.conv2d_weight(x, weight_shape, g_q.to(_EXACT_FLOAT), stride, pad, dilation, groups)
+
+
+# Device type -> the int8 weight gradient's exact sums, int8_weight_grad_cpu's signature (any
+# float dtype or int64 that holds them exactly), or None for a conv its kernels cannot take.
+INT8_WEIGHT_GRAD_KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {"cpu": int8_weight_grad_cpu}
+_FALLBACK_NOTED: set = set()
+
+
+def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
+                           stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dw`` from an int8 gradient (``weight_grad="int8"``), float32 OIHW.
+
+    The gradient is quantized per output channel, ``g ~ g_q[o] * s_g[o]`` (``o`` is ``dw``'s own
+    axis, so each channel keeps its own range at no cost), and ``dw = s_x * s_g[o] * sum g_q x_q``:
+    an exact int32 / int64 sum, on CUDA the int8 tensor cores (a split-K conv,
+    ``schedules/training/grad_weight_mma.py``), so bit-equal to the CPU's.  A conv those kernels
+    cannot take (groups, a batch under 16) runs the float kernel on the dequantized ``g_q * s_g``,
+    the same values up to float32 rounding, with a one-line note the first time.
+    """
+    g_q, s_g = quantize_per_channel(grad)
+    _load_lazy_kernels(grad.device.type)
+    kernel = INT8_WEIGHT_GRAD_KERNELS.get(grad.device.type)
+    acc = None if kernel is None else kernel(x_q, g_q, weight_shape, stride, padding, dilation, groups)
+    if acc is None:
+        key = (grad.device.type, tuple(x_q.shape), tuple(weight_shape), stride, padding, dilation, groups)
+        if key not in _FALLBACK_NOTED:
+            _FALLBACK_NOTED.add(key)
+            warnings.warn(f"weight_grad='int8': no int8 weight-gradient kernel takes the conv of input "
+                          f"{tuple(x_q.shape)}, weight {tuple(weight_shape)}, groups {groups} on {grad.device.type}; "
+                          "it runs the float32 kernel on the quantized gradient")
+        g_deq = g_q.to(torch.float32).mul_(s_g.view(1, -1, 1, 1))
+        return _conv_weight_grad(x_q, x_scale, g_deq, weight_shape, stride, padding, dilation, groups)
+    dw = torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc)
+    return dw.mul_((x_scale * s_g).view(-1, 1, 1, 1))
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -422,18 +513,19 @@ class QuantizedConv2dFunction(torch.autograd.Function):
     """int8 conv (+ bias, + ReLU) with the straight-through estimator; see the module docstring.
 
     ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
-    input_grad)``: ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient); ``padding`` is
-    (top, left, bottom, right); ``amax_is_batch_max``, ``input_grad``: see :func:`quantized_conv2d`.
+    input_grad, weight_grad)``: ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient);
+    ``padding`` is (top, left, bottom, right); ``amax_is_batch_max``, ``input_grad``,
+    ``weight_grad``: see :func:`quantized_conv2d`.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
-                input_grad):
+                input_grad, weight_grad):
         y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask=relu,
                             keep_clip_mask=ctx.needs_input_grad[0] and not amax_is_batch_max)
         ctx.save_for_backward(*saved)
         ctx.conf = (stride, padding, dilation, groups, relu)
-        ctx.input_grad = input_grad
+        ctx.input_grad, ctx.weight_grad = input_grad, weight_grad
         ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y
@@ -458,10 +550,11 @@ class QuantizedConv2dFunction(torch.autograd.Function):
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
+            dw_of = _conv_weight_grad_int8 if ctx.weight_grad == "int8" else _conv_weight_grad
+            dw = dw_of(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g.sum(dim=(0, 2, 3)).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def _pair(v) -> tuple[int, int]:
@@ -496,16 +589,18 @@ def padding4(padding, kernel_size, dilation) -> Padding4:
     return (ph, pw, ph, pw)
 
 
-def check_input_grad(input_grad: str) -> str:
-    """``input_grad`` if it is one of :data:`INPUT_GRADS`, else a ValueError naming them."""
+def check_input_grad(input_grad: str, name: str = "input_grad") -> str:
+    """``input_grad`` (or the ``name`` option: ``weight_grad``) if it is one of :data:`INPUT_GRADS`,
+    else a ValueError naming them."""
     if input_grad not in INPUT_GRADS:
-        raise ValueError(f"input_grad must be one of {INPUT_GRADS}, got {input_grad!r}")
+        raise ValueError(f"{name} must be one of {INPUT_GRADS}, got {input_grad!r}")
     return input_grad
 
 
 def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
                      stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False, *,
-                     amax_is_batch_max: bool = False, input_grad: str = "float32") -> torch.Tensor:
+                     amax_is_batch_max: bool = False, input_grad: str = "float32",
+                     weight_grad: str = "float32") -> torch.Tensor:
     """int8 conv2d (+ bias, + optional fused ReLU) with STE gradients, ``F.conv2d``'s arguments.
 
     Args:
@@ -523,6 +618,8 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             first looking whether anything clipped: that look is a device -> host sync.
         input_grad: ``"float32"`` (dx from the float gradient) or ``"int8"`` (from the gradient
             quantized to int8, on the int8 conv kernels: :func:`_conv_input_grad_int8`).
+        weight_grad: ``"float32"`` (dw from the float gradient) or ``"int8"`` (from the gradient
+            quantized to int8 per channel, exact int sums: :func:`_conv_weight_grad_int8`).
 
     Returns:
         float NCHW output in ``x``'s dtype.
@@ -535,6 +632,7 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.dim() != 4:
         raise ValueError(f"quantized_conv2d expects an NCHW input, got shape {tuple(x.shape)}")
     check_input_grad(input_grad)
+    check_input_grad(weight_grad, "weight_grad")
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         # Inference: no graph, so no masks to build (ctx.needs_input_grad ignores no_grad mode).
@@ -542,12 +640,12 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                         _pair(dilation), int(groups), bool(relu), False, False)[0]
     return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
                                          padding4(padding, weight.shape[2:], dilation), _pair(dilation),
-                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad)
+                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad, weight_grad)
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
-                     relu: bool = False, *, amax_is_batch_max: bool = False, input_grad: str = "float32"
-                     ) -> torch.Tensor:
+                     relu: bool = False, *, amax_is_batch_max: bool = False, input_grad: str = "float32",
+                     weight_grad: str = "float32") -> torch.Tensor:
     """int8 linear layer ``x @ w.T + b`` (``F.linear``'s arguments), as a 1x1 conv on a 1x1 image.
 
     Args:
@@ -556,7 +654,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         bias: float ``(O,)`` or None.
         amax: 0-d tensor, the input's clipping threshold.
         relu: apply ReLU.
-        amax_is_batch_max, input_grad: as :func:`quantized_conv2d`.
+        amax_is_batch_max, input_grad, weight_grad: as :func:`quantized_conv2d`.
 
     Returns:
         float ``(*, O)``.
@@ -564,5 +662,5 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     lead = x.shape[:-1]
     x4 = x.reshape(-1, x.shape[-1], 1, 1)
     y = quantized_conv2d(x4, weight.view(weight.shape[0], weight.shape[1], 1, 1), bias, amax, relu=relu,
-                         amax_is_batch_max=amax_is_batch_max, input_grad=input_grad)
+                         amax_is_batch_max=amax_is_batch_max, input_grad=input_grad, weight_grad=weight_grad)
     return y.reshape(*lead, weight.shape[0])

@@ -58,9 +58,9 @@ class _RangeTracker:
         return torch.where(self.input_amax > 0, self.input_amax, batch_amax(x).to(self.input_amax.device))
 
     def extra_repr(self) -> str:
-        grad = getattr(self, "input_grad", "float32")
-        return super().extra_repr() + f", amax_momentum={self.amax_momentum}" + (
-            f", input_grad={grad!r}" if grad != "float32" else "")
+        grads = "".join(f", {name}={getattr(self, name)!r}" for name in ("input_grad", "weight_grad")
+                        if getattr(self, name, "float32") != "float32")
+        return super().extra_repr() + f", amax_momentum={self.amax_momentum}" + grads
 
 
 def _check_padding_mode(padding_mode: str) -> None:
@@ -78,6 +78,9 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
         amax_momentum: EMA weight of each training batch in ``input_amax`` / ``output_amax``.
         input_grad: ``"float32"``, or ``"int8"``: the input gradient from the output gradient
             quantized to int8, on the int8 conv kernels (``functional._conv_input_grad_int8``).
+        weight_grad: ``"float32"``, or ``"int8"``: the weight gradient from the output gradient
+            quantized to int8 per channel, exact int sums (on CUDA the int8 tensor cores:
+            ``functional._conv_weight_grad_int8``).
 
     Example:
         >>> conv = QuantizedConv2d(3, 16, 3, padding=1)
@@ -88,17 +91,19 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
                  bias=True, padding_mode="zeros", device=None, dtype=None,
-                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM, input_grad: str = "float32"):
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM, input_grad: str = "float32",
+                 weight_grad: str = "float32"):
         _check_padding_mode(padding_mode)
         nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                            bias, padding_mode, device, dtype)
         self._init_ranges(amax_momentum)
         self.input_grad = check_input_grad(input_grad)
+        self.weight_grad = check_input_grad(weight_grad, "weight_grad")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
                              self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self.training,
-                             input_grad=self.input_grad)
+                             input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
             self._observe(self.output_amax, y)
         return y
@@ -145,18 +150,20 @@ class QuantizedLinear(_RangeTracker, nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         amax_momentum: EMA weight of each training batch in the range buffers.
-        input_grad: as ``QuantizedConv2d``.
+        input_grad, weight_grad: as ``QuantizedConv2d``.
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None,
-                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM, input_grad: str = "float32"):
+                 amax_momentum: float = DEFAULT_AMAX_MOMENTUM, input_grad: str = "float32",
+                 weight_grad: str = "float32"):
         nn.Linear.__init__(self, in_features, out_features, bias, device, dtype)
         self._init_ranges(amax_momentum)
         self.input_grad = check_input_grad(input_grad)
+        self.weight_grad = check_input_grad(weight_grad, "weight_grad")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self.training,
-                             input_grad=self.input_grad)
+                             input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
             self._observe(self.output_amax, y)
         return y

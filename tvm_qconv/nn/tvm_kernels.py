@@ -13,7 +13,10 @@ kind             registry op              what
 ``grad_weight``  ``conv2d_grad_weight``   float32 split-K partial dw from the int8 input
 ===============  =======================  =======================================================
 
-All three take one :class:`~tvm_qconv.schedules.workload.ConvWorkload` (groups included).
+All three take one :class:`~tvm_qconv.schedules.workload.ConvWorkload` (groups included).  The
+int8 weight gradient (``weight_grad="int8"``) is a ``forward`` kernel too: the split-K int32 conv
+of the input with the int8 gradient (``schedules/training/grad_weight_mma.py``,
+:func:`int8_weight_grad`).
 
 On CUDA they replace the forward int8 conv and both conv gradients (:func:`register`, called
 lazily by :mod:`tvm_qconv.nn.functional` when the first CUDA tensor arrives: importing
@@ -72,12 +75,13 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
+from ..schedules.training import grad_weight_mma
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
-from .functional import register_conv_grad_kernels, register_int8_conv_kernel
+from .functional import INT8_WEIGHT_GRAD_KERNELS, register_conv_grad_kernels, register_int8_conv_kernel
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -428,10 +432,49 @@ def conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tenso
     return dw.view(o, cg, kh, kw)
 
 
+def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
+                     groups: int) -> torch.Tensor | None:
+    """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (int64 OIHW) on the int8
+    tensor cores: ``functional.int8_weight_grad_cpu``'s contract; None for a conv they cannot take
+    (``grad_weight_mma.weight_grad_conv``).
+
+    The conv of the input with the gradient as its kernel (``grad_weight_mma``): ``x_q`` packed with
+    its channels as the batch (``[C, H, W, N_p]``), ``g_q`` with its output channels as the kernel's
+    (``[O_p, OH*OW*N_p]``), both int8 copies; the kernel stores each split's int32 sums
+    ``[S, C, KH', KW', O_p]``, added here in int64.
+    """
+    o, _, kh, kw = weight_shape
+    wl = ConvWorkload(*x_q.shape, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
+                      activation="none", act_min=QMIN, out_dtype="int32")
+    conv = grad_weight_mma.weight_grad_conv(wl, _target_info(x_q.device))
+    return None if conv is None else weight_grad_by_conv(conv, x_q, g_q, weight_shape)
+
+
+def weight_grad_by_conv(conv: ConvWorkload, x_q: torch.Tensor, g_q: torch.Tensor,
+                        weight_shape: Sequence[int]) -> torch.Tensor:
+    """:func:`int8_weight_grad` through the forward kernel of ``conv`` (``weight_grad_conv``'s
+    workload) on ``x_q``'s device, whatever target planned it (the CPU tests run a CUDA plan's
+    workload on llvm)."""
+    o, _, kh, kw = weight_shape
+    splits = (conv.splits,) if conv.splits > 1 else ()
+    acc = torch.empty(splits + (conv.batch, conv.out_height, conv.out_width, _ceil32(o)), dtype=torch.int32,
+                      device=x_q.device)
+    _call("forward", conv, x_q.device, _pack_input_nhwc32(x_q.transpose(0, 1)),
+          _pack_weight_nhwc32(g_q.transpose(0, 1)), acc)
+    acc = acc.sum(0) if splits else acc.to(torch.int64)     # int64: exact
+    return acc[:, :kh, :kw, :o].permute(3, 0, 1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _target_info(device: torch.device) -> TargetInfo:
+    return TargetInfo.from_target(device_target(device)[0])
+
+
 def register(device_type: str = "cuda") -> None:
     """Make these kernels compute the int8 conv and both gradients for ``device_type`` tensors."""
     register_int8_conv_kernel(device_type, int8_conv)
     register_conv_grad_kernels(device_type, conv_input_grad, conv_weight_grad)
+    INT8_WEIGHT_GRAD_KERNELS[device_type] = int8_weight_grad
 
 
 def report() -> list[dict]:

@@ -14,13 +14,16 @@ TRAIN_CONFIG_VERSION = 1
 DIGITS_CLASSES = 10
 
 
-def _small_vgg(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32") -> nn.Module:
+def _small_vgg(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32",
+               weight_grad: str = "float32") -> nn.Module:
     return SmallQuantizedVGG(num_classes=num_classes, image_size=image_size, quantized=quantized,
-                             input_grad=input_grad)
+                             input_grad=input_grad, weight_grad=weight_grad)
 
 
-def _vgg16(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32") -> nn.Module:
-    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized, input_grad=input_grad)
+def _vgg16(quantized: bool, num_classes: int, image_size: int, input_grad: str = "float32",
+           weight_grad: str = "float32") -> nn.Module:
+    return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized, input_grad=input_grad,
+                          weight_grad=weight_grad)
 
 
 # The CLI's --model choices.
@@ -42,6 +45,8 @@ class TrainConfig:
         image_size: digits are upsampled to this size (32 for both models).
         input_grad: how the int8 layers compute input gradients: ``"float32"``, or ``"int8"`` (the
             output gradient quantized to int8, on the int8 conv kernels: ``QuantizedConv2d``).
+        weight_grad: how they compute weight gradients: ``"float32"``, or ``"int8"`` (the output
+            gradient quantized to int8 per channel, exact int sums: ``QuantizedConv2d``).
     """
 
     model: str = "small_vgg"
@@ -53,6 +58,7 @@ class TrainConfig:
     seed: int = 0
     image_size: int = 32
     input_grad: str = "float32"
+    weight_grad: str = "float32"
     version: int = TRAIN_CONFIG_VERSION
 
     def __post_init__(self):
@@ -65,6 +71,9 @@ class TrainConfig:
             (self.input_grad in INPUT_GRADS, f"input_grad must be one of {INPUT_GRADS}, got {self.input_grad!r}"),
             (self.qat or self.input_grad == "float32", "input_grad is the int8 layers' (qat=True); the float model "
                                                        "has float gradients"),
+            (self.weight_grad in INPUT_GRADS, f"weight_grad must be one of {INPUT_GRADS}, got {self.weight_grad!r}"),
+            (self.qat or self.weight_grad == "float32", "weight_grad is the int8 layers' (qat=True); the float model "
+                                                        "has float gradients"),
             (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
             (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
         ]
@@ -86,4 +95,4 @@ class TrainConfig:
 def build_model(config: TrainConfig, quantized: bool | None = None) -> nn.Module:
     """The model of ``config`` (quantized iff ``config.qat`` unless ``quantized`` says otherwise)."""
     q = config.qat if quantized is None else quantized
-    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size, config.input_grad)
+    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size, config.input_grad, config.weight_grad)
