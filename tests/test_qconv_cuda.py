@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -340,3 +341,16 @@ def test_a_training_step_with_int8_gradients_runs_only_the_int8_conv_kernels():
     assert not ops & TORCH_CONVS, sorted(ops & TORCH_CONVS)
     assert {k for k, _ in tvm_kernels.CALLS} == {"forward"}
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_scales_on_cuda_are_the_cpus_and_numpys_bit_for_bit():
+    # amax / 127 as a true division on every device: CUDA's division by a Python scalar multiplies
+    # by its reciprocal, one bit off for some amax (it made int8 dx / dw differ from the CPU's)
+    amax = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 10
+    expected = torch.from_numpy((amax.numpy() / np.float32(127)).astype(np.float32))
+    assert torch.equal(functional.input_scale(amax.to(CUDA)).cpu(), expected)
+    w = amax.view(-1, 1)
+    assert torch.equal(functional.weight_scales(w.to(CUDA)).cpu(), functional.weight_scales(w))
+    assert torch.equal(functional.weight_scales(w), expected)
+    g = amax.view(1, -1, 1, 1)
+    assert torch.equal(functional.quantize_per_channel(g.to(CUDA))[1].cpu(), expected)

@@ -87,6 +87,26 @@ Padding4 = tuple[int, int, int, int]  # (top, left, bottom, right), as Conv2dWor
 
 # ----------------------------------------------------------------------------- quantizers
 
+_QMAX_ON: dict[tuple, torch.Tensor] = {}
+
+
+def _div_qmax(t: torch.Tensor) -> torch.Tensor:
+    """``t / 127``, a true division on every device.
+
+    Not ``t / QMAX``: CUDA divides by a Python (or 0-d CPU) scalar as a multiply by its
+    reciprocal, which differs from the division in the last bit for some ``t`` (PyTorch's
+    ``div_true_kernel_cuda``); the scales would then differ from the CPU's and from the compile
+    step's NumPy ones.  Dividing by a tensor on ``t``'s device divides.  Cached per (device,
+    dtype) as :func:`_bit_weights`, for the same reason (no host -> device copy)."""
+    key = (t.device, t.dtype)
+    d = _QMAX_ON.get(key)
+    if d is None:
+        d = torch.full((), QMAX, dtype=t.dtype, device=t.device)
+        if not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _QMAX_ON[key] = d
+    return t / d
+
+
 def input_scale(amax: torch.Tensor) -> torch.Tensor:
     """Symmetric per-tensor int8 scale ``amax / 127`` (at least ``MIN_INPUT_SCALE``).
 
@@ -96,7 +116,7 @@ def input_scale(amax: torch.Tensor) -> torch.Tensor:
     Returns:
         0-d float32 tensor on ``amax``'s device.
     """
-    return torch.clamp(amax.detach().to(torch.float32) / QMAX, min=MIN_INPUT_SCALE)
+    return torch.clamp(_div_qmax(amax.detach().to(torch.float32)), min=MIN_INPUT_SCALE)
 
 
 def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +155,7 @@ def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(x_q, scale)``: int8 ``x_q`` of ``x``'s shape and the float32 ``(C,)`` scales.
     """
-    scale = torch.clamp(x.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32) / QMAX, min=MIN_INPUT_SCALE)
+    scale = torch.clamp(_div_qmax(x.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)), min=MIN_INPUT_SCALE)
     q = x.detach().to(torch.float32) / scale.view(1, -1, 1, 1)
     return q.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
 
@@ -153,7 +173,7 @@ def weight_scales(w: torch.Tensor) -> torch.Tensor:
         float32 tensor of shape ``(O,)``.
     """
     amax = w.detach().reshape(w.shape[0], -1).abs().amax(dim=1).to(torch.float32)
-    return torch.clamp(amax / QMAX, min=MIN_WEIGHT_SCALE)
+    return torch.clamp(_div_qmax(amax), min=MIN_WEIGHT_SCALE)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
