@@ -38,6 +38,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -150,7 +151,10 @@ def _profile(step) -> dict:
 
 
 def run_child(variant: str, args) -> dict:
-    out = os.path.join(args.out, f".{variant}.json")
+    # a file of its own: two runs writing into one --out at once (two GPUs of one host) must not
+    # read each other's variants (they did: a batch-128 result in a batch-32 table)
+    fd, out = tempfile.mkstemp(prefix=f".{args.model}_b{args.batch}_{variant}_", suffix=".json", dir=args.out)
+    os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
            "--input-grad", args.input_grad, "--weight-grad", args.weight_grad,
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
@@ -161,6 +165,9 @@ def run_child(variant: str, args) -> dict:
     with open(out) as f:
         res = json.load(f)
     os.remove(out)
+    if (res["variant"], res["model"], res["batch"]) != (variant, args.model, args.batch):
+        raise RuntimeError(f"{out} holds {res['variant']} {res['model']} batch {res['batch']}, not the {variant} "
+                           f"{args.model} batch {args.batch} this run asked for")
     res["process_s"] = time.time() - t0
     return res
 
