@@ -215,6 +215,9 @@ def tvm_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setitem(functional.INT8_CONV_KERNELS, "cpu", tvm_kernels.int8_conv)
     monkeypatch.setitem(functional.CONV_GRAD_KERNELS, "cpu",
                         (tvm_kernels.conv_input_grad, tvm_kernels.conv_weight_grad))
+    monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
+        "quantize": tvm_kernels.quantize, "int8_conv_dequantized": tvm_kernels.int8_conv_dequantized,
+        "relu_bits": tvm_kernels.relu_bits, "mask": tvm_kernels.mask})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
     return tmp_path / "kernels"
@@ -229,7 +232,11 @@ def test_layer_through_tvm_kernels_matches_exact_reference(tvm_on_cpu, case):
         else:
             assert_matches_reference(getattr(ours, name), getattr(ref, name))
     kinds = {k for k, _ in tvm_kernels.CALLS}
-    assert kinds == {"forward", "grad_input", "grad_weight"}
+    # the ReLU's mask kernels where the case has a ReLU; the accumulators dequantized by a kernel
+    # unless the groups are narrower than dp4a's 4-channel blocks (torch then)
+    dequantized = case.groups == 1 or (case.cout // case.groups) % 4 == 0
+    assert kinds == ({"quantize", "forward", "grad_input", "grad_weight"} | ({"dequantize"} if dequantized else set())
+                     | ({"relu_bits", "mask"} if case.relu else set()))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -380,7 +387,7 @@ def test_linear_layer_runs_as_one_wide_image_and_matches_reference(tvm_on_cpu):
     assert_matches_reference(x.grad, g.double() @ (w_q.double() * s_w.double()[:, None]))
     assert_matches_reference(layer.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
     # batch 5 became the width of one image: "70->9 1x1 s1 @1x5 b1"
-    assert {d for _, d in tvm_kernels.CALLS} == {"70->9 1x1 s1 @1x5 b1 pad(0, 0, 0, 0)"}
+    assert {d for k, d in tvm_kernels.CALLS if k != "quantize"} == {"70->9 1x1 s1 @1x5 b1 pad(0, 0, 0, 0)"}
 
 
 def test_linear_layer_at_batch_1_matches_reference(tvm_on_cpu):
@@ -506,3 +513,55 @@ def test_importing_the_training_layers_does_not_import_tvm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("scale_shape, bias, relu", [((), False, False), ((20,), True, True), ((20,), False, True)])
+def test_the_tensor_core_convs_float_output_is_one_dequantizing_kernel_with_torchs_bits(tvm_on_cpu, monkeypatch,
+                                                                                        scale_shape, bias, relu):
+    # On a GPU the NHWC32 accumulators of a 16+ channel conv go to float NCHW in one kernel
+    # (scale, bias, ReLU: elementwise.dequantize); here the conv's compute runs on llvm and the
+    # dequantizing kernel is the llvm build of the same definition, against the torch operations
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+    call = tvm_kernels._call
+
+    def run(kind, wl, device, *tensors):
+        if kind != "forward":
+            return call(kind, wl, device, *tensors)
+        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
+        fn(*tensors)
+
+    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
+    monkeypatch.setattr(tvm_kernels, "_call", run)
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (2, 24, 9, 7), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (20, 24, 3, 3), generator=g, dtype=torch.int8)
+    scale = torch.rand(scale_shape, generator=g) * 1e-5
+    b = torch.randn(20, generator=g) if bias else None
+    args = ((2, 1), (1, 1, 1, 1), (1, 1), 1, scale, b, relu)
+    y = tvm_kernels.int8_conv_dequantized(x_q, w_q, *args)
+    assert ("dequantize", f"dequantize 20 @5x7 b2{' per-channel' if scale_shape else ''} nhwc32"
+            f"{' bias' if bias else ''}{' relu' if relu else ''}") in tvm_kernels.CALLS
+    assert torch.equal(y, functional.int8_conv_dequantized_torch(x_q, w_q, *args))
+
+
+@pytest.mark.parametrize("per_channel, mult", [(False, False), (True, False), (False, True)])
+def test_the_quantizing_kernel_gives_torchs_int8_including_ties(tvm_on_cpu, per_channel, mult):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 6, generator=g) * 4
+    scale = torch.full((5,) if per_channel else (), 0.5)
+    x[0, 0, 0, :4] = torch.tensor([0.25, -0.25, 0.75, 63.25])    # x / s = 0.5, -0.5, 1.5, 126.5: ties to even
+    m = torch.rand(5, generator=g) + 0.5 if mult else None
+    if mult:
+        m[0] = 1.0
+    q = tvm_kernels.quantize(x, scale, m)
+    assert q[0, 0, 0, :4].tolist() == [0, 0, 2, 126]
+    assert torch.equal(q, functional.quantize_torch(x, scale, m))
+
+
+def test_the_relu_mask_kernels_give_pack_bits_and_masked_fills_bits(tvm_on_cpu):
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 3, 5, 7), (1, 8, 4, 4)]:     # 210 elements: a partial last byte; 128: whole bytes
+        y, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        bits = tvm_kernels.relu_bits(y)
+        assert torch.equal(bits, functional.pack_bits(y > 0))
+        assert torch.equal(tvm_kernels.mask(grad, bits), grad.masked_fill(y <= 0, 0.0))

@@ -48,6 +48,11 @@ The autograd code calls three functions and never a kernel directly:
   ``(x_q, x_scale, g, ...)`` compute ``dx`` and ``dw`` through ``CONV_GRAD_KERNELS[device]``;
   the default (:func:`conv_input_grad_torch`, :func:`conv_weight_grad_torch`) is PyTorch's own
   conv gradients on the dequantized tensors (float32), device-generic.
+* :func:`_quantize` ``(x, scale, mult)``, :func:`_int8_conv_dequantized` ``(x_q, w_q, ...,
+  scale, bias, relu)``, :func:`_relu_bits` ``(y)`` and :func:`_mask` ``(g, bits)``: the
+  elementwise work around the int8 convs, through ``ELEMENTWISE_KERNELS[device][name]``; the
+  defaults (``TORCH_ELEMENTWISE``) are torch operations, which the CUDA kernels (one pass each)
+  reproduce bit for bit.
 
 On CUDA all three are TVM kernels generated from this project's TensorIR definitions
 (:mod:`tvm_qconv.nn.tvm_kernels`: the int8 forward on tensor cores (mma.sync) or dp4a, float32
@@ -155,9 +160,23 @@ def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(x_q, scale)``: int8 ``x_q`` of ``x``'s shape and the float32 ``(C,)`` scales.
     """
-    scale = torch.clamp(_div_qmax(x.detach().abs().amax(dim=(0, 2, 3)).to(torch.float32)), min=MIN_INPUT_SCALE)
-    q = x.detach().to(torch.float32) / scale.view(1, -1, 1, 1)
-    return q.round_().clamp_(-QMAX, QMAX).to(torch.int8), scale
+    scale = torch.clamp(_div_qmax(channel_amax(x)), min=MIN_INPUT_SCALE)
+    return quantize_torch(x, scale), scale
+
+
+def channel_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max|x[:, c]|`` per channel of NCHW ``x``, float32 ``(C,)``: one reduction, no ``|x|`` temporary."""
+    return torch.linalg.vector_norm(x.detach(), float("inf"), dim=(0, 2, 3)).to(torch.float32)
+
+
+def quantize_torch(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 ``clamp(round(x [* mult[c]] / scale), -127, 127)`` of NCHW ``x``, by torch: ``scale``
+    0-d (per tensor) or ``(C,)`` (per channel), ``mult`` None or ``(C,)``; float32 arithmetic."""
+    v = x.detach().to(torch.float32)
+    if mult is not None:
+        v = v * mult.view(1, -1, 1, 1)
+    q = v / (scale.view(1, -1, 1, 1) if scale.dim() else scale)
+    return q.round_().clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 def weight_scales(w: torch.Tensor) -> torch.Tensor:
@@ -341,6 +360,67 @@ def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, 
     return kernel(x_q.contiguous(), w_q.contiguous(), stride, padding, dilation, groups)
 
 
+def int8_conv_dequantized_torch(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding: Padding4, dilation,
+                                groups: int, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                                relu: bool = False) -> torch.Tensor:
+    """float32 NCHW ``[relu](int8_conv(x_q, w_q) * scale [+ bias[o]])``, by torch around the
+    registered int8 conv: ``scale`` 0-d or ``(O,)``, ``bias`` None or float32 ``(O,)``."""
+    acc = _int8_conv_forward(x_q, w_q, stride, padding, dilation, groups)
+    # copy_ converts int32 -> float32 and the kernel's layout -> contiguous NCHW in one pass; the
+    # scale is applied in place: one float temporary fewer per layer.
+    y = torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc)
+    del acc
+    y.mul_(scale.view(1, -1, 1, 1) if scale.dim() else scale)
+    if bias is not None:
+        y += bias.view(1, -1, 1, 1)
+    return torch.relu_(y) if relu else y
+
+
+def relu_bits_torch(y: torch.Tensor) -> torch.Tensor:
+    """``pack_bits(y > 0)``: the ReLU mask backward keeps."""
+    return pack_bits(y > 0)
+
+
+def mask_torch(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``g`` where its bit of ``bits`` (:func:`pack_bits`) is set, else 0."""
+    return g.masked_fill(~unpack_bits(bits, g.shape), 0.0)
+
+
+# The elementwise work around the int8 convs, by torch; ELEMENTWISE_KERNELS[device type] holds
+# twins for a device (one-pass kernels giving the same bits), name by name.
+TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
+    "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
+    "relu_bits": relu_bits_torch, "mask": mask_torch}
+ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
+
+
+def _elementwise(device_type: str, name: str) -> Callable[..., torch.Tensor]:
+    _load_lazy_kernels(device_type)
+    return ELEMENTWISE_KERNELS.get(device_type, {}).get(name, TORCH_ELEMENTWISE[name])
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatch point of :func:`quantize_torch` (contiguous float32 NCHW ``x``)."""
+    return _elementwise(x.device.type, "quantize")(x, scale, mult)
+
+
+def _int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding: Padding4, dilation, groups: int,
+                           scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """The dispatch point of :func:`int8_conv_dequantized_torch`."""
+    return _elementwise(x_q.device.type, "int8_conv_dequantized")(
+        x_q.contiguous(), w_q.contiguous(), tuple(stride), tuple(padding), tuple(dilation), groups, scale, bias, relu)
+
+
+def _relu_bits(y: torch.Tensor) -> torch.Tensor:
+    """The dispatch point of :func:`relu_bits_torch`."""
+    return _elementwise(y.device.type, "relu_bits")(y)
+
+
+def _mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The dispatch point of :func:`mask_torch` (contiguous float32 ``g``)."""
+    return _elementwise(g.device.type, "mask")(g, bits)
+
+
 def conv_input_grad_torch(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
                           stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
     """``dx = conv_transpose(grad, w_q * w_scale)`` for an input of ``input_shape``, by PyTorch (float32)."""
@@ -420,7 +500,8 @@ def _flipped_transposed(w_q: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
-                          stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+                          stride, padding: Padding4, dilation, groups: int,
+                          amax: torch.Tensor | None = None) -> torch.Tensor:
     """``dx`` from an int8 gradient (``input_grad="int8"``), float32 NCHW.
 
     The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
@@ -434,14 +515,18 @@ def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.
 
     The small VGG's QAT on digits stays within a point of the float model with it (a test;
     figures per seed in docs/history.md, "Issue 35, first steps").
+
+    ``amax``: :func:`channel_amax` of ``grad`` where the caller has it.  ``max|g'|`` is
+    ``max_o(amax[o] * s_w[o])`` exactly (a float32 product is monotonic in each factor), so ``g'``
+    is never written out: the quantizing kernel multiplies as it reads.
     """
-    g_w = grad * w_scale.view(1, -1, 1, 1)
-    g_q, s_g = quantize_per_tensor(g_w, batch_amax(g_w))
+    amax = channel_amax(grad) if amax is None else amax
+    s_g = input_scale((amax * w_scale).max())
+    g_q = _quantize(grad, s_g, w_scale)
     pads = transposed_padding(w_q.shape[2:], padding, dilation, stride, input_shape[2:])
     if pads is not None:
-        acc = _int8_conv_forward(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
-                                 tuple(dilation), groups)
-        return torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc).mul_(s_g)
+        return _int8_conv_dequantized(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
+                                      tuple(dilation), groups, s_g)
     return _conv_input_grad(g_q.to(torch.float32).mul_(s_g), w_q, torch.ones_like(w_scale), input_shape, stride,
                             padding, dilation, groups)
 
@@ -472,7 +557,8 @@ _FALLBACK_NOTED: set = set()
 
 
 def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
-                           stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+                           stride, padding: Padding4, dilation, groups: int,
+                           amax: torch.Tensor | None = None) -> torch.Tensor:
     """``dw`` from an int8 gradient (``weight_grad="int8"``), float32 OIHW.
 
     The gradient is quantized per output channel, ``g ~ g_q[o] * s_g[o]`` (``o`` is ``dw``'s own
@@ -480,9 +566,12 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch
     an exact int32 / int64 sum, on CUDA the int8 tensor cores (a split-K conv,
     ``schedules/training/grad_weight_mma.py``), so bit-equal to the CPU's.  A conv those kernels
     cannot take (groups, a batch under 16) runs the float kernel on the dequantized ``g_q * s_g``,
-    the same values up to float32 rounding, with a one-line note the first time.
+    the same values up to float32 rounding, with a one-line note the first time.  ``amax``:
+    :func:`channel_amax` of ``grad`` where the caller has it.
     """
-    g_q, s_g = quantize_per_channel(grad)
+    amax = channel_amax(grad) if amax is None else amax
+    s_g = torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
+    g_q = _quantize(grad, s_g)
     _load_lazy_kernels(grad.device.type)
     kernel = INT8_WEIGHT_GRAD_KERNELS.get(grad.device.type)
     acc = None if kernel is None else kernel(x_q, g_q, weight_shape, stride, padding, dilation, groups)
@@ -506,21 +595,14 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
     # Compact NCHW for the kernels (TVM's DLPack import rejects channels_last, transposed
     # and sliced views); the copy is transient, only its int8 version is kept.
     x = x.contiguous()
-    x_q, x_scale = quantize_per_tensor(x, amax)
+    x_scale = input_scale(amax)
+    x_q = _quantize(x, x_scale)
     w_q, w_scale = quantize_weight(weight)
-    acc = _int8_conv_forward(x_q, w_q, stride, padding, dilation, groups)
-    # Dequantize once per accumulator (== dequantizing every product, the sum is exact).
-    # copy_ converts int32 -> float32 and the kernel's layout -> contiguous NCHW in one pass; the
-    # scale is applied in place: one float temporary fewer per layer.
-    y = torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc)
-    del acc
-    y.mul_((x_scale * w_scale).view(1, -1, 1, 1))
-    if bias is not None:
-        y += bias.detach().to(torch.float32).view(1, -1, 1, 1)
-    if relu:
-        y = torch.relu_(y)
+    # Dequantized once per accumulator (== dequantizing every product, the sum is exact).
+    y = _int8_conv_dequantized(x_q, w_q, stride, padding, dilation, groups, x_scale * w_scale,
+                               None if bias is None else bias.detach().to(torch.float32), relu)
     empty = torch.empty(0, dtype=torch.uint8, device=x.device)
-    relu_bits = pack_bits(y > 0) if keep_relu_mask else empty
+    relu_bits = _relu_bits(y) if keep_relu_mask else empty
     # The clip mask unless the caller vouched that amax is the batch's own max (training: nothing
     # clips).  Asking the tensors whether anything clipped would be a device -> host sync each
     # layer, and a training step with one cannot be captured in a CUDA graph.
@@ -559,19 +641,26 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         # Compact for the same reason as the input (a permuted loss gives a strided gradient).
         g = grad_y.to(torch.float32).contiguous()
         if relu:
-            g = g.masked_fill(~unpack_bits(relu_bits, y_shape), 0.0)
+            g = _mask(g, relu_bits)
 
         dx = dw = db = None
+        # max|g| per channel, shared by the two int8 gradients' quantizations
+        amax = channel_amax(g) if "int8" in (ctx.input_grad, ctx.weight_grad) else None
         if ctx.needs_input_grad[0]:
             w_q, w_scale = quantize_weight(weight)  # bit-identical to the forward's
-            dx_of = _conv_input_grad_int8 if ctx.input_grad == "int8" else _conv_input_grad
-            dx = dx_of(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
+            if ctx.input_grad == "int8":
+                dx = _conv_input_grad_int8(g, w_q, w_scale, x_shape, stride, padding, dilation, groups, amax)
+            else:
+                dx = _conv_input_grad(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw_of = _conv_weight_grad_int8 if ctx.weight_grad == "int8" else _conv_weight_grad
-            dw = dw_of(x_q, x_scale, g, w_shape, stride, padding, dilation, groups).to(w_dtype)
+            if ctx.weight_grad == "int8":
+                dw = _conv_weight_grad_int8(x_q, x_scale, g, w_shape, stride, padding, dilation, groups, amax)
+            else:
+                dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups)
+            dw = dw.to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = g.sum(dim=(0, 2, 3)).to(b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None

@@ -16,7 +16,9 @@ kind             registry op              what
 All three take one :class:`~tvm_qconv.schedules.workload.ConvWorkload` (groups included).  The
 int8 weight gradient (``weight_grad="int8"``) is a ``forward`` kernel too: the split-K int32 conv
 of the input with the int8 gradient (``schedules/training/grad_weight_mma.py``,
-:func:`int8_weight_grad`).
+:func:`int8_weight_grad`).  Two more kinds, ``quantize`` and ``dequantize``, are the one-pass
+elementwise kernels around the int8 convs (``schedules/training/elementwise.py``: runtime scales,
+the torch operations' bits): :func:`quantize`, :func:`int8_conv_dequantized`.
 
 On CUDA they replace the forward int8 conv and both conv gradients (:func:`register`, called
 lazily by :mod:`tvm_qconv.nn.functional` when the first CUDA tensor arrives: importing
@@ -75,13 +77,14 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
-from ..schedules.training import grad_weight_mma
+from ..schedules.training import elementwise, grad_weight_mma
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
-from .functional import INT8_WEIGHT_GRAD_KERNELS, register_conv_grad_kernels, register_int8_conv_kernel
+from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, int8_conv_dequantized_torch, mask_torch,
+                         quantize_torch, register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -163,6 +166,8 @@ def _definition(kind: str, wl: ConvWorkload, target):
         NotImplementedError: a forward kernel that does not take the ``(data, weight, out)`` that
             :func:`int8_conv` packs (a new int32 conv that needs its own packing).
     """
+    if kind in elementwise.KINDS:
+        return elementwise.definition(wl, target)
     impl = _impl(kind, wl, target)
     func = impl.compute(wl)
     if kind == "forward" and len(func.params) != 3:
@@ -199,7 +204,7 @@ def _build(kind: str, wl, target, path: str) -> None:
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
     func = _definition(kind, wl, target).with_attr("global_symbol", symbol(kind))
     # the implementation's own pipeline and PassContext entries (the mma template's async copies)
-    options = registry.compile_options([_impl(kind, wl, target)])
+    options = registry.compile_options([] if kind in elementwise.KINDS else [_impl(kind, wl, target)])
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target, tir_pipeline=options["tir_pipeline"])
     with atomic_path(path, suffix=".so") as tmp:
@@ -248,7 +253,9 @@ def _load_or_build(kind: str, wl, target, arch: str) -> Callable:
 
 
 def describe(wl) -> str:
-    """``wl.describe()`` plus the padding, which it leaves out."""
+    """``wl.describe()`` plus a conv's padding, which it leaves out."""
+    if not isinstance(wl, ConvWorkload):
+        return wl.describe()
     return wl.describe() + ("" if wl.padding == (1, 1, 1, 1) else f" pad{wl.padding}")
 
 
@@ -432,6 +439,64 @@ def conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tenso
     return dw.view(o, cg, kh, kw)
 
 
+def quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
+    """``functional.quantize_torch`` in one kernel (``elementwise.quantize``): float32 NCHW ``x``
+    -> int8 NCHW, ``scale`` 0-d or ``(C,)``, ``mult`` None or ``(C,)``."""
+    if x.dim() != 4 or x.dtype != torch.float32:
+        return quantize_torch(x, scale, mult)
+    wl = elementwise.ElementwiseWorkload("quantize", tuple(x.shape), per_channel=scale.dim() == 1,
+                                         mult=mult is not None)
+    out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    extra = [] if mult is None else [mult.to(torch.float32)]
+    _call("quantize", wl, x.device, x, scale.to(torch.float32).reshape(-1), *extra, out)
+    return out
+
+
+def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding, dilation, groups: int,
+                          scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """``functional.int8_conv_dequantized_torch``: the conv's accumulators (NHWC32 on the tensor
+    cores, NCHW4c on dp4a) go to float NCHW in one kernel (``elementwise.dequantize``: scale, bias,
+    ReLU); linear layers and grouped convs of group widths not a multiple of 4 through torch."""
+    wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
+    n, o = x_q.shape[0], w_q.shape[0]
+    if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups) or (groups > 1 and (o // groups) % 4):
+        return int8_conv_dequantized_torch(x_q, w_q, stride, padding, dilation, groups, scale, bias, relu)
+    if forward_layout(wl, x_q.device) == TENSORCORE_LAYOUT:
+        layout = "nhwc32"
+        acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
+        _call("forward", wl, x_q.device, _pack_input_nhwc32(x_q), _pack_weight_nhwc32(w_q), acc)
+    else:   # NCHW4c: one group, or groups of whole 4-channel blocks (no padding between groups)
+        layout = "nchw4c"
+        acc = torch.empty((n, _ceil4(o) // 4, wl.out_height, wl.out_width, 4), dtype=torch.int32, device=x_q.device)
+        _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)
+    shape = (n, o, wl.out_height, wl.out_width)
+    dq = elementwise.ElementwiseWorkload("dequantize", shape, per_channel=scale.dim() == 1, layout=layout,
+                                         bias=bias is not None, relu=relu)
+    out = torch.empty(shape, dtype=torch.float32, device=x_q.device)
+    extra = [] if bias is None else [bias]
+    _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out)
+    return out
+
+
+def relu_bits(y: torch.Tensor) -> torch.Tensor:
+    """``functional.relu_bits_torch`` in one kernel (``elementwise.relu_bits``)."""
+    if y.dim() != 4 or y.dtype != torch.float32:
+        return relu_bits_torch(y)
+    out = torch.empty(((y.numel() + 7) // 8,), dtype=torch.uint8, device=y.device)
+    _call("relu_bits", elementwise.ElementwiseWorkload("relu_bits", tuple(y.shape)), y.device, y.reshape(-1), out)
+    return out
+
+
+def mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``functional.mask_torch`` in one kernel (``elementwise.mask``)."""
+    if g.dim() != 4 or g.dtype != torch.float32:
+        return mask_torch(g, bits)
+    out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    _call("mask", elementwise.ElementwiseWorkload("mask", tuple(g.shape)), g.device, g.reshape(-1), bits,
+          out.view(-1))
+    return out
+
+
 def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
                      groups: int) -> torch.Tensor | None:
     """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (int64 OIHW) on the int8
@@ -475,6 +540,8 @@ def register(device_type: str = "cuda") -> None:
     register_int8_conv_kernel(device_type, int8_conv)
     register_conv_grad_kernels(device_type, conv_input_grad, conv_weight_grad)
     INT8_WEIGHT_GRAD_KERNELS[device_type] = int8_weight_grad
+    ELEMENTWISE_KERNELS[device_type] = {"quantize": quantize, "int8_conv_dequantized": int8_conv_dequantized,
+                                        "relu_bits": relu_bits, "mask": mask}
 
 
 def report() -> list[dict]:

@@ -1,0 +1,195 @@
+"""The training path's elementwise kernels: quantizing into and dequantizing out of its int8
+convs with the scales the step computes (tensors, not build-time constants), one pass each.
+
+In torch each of them is four to six passes over a float tensor: quantizing ``x`` is
+``x / s``, ``round_``, ``clamp_`` and ``to(int8)``; a conv's float output is ``copy_`` of the
+int32 accumulators (NHWC32 to NCHW), ``mul_`` by the scales, ``+= bias`` and ``relu_``.  On
+VGG16 at batch 32 (H200, 2026-11-28) those passes were ~30 of the step's 61 ms of GPU time
+(docs/performance.md, "Training").  Here each is one kernel:
+
+==============  ==================================================================================
+kind            what
+==============  ==================================================================================
+``quantize``    float32 NCHW ``x`` -> int8 NCHW ``clamp(nearbyint(x [* mult[c]] / s), -127, 127)``,
+                ``s`` one scale or one per channel (``c``, axis 1)
+``dequantize``  int32 accumulators (NHWC32 ``[N, H, W, C_p]``, the tensor cores' output; NCHW4c
+                ``[N, ceil(C / 4), H, W, 4]``, dp4a's; or NCHW)
+                -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU
+``relu_bits``   float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
+                ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
+``mask``        float32 ``g``, those bits -> ``g`` where its bit is set, else 0 (the ReLU's backward)
+==============  ==================================================================================
+
+Bit for bit the torch operations they replace, on every target: each float32 operation is done
+in float64 and rounded to float32 once, which is exactly the float32 result for ``+``, ``*``
+and ``/`` of float32 operands (53 >= 2 * 24 + 2 bits: no double-rounding error), where a
+float32 ``/`` would not be: TVM compiles CUDA with ``--use_fast_math`` (``schedules/quantize.py``
+says more), which also flushes subnormals and contracts ``a * b + c`` into one rounding.  The
+int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is
+``nearbyint``: ties to even, as ``torch.round``.
+
+CUDA schedule: threads on consecutive elements of the NCHW side (coalesced float accesses); the
+packed side of ``dequantize`` read 4 channels (16 bytes) at once per thread (``VEC``): in NCHW4c
+they are the innermost axis, so neighbouring threads read neighbouring 16 bytes.  Off CUDA
+the compute runs as it is (llvm).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import tvm
+from tvm import te, tirx
+
+from ..tensorcore.layout import ceil32
+
+KINDS = ("quantize", "dequantize", "relu_bits", "mask")
+LAYOUTS = ("nchw", "nhwc32", "nchw4c")
+THREADS = 256
+VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
+
+
+@dataclass(frozen=True)
+class ElementwiseWorkload:
+    """One elementwise kernel of the training path.
+
+    Attributes:
+        kind: ``quantize`` or ``dequantize``.
+        shape: the float side's NCHW shape (N, C, H, W).
+        per_channel: the scale is ``[C]`` (else ``[1]``).
+        mult: (quantize) ``x`` is multiplied by a ``[C]`` factor first (the weight scales folded
+            into the output gradient of the int8 input gradient).
+        layout: (dequantize) the accumulators' layout: ``nchw``, ``nhwc32`` or ``nchw4c`` (one group).
+        bias: (dequantize) a ``[C]`` bias is added after the scale.
+        relu: (dequantize) ReLU last.
+    """
+
+    kind: str
+    shape: tuple[int, int, int, int]
+    per_channel: bool = False
+    mult: bool = False
+    layout: str = "nchw"
+    bias: bool = False
+    relu: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
+            raise ValueError(f"not an elementwise training kernel: {self}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        n, c, h, w = self.shape
+        opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
+                "dequantize"), ("bias", self.bias), ("relu", self.relu)) if on]
+        return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
+
+
+def _exact(op, a, b):
+    """float32 ``a op b`` for float32 operands, as IEEE float32 arithmetic gives it (module docstring)."""
+    return op(a.astype("float64"), b.astype("float64")).astype("float32")
+
+
+def quantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(x, scale[, mult], out)``: float32 NCHW -> int8 NCHW."""
+    n, c, h, w = wl.shape
+    x = te.placeholder(wl.shape, "float32", name="x")
+    s = te.placeholder((c if wl.per_channel else 1,), "float32", name="scale")
+    m = te.placeholder((c,), "float32", name="mult") if wl.mult else None
+
+    def element(b, ch, y, xx):
+        v = x[b, ch, y, xx]
+        if m is not None:
+            v = _exact(lambda p, q: p * q, v, m[ch])
+        v = tirx.nearbyint(_exact(lambda p, q: p / q, v, s[ch if wl.per_channel else 0]))
+        return tirx.max(tirx.min(v, tirx.const(127.0, "float32")), tirx.const(-127.0, "float32")).astype("int8")
+
+    out = te.compute(wl.shape, element, name="quantize")
+    params = [x, s] + ([m] if m is not None else []) + [out]
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_quantize",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def dequantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(acc, scale[, bias], out)``: int32 accumulators -> float32 NCHW."""
+    n, c, h, w = wl.shape
+    packed = {"nhwc32": (n, h, w, ceil32(c)), "nchw4c": (n, (c + 3) // 4, h, w, 4), "nchw": wl.shape}[wl.layout]
+    acc = te.placeholder(packed, "int32", name="acc")
+    s = te.placeholder((c if wl.per_channel else 1,), "float32", name="scale")
+    bias = te.placeholder((c,), "float32", name="bias") if wl.bias else None
+
+    def element(b, ch, y, xx):
+        a = {"nhwc32": lambda: acc[b, y, xx, ch], "nchw4c": lambda: acc[b, ch // 4, y, xx, ch % 4],
+             "nchw": lambda: acc[b, ch, y, xx]}[wl.layout]()
+        v = _exact(lambda p, q: p * q, a.astype("float32"), s[ch if wl.per_channel else 0])
+        if bias is not None:
+            v = _exact(lambda p, q: p + q, v, bias[ch])
+        return tirx.max(v, tirx.const(0.0, "float32")) if wl.relu else v
+
+    out = te.compute(wl.shape, element, name="dequantize")
+    params = [acc, s] + ([bias] if bias is not None else []) + [out]
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_dequantize",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def _numel(wl: ElementwiseWorkload) -> int:
+    n, c, h, w = wl.shape
+    return n * c * h * w
+
+
+def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(y, out)``: float32 ``y`` (flat) -> uint8 ``[ceil(numel / 8)]``, bit ``i`` of byte ``j`` set
+    where ``y[8j + i] > 0`` (the tail past ``numel`` 0)."""
+    numel = _numel(wl)
+    y = te.placeholder((numel,), "float32", name="y")
+
+    def byte(j):
+        bits = [tirx.if_then_else(tirx.all(8 * j + i < numel, y[tirx.min(8 * j + i, numel - 1)] > 0.0),
+                                  1 << i, 0) for i in range(8)]
+        return sum(bits[1:], bits[0]).astype("uint8")
+
+    out = te.compute(((numel + 7) // 8,), byte, name="relu_bits")
+    return te.create_prim_func([y, out]).with_attr({"tvm_qconv.kernel": "train_relu_bits",
+                                                    "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def mask(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(g, bits, out)``: float32 ``g`` (flat) where its bit of :func:`relu_bits`'s is set, else 0."""
+    numel = _numel(wl)
+    g = te.placeholder((numel,), "float32", name="g")
+    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits")
+    out = te.compute((numel,), lambda k: tirx.if_then_else(
+        (bits[k // 8].astype("int32") >> (k % 8)) & 1 == 1, g[k], tirx.const(0.0, "float32")), name="mask")
+    return te.create_prim_func([g, bits, out]).with_attr({"tvm_qconv.kernel": "train_mask",
+                                                          "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
+    """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
+    func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask}[wl.kind](wl)
+    if target.kind.name != "cuda":
+        return func
+    sch = tvm.s_tir.Schedule(func)
+    block = sch.get_sblock(wl.kind)
+    if wl.kind in ("relu_bits", "mask"):     # flat: one element (one byte of bits) per thread
+        bx, tx = sch.split(sch.get_loops(block)[0], [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    b, ch, y, xx = sch.get_loops(block)
+    if wl.kind == "dequantize" and wl.layout != "nchw" and wl.shape[1] % VEC == 0:
+        # threads on pixels (consecutive x: coalesced NCHW stores), a 16-byte vector of channels each
+        c0, lane = sch.split(ch, [None, VEC])
+        sch.reorder(b, c0, y, xx, lane)
+        bx, tx = sch.split(sch.fuse(b, c0, y, xx), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        stage = sch.cache_read(block, 0, "local")
+        sch.compute_at(stage, tx)
+        sch.vectorize(sch.get_loops(stage)[-1])
+        sch.unroll(lane)
+    else:
+        bx, tx = sch.split(sch.fuse(b, ch, y, xx), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    return sch.mod["main"].with_attr("tir.is_scheduled", True)
