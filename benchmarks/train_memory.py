@@ -19,7 +19,9 @@ images and labels, same seed and weights in every variant:
   ``cudnn.benchmark`` off: the 2026-11-22 figure's twin).
 
 ``--input-grad int8`` / ``--weight-grad int8`` run ours with int8 input / weight gradients
-(``QuantizedConv2d``'s ``input_grad`` / ``weight_grad``).
+(``QuantizedConv2d``'s ``input_grad`` / ``weight_grad``).  ``--cuda-graph`` also times every
+variant's step captured in one CUDA graph (``torch.cuda.graph``, torch's recipe: warm-up on a side
+stream, autocast without its cast cache), replayed: the step without the host's launch overhead.
 
 Measured per variant: peak RAM (``ru_maxrss``), peak CUDA allocated / reserved over the whole run,
 device memory used at the end (``cudaMemGetInfo``, which also counts the CUDA context and TVM's
@@ -76,7 +78,8 @@ def build_model(model: str, num_classes: int, image_size: int, quantized: bool,
 
 
 def child(variant: str, model_name: str, batch: int, image_size: int, steps: int, warmup: int,
-          num_classes: int, input_grad: str = "float32", weight_grad: str = "float32") -> dict:
+          num_classes: int, input_grad: str = "float32", weight_grad: str = "float32",
+          cuda_graph: bool = False) -> dict:
     """One variant in this (fresh) process: peaks, step times, one profiled step and, for ours,
     the TVM kernels that ran."""
     ours = variant.startswith("ours")
@@ -93,9 +96,9 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
-    def step():
+    def step(cache: bool = True):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "amp"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "amp", cache_enabled=cache):
             loss = F.cross_entropy(model(x), labels)
         loss.backward()
         opt.step()
@@ -124,7 +127,33 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
         out["kernels"] = tvm_kernels.report()
         out["kernel_cache"] = tvm_kernels.cache_dir()
     out.update(_profile(step))
+    if cuda_graph:
+        try:
+            out["graph_step_ms"] = _graph_step_ms(step, steps)
+        except Exception as e:  # recorded, not fatal: the eager figures above stand
+            out["graph_error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _graph_step_ms(step, steps: int) -> float:
+    """Median ms of ``steps`` replays of one step captured in a CUDA graph (torch's recipe)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(cache=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(cache=False)
+    times = []
+    for _ in range(steps + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times[1:])
 
 
 def _profile(step) -> dict:
@@ -157,6 +186,7 @@ def run_child(variant: str, args) -> dict:
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
            "--input-grad", args.input_grad, "--weight-grad", args.weight_grad,
+           *(["--cuda-graph"] if args.cuda_graph and variant != "ours_compile" else []),
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--num-classes", str(args.num_classes)]
     print(f"[{variant}] {args.model} batch {args.batch} ...", flush=True)
@@ -181,19 +211,23 @@ def summarize(results: dict, compile_run: dict | None) -> dict:
     names = list(results)
     print("\n|metric|" + "|".join(names) + "|\n|---|" + "---|" * len(names))
     rows = {}
-    for key, label in METRICS + [("launches", "Kernel launches"), ("gpu_busy_ms", "GPU busy (ms, profiled step)")]:
+    extra = [("graph_step_ms", "Step time, CUDA graph (ms)")] if all("graph_step_ms" in r for r in results.values()) else []
+    for key, label in METRICS + extra + [("launches", "Kernel launches"), ("gpu_busy_ms", "GPU busy (ms, profiled step)")]:
         rows[key] = {v: round(results[v][key], 2) for v in names}
         print(f"|{label}|" + "|".join(f"{results[v][key]:.2f}" for v in names) + "|")
     if "ours" in results:
         ours = results["ours"]
         rows["ours_vs"] = {v: {"step_time_ratio": round(ours["step_ms"] / results[v]["step_ms"], 3),
+                               **({"graph_step_time_ratio": round(ours["graph_step_ms"] / results[v]["graph_step_ms"], 3)}
+                                  if extra else {}),
                                "allocated_reduction_pct": round(_reduction(ours["peak_cuda_allocated_mb"],
                                                                            results[v]["peak_cuda_allocated_mb"]), 2),
                                "reserved_reduction_pct": round(_reduction(ours["peak_cuda_reserved_mb"],
                                                                           results[v]["peak_cuda_reserved_mb"]), 2)}
                            for v in names if v != "ours"}
         for v, r in rows["ours_vs"].items():
-            print(f"ours against {v}: step {r['step_time_ratio']:.2f}x its time, "
+            graph = f" ({r['graph_step_time_ratio']:.2f}x in CUDA graphs)" if extra else ""
+            print(f"ours against {v}: step {r['step_time_ratio']:.2f}x its time{graph}, "
                   f"{r['allocated_reduction_pct']:.1f} % less allocated, "
                   f"{r['reserved_reduction_pct']:.1f} % less reserved")
         if compile_run is not None:
@@ -230,6 +264,8 @@ def main(argv=None) -> int:
                    help="ours: input gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
     p.add_argument("--weight-grad", choices=INPUT_GRADS, default="float32",
                    help="ours: weight gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each variant's step captured in a CUDA graph and replayed")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (32: activations dominate)")
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
@@ -240,7 +276,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         res = child(args.child, args.model, args.batch, args.image_size, args.steps, args.warmup, args.num_classes,
-                    args.input_grad, args.weight_grad)
+                    args.input_grad, args.weight_grad, args.cuda_graph)
         with open(args.child_out, "w") as f:
             json.dump(res, f)
         return 0
@@ -266,7 +302,7 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     tag = "".join(f"_{value}_{name}" for name, value in (("dx", args.input_grad), ("dw", args.weight_grad))
-                  if value != "float32")
+                  if value != "float32") + ("_graph" if args.cuda_graph else "")
     path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}{tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
