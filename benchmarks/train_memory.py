@@ -239,6 +239,8 @@ def summarize(results: dict, compile_run: dict | None) -> dict:
         for k in ours["kernels"]:
             print(f"  {k['kind']:<12} {k['workload']:<48} {k['calls']:>4}")
     for v in names:
+        if "graph_error" in results[v]:
+            print(f"\n{v}: the step did not capture in a CUDA graph: {results[v]['graph_error']}")
         print(f"\n{v}: CUDA kernels of one profiled step, most time first (launches, us):")
         for name, k in list(results[v]["cuda_kernels"].items())[:15]:
             print(f"  {k['launches']:>4} {k['us']:>9.1f}  {name[:100]}")
