@@ -201,23 +201,28 @@ def _qat_step(model, opt, x, target):
     return loss
 
 
-def _small_vgg_and_sgd():
+def _small_vgg_and_sgd(grads: str = "float32"):
     torch.manual_seed(0)
-    model = SmallQuantizedVGG().to(CUDA).train()
+    model = SmallQuantizedVGG(input_grad=grads, weight_grad=grads).to(CUDA).train()
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _batches(n: int):
+def _batches(n: int, batch: int = 8):
     g = torch.Generator(device=CUDA).manual_seed(3)
-    return [(torch.randn(8, 3, 32, 32, device=CUDA, generator=g), torch.randint(0, 10, (8,), device=CUDA, generator=g))
-            for _ in range(n)]
+    return [(torch.randn(batch, 3, 32, 32, device=CUDA, generator=g),
+             torch.randint(0, 10, (batch,), device=CUDA, generator=g)) for _ in range(n)]
 
 
-def test_a_training_step_reads_nothing_back_to_the_host():
+# float32 gradients at batch 8; int8 ones at batch 16 (the tensor cores take dw from 16)
+GRAD_SETUPS = [("float32", 8), ("int8", 16)]
+
+
+@pytest.mark.parametrize("grads, batch", GRAD_SETUPS)
+def test_a_training_step_reads_nothing_back_to_the_host(grads, batch):
     # torch raises on any synchronizing call (a tensor's bool(), .item(), a pageable copy) in this
     # mode; the clip test and the bit weights' host -> device copies were such calls (issue 35)
-    model, opt = _small_vgg_and_sgd()
-    (x, t), = _batches(1)
+    model, opt = _small_vgg_and_sgd(grads)
+    (x, t), = _batches(1, batch)
     _qat_step(model, opt, x, t)         # the first step builds or loads the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -230,12 +235,13 @@ def test_a_training_step_reads_nothing_back_to_the_host():
         torch.cuda.set_sync_debug_mode(0)
 
 
-def test_a_training_step_captured_in_a_cuda_graph_replays_bit_identically_to_eager():
-    batches = _batches(3)
-    eager, eager_opt = _small_vgg_and_sgd()
+@pytest.mark.parametrize("grads, batch", GRAD_SETUPS)
+def test_a_training_step_captured_in_a_cuda_graph_replays_bit_identically_to_eager(grads, batch):
+    batches = _batches(3, batch)
+    eager, eager_opt = _small_vgg_and_sgd(grads)
     for x, t in batches:
         _qat_step(eager, eager_opt, x, t)
-    model, opt = _small_vgg_and_sgd()
+    model, opt = _small_vgg_and_sgd(grads)
     static_x, static_t = batches[0][0].clone(), batches[0][1].clone()
     side = torch.cuda.Stream()          # torch's recipe: warm up on a side stream; the warm-up is
     side.wait_stream(torch.cuda.current_stream())   # step 1 (SGD makes its momentum buffers there)
