@@ -22,7 +22,7 @@ from tvm_qconv.nn import tvm_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
-KINDS = {"quantize", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight"}   # tvm_kernels' kinds
+KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -346,7 +346,7 @@ def test_a_training_step_with_int8_gradients_runs_only_the_int8_conv_kernels():
         loss.backward()
     ops = {e.key for e in prof.key_averages()}
     assert not ops & TORCH_CONVS, sorted(ops & TORCH_CONVS)
-    assert {k for k, _ in tvm_kernels.CALLS} == {"quantize", "forward", "dequantize", "relu_bits", "mask"}
+    assert {k for k, _ in tvm_kernels.CALLS} == {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask"}
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 

@@ -18,6 +18,9 @@ kind            what
 ``relu_bits``   float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
                 ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
 ``mask``        float32 ``g``, those bits -> ``g`` where its bit is set, else 0 (the ReLU's backward)
+``pack``        int8 NCHW -> the tensor cores' NHWC32 ``[N, H, W, C_p]``, or with ``transpose``
+                ``[C, H, W, N_p]`` (the batch as the channels: the weight gradient's operands,
+                ``grad_weight_mma.py``; ``pad_rows``: ``C`` padded to 32 as well)
 ==============  ==================================================================================
 
 Bit for bit the torch operations they replace, on every target: each float32 operation is done
@@ -27,6 +30,10 @@ float32 ``/`` would not be: TVM compiles CUDA with ``--use_fast_math`` (``schedu
 says more), which also flushes subnormals and contracts ``a * b + c`` into one rounding.  The
 int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is
 ``nearbyint``: ties to even, as ``torch.round``.
+
+``pack`` is the copy torch made with ``permute(...).contiguous()``, at a stride of a whole feature
+map per byte; here a thread writes 16 packed bytes at once from 16 reads that are each coalesced
+across the warp (``channels_last_conversions.py``'s schedule).
 
 CUDA schedule: threads on consecutive elements of the NCHW side (coalesced float accesses); the
 packed side of ``dequantize`` read 4 channels (16 bytes) at once per thread (``VEC``): in NCHW4c
@@ -40,9 +47,10 @@ from dataclasses import asdict, dataclass
 import tvm
 from tvm import te, tirx
 
+from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..tensorcore.layout import ceil32
 
-KINDS = ("quantize", "dequantize", "relu_bits", "mask")
+KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -61,6 +69,8 @@ class ElementwiseWorkload:
         layout: (dequantize) the accumulators' layout: ``nchw``, ``nhwc32`` or ``nchw4c`` (one group).
         bias: (dequantize) a ``[C]`` bias is added after the scale.
         relu: (dequantize) ReLU last.
+        transpose: (pack) the batch becomes the packed channels: ``[C, H, W, N_p]``.
+        pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
     """
 
     kind: str
@@ -70,6 +80,8 @@ class ElementwiseWorkload:
     layout: str = "nchw"
     bias: bool = False
     relu: bool = False
+    transpose: bool = False
+    pad_rows: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
@@ -81,7 +93,8 @@ class ElementwiseWorkload:
     def describe(self) -> str:
         n, c, h, w = self.shape
         opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
-                "dequantize"), ("bias", self.bias), ("relu", self.relu)) if on]
+                "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
+                ("rows32", self.pad_rows)) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -164,11 +177,31 @@ def mask(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                           "tvm_qconv.workload": str(wl.to_dict())})
 
 
+def pack(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(src, out)``: int8 NCHW -> ``[N, H, W, C_p]``, or transposed ``[C or C_p, H, W, N_p]``; the
+    padding 0."""
+    n, c, h, w = wl.shape
+    rows, cols = (c, n) if wl.transpose else (n, c)
+    src = te.placeholder(wl.shape, "int8", name="src")
+
+    def element(i, y, xx, j):
+        nn, cc = (j, i) if wl.transpose else (i, j)
+        return tirx.if_then_else(tirx.all(i < rows, j < cols),
+                                 src[tirx.min(nn, n - 1), tirx.min(cc, c - 1), y, xx], tirx.const(0, "int8"))
+
+    out = te.compute((ceil32(rows) if wl.pad_rows else rows, h, w, ceil32(cols)), element, name="pack")
+    return te.create_prim_func([src, out]).with_attr({"tvm_qconv.kernel": "train_pack",
+                                                      "tvm_qconv.workload": str(wl.to_dict())})
+
+
 def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
-    func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask}[wl.kind](wl)
+    func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask,
+            "pack": pack}[wl.kind](wl)
     if target.kind.name != "cuda":
         return func
+    if wl.kind == "pack":       # threads on pixels, 16 packed channels each (channels_last_conversions)
+        return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
     sch = tvm.s_tir.Schedule(func)
     block = sch.get_sblock(wl.kind)
     if wl.kind in ("relu_bits", "mask"):     # flat: one element (one byte of bits) per thread

@@ -310,10 +310,17 @@ def _ceil32(c: int) -> int:
     return (c + 31) // 32 * 32
 
 
-def _pack_input_nhwc32(x: torch.Tensor) -> torch.Tensor:
+def _pack_input_nhwc32(x: torch.Tensor, transpose: bool = False, pad_rows: bool = False) -> torch.Tensor:
     """int8 [N, C, H, W] -> [N, H, W, C_p], channels zero-padded to a multiple of 32 (the
-    tensor-core family's activation layout, ``schedules/tensorcore/layout.py``)."""
-    return _pad_dim(x.permute(0, 2, 3, 1), 3, _ceil32(x.shape[1])).contiguous()
+    tensor-core family's activation layout, ``schedules/tensorcore/layout.py``); ``transpose``:
+    [C, H, W, N_p], the batch as the channels (``pad_rows``: C padded to 32 too).  One kernel
+    (``elementwise.pack``): torch's ``permute(...).contiguous()`` reads a byte per feature map."""
+    wl = elementwise.ElementwiseWorkload("pack", tuple(x.shape), transpose=transpose, pad_rows=pad_rows)
+    n, c, h, w = x.shape
+    rows, cols = (c, n) if transpose else (n, c)
+    out = torch.empty((_ceil32(rows) if pad_rows else rows, h, w, _ceil32(cols)), dtype=torch.int8, device=x.device)
+    _call("pack", wl, x.device, x, out)
+    return out
 
 
 def _pack_weight_nhwc32(w: torch.Tensor) -> torch.Tensor:
@@ -524,8 +531,9 @@ def weight_grad_by_conv(conv: ConvWorkload, x_q: torch.Tensor, g_q: torch.Tensor
     splits = (conv.splits,) if conv.splits > 1 else ()
     acc = torch.empty(splits + (conv.batch, conv.out_height, conv.out_width, _ceil32(o)), dtype=torch.int32,
                       device=x_q.device)
-    _call("forward", conv, x_q.device, _pack_input_nhwc32(x_q.transpose(0, 1)),
-          _pack_weight_nhwc32(g_q.transpose(0, 1)), acc)
+    gradient = _pack_input_nhwc32(g_q, transpose=True, pad_rows=True)     # [O_p, OH, OW, N_p]
+    _call("forward", conv, x_q.device, _pack_input_nhwc32(x_q, transpose=True), gradient.view(gradient.shape[0], -1),
+          acc)
     acc = acc.sum(0) if splits else acc.to(torch.int64)     # int64: exact
     return acc[:, :kh, :kw, :o].permute(3, 0, 1, 2)
 
