@@ -35,7 +35,8 @@ int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding i
 map per byte; here a thread writes 16 packed bytes at once from 16 reads that are each coalesced
 across the warp (``channels_last_conversions.py``'s schedule).
 
-CUDA schedule: threads on consecutive elements of the NCHW side (coalesced float accesses); the
+CUDA schedule: threads on consecutive elements of the NCHW side (coalesced float accesses; a
+quantizing thread takes 4 along a row where the row divides into them: one 16-byte load); the
 packed side of ``dequantize`` read 4 channels (16 bytes) at once per thread (``VEC``): in NCHW4c
 they are the innermost axis, so neighbouring threads read neighbouring 16 bytes.  Off CUDA
 the compute runs as it is (llvm).
@@ -210,7 +211,20 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
         sch.bind(tx, "threadIdx.x")
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     b, ch, y, xx = sch.get_loops(block)
-    if wl.kind == "dequantize" and wl.layout != "nchw" and wl.shape[1] % VEC == 0:
+    if wl.kind == "quantize" and wl.shape[3] % VEC == 0:
+        # 4 consecutive elements a thread: one 16-byte load, one 4-byte store
+        x0, lane = sch.split(xx, [None, VEC])
+        bx, tx = sch.split(sch.fuse(b, ch, y, x0), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        load = sch.cache_read(block, "x", "local")
+        sch.compute_at(load, tx)
+        sch.vectorize(sch.get_loops(load)[-1])
+        store = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(store, tx)
+        sch.vectorize(sch.get_loops(store)[-1])
+        sch.unroll(lane)
+    elif wl.kind == "dequantize" and wl.layout != "nchw" and wl.shape[1] % VEC == 0:
         # threads on pixels (consecutive x: coalesced NCHW stores), a 16-byte vector of channels each
         c0, lane = sch.split(ch, [None, VEC])
         sch.reorder(b, c0, y, xx, lane)
