@@ -575,26 +575,6 @@ def _int8_dx_reference(layer, x, g, amax):
     return xd.grad * (x.abs() <= amax)
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_int8_input_gradient_is_the_quantized_gradients_conv_and_near_float32s(case):
-    torch.manual_seed(0)
-    ours, _ = case.layers()
-    ours.input_grad = "int8"
-    x = _input(case, 0)
-    res, g = _run(ours, x, None)
-    ref = _int8_dx_reference(ours, x, g, batch_amax(x))
-    # stride-1 one-group convs: an int8 conv, exact in int32, then one float32 multiply; the others
-    # the float32 kernel on the dequantized gradient: float32 rounding either way (as above)
-    assert_matches_reference(res.dx, ref.to(res.dx.dtype))
-    ours.input_grad = "float32"
-    ours.zero_grad()
-    float_res, _ = _run(ours, x, g)
-    # int8 rounding of g' moves each term by <= 1/254 of the largest |g'|: a few per cent at most of dx
-    assert relative_error(res.dx, float_res.dx) < 0.03
-    assert torch.equal(res.out, float_res.out)      # the forward and the weight gradient do not change
-    assert torch.equal(res.dw, float_res.dw)
-
-
 def test_transposed_padding_is_what_the_kernel_reaches_minus_the_padding():
     from tvm_qconv.nn.functional import transposed_padding
     assert transposed_padding((3, 3), (1, 1, 1, 1), (1, 1)) == (1, 1, 1, 1)
@@ -621,23 +601,32 @@ def _int8_dw_reference(layer, x, g, amax):
     return w.grad
 
 
+# Each int8 gradient against its exact reference and near float32's; the other outputs unchanged.
+#   dx: stride-1 one-group convs an int8 conv, exact in int32, then one float32 multiply; the others
+#       the float32 kernel on the dequantized gradient: float32 rounding either way (as above).
+#   dw: exact integer sums (float64 on the CPU), then float32(sum) * float32(s_x * s_g[o]): two
+#       float32 roundings against the float64 reference.
+# int8 rounding moves each term by <= 1/254 of the largest |g'| (dx) or of its channel's (dw): a few
+# per cent at most of the sum.
+INT8_GRADS = {"input_grad": ("dx", _int8_dx_reference, ("out", "dw")),
+              "weight_grad": ("dw", _int8_dw_reference, ("out", "dx"))}
+
+
+@pytest.mark.parametrize("option", list(INT8_GRADS))
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_int8_weight_gradient_is_the_quantized_gradients_correlation_and_near_float32s(case):
+def test_an_int8_gradient_is_the_quantized_gradients_exact_sum_and_near_float32s(case, option):
+    grad, reference, unchanged = INT8_GRADS[option]
     torch.manual_seed(0)
     ours, _ = case.layers()
-    ours.weight_grad = "int8"
+    setattr(ours, option, "int8")
     x = _input(case, 0)
     res, g = _run(ours, x, None)
-    ref = _int8_dw_reference(ours, x, g, batch_amax(x))
-    # exact integer sums (float64 on the CPU), then float32(sum) * float32(s_x * s_g[o]): two
-    # float32 roundings against the float64 reference
-    assert_matches_reference(res.dw, ref.to(res.dw.dtype))
-    ours.weight_grad = "float32"
+    assert_matches_reference(getattr(res, grad), reference(ours, x, g, batch_amax(x)).to(torch.float32))
+    setattr(ours, option, "float32")
     ours.zero_grad()
     float_res, _ = _run(ours, x, g)
-    # each channel's int8 rounding moves every term by <= 1/254 of that channel's largest |g|
-    assert relative_error(res.dw, float_res.dw) < 0.03
-    assert torch.equal(res.out, float_res.out) and torch.equal(res.dx, float_res.dx)
+    assert relative_error(getattr(res, grad), getattr(float_res, grad)) < 0.03
+    assert all(torch.equal(getattr(res, name), getattr(float_res, name)) for name in unchanged)
 
 
 def test_per_channel_gradient_quantization_keeps_each_channels_range_and_zero_channels():
