@@ -468,16 +468,15 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
     n, o = x_q.shape[0], w_q.shape[0]
     if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups) or (groups > 1 and (o // groups) % 4):
         return int8_conv_dequantized_torch(x_q, w_q, stride, padding, dilation, groups, scale, bias, relu)
-    if forward_layout(wl, x_q.device) == TENSORCORE_LAYOUT:
-        layout = "nhwc32"
+    layout = forward_layout(wl, x_q.device)    # the registry's name: the dequantizing kernel's, lowercase
+    if layout == TENSORCORE_LAYOUT:
         acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
         _call("forward", wl, x_q.device, _pack_input_nhwc32(x_q), _pack_weight_nhwc32(w_q), acc)
-    else:   # NCHW4c: one group, or groups of whole 4-channel blocks (no padding between groups)
-        layout = "nchw4c"
+    else:   # dp4a's: one group, or groups of whole 4-channel blocks (no padding between groups)
         acc = torch.empty((n, _ceil4(o) // 4, wl.out_height, wl.out_width, 4), dtype=torch.int32, device=x_q.device)
         _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)
     shape = (n, o, wl.out_height, wl.out_width)
-    dq = elementwise.ElementwiseWorkload("dequantize", shape, per_channel=scale.dim() == 1, layout=layout,
+    dq = elementwise.ElementwiseWorkload("dequantize", shape, per_channel=scale.dim() == 1, layout=layout.lower(),
                                          bias=bias is not None, relu=relu)
     out = torch.empty(shape, dtype=torch.float32, device=x_q.device)
     extra = [] if bias is None else [bias]
