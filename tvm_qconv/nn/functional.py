@@ -191,7 +191,7 @@ def weight_scales(w: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of shape ``(O,)``.
     """
-    amax = w.detach().reshape(w.shape[0], -1).abs().amax(dim=1).to(torch.float32)
+    amax = torch.linalg.vector_norm(w.detach().reshape(w.shape[0], -1), float("inf"), dim=1).to(torch.float32)
     return torch.clamp(_div_qmax(amax), min=MIN_WEIGHT_SCALE)
 
 
@@ -408,10 +408,8 @@ def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_weight`, its rounding through the device's quantizing kernel (the output
     channels as the channel axis of a ``[1, O, I, KH*KW]`` view): the same bits in 4 launches
     instead of 9, twice a layer a step."""
-    o = w.shape[0]
-    amax = torch.linalg.vector_norm(w.detach().reshape(o, -1), float("inf"), dim=1).to(torch.float32)
-    scales = torch.clamp(_div_qmax(amax), min=MIN_WEIGHT_SCALE)
-    q = _quantize(w.detach().to(torch.float32).reshape(1, o, w.shape[1], -1), scales)   # OIHW: a 4-d view
+    scales = weight_scales(w)
+    q = _quantize(w.detach().to(torch.float32).reshape(1, w.shape[0], w.shape[1], -1), scales)   # a 4-d view
     return q.view(w.shape), scales
 
 
