@@ -18,6 +18,7 @@ from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float as _positive_float
 from tvm_qconv.cli_args import positive_int as _positive
 from tvm_qconv.nn.functional import INPUT_GRADS
+from tvm_qconv.nn.modules import INPUT_RANGES
 from tvm_qconv.training import MODELS, TrainConfig, run_training
 
 
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-grad", choices=INPUT_GRADS, default=d.weight_grad,
                    help="with --qat: weight gradients in float32 (default) or from the gradient quantized to int8 "
                         "per channel")
+    p.add_argument("--input-range", choices=INPUT_RANGES, default=d.input_range,
+                   help="with --qat: quantize each layer's input with the batch's range (default) or the one "
+                        "learned before the batch (delayed: what int8 activations between layers need)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="with --qat: do not train the float model for comparison")
     p.add_argument("--seed", type=int, default=d.seed,
@@ -45,13 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--input-grad", args.input_grad), ("--weight-grad", args.weight_grad)):
-        if value != "float32" and not args.qat:
+    for flag, value, default in (("--input-grad", args.input_grad, "float32"),
+                                 ("--weight-grad", args.weight_grad, "float32"),
+                                 ("--input-range", args.input_range, "batch")):
+        if value != default and not args.qat:
             parser.error(f"{flag} {value} is for the int8 layers: add --qat (the float model's gradients are float)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed, input_grad=args.input_grad,
-                         weight_grad=args.weight_grad)
+                         weight_grad=args.weight_grad, input_range=args.input_range)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
     def train() -> int:
         run_training(config, out=args.out, baseline=args.baseline, report=print)

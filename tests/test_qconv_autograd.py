@@ -643,3 +643,23 @@ def test_input_grad_names_its_choices():
         QuantizedConv2d(3, 4, 3, input_grad="int4")
     with pytest.raises(ValueError, match="weight_grad must be one of"):
         QuantizedConv2d(3, 4, 3, weight_grad="int4")
+
+
+def test_a_delayed_input_range_quantizes_with_the_range_learned_before_the_batch_and_clips_beyond_it():
+    from tvm_qconv.nn.modules import set_input_range
+    torch.manual_seed(0)
+    layer = set_input_range(QuantizedConv2d(3, 4, 3, padding=1), "delayed").train()
+    x1 = torch.randn(2, 3, 6, 6)
+    layer(x1)                                   # the first batch: its own range, and it is learned
+    learned = layer.input_amax.clone()
+    assert torch.equal(learned, batch_amax(x1))
+    x2 = (2 * x1).requires_grad_()              # twice the range: half of it clips
+    y = layer(x2)
+    with torch.no_grad():
+        ref = quantized_conv2d(x2, layer.weight, layer.bias, learned, 1, 1)
+    assert torch.equal(y.detach(), ref)
+    y.sum().backward()
+    clipped = x2.detach().abs() > learned
+    assert clipped.any() and not x2.grad[clipped].any()     # the STE passes no gradient where it clipped
+    with pytest.raises(ValueError, match="input_range must be one of"):
+        set_input_range(layer, "ema")

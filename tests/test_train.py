@@ -156,7 +156,16 @@ def test_train_config_rejects_bad_values():
         TrainConfig(qat=True, input_grad="int4")
     with pytest.raises(ValueError, match="input_grad is the int8 layers'"):
         TrainConfig(input_grad="int8")                  # a float run has no int8 gradients
+    with pytest.raises(ValueError, match="weight_grad is the int8 layers'"):
+        TrainConfig(weight_grad="int8")
+    with pytest.raises(ValueError, match="input_range must be one of"):
+        TrainConfig(qat=True, input_range="ema")
+    with pytest.raises(ValueError, match="input_range is the int8 layers'"):
+        TrainConfig(input_range="delayed")
     assert TrainConfig.from_dict(QAT_CONFIG.to_dict()) == QAT_CONFIG
+    # a config saved before weight_grad and input_range existed loads with their defaults
+    old = {k: v for k, v in QAT_CONFIG.to_dict().items() if k not in ("weight_grad", "input_range")}
+    assert TrainConfig.from_dict(old) == QAT_CONFIG
 
 
 def test_cli_rejects_non_positive_epochs(capsys):

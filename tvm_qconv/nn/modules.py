@@ -29,6 +29,11 @@ from .functional import batch_amax, check_input_grad, quantized_conv2d, quantize
 
 AMAX_BUFFERS = {"input_amax": "in0", "output_amax": "out"}  # buffer -> calibration-point suffix
 DEFAULT_AMAX_MOMENTUM = 0.1
+# How a training step picks the range it quantizes its input with: "batch", the batch's own max
+# (nothing clips); "delayed", the range learned before this batch (input_amax; the batch's own on
+# the first), so values beyond it clip and their gradient is 0: what a layer handed int8 by the
+# one before would have to use (docs/history.md, issue 35's next steps).
+INPUT_RANGES = ("batch", "delayed")
 
 
 class _RangeTracker:
@@ -49,13 +54,21 @@ class _RangeTracker:
         buf.copy_(torch.where(buf > 0, buf + self.amax_momentum * (m - buf), m))
         return m
 
+    input_range = "batch"   # INPUT_RANGES; set_input_range sets it on every layer of a model
+
     def _input_clip(self, x: torch.Tensor) -> torch.Tensor:
-        """The amax to quantize ``x`` with: the batch's in training, the learned one in eval (the
-        batch's where none was learned yet), chosen on the device: no host sync, at the price of
-        one reduction over ``x`` in every eval call."""
+        """The amax to quantize ``x`` with: in training the batch's (``input_range`` "batch") or
+        the one learned before this batch ("delayed"), in eval the learned one; the batch's where
+        none was learned yet.  Chosen on the device: no host sync."""
         if self.training:
-            return self._observe(self.input_amax, x)
+            learned = self.input_amax.clone() if self.input_range == "delayed" else None
+            m = self._observe(self.input_amax, x)
+            return m if learned is None else torch.where(learned > 0, learned, m)
         return torch.where(self.input_amax > 0, self.input_amax, batch_amax(x).to(self.input_amax.device))
+
+    @property
+    def _amax_is_batch_max(self) -> bool:
+        return self.training and self.input_range == "batch"
 
     def extra_repr(self) -> str:
         grads = "".join(f", {name}={getattr(self, name)!r}" for name in ("input_grad", "weight_grad")
@@ -102,7 +115,7 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
-                             self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self.training,
+                             self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self._amax_is_batch_max,
                              input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
             self._observe(self.output_amax, y)
@@ -162,7 +175,7 @@ class QuantizedLinear(_RangeTracker, nn.Linear):
         self.weight_grad = check_input_grad(weight_grad, "weight_grad")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self.training,
+        y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self._amax_is_batch_max,
                              input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
             self._observe(self.output_amax, y)
@@ -237,3 +250,14 @@ def load_float_state_dict(model: nn.Module, state_dict: dict) -> None:
     missing = [k for k in missing if k.rsplit(".", 1)[-1] not in AMAX_BUFFERS]
     if missing or unexpected:
         raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def set_input_range(model: nn.Module, input_range: str) -> nn.Module:
+    """Make every int8 layer of ``model`` pick its training range as ``input_range`` says
+    (:data:`INPUT_RANGES`); returns ``model``."""
+    if input_range not in INPUT_RANGES:
+        raise ValueError(f"input_range must be one of {INPUT_RANGES}, got {input_range!r}")
+    for m in model.modules():
+        if isinstance(m, _RangeTracker):
+            m.input_range = input_range
+    return model

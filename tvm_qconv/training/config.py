@@ -9,6 +9,7 @@ from torch import nn
 
 from ..models.quantized_vgg import QuantizedVGG16, SmallQuantizedVGG
 from ..nn.functional import INPUT_GRADS
+from ..nn.modules import INPUT_RANGES, set_input_range
 
 TRAIN_CONFIG_VERSION = 1
 DIGITS_CLASSES = 10
@@ -47,6 +48,8 @@ class TrainConfig:
             output gradient quantized to int8, on the int8 conv kernels: ``QuantizedConv2d``).
         weight_grad: how they compute weight gradients: ``"float32"``, or ``"int8"`` (the output
             gradient quantized to int8 per channel, exact int sums: ``QuantizedConv2d``).
+        input_range: the range a training step quantizes each layer's input with: ``"batch"``
+            (its own max) or ``"delayed"`` (the one learned before it: ``modules.INPUT_RANGES``).
     """
 
     model: str = "small_vgg"
@@ -59,6 +62,7 @@ class TrainConfig:
     image_size: int = 32
     input_grad: str = "float32"
     weight_grad: str = "float32"
+    input_range: str = "batch"
     version: int = TRAIN_CONFIG_VERSION
 
     def __post_init__(self):
@@ -74,6 +78,8 @@ class TrainConfig:
             (self.weight_grad in INPUT_GRADS, f"weight_grad must be one of {INPUT_GRADS}, got {self.weight_grad!r}"),
             (self.qat or self.weight_grad == "float32", "weight_grad is the int8 layers' (qat=True); the float model "
                                                         "has float gradients"),
+            (self.input_range in INPUT_RANGES, f"input_range must be one of {INPUT_RANGES}, got {self.input_range!r}"),
+            (self.qat or self.input_range == "batch", "input_range is the int8 layers' (qat=True)"),
             (self.image_size >= 32, f"image_size must be >= 32 (the VGGs pool to 4x4 / 1x1), got {self.image_size}"),
             (self.version == TRAIN_CONFIG_VERSION, f"config version {self.version} is not {TRAIN_CONFIG_VERSION}"),
         ]
@@ -95,4 +101,5 @@ class TrainConfig:
 def build_model(config: TrainConfig, quantized: bool | None = None) -> nn.Module:
     """The model of ``config`` (quantized iff ``config.qat`` unless ``quantized`` says otherwise)."""
     q = config.qat if quantized is None else quantized
-    return MODELS[config.model](q, DIGITS_CLASSES, config.image_size, config.input_grad, config.weight_grad)
+    model = MODELS[config.model](q, DIGITS_CLASSES, config.image_size, config.input_grad, config.weight_grad)
+    return set_input_range(model, config.input_range) if q else model
