@@ -53,7 +53,7 @@ def main(argv=None) -> int:
                                  ("--weight-grad", args.weight_grad, "float32"),
                                  ("--input-range", args.input_range, "batch")):
         if value != default and not args.qat:
-            parser.error(f"{flag} {value} is for the int8 layers: add --qat (the float model's gradients are float)")
+            parser.error(f"{flag} {value} is for the int8 layers: add --qat (the float model quantizes nothing)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     config = TrainConfig(model=args.model, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                          qat=args.qat, seed=args.seed, input_grad=args.input_grad,
