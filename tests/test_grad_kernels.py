@@ -217,7 +217,8 @@ def tvm_on_cpu(tmp_path, monkeypatch):
                         (tvm_kernels.conv_input_grad, tvm_kernels.conv_weight_grad))
     monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
         "quantize": tvm_kernels.quantize, "int8_conv_dequantized": tvm_kernels.int8_conv_dequantized,
-        "relu_bits": tvm_kernels.relu_bits, "mask": tvm_kernels.mask})
+        "relu_bits": tvm_kernels.relu_bits, "mask": tvm_kernels.mask, "grad_stats": tvm_kernels.grad_stats,
+        "quantize_grad": tvm_kernels.quantize_grad})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
     return tmp_path / "kernels"
@@ -574,3 +575,90 @@ def test_the_relu_mask_kernels_give_pack_bits_and_masked_fills_bits(tvm_on_cpu):
         bits = tvm_kernels.relu_bits(y)
         assert torch.equal(bits, functional.pack_bits(y > 0))
         assert torch.equal(tvm_kernels.mask(grad, bits), grad.masked_fill(y <= 0, 0.0))
+
+
+# (shape, masked): rows of 4 (the vectorized quantize_grad), of 7 (not), a partial last byte of
+# bits, a linear layer's [N, K, 1, 1], a feature map large enough for 256-thread stats blocks
+GRAD_SHAPES = [((2, 3, 5, 8), True), ((3, 4, 6, 7), True), ((5, 6, 1, 1), False), ((4, 2, 48, 48), True)]
+
+
+@pytest.mark.parametrize("shape, masked", GRAD_SHAPES)
+def test_the_gradient_stats_kernel_gives_torchs_max_and_the_sum_in_float64(tvm_on_cpu, shape, masked):
+    g = torch.Generator().manual_seed(0)
+    grad, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    bits = functional.pack_bits(y > 0) if masked else None
+    amax, total = tvm_kernels.grad_stats(grad, bits)
+    ref_amax, ref_total = functional.grad_stats_torch(grad, bits)
+    assert torch.equal(amax, ref_amax)      # a max is exact in any order
+    kept = grad.masked_fill(y <= 0, 0.0) if masked else grad
+    exact = kept.double().sum(dim=(0, 2, 3))
+    # summed in float64 and rounded once: within half an ulp of the exact sum (float64 error
+    # over <= 10**4 terms is ~1e-12 relative, far below float32's 6e-8)
+    assert torch.allclose(total.double(), exact, rtol=6e-8, atol=1e-12)
+    assert torch.allclose(total, ref_total, rtol=1e-5, atol=1e-5)   # torch's float32 sum order
+
+
+@pytest.mark.parametrize("shape, masked", GRAD_SHAPES)
+@pytest.mark.parametrize("outputs", ["dx", "dw", "both"])
+def test_the_gradient_quantizing_kernel_gives_both_of_torchs_int8_operands(tvm_on_cpu, shape, masked, outputs):
+    g = torch.Generator().manual_seed(1)
+    grad, y = torch.randn(shape, generator=g) * 3, torch.randn(shape, generator=g)
+    bits = functional.pack_bits(y > 0) if masked else None
+    c = shape[1]
+    w_scale = torch.rand(c, generator=g) + 0.5
+    s_dx = torch.tensor(0.05) if outputs in ("dx", "both") else None
+    s_dw = torch.rand(c, generator=g) * 0.05 + 0.01 if outputs in ("dw", "both") else None
+    mult = w_scale if s_dx is not None else None
+    q_dx, q_dw = tvm_kernels.quantize_grad(grad, bits, s_dx, mult, s_dw)
+    ref_dx, ref_dw = functional.quantize_grad_torch(grad, bits, s_dx, mult, s_dw)
+    for ours, ref in ((q_dx, ref_dx), (q_dw, ref_dw)):
+        assert (ours is None) == (ref is None)
+        if ref is not None:
+            assert ours.dtype == torch.int8 and torch.equal(ours, ref)
+    assert {k for k, _ in tvm_kernels.CALLS} == {"quantize_grad"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_int8_gradients_through_tvm_kernels_read_g_twice_and_equal_the_torch_path(tvm_on_cpu, monkeypatch, case):
+    # both gradients int8: the stats and quantizing kernels replace the mask, the max and the two
+    # quantizations (g is read twice, never masked in memory); dx and dw bit-equal to the torch
+    # elementwise path's, the bias gradient within float32 summation order
+    def grads():
+        torch.manual_seed(0)
+        layer, _ = case.layers()
+        layer.input_grad = layer.weight_grad = "int8"
+        x = torch.randn((8, case.cin) + case.hw, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        return x.grad, layer.weight.grad, None if layer.bias is None else layer.bias.grad
+
+    ours = grads()
+    kinds = {k for k, _ in tvm_kernels.CALLS}
+    assert {"grad_stats", "quantize_grad"} <= kinds and "mask" not in kinds
+    monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {})
+    ref = grads()
+    assert torch.equal(ours[0], ref[0]) or not _int8_dx_is_a_conv(case)
+    assert_matches_reference(ours[0], ref[0])
+    assert torch.equal(ours[1], ref[1]) or case.groups > 1
+    assert_matches_reference(ours[1], ref[1])
+    if ref[2] is not None:
+        torch.testing.assert_close(ours[2], ref[2], rtol=1e-5, atol=1e-5)
+
+
+def test_the_gradient_kernels_compile_for_cuda_with_16_byte_loads_and_register_sums():
+    # VGG16's first gradient at batch 32 (64 x 224 x 224): the quantizing kernel reads 4 floats at
+    # once; the stats kernel keeps its max and sum in registers (written once per thread) and
+    # reads g only in 256-thread blocks
+    from tvm_qconv.schedules.training import elementwise
+    shape = (32, 64, 224, 224)
+    cuda = make_target("cuda", arch="sm_90")
+    for wl in [elementwise.ElementwiseWorkload("quantize_grad", shape, relu=True, dx=True, dw=True),
+               elementwise.ElementwiseWorkload("grad_stats", shape, relu=True)]:
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": elementwise.definition(wl, cuda)}), target=cuda))
+        assert src.count("__global__ void") == 2 and "__launch_bounds__(256)" in src, wl.kind   # one kernel
+        if wl.kind == "quantize_grad":
+            assert "*(float4*)" in src
+        else:
+            assert "local_ptr[1]" in src and "double" in src
+    blocks, threads, per = elementwise.stats_grid(shape)
+    assert threads == 256 and per >= elementwise.STATS_PER_THREAD and blocks * threads * per >= 32 * 224 * 224

@@ -22,7 +22,8 @@ from tvm_qconv.nn import tvm_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
-KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight"}  # all kinds
+KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
+         "quantize_grad"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -175,7 +176,8 @@ def test_kernels_run_on_torchs_current_stream():
 # NHWC32 accumulators dequantized by TVM); int8 ones at batch 16: dx and dw are int8 convs on the
 # forward's kernels too, so no float gradient kernel runs
 @pytest.mark.parametrize("grads, batch, kinds", [
-    ("float32", 8, KINDS), ("int8", 16, KINDS - {"grad_input", "grad_weight"})])
+    ("float32", 8, KINDS - {"grad_stats", "quantize_grad"}),
+    ("int8", 16, KINDS - {"grad_input", "grad_weight", "mask"})])
 def test_a_training_step_runs_tvm_kernels_and_no_torch_conv(grads, batch, kinds):
     torch.manual_seed(0)
     model = SmallQuantizedVGG(input_grad=grads, weight_grad=grads).to(CUDA)

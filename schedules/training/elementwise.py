@@ -21,6 +21,12 @@ kind            what
 ``pack``        int8 NCHW -> the tensor cores' NHWC32 ``[N, H, W, C_p]``, or with ``transpose``
                 ``[C, H, W, N_p]`` (the batch as the channels: the weight gradient's operands,
                 ``grad_weight_mma.py``; ``pad_rows``: ``C`` padded to 32 as well)
+``grad_stats``  float32 NCHW ``g`` [, ReLU bits] -> per channel of the masked ``g``, partial over
+                ``[P, T]`` (:func:`stats_grid`): ``max|g|`` (float32) and ``sum g`` (float64);
+                the caller finishes both over ``[P, T]`` (a few KB): the int8 gradients' scales and
+                the bias gradient in one pass over ``g``
+``quantize_grad`` float32 NCHW ``g`` [, ReLU bits] -> the masked ``g`` quantized twice in one pass:
+                for ``dx`` (``* mult[c] / s``, one scale) and for ``dw`` (``/ s[c]``, per channel)
 ==============  ==================================================================================
 
 Bit for bit the torch operations they replace, on every target: each float32 operation is done
@@ -51,7 +57,7 @@ from tvm import te, tirx
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..tensorcore.layout import ceil32
 
-KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack")
+KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -69,9 +75,11 @@ class ElementwiseWorkload:
             into the output gradient of the int8 input gradient).
         layout: (dequantize) the accumulators' layout: ``nchw``, ``nhwc32`` or ``nchw4c`` (one group).
         bias: (dequantize) a ``[C]`` bias is added after the scale.
-        relu: (dequantize) ReLU last.
+        relu: (dequantize) ReLU last; (grad_stats, quantize_grad) ``g`` masked by the ReLU's bits.
         transpose: (pack) the batch becomes the packed channels: ``[C, H, W, N_p]``.
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
+        dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
+        dw: (quantize_grad) the per-channel quantization for the weight gradient.
     """
 
     kind: str
@@ -83,6 +91,8 @@ class ElementwiseWorkload:
     relu: bool = False
     transpose: bool = False
     pad_rows: bool = False
+    dx: bool = False
+    dw: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
@@ -95,7 +105,8 @@ class ElementwiseWorkload:
         n, c, h, w = self.shape
         opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
                 "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
-                ("rows32", self.pad_rows)) if on]
+                ("rows32", self.pad_rows), ("dx", self.dx),
+                ("dw", self.dw)) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -194,35 +205,127 @@ def pack(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     return te.create_prim_func([src, out]).with_attr({"tvm_qconv.kernel": "train_pack",
                                                       "tvm_qconv.workload": str(wl.to_dict())})
 
+STATS_PER_THREAD = 32   # elements of g a grad_stats thread reduces (at least, where there are enough)
+
+
+def stats_grid(shape) -> tuple[int, int, int]:
+    """``(P, T, L)`` of :func:`grad_stats` on NCHW ``shape``: per channel ``P`` blocks of ``T``
+    threads, each reducing ``L`` elements ``T`` apart (coalesced); ``P * T * L >= N * H * W``.
+    The partials, ``12 * C * P * T`` bytes, are about ``12 / 32`` of a byte per element of ``g``."""
+    n, c, h, w = shape
+    m = n * h * w
+    threads = THREADS if m >= THREADS * STATS_PER_THREAD // 4 else 32
+    blocks = max(1, m // (threads * STATS_PER_THREAD))
+    return blocks, threads, -(-m // (blocks * threads))
+
+
+def _bit(bits, flat):
+    """Bit ``flat`` of the packed mask (``functional.pack_bits``'s order) as a bool."""
+    return ((bits[flat // 8].astype("int32") >> (flat % 8)) & 1) == 1
+
+
+def grad_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(g[, bits], amax, total)``: per channel of the (masked) float32 NCHW ``g``, the partial
+    ``max|g|`` (float32) and ``sum g`` (float64) of each ``[P, T]`` thread (:func:`stats_grid`)."""
+    n, c, h, w = wl.shape
+    hw, m = h * w, n * h * w
+    blocks, threads, per = stats_grid(wl.shape)
+    g = te.placeholder(wl.shape, "float32", name="g")
+    bits = te.placeholder(((n * c * hw + 7) // 8,), "uint8", name="bits") if wl.relu else None
+    r = te.reduce_axis((0, per), "r")
+    absmax_sum = te.comm_reducer(lambda a, b: (tirx.max(a[0], b[0]), a[1] + b[1]),
+                                 lambda t0, t1: (tirx.const(0.0, t0), tirx.const(0.0, t1)), name="absmax_sum")
+
+    def partial(ch, p, t):
+        j = (p * per + r) * threads + t           # over (n, y, x) of channel ch
+        jj = tirx.min(j, m - 1)
+        b, pix = jj // hw, jj % hw
+        keep = j < m
+        if bits is not None:
+            keep = tirx.all(keep, _bit(bits, (b * c + ch) * hw + pix))
+        v = tirx.if_then_else(keep, g[b, ch, pix // w, pix % w], tirx.const(0.0, "float32"))
+        return absmax_sum((tirx.abs(v), v.astype("float64")), axis=r)
+
+    amax, total = te.compute((c, blocks, threads), partial, name="grad_stats")
+    params = [g] + ([bits] if bits is not None else []) + [amax, total]
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_grad_stats",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def quantize_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(g[, bits][, s_dx, mult][, s_dw], [q_dx], [q_dw])``: the (masked) float32 NCHW ``g`` as
+    ``quantize``'s ``(g, s_dx, mult)`` and ``(g, s_dw)`` give it, int8 NCHW, in one pass."""
+    n, c, h, w = wl.shape
+    if not (wl.dx or wl.dw):
+        raise ValueError(f"quantize_grad makes dx's or dw's operand: {wl}")
+    g = te.placeholder(wl.shape, "float32", name="g")
+    bits = te.placeholder(((n * c * h * w + 7) // 8,), "uint8", name="bits") if wl.relu else None
+    s_dx = te.placeholder((1,), "float32", name="s_dx") if wl.dx else None
+    mult = te.placeholder((c,), "float32", name="mult") if wl.dx else None
+    s_dw = te.placeholder((c,), "float32", name="s_dw") if wl.dw else None
+
+    def clamp(v):
+        v = tirx.nearbyint(v)
+        return tirx.max(tirx.min(v, tirx.const(127.0, "float32")), tirx.const(-127.0, "float32")).astype("int8")
+
+    def element(b, ch, y, xx):
+        v = g[b, ch, y, xx]
+        if bits is not None:
+            v = tirx.if_then_else(_bit(bits, ((b * c + ch) * h + y) * w + xx), v, tirx.const(0.0, "float32"))
+        out = []
+        if wl.dx:
+            out.append(clamp(_exact(lambda p, q: p / q, _exact(lambda p, q: p * q, v, mult[ch]), s_dx[0])))
+        if wl.dw:
+            out.append(clamp(_exact(lambda p, q: p / q, v, s_dw[ch])))
+        return tuple(out) if len(out) > 1 else out[0]
+
+    outs = te.compute(wl.shape, element, name="quantize_grad")
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    params = ([g] + ([bits] if bits is not None else []) + ([s_dx, mult] if wl.dx else []) + ([s_dw] if wl.dw else [])
+              + outs)
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_quantize_grad",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
+
 
 def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
     func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask,
-            "pack": pack}[wl.kind](wl)
+            "pack": pack, "grad_stats": grad_stats, "quantize_grad": quantize_grad}[wl.kind](wl)
     if target.kind.name != "cuda":
         return func
     if wl.kind == "pack":       # threads on pixels, 16 packed channels each (channels_last_conversions)
         return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
     sch = tvm.s_tir.Schedule(func)
-    block = sch.get_sblock(wl.kind)
+    # quantize_grad's two outputs are two blocks in one loop nest (the loops below are shared)
+    blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if wl.dx and wl.dw else [sch.get_sblock(wl.kind)]
+    block = blocks[0]
+    if wl.kind == "grad_stats":     # a block per [channel, P], its threads T apart; sums in registers
+        ch, p, t, _ = sch.get_loops(block)
+        sch.bind(sch.fuse(ch, p), "blockIdx.x")
+        sch.bind(t, "threadIdx.x")
+        amax, total = sch.cache_write(block, 0, "local"), sch.cache_write(block, 1, "local")
+        sch.reverse_compute_at(total, t)
+        sch.reverse_compute_at(amax, t)
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
     if wl.kind in ("relu_bits", "mask"):     # flat: one element (one byte of bits) per thread
         bx, tx = sch.split(sch.get_loops(block)[0], [None, THREADS])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     b, ch, y, xx = sch.get_loops(block)
-    if wl.kind == "quantize" and wl.shape[3] % VEC == 0:
+    if wl.kind in ("quantize", "quantize_grad") and wl.shape[3] % VEC == 0:
         # 4 consecutive elements a thread: one 16-byte load, one 4-byte store
         x0, lane = sch.split(xx, [None, VEC])
         bx, tx = sch.split(sch.fuse(b, ch, y, x0), [None, THREADS])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
-        load = sch.cache_read(block, "x", "local")
+        load = sch.cache_read(block, "x" if wl.kind == "quantize" else "g", "local")
         sch.compute_at(load, tx)
         sch.vectorize(sch.get_loops(load)[-1])
-        store = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(store, tx)
-        sch.vectorize(sch.get_loops(store)[-1])
+        stores = [sch.cache_write(b_, 0, "local") for b_ in blocks]
+        for store in reversed(stores):
+            sch.reverse_compute_at(store, tx)
+            sch.vectorize(sch.get_loops(store)[-1])
         sch.unroll(lane)
     elif wl.kind == "dequantize" and wl.layout != "nchw" and wl.shape[1] % VEC == 0:
         # threads on pixels (consecutive x: coalesced NCHW stores), a 16-byte vector of channels each

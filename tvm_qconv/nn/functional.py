@@ -49,7 +49,9 @@ The autograd code calls three functions and never a kernel directly:
   the default (:func:`conv_input_grad_torch`, :func:`conv_weight_grad_torch`) is PyTorch's own
   conv gradients on the dequantized tensors (float32), device-generic.
 * :func:`_quantize` ``(x, scale, mult)``, :func:`_int8_conv_dequantized` ``(x_q, w_q, ...,
-  scale, bias, relu)``, :func:`_relu_bits` ``(y)`` and :func:`_mask` ``(g, bits)``: the
+  scale, bias, relu)``, :func:`_relu_bits` ``(y)``, :func:`_mask` ``(g, bits)``,
+  :func:`_grad_stats` ``(g, bits)`` (both int8 gradients' ranges and the bias gradient in one
+  pass) and :func:`_quantize_grad` (both int8 operands in one pass): the
   elementwise work around the int8 convs, through ``ELEMENTWISE_KERNELS[device][name]``; the
   defaults (``TORCH_ELEMENTWISE``) are torch operations, which the CUDA kernels (one pass each)
   reproduce bit for bit.
@@ -388,9 +390,31 @@ def mask_torch(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 # The elementwise work around the int8 convs, by torch; ELEMENTWISE_KERNELS[device type] holds
 # twins for a device (one-pass kernels giving the same bits), name by name.
+def _masked(g: torch.Tensor, bits: torch.Tensor | None) -> torch.Tensor:
+    return g if bits is None else mask_torch(g, bits)
+
+
+def grad_stats_torch(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max|g'|, sum g')`` per channel of NCHW ``g' = g`` masked by ``bits`` (None: unmasked),
+    float32 ``(C,)`` each: the int8 gradients' ranges and the bias gradient."""
+    m = _masked(g, bits)
+    return channel_amax(m), m.sum(dim=(0, 2, 3))
+
+
+def quantize_grad_torch(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.Tensor | None,
+                        mult: torch.Tensor | None, s_dw: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The operands of the int8 gradients from ``g`` masked by ``bits``: ``quantize_torch(g', s_dx,
+    mult)`` for ``dx`` and ``quantize_torch(g', s_dw)`` (per channel) for ``dw``; None where its
+    scale is None."""
+    m = _masked(g, bits)
+    return (None if s_dx is None else quantize_torch(m, s_dx, mult)), (None if s_dw is None else quantize_torch(m, s_dw))
+
+
 TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
-    "relu_bits": relu_bits_torch, "mask": mask_torch}
+    "relu_bits": relu_bits_torch, "mask": mask_torch, "grad_stats": grad_stats_torch,
+    "quantize_grad": quantize_grad_torch}
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
 
@@ -428,6 +452,16 @@ def _relu_bits(y: torch.Tensor) -> torch.Tensor:
 def _mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """The dispatch point of :func:`mask_torch` (contiguous float32 ``g``)."""
     return _elementwise(g.device.type, "mask")(g, bits)
+
+
+def _grad_stats(g: torch.Tensor, bits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch point of :func:`grad_stats_torch` (contiguous float32 NCHW ``g``)."""
+    return _elementwise(g.device.type, "grad_stats")(g, bits)
+
+
+def _quantize_grad(g: torch.Tensor, bits: torch.Tensor | None, s_dx, mult, s_dw):
+    """The dispatch point of :func:`quantize_grad_torch` (contiguous float32 NCHW ``g``)."""
+    return _elementwise(g.device.type, "quantize_grad")(g, bits, s_dx, mult, s_dw)
 
 
 def conv_input_grad_torch(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
@@ -530,8 +564,25 @@ def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.
     is never written out: the quantizing kernel multiplies as it reads.
     """
     amax = channel_amax(grad) if amax is None else amax
-    s_g = input_scale((amax * w_scale).max())
-    g_q = _quantize(grad, s_g, w_scale)
+    s_g = input_grad_scale(amax, w_scale)
+    return _input_grad_of_int8(_quantize(grad, s_g, w_scale), s_g, w_q, w_scale, input_shape, stride, padding,
+                               dilation, groups)
+
+
+def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The one scale of the int8 input gradient's operand ``g * s_w[o]`` from ``amax = max|g[o]|``
+    (:func:`_conv_input_grad_int8`)."""
+    return input_scale((amax * w_scale).max())
+
+
+def weight_grad_scales(amax: torch.Tensor) -> torch.Tensor:
+    """The per-channel scales of the int8 weight gradient's operand from ``amax = max|g[o]|``."""
+    return torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
+
+
+def _input_grad_of_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                        input_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """:func:`_conv_input_grad_int8` from its quantized operand ``g_q`` (scale ``s_g``)."""
     pads = transposed_padding(w_q.shape[2:], padding, dilation, stride, input_shape[2:])
     if pads is not None:
         return _int8_conv_dequantized(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
@@ -579,17 +630,23 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch
     :func:`channel_amax` of ``grad`` where the caller has it.
     """
     amax = channel_amax(grad) if amax is None else amax
-    s_g = torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
-    g_q = _quantize(grad, s_g)
-    _load_lazy_kernels(grad.device.type)
-    kernel = INT8_WEIGHT_GRAD_KERNELS.get(grad.device.type)
+    s_g = weight_grad_scales(amax)
+    return _weight_grad_of_int8(x_q, x_scale, _quantize(grad, s_g), s_g, weight_shape, stride, padding, dilation,
+                                groups)
+
+
+def _weight_grad_of_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.Tensor, s_g: torch.Tensor,
+                         weight_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """:func:`_conv_weight_grad_int8` from its quantized operand ``g_q`` (per-channel scales ``s_g``)."""
+    _load_lazy_kernels(g_q.device.type)
+    kernel = INT8_WEIGHT_GRAD_KERNELS.get(g_q.device.type)
     acc = None if kernel is None else kernel(x_q, g_q, weight_shape, stride, padding, dilation, groups)
     if acc is None:
-        key = (grad.device.type, tuple(x_q.shape), tuple(weight_shape), stride, padding, dilation, groups)
+        key = (g_q.device.type, tuple(x_q.shape), tuple(weight_shape), stride, padding, dilation, groups)
         if key not in _FALLBACK_NOTED:
             _FALLBACK_NOTED.add(key)
             warnings.warn(f"weight_grad='int8': no int8 weight-gradient kernel takes the conv of input "
-                          f"{tuple(x_q.shape)}, weight {tuple(weight_shape)}, groups {groups} on {grad.device.type}; "
+                          f"{tuple(x_q.shape)}, weight {tuple(weight_shape)}, groups {groups} on {g_q.device.type}; "
                           "it runs the float32 kernel on the quantized gradient")
         g_deq = g_q.to(torch.float32).mul_(s_g.view(1, -1, 1, 1))
         return _conv_weight_grad(x_q, x_scale, g_deq, weight_shape, stride, padding, dilation, groups)
@@ -649,29 +706,43 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         # Compact for the same reason as the input (a permuted loss gives a strided gradient).
         g = grad_y.to(torch.float32).contiguous()
-        if relu:
-            g = _mask(g, relu_bits)
-
-        dx = dw = db = None
-        # max|g| per channel, shared by the two int8 gradients' quantizations
-        amax = channel_amax(g) if "int8" in (ctx.input_grad, ctx.weight_grad) else None
+        bits = relu_bits if relu else None      # g is read through the ReLU's mask, never masked in memory
+        int8_dx = ctx.needs_input_grad[0] and ctx.input_grad == "int8"
+        int8_dw = ctx.needs_input_grad[1] and ctx.weight_grad == "int8"
+        w_q = w_scale = g_sum = None
         if ctx.needs_input_grad[0]:
             w_q, w_scale = _quantize_weight(weight)  # bit-identical to the forward's
-            if ctx.input_grad == "int8":
-                dx = _conv_input_grad_int8(g, w_q, w_scale, x_shape, stride, padding, dilation, groups, amax)
+        if int8_dx or int8_dw:
+            # one pass for max|g| per channel (both int8 operands' ranges) and the bias gradient,
+            # one for both int8 operands
+            amax, g_sum = _grad_stats(g, bits)
+            s_dx = input_grad_scale(amax, w_scale) if int8_dx else None
+            s_dw = weight_grad_scales(amax) if int8_dw else None
+            q_dx, q_dw = _quantize_grad(g, bits, s_dx, w_scale if int8_dx else None, s_dw)
+        masked = []     # the masked float gradient, made once if a float kernel needs it
+
+        def g_masked() -> torch.Tensor:
+            if not masked:
+                masked.append(g if bits is None else _mask(g, bits))
+            return masked[0]
+
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            if int8_dx:
+                dx = _input_grad_of_int8(q_dx, s_dx, w_q, w_scale, x_shape, stride, padding, dilation, groups)
             else:
-                dx = _conv_input_grad(g, w_q, w_scale, x_shape, stride, padding, dilation, groups)
+                dx = _conv_input_grad(g_masked(), w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)
         if ctx.needs_input_grad[1]:
-            if ctx.weight_grad == "int8":
-                dw = _conv_weight_grad_int8(x_q, x_scale, g, w_shape, stride, padding, dilation, groups, amax)
+            if int8_dw:
+                dw = _weight_grad_of_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups)
             else:
-                dw = _conv_weight_grad(x_q, x_scale, g, w_shape, stride, padding, dilation, groups)
+                dw = _conv_weight_grad(x_q, x_scale, g_masked(), w_shape, stride, padding, dilation, groups)
             dw = dw.to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
-            db = g.sum(dim=(0, 2, 3)).to(b_dtype)
+            db = (g_masked().sum(dim=(0, 2, 3)) if g_sum is None else g_sum).to(b_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 

@@ -83,8 +83,9 @@ from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
-from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, int8_conv_dequantized_torch, mask_torch,
-                         quantize_torch, register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch)
+from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
+                         mask_torch, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
+                         register_int8_conv_kernel, relu_bits_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -503,6 +504,34 @@ def mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``functional.grad_stats_torch`` in one pass over ``g`` (``elementwise.grad_stats``; the
+    partials finished here): ``max|g|`` bit-identical, ``sum g`` accumulated in float64."""
+    if g.dim() != 4 or g.dtype != torch.float32:
+        return grad_stats_torch(g, bits)
+    wl = elementwise.ElementwiseWorkload("grad_stats", tuple(g.shape), relu=bits is not None)
+    blocks, threads, _ = elementwise.stats_grid(g.shape)
+    amax = torch.empty((g.shape[1], blocks, threads), dtype=torch.float32, device=g.device)
+    total = torch.empty(amax.shape, dtype=torch.float64, device=g.device)
+    _call("grad_stats", wl, g.device, g, *([] if bits is None else [bits]), amax, total)
+    return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
+
+
+def quantize_grad(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.Tensor | None, mult: torch.Tensor | None,
+                  s_dw: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``functional.quantize_grad_torch`` in one pass over ``g`` (``elementwise.quantize_grad``)."""
+    if g.dim() != 4 or g.dtype != torch.float32 or (s_dx is None and s_dw is None):
+        return quantize_grad_torch(g, bits, s_dx, mult, s_dw)
+    wl = elementwise.ElementwiseWorkload("quantize_grad", tuple(g.shape), relu=bits is not None,
+                                         dx=s_dx is not None, dw=s_dw is not None)
+    outs = [torch.empty(g.shape, dtype=torch.int8, device=g.device) for _ in range(wl.dx + wl.dw)]
+    args = ([g] + ([] if bits is None else [bits])
+            + ([s_dx.to(torch.float32).reshape(1), mult.to(torch.float32)] if wl.dx else [])
+            + ([s_dw.to(torch.float32)] if wl.dw else []))
+    _call("quantize_grad", wl, g.device, *args, *outs)
+    return (outs[0] if wl.dx else None), (outs[-1] if wl.dw else None)
+
+
 def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
                      groups: int) -> torch.Tensor | None:
     """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (int64 OIHW) on the int8
@@ -548,7 +577,8 @@ def register(device_type: str = "cuda") -> None:
     register_conv_grad_kernels(device_type, conv_input_grad, conv_weight_grad)
     INT8_WEIGHT_GRAD_KERNELS[device_type] = int8_weight_grad
     ELEMENTWISE_KERNELS[device_type] = {"quantize": quantize, "int8_conv_dequantized": int8_conv_dequantized,
-                                        "relu_bits": relu_bits, "mask": mask}
+                                        "relu_bits": relu_bits, "mask": mask, "grad_stats": grad_stats,
+                                        "quantize_grad": quantize_grad}
 
 
 def report() -> list[dict]:
