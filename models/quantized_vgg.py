@@ -2,7 +2,9 @@
 
 ``quantized=True`` builds every conv + ReLU as ``QuantizedConv2dReLU`` and every linear layer as
 ``QuantizedLinear`` (the compile step runs both in int8, so QAT trains what it deploys);
-``quantized=False`` builds the float twins ``TorchConv2dReLU`` / ``TorchLinear``.
+``quantized=False`` builds the float twins ``TorchConv2dReLU`` / ``TorchLinear``.  The int8
+models' 2x2 max-pools are ``CompactMaxPool2d`` (PyTorch's values, a 1-byte index kept for
+backward instead of 8), the twins' ``nn.MaxPool2d``.
 
 Module names match the float models (``torchvision.models.vgg16``, ``models.vgg.SmallVGG``):
 the fused conv + ReLU sits at the conv's index and an ``nn.Identity`` holds the ReLU's, so
@@ -20,7 +22,7 @@ import functools
 import torch
 from torch import nn
 
-from tvm_qconv.nn import QuantizedConv2dReLU, QuantizedLinear, TorchConv2dReLU, TorchLinear
+from tvm_qconv.nn import CompactMaxPool2d, QuantizedConv2dReLU, QuantizedLinear, TorchConv2dReLU, TorchLinear
 
 from .vgg import SMALL_VGG_CFG
 
@@ -46,10 +48,12 @@ def make_features(cfg, in_channels: int, quantized: bool, input_grad: str = "flo
         ``(features, out_channels)``.
     """
     conv, _ = _layer_types(quantized, input_grad, weight_grad)
+    # the int8 layers' pools keep a 1-byte window index for backward (tvm_qconv.nn.max_pool)
+    pool = CompactMaxPool2d if quantized else nn.MaxPool2d
     layers, c = [], in_channels
     for v in cfg:
         if v == "M":
-            layers.append(nn.MaxPool2d(2, 2))
+            layers.append(pool(2, 2))
         else:
             # The fused layer takes the conv's index; Identity keeps the ReLU's index free.
             layers += [conv(c, v, 3, padding=1), nn.Identity()]

@@ -23,7 +23,7 @@ from tvm_qconv.nn import tvm_kernels
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
 KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
-         "quantize_grad"}  # all kinds
+         "quantize_grad", "max_pool", "max_pool_grad"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -351,3 +351,18 @@ def test_scales_on_cuda_are_the_cpus_and_numpys_bit_for_bit():
     assert torch.equal(functional.weight_scales(w), expected)
     g = amax.view(1, -1, 1, 1)
     assert torch.equal(functional.quantize_per_channel(g.to(CUDA))[1].cpu(), expected)
+
+
+@pytest.mark.parametrize("shape", [(32, 64, 224, 224), (3, 5, 7, 9)], ids=["vgg_pool1_b32", "odd"])
+def test_cuda_compact_pool_gives_nn_maxpool2ds_output_and_gradient_bit_for_bit(shape):
+    from tvm_qconv.nn import CompactMaxPool2d
+    x = torch.randn(shape, device=CUDA).relu_()         # ReLU output: many tied zero windows
+    g = torch.randn((shape[0], shape[1], shape[2] // 2, shape[3] // 2), device=CUDA)
+    out = {}
+    for name, pool in (("ours", CompactMaxPool2d(2, 2)), ("torch", torch.nn.MaxPool2d(2, 2))):
+        xi = x.clone().requires_grad_()
+        y = pool(xi)
+        y.backward(g)
+        out[name] = (y.detach(), xi.grad)
+    assert torch.equal(out["ours"][0], out["torch"][0]) and torch.equal(out["ours"][1], out["torch"][1])
+    assert {"max_pool", "max_pool_grad"} <= {k for k, _ in tvm_kernels.CALLS}

@@ -27,6 +27,9 @@ kind            what
                 the bias gradient in one pass over ``g``
 ``quantize_grad`` float32 NCHW ``g`` [, ReLU bits] -> the masked ``g`` quantized twice in one pass:
                 for ``dx`` (``* mult[c] / s``, one scale) and for ``dw`` (``/ s[c]``, per channel)
+``max_pool``    float32 NCHW ``x`` -> its 2x2 / stride 2 max-pool and the window index of each max
+                (uint8 0-3, row-major, the first of equal ones: ``tvm_qconv.nn.max_pool``)
+``max_pool_grad`` the pooled gradient and those indices -> float32 NCHW ``dx`` (``shape``)
 ==============  ==================================================================================
 
 Bit for bit the torch operations they replace, on every target: each float32 operation is done
@@ -57,7 +60,8 @@ from tvm import te, tirx
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..tensorcore.layout import ceil32
 
-KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad")
+KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
+         "max_pool_grad")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -287,17 +291,61 @@ def quantize_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
 
+POOL = 2    # max_pool's window and stride
+
+
+def max_pool(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(x, out, index)``: float32 NCHW ``x`` (``shape``) -> ``[N, C, H // 2, W // 2]`` maxima and
+    their uint8 window index ``2 * i + j`` (the first of equal maxima, as PyTorch's max-pool)."""
+    n, c, h, w = wl.shape
+    x = te.placeholder(wl.shape, "float32", name="x")
+
+    def window(b, ch, oy, ox):
+        best, index = x[b, ch, POOL * oy, POOL * ox], tirx.const(0, "int32")
+        for k in range(1, POOL * POOL):
+            v = x[b, ch, POOL * oy + k // POOL, POOL * ox + k % POOL]
+            index = tirx.Select(v > best, tirx.const(k, "int32"), index)
+            best = tirx.max(v, best)
+        return best, index.astype("uint8")
+
+    out, index = te.compute((n, c, h // POOL, w // POOL), window, name="max_pool")
+    return te.create_prim_func([x, out, index]).with_attr({"tvm_qconv.kernel": "train_max_pool",
+                                                           "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def max_pool_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(g, index, dx)``: the pooled gradient ``[N, C, H // 2, W // 2]`` and :func:`max_pool`'s
+    indices -> float32 NCHW ``dx`` (``shape``): ``g`` where the window's max was, else 0 (also in a
+    last odd row or column, which the pool skipped)."""
+    n, c, h, w = wl.shape
+    oh, ow = h // POOL, w // POOL
+    g = te.placeholder((n, c, oh, ow), "float32", name="g")
+    index = te.placeholder((n, c, oh, ow), "uint8", name="index")
+
+    def element(b, ch, y, xx):
+        oy, ox = tirx.min(y // POOL, oh - 1), tirx.min(xx // POOL, ow - 1)
+        hit = tirx.all(y < oh * POOL, xx < ow * POOL,
+                       index[b, ch, oy, ox].astype("int32") == (y % POOL) * POOL + xx % POOL)
+        return tirx.if_then_else(hit, g[b, ch, oy, ox], tirx.const(0.0, "float32"))
+
+    dx = te.compute(wl.shape, element, name="max_pool_grad")
+    return te.create_prim_func([g, index, dx]).with_attr({"tvm_qconv.kernel": "train_max_pool_grad",
+                                                          "tvm_qconv.workload": str(wl.to_dict())})
+
+
 def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
     func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask,
-            "pack": pack, "grad_stats": grad_stats, "quantize_grad": quantize_grad}[wl.kind](wl)
+            "pack": pack, "grad_stats": grad_stats, "quantize_grad": quantize_grad, "max_pool": max_pool,
+            "max_pool_grad": max_pool_grad}[wl.kind](wl)
     if target.kind.name != "cuda":
         return func
     if wl.kind == "pack":       # threads on pixels, 16 packed channels each (channels_last_conversions)
         return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
     sch = tvm.s_tir.Schedule(func)
     # quantize_grad's two outputs are two blocks in one loop nest (the loops below are shared)
-    blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if wl.dx and wl.dw else [sch.get_sblock(wl.kind)]
+    two = (wl.dx and wl.dw) or wl.kind == "max_pool"
+    blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if two else [sch.get_sblock(wl.kind)]
     block = blocks[0]
     if wl.kind == "grad_stats":     # a block per [channel, P], its threads T apart; sums in registers
         ch, p, t, _ = sch.get_loops(block)

@@ -12,6 +12,7 @@ from .functional import (
     quantized_linear,
     register_int8_conv_kernel,
 )
+from .max_pool import CompactMaxPool2d
 from .modules import (
     QuantizedConv2d,
     QuantizedConv2dReLU,
@@ -31,6 +32,7 @@ __all__ = [
     "TorchConv2d",
     "TorchConv2dReLU",
     "TorchLinear",
+    "CompactMaxPool2d",
     "QuantizedConv2dFunction",
     "quantized_conv2d",
     "quantized_linear",

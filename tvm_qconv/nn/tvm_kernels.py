@@ -83,6 +83,7 @@ from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
+from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
                          mask_torch, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
                          register_int8_conv_kernel, relu_bits_torch)
@@ -532,6 +533,27 @@ def quantize_grad(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.Tensor
     return (outs[0] if wl.dx else None), (outs[-1] if wl.dw else None)
 
 
+def max_pool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``max_pool.max_pool2x2_torch`` in one kernel (``elementwise.max_pool``)."""
+    if x.dim() != 4 or x.dtype != torch.float32 or min(x.shape[2:]) < max_pool2x2.POOL:
+        return max_pool2x2.max_pool2x2_torch(x)
+    n, c, h, w = x.shape
+    out = torch.empty((n, c, h // 2, w // 2), dtype=torch.float32, device=x.device)
+    index = torch.empty(out.shape, dtype=torch.uint8, device=x.device)
+    _call("max_pool", elementwise.ElementwiseWorkload("max_pool", tuple(x.shape)), x.device, x, out, index)
+    return out, index
+
+
+def max_pool_grad(g: torch.Tensor, index: torch.Tensor, input_shape) -> torch.Tensor:
+    """``max_pool.max_pool2x2_grad_torch`` in one kernel (``elementwise.max_pool_grad``)."""
+    if g.dim() != 4 or g.dtype != torch.float32:
+        return max_pool2x2.max_pool2x2_grad_torch(g, index, input_shape)
+    dx = torch.empty(tuple(input_shape), dtype=torch.float32, device=g.device)
+    _call("max_pool_grad", elementwise.ElementwiseWorkload("max_pool_grad", tuple(input_shape)), g.device, g, index,
+          dx)
+    return dx
+
+
 def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
                      groups: int) -> torch.Tensor | None:
     """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (int64 OIHW) on the int8
@@ -578,7 +600,8 @@ def register(device_type: str = "cuda") -> None:
     INT8_WEIGHT_GRAD_KERNELS[device_type] = int8_weight_grad
     ELEMENTWISE_KERNELS[device_type] = {"quantize": quantize, "int8_conv_dequantized": int8_conv_dequantized,
                                         "relu_bits": relu_bits, "mask": mask, "grad_stats": grad_stats,
-                                        "quantize_grad": quantize_grad}
+                                        "quantize_grad": quantize_grad, "max_pool": max_pool,
+                                        "max_pool_grad": max_pool_grad}
 
 
 def report() -> list[dict]:
