@@ -366,3 +366,27 @@ def test_cuda_compact_pool_gives_nn_maxpool2ds_output_and_gradient_bit_for_bit(s
         out[name] = (y.detach(), xi.grad)
     assert torch.equal(out["ours"][0], out["torch"][0]) and torch.equal(out["ours"][1], out["torch"][1])
     assert {"max_pool", "max_pool_grad"} <= {k for k, _ in tvm_kernels.CALLS}
+
+
+def test_cuda_elementwise_kernels_give_the_cpus_torch_bits_including_ties_and_extremes():
+    # the CUDA kernels round each float32 op with __f*_rn (not float64): bit-equal to torch on
+    # the CPU for values whose quotient is a tie (k + 0.5), huge and tiny ones, and random ones
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 12, 16, generator=g) * 3
+    x[0, 0, 0, :8] = torch.tensor([0.25, -0.25, 0.75, 63.25, 1e30, -1e-30, 1e-38, 3e-39])
+    scale, per_channel = torch.tensor(0.5), torch.rand(8, generator=g) * 0.1 + 1e-3
+    mult = torch.rand(8, generator=g) + 0.5
+    bits = functional.pack_bits(torch.randn(x.shape, generator=g) > 0)
+    for s, m in ((scale, None), (per_channel, None), (scale, mult)):
+        assert torch.equal(tvm_kernels.quantize(x.to(CUDA), s.to(CUDA), None if m is None else m.to(CUDA)).cpu(),
+                           functional.quantize_torch(x, s, m))
+    ours = tvm_kernels.quantize_grad(x.to(CUDA), bits.to(CUDA), scale.to(CUDA), mult.to(CUDA), per_channel.to(CUDA))
+    ref = functional.quantize_grad_torch(x, bits, scale, mult, per_channel)
+    assert torch.equal(ours[0].cpu(), ref[0]) and torch.equal(ours[1].cpu(), ref[1])
+    assert torch.equal(tvm_kernels.grad_stats(x.to(CUDA), bits.to(CUDA))[0].cpu(), functional.grad_stats_torch(x, bits)[0])
+    x_q = torch.randint(-127, 128, (4, 32, 9, 9), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (40, 32, 3, 3), generator=g, dtype=torch.int8)
+    s_out, bias = torch.rand(40, generator=g) * 1e-3, torch.randn(40, generator=g)
+    args = ((1, 1), (1, 1, 1, 1), (1, 1), 1, s_out, bias, True)
+    ours = tvm_kernels.int8_conv_dequantized(x_q.to(CUDA), w_q.to(CUDA), *args[:4], s_out.to(CUDA), bias.to(CUDA), True)
+    assert torch.equal(ours.cpu(), functional.int8_conv_dequantized_torch(x_q, w_q, *args))

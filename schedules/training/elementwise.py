@@ -32,11 +32,15 @@ kind            what
 ``max_pool_grad`` the pooled gradient and those indices -> float32 NCHW ``dx`` (``shape``)
 ==============  ==================================================================================
 
-Bit for bit the torch operations they replace, on every target: each float32 operation is done
-in float64 and rounded to float32 once, which is exactly the float32 result for ``+``, ``*``
-and ``/`` of float32 operands (53 >= 2 * 24 + 2 bits: no double-rounding error), where a
-float32 ``/`` would not be: TVM compiles CUDA with ``--use_fast_math`` (``schedules/quantize.py``
-says more), which also flushes subnormals and contracts ``a * b + c`` into one rounding.  The
+Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
+with ``--use_fast_math`` (``schedules/quantize.py`` says more: an approximate ``/``, subnormals
+flushed, ``a * b + c`` contracted into one rounding).  On CUDA each float32 operation is its
+correctly rounded intrinsic (``__fmul_rn``, ``__fdiv_rn``, ``__fadd_rn``: IEEE round to nearest
+whatever the flags say; they flush subnormals, which changes no int8 value as every scale is at
+least 1e-30).  Elsewhere it is done in float64 and rounded to float32 once, which is exactly
+the float32 result for ``+``, ``*`` and ``/`` of float32 operands (53 >= 2 * 24 + 2 bits: no
+double-rounding error).  The float64 route was the CUDA one too until it measured ~4x the
+kernels' memory time on an H200 (its float64 pipe: conversions and a software division).  The
 int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is
 ``nearbyint``: ties to even, as ``torch.round``.
 
@@ -114,12 +118,22 @@ class ElementwiseWorkload:
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
-def _exact(op, a, b):
-    """float32 ``a op b`` for float32 operands, as IEEE float32 arithmetic gives it (module docstring)."""
-    return op(a.astype("float64"), b.astype("float64")).astype("float32")
+_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q}
+# CUDA's correctly rounded float32 operations: IEEE whatever --use_fast_math says (it makes ``/``
+# approximate and contracts ``a * b + c``); the float64 route costs ~4x the kernel's memory time
+# on an H200 (its float64 pipe: conversions and a software division per element)
+_RN = {"*": "__fmul_rn", "/": "__fdiv_rn", "+": "__fadd_rn"}
 
 
-def quantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+def _exact(op: str, a, b, rn: bool = False):
+    """float32 ``a op b`` for float32 operands, as IEEE float32 arithmetic gives it (module
+    docstring): CUDA's ``__f*_rn`` intrinsics where ``rn``, else in float64 rounded once."""
+    if rn:
+        return tirx.call_pure_extern("float32", _RN[op], a, b)
+    return _OPS[op](a.astype("float64"), b.astype("float64")).astype("float32")
+
+
+def quantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(x, scale[, mult], out)``: float32 NCHW -> int8 NCHW."""
     n, c, h, w = wl.shape
     x = te.placeholder(wl.shape, "float32", name="x")
@@ -129,8 +143,8 @@ def quantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     def element(b, ch, y, xx):
         v = x[b, ch, y, xx]
         if m is not None:
-            v = _exact(lambda p, q: p * q, v, m[ch])
-        v = tirx.nearbyint(_exact(lambda p, q: p / q, v, s[ch if wl.per_channel else 0]))
+            v = _exact("*", v, m[ch], rn)
+        v = tirx.nearbyint(_exact("/", v, s[ch if wl.per_channel else 0], rn))
         return tirx.max(tirx.min(v, tirx.const(127.0, "float32")), tirx.const(-127.0, "float32")).astype("int8")
 
     out = te.compute(wl.shape, element, name="quantize")
@@ -139,7 +153,7 @@ def quantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def dequantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(acc, scale[, bias], out)``: int32 accumulators -> float32 NCHW."""
     n, c, h, w = wl.shape
     packed = {"nhwc32": (n, h, w, ceil32(c)), "nchw4c": (n, (c + 3) // 4, h, w, 4), "nchw": wl.shape}[wl.layout]
@@ -150,9 +164,9 @@ def dequantize(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     def element(b, ch, y, xx):
         a = {"nhwc32": lambda: acc[b, y, xx, ch], "nchw4c": lambda: acc[b, ch // 4, y, xx, ch % 4],
              "nchw": lambda: acc[b, ch, y, xx]}[wl.layout]()
-        v = _exact(lambda p, q: p * q, a.astype("float32"), s[ch if wl.per_channel else 0])
+        v = _exact("*", a.astype("float32"), s[ch if wl.per_channel else 0], rn)
         if bias is not None:
-            v = _exact(lambda p, q: p + q, v, bias[ch])
+            v = _exact("+", v, bias[ch], rn)
         return tirx.max(v, tirx.const(0.0, "float32")) if wl.relu else v
 
     out = te.compute(wl.shape, element, name="dequantize")
@@ -256,7 +270,7 @@ def grad_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def quantize_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+def quantize_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(g[, bits][, s_dx, mult][, s_dw], [q_dx], [q_dw])``: the (masked) float32 NCHW ``g`` as
     ``quantize``'s ``(g, s_dx, mult)`` and ``(g, s_dw)`` give it, int8 NCHW, in one pass."""
     n, c, h, w = wl.shape
@@ -278,9 +292,9 @@ def quantize_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
             v = tirx.if_then_else(_bit(bits, ((b * c + ch) * h + y) * w + xx), v, tirx.const(0.0, "float32"))
         out = []
         if wl.dx:
-            out.append(clamp(_exact(lambda p, q: p / q, _exact(lambda p, q: p * q, v, mult[ch]), s_dx[0])))
+            out.append(clamp(_exact("/", _exact("*", v, mult[ch], rn), s_dx[0], rn)))
         if wl.dw:
-            out.append(clamp(_exact(lambda p, q: p / q, v, s_dw[ch])))
+            out.append(clamp(_exact("/", v, s_dw[ch], rn)))
         return tuple(out) if len(out) > 1 else out[0]
 
     outs = te.compute(wl.shape, element, name="quantize_grad")
@@ -335,9 +349,12 @@ def max_pool_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
 
 def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
-    func = {"quantize": quantize, "dequantize": dequantize, "relu_bits": relu_bits, "mask": mask,
-            "pack": pack, "grad_stats": grad_stats, "quantize_grad": quantize_grad, "max_pool": max_pool,
-            "max_pool_grad": max_pool_grad}[wl.kind](wl)
+    rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad}  # float ops
+    if wl.kind in rounded:
+        func = rounded[wl.kind](wl, rn=target.kind.name == "cuda")
+    else:
+        func = {"relu_bits": relu_bits, "mask": mask, "pack": pack, "grad_stats": grad_stats, "max_pool": max_pool,
+                "max_pool_grad": max_pool_grad}[wl.kind](wl)
     if target.kind.name != "cuda":
         return func
     if wl.kind == "pack":       # threads on pixels, 16 packed channels each (channels_last_conversions)
