@@ -2,8 +2,9 @@
 
 Every ``nn.Conv2d`` becomes ``QuantizedConv2d`` and the classifier ``QuantizedLinear``
 (``quantized=True``), or ``TorchConv2d`` / ``TorchLinear`` (``quantized=False``).  BatchNorm, the
-ReLUs, the pools and the residual adds stay torch modules: each conv feeds a BatchNorm, so no ReLU
-can be fused into it (``QuantizedConv2d``, not ``QuantizedConv2dReLU``).
+pools and the residual adds stay torch modules: each conv feeds a BatchNorm, so no ReLU can be
+fused into it (``QuantizedConv2d``, not ``QuantizedConv2dReLU``); the int8 model's ReLUs are
+``CompactReLU`` (a 1-bit mask kept for backward instead of the float output).
 
 Module names and initialization are torchvision's (the layers are swapped after torchvision builds
 the model, weights copied), so the quantized model and its float twin built under the same seed hold
@@ -18,7 +19,8 @@ import functools
 
 from torch import nn
 
-from tvm_qconv.nn import QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear, load_float_state_dict
+from tvm_qconv.nn import (CompactReLU, QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear,
+                          load_float_state_dict)
 
 
 def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
@@ -40,7 +42,8 @@ def _linear_like(linear: nn.Linear, cls) -> nn.Module:
 def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "float32",
                 weight_grad: str = "float32") -> nn.Module:
     """``model`` with every plain ``nn.Conv2d`` / ``nn.Linear`` replaced in place by the int8 QAT
-    layer (or its float twin), same name, same weights.
+    layer (or its float twin), same name, same weights; with ``quantized``, every ``nn.ReLU`` by
+    ``CompactReLU`` (the same values and gradients, 1 bit an element kept for backward).
 
     Args:
         model: a float model (torchvision's, or any built from ``nn.Conv2d`` / ``nn.Linear``).
@@ -62,6 +65,8 @@ def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "flo
                 setattr(parent, name, _conv_like(child, conv))
             elif type(child) is nn.Linear:
                 setattr(parent, name, _linear_like(child, linear))
+            elif type(child) is nn.ReLU and quantized:
+                setattr(parent, name, CompactReLU())    # a 1-bit mask kept, not the float output
     return model
 
 

@@ -390,3 +390,19 @@ def test_cuda_elementwise_kernels_give_the_cpus_torch_bits_including_ties_and_ex
     args = ((1, 1), (1, 1, 1, 1), (1, 1), 1, s_out, bias, True)
     ours = tvm_kernels.int8_conv_dequantized(x_q.to(CUDA), w_q.to(CUDA), *args[:4], s_out.to(CUDA), bias.to(CUDA), True)
     assert torch.equal(ours.cpu(), functional.int8_conv_dequantized_torch(x_q, w_q, *args))
+
+
+def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit():
+    # subnormal outputs keep their gradient (the bits kernel reads y's sign bits, not a float
+    # compare that --use_fast_math would flush)
+    from tvm_qconv.nn import CompactReLU
+    x = torch.randn(8, 64, 28, 28, device=CUDA)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
+    g = torch.randn_like(x)
+    out = {}
+    for name, relu in (("ours", CompactReLU()), ("torch", torch.nn.ReLU())):
+        xi = x.clone().requires_grad_()
+        y = relu(xi)
+        y.backward(g)
+        out[name] = (y.detach(), xi.grad)
+    assert torch.equal(out["ours"][0], out["torch"][0]) and torch.equal(out["ours"][1], out["torch"][1])

@@ -187,7 +187,10 @@ def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     y = te.placeholder((numel,), "float32", name="y")
 
     def byte(j):
-        bits = [tirx.if_then_else(tirx.all(8 * j + i < numel, y[tirx.min(8 * j + i, numel - 1)] > 0.0),
+        # y > 0 as its bits (a positive float's are a positive int32): exact for subnormals, which
+        # a float compare under --use_fast_math flushes to zero
+        bits = [tirx.if_then_else(tirx.all(8 * j + i < numel,
+                                           tirx.reinterpret("int32", y[tirx.min(8 * j + i, numel - 1)]) > 0),
                                   1 << i, 0) for i in range(8)]
         return sum(bits[1:], bits[0]).astype("uint8")
 

@@ -13,6 +13,7 @@ from .functional import (
     register_int8_conv_kernel,
 )
 from .max_pool import CompactMaxPool2d
+from .relu import CompactReLU
 from .modules import (
     QuantizedConv2d,
     QuantizedConv2dReLU,
@@ -33,6 +34,7 @@ __all__ = [
     "TorchConv2dReLU",
     "TorchLinear",
     "CompactMaxPool2d",
+    "CompactReLU",
     "QuantizedConv2dFunction",
     "quantized_conv2d",
     "quantized_linear",
