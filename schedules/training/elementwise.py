@@ -7,30 +7,30 @@ int32 accumulators (NHWC32 to NCHW), ``mul_`` by the scales, ``+= bias`` and ``r
 VGG16 at batch 32 (H200, 2026-11-28) those passes were ~30 of the step's 61 ms of GPU time
 (docs/performance.md, "Training").  Here each is one kernel:
 
-==============  ==================================================================================
-kind            what
-==============  ==================================================================================
-``quantize``    float32 NCHW ``x`` -> int8 NCHW ``clamp(nearbyint(x [* mult[c]] / s), -127, 127)``,
-                ``s`` one scale or one per channel (``c``, axis 1)
-``dequantize``  int32 accumulators (NHWC32 ``[N, H, W, C_p]``, the tensor cores' output; NCHW4c
-                ``[N, ceil(C / 4), H, W, 4]``, dp4a's; or NCHW)
-                -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU
-``relu_bits``   float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
-                ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
-``mask``        float32 ``g``, those bits -> ``g`` where its bit is set, else 0 (the ReLU's backward)
-``pack``        int8 NCHW -> the tensor cores' NHWC32 ``[N, H, W, C_p]``, or with ``transpose``
-                ``[C, H, W, N_p]`` (the batch as the channels: the weight gradient's operands,
-                ``grad_weight_mma.py``; ``pad_rows``: ``C`` padded to 32 as well)
-``grad_stats``  float32 NCHW ``g`` [, ReLU bits] -> per channel of the masked ``g``, partial over
-                ``[P, T]`` (:func:`stats_grid`): ``max|g|`` (float32) and ``sum g`` (float64);
-                the caller finishes both over ``[P, T]`` (a few KB): the int8 gradients' scales and
-                the bias gradient in one pass over ``g``
-``quantize_grad`` float32 NCHW ``g`` [, ReLU bits] -> the masked ``g`` quantized twice in one pass:
-                for ``dx`` (``* mult[c] / s``, one scale) and for ``dw`` (``/ s[c]``, per channel)
-``max_pool``    float32 NCHW ``x`` -> its 2x2 / stride 2 max-pool and the window index of each max
-                (uint8 0-3, row-major, the first of equal ones: ``tvm_qconv.nn.max_pool``)
-``max_pool_grad`` the pooled gradient and those indices -> float32 NCHW ``dx`` (``shape``)
-==============  ==================================================================================
+=================  ===============================================================================
+kind               what
+=================  ===============================================================================
+``quantize``       float32 NCHW ``x`` -> int8 NCHW ``clamp(nearbyint(x [* mult[c]] / s), -127, 127)``,
+                   ``s`` one scale or one per channel (``c``, axis 1)
+``dequantize``     int32 accumulators (NHWC32 ``[N, H, W, C_p]``, the tensor cores' output; NCHW4c
+                   ``[N, ceil(C / 4), H, W, 4]``, dp4a's; or NCHW)
+                   -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU
+``relu_bits``      float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
+                   ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
+``mask``           float32 ``g``, those bits -> ``g`` where its bit is set, else 0 (the ReLU's backward)
+``pack``           int8 NCHW -> the tensor cores' NHWC32 ``[N, H, W, C_p]``, or with ``transpose``
+                   ``[C, H, W, N_p]`` (the batch as the channels: the weight gradient's operands,
+                   ``grad_weight_mma.py``; ``pad_rows``: ``C`` padded to 32 as well)
+``grad_stats``     float32 NCHW ``g`` [, ReLU bits] -> per channel of the masked ``g``, partial over
+                   ``[P, T]`` (:func:`stats_grid`): ``max|g|`` (float32) and ``sum g`` (float64);
+                   the caller finishes both over ``[P, T]`` (a few KB): the int8 gradients' scales and
+                   the bias gradient in one pass over ``g``
+``quantize_grad``  float32 NCHW ``g`` [, ReLU bits] -> the masked ``g`` quantized twice in one pass:
+                   for ``dx`` (``* mult[c] / s``, one scale) and for ``dw`` (``/ s[c]``, per channel)
+``max_pool``       float32 NCHW ``x`` -> its 2x2 / stride 2 max-pool and the window index of each max
+                   (uint8 0-3, row-major, the first of equal ones: ``tvm_qconv.nn.max_pool``)
+``max_pool_grad``  the pooled gradient and those indices -> float32 NCHW ``dx`` (``shape``)
+=================  ===============================================================================
 
 Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
 with ``--use_fast_math`` (``schedules/quantize.py`` says more: an approximate ``/``, subnormals
@@ -39,10 +39,10 @@ correctly rounded intrinsic (``__fmul_rn``, ``__fdiv_rn``, ``__fadd_rn``: IEEE r
 whatever the flags say; they flush subnormals, which changes no int8 value as every scale is at
 least 1e-30).  Elsewhere it is done in float64 and rounded to float32 once, which is exactly
 the float32 result for ``+``, ``*`` and ``/`` of float32 operands (53 >= 2 * 24 + 2 bits: no
-double-rounding error).  The float64 route was the CUDA one too until it measured ~4x the
-kernels' memory time on an H200 (its float64 pipe: conversions and a software division).  The
-int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is
-``nearbyint``: ties to even, as ``torch.round``.
+double-rounding error).  The float64 route was the CUDA one too until 893d09e: on an H200 it
+was ~40 % of ``quantize_grad``'s time (VGG16 b32: 3.0 -> 1.7 ms without it; history.md).  The
+int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is ``nearbyint``:
+ties to even, as ``torch.round``.
 
 ``pack`` is the copy torch made with ``permute(...).contiguous()``, at a stride of a whole feature
 map per byte; here a thread writes 16 packed bytes at once from 16 reads that are each coalesced
@@ -120,8 +120,8 @@ class ElementwiseWorkload:
 
 _OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q}
 # CUDA's correctly rounded float32 operations: IEEE whatever --use_fast_math says (it makes ``/``
-# approximate and contracts ``a * b + c``); the float64 route costs ~4x the kernel's memory time
-# on an H200 (its float64 pipe: conversions and a software division per element)
+# approximate and contracts ``a * b + c``), and off the float64 pipe (conversions and a software
+# division per element), which had bounded the quantizing kernels on an H200
 _RN = {"*": "__fmul_rn", "/": "__fdiv_rn", "+": "__fadd_rn"}
 
 
