@@ -542,33 +542,6 @@ def _flipped_transposed(w_q: torch.Tensor, groups: int) -> torch.Tensor:
     return w_t.flip(2, 3)
 
 
-def _conv_input_grad_int8(grad: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_shape: Sequence[int],
-                          stride, padding: Padding4, dilation, groups: int,
-                          amax: torch.Tensor | None = None) -> torch.Tensor:
-    """``dx`` from an int8 gradient (``input_grad="int8"``), float32 NCHW.
-
-    The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
-    axis, so it cannot be applied after it), ``g'`` is quantized to int8 per tensor (its max /
-    127, rounded to nearest), and ``dx = s_g' * sum_o g'_q[o] * w_q[o]``: that sum is itself an
-    int8 conv, stride 1, of ``g'_q`` (a strided conv's spread ``stride`` apart, zeros between)
-    with the flipped, transposed weights, per group, exact in int32 on whatever kernel computes
-    the forward (on CUDA the int8 tensor cores from 16 channels).  A conv padded more than its
-    kernel reaches runs the float gradient kernel on the dequantized ``g'_q * s_g'``: the same
-    values up to float32 rounding.
-
-    The small VGG's QAT on digits stays within a point of the float model with it (a test;
-    figures per seed in docs/history.md, "Issue 35, first steps").
-
-    ``amax``: :func:`channel_amax` of ``grad`` where the caller has it.  ``max|g'|`` is
-    ``max_o(amax[o] * s_w[o])`` exactly (a float32 product is monotonic in each factor), so ``g'``
-    is never written out: the quantizing kernel multiplies as it reads.
-    """
-    amax = channel_amax(grad) if amax is None else amax
-    s_g = input_grad_scale(amax, w_scale)
-    return _input_grad_of_int8(_quantize(grad, s_g, w_scale), s_g, w_q, w_scale, input_shape, stride, padding,
-                               dilation, groups)
-
-
 def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """The one scale of the int8 input gradient's operand ``g * s_w[o]`` from ``amax = max|g[o]|``
     (:func:`_conv_input_grad_int8`)."""
@@ -576,13 +549,31 @@ def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 
 
 def weight_grad_scales(amax: torch.Tensor) -> torch.Tensor:
-    """The per-channel scales of the int8 weight gradient's operand from ``amax = max|g[o]|``."""
+    """The per-channel scales of the int8 weight gradient's operand from ``amax = max|g[o]|``
+    (:func:`_conv_weight_grad_int8`)."""
     return torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
 
 
-def _input_grad_of_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                        input_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
-    """:func:`_conv_input_grad_int8` from its quantized operand ``g_q`` (scale ``s_g``)."""
+def _conv_input_grad_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                          input_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+    """``dx`` from an int8 gradient (``input_grad="int8"``), float32 NCHW.
+
+    The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
+    axis, so it cannot be applied after it), ``g'`` is quantized to int8 per tensor (its max /
+    127, rounded to nearest: ``g_q`` with the scale ``s_g`` of :func:`input_grad_scale`), and
+    ``dx = s_g * sum_o g_q[o] * w_q[o]``: that sum is itself an int8 conv, stride 1, of ``g_q``
+    (a strided conv's spread ``stride`` apart, zeros between) with the flipped, transposed
+    weights, per group, exact in int32 on whatever kernel computes the forward (on CUDA the int8
+    tensor cores from 16 channels).  A conv padded more than its kernel reaches runs the float
+    gradient kernel on the dequantized ``g_q * s_g``: the same values up to float32 rounding.
+
+    ``max|g'|`` is ``max_o(amax[o] * s_w[o])`` exactly (a float32 product is monotonic in each
+    factor), so ``g'`` is never written out: the quantizing kernel multiplies as it reads
+    (:func:`_quantize_grad`, which makes ``g_q`` with the weight gradient's operand in one pass).
+
+    The small VGG's QAT on digits reaches the float model's accuracy with it (figures per seed in
+    docs/performance.md, "Training").
+    """
     pads = transposed_padding(w_q.shape[2:], padding, dilation, stride, input_shape[2:])
     if pads is not None:
         return _int8_conv_dequantized(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
@@ -616,28 +607,18 @@ INT8_WEIGHT_GRAD_KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {"cpu"
 _FALLBACK_NOTED: set = set()
 
 
-def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
-                           stride, padding: Padding4, dilation, groups: int,
-                           amax: torch.Tensor | None = None) -> torch.Tensor:
+def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.Tensor, s_g: torch.Tensor,
+                           weight_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
     """``dw`` from an int8 gradient (``weight_grad="int8"``), float32 OIHW.
 
-    The gradient is quantized per output channel, ``g ~ g_q[o] * s_g[o]`` (``o`` is ``dw``'s own
-    axis, so each channel keeps its own range at no cost), and ``dw = s_x * s_g[o] * sum g_q x_q``:
-    an exact int32 / int64 sum, on CUDA the int8 tensor cores (a split-K conv,
-    ``schedules/training/grad_weight_mma.py``), so bit-equal to the CPU's.  A conv those kernels
-    cannot take (groups, a batch under 16) runs the float kernel on the dequantized ``g_q * s_g``,
-    the same values up to float32 rounding, with a one-line note the first time.  ``amax``:
-    :func:`channel_amax` of ``grad`` where the caller has it.
+    The gradient is quantized per output channel, ``g ~ g_q[o] * s_g[o]`` (``s_g`` of
+    :func:`weight_grad_scales`; ``o`` is ``dw``'s own axis, so each channel keeps its own range at
+    no cost), and ``dw = s_x * s_g[o] * sum g_q x_q``: an exact int32 / int64 sum, on CUDA the int8
+    tensor cores (a split-K conv, ``schedules/training/grad_weight_mma.py``), so bit-equal to the
+    CPU's.  A conv those kernels cannot take (groups, a batch under 16) runs the float kernel on
+    the dequantized ``g_q * s_g``, the same values up to float32 rounding, with a one-line note
+    the first time.
     """
-    amax = channel_amax(grad) if amax is None else amax
-    s_g = weight_grad_scales(amax)
-    return _weight_grad_of_int8(x_q, x_scale, _quantize(grad, s_g), s_g, weight_shape, stride, padding, dilation,
-                                groups)
-
-
-def _weight_grad_of_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.Tensor, s_g: torch.Tensor,
-                         weight_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
-    """:func:`_conv_weight_grad_int8` from its quantized operand ``g_q`` (per-channel scales ``s_g``)."""
     _load_lazy_kernels(g_q.device.type)
     kernel = INT8_WEIGHT_GRAD_KERNELS.get(g_q.device.type)
     acc = None if kernel is None else kernel(x_q, g_q, weight_shape, stride, padding, dilation, groups)
@@ -729,7 +710,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if int8_dx:
-                dx = _input_grad_of_int8(q_dx, s_dx, w_q, w_scale, x_shape, stride, padding, dilation, groups)
+                dx = _conv_input_grad_int8(q_dx, s_dx, w_q, w_scale, x_shape, stride, padding, dilation, groups)
             else:
                 dx = _conv_input_grad(g_masked(), w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
@@ -737,7 +718,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
             dx = dx.to(x_dtype)
         if ctx.needs_input_grad[1]:
             if int8_dw:
-                dw = _weight_grad_of_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups)
+                dw = _conv_weight_grad_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups)
             else:
                 dw = _conv_weight_grad(x_q, x_scale, g_masked(), w_shape, stride, padding, dilation, groups)
             dw = dw.to(w_dtype)
