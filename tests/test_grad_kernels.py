@@ -318,7 +318,8 @@ def test_the_int8_weight_gradient_as_a_conv_of_the_input_with_the_gradient_is_ex
     g_q = torch.randint(-127, 128, (x_shape[0], w_shape[0], wl.out_height, wl.out_width), generator=g,
                         dtype=torch.int8)
     dw = tvm_kernels.weight_grad_by_conv(conv, x_q, g_q, w_shape)
-    assert dw.dtype == torch.int64 and dw.shape == w_shape
+    # one slice's int32 sums are exact as they are; the slices are added in int64
+    assert dw.dtype == (torch.int64 if conv.splits > 1 else torch.int32) and dw.shape == w_shape
     assert torch.equal(dw.double(), functional.int8_weight_grad_cpu(x_q, g_q, w_shape, stride, padding, dilation, 1))
 
 
@@ -662,3 +663,30 @@ def test_the_gradient_kernels_compile_for_cuda_with_16_byte_loads_and_register_s
             assert "local_ptr[1]" in src and "double" in src
     blocks, threads, per = elementwise.stats_grid(shape)
     assert threads == 256 and per >= elementwise.STATS_PER_THREAD and blocks * threads * per >= 32 * 224 * 224
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_weight_gradient_sums_scale_to_the_float_paths_bits_in_one_pass(monkeypatch, dtype):
+    # the tensor cores hand dw's exact sums as int32 (one slice) or int64 (slices added), in their
+    # [C, KH, KW, O] order: dw = sums * (s_x * s_g[o]) in one torch.mul must give the bits of the
+    # float64 sums rounded to float32 and then scaled (the CPU reference's two steps)
+    case = CASES[0]
+    exact = functional.int8_weight_grad_cpu
+
+    def integer_sums(*args):
+        sums = exact(*args)
+        return sums.to(dtype).permute(1, 2, 3, 0).contiguous().permute(3, 0, 1, 2)   # exact, strided
+
+    def dw():
+        torch.manual_seed(0)
+        layer, _ = case.layers()
+        layer.weight_grad = "int8"
+        x = torch.randn((16, case.cin) + case.hw, generator=torch.Generator().manual_seed(0))
+        out = layer(x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        return layer.weight.grad
+
+    ref = dw()
+    monkeypatch.setitem(functional.INT8_WEIGHT_GRAD_KERNELS, "cpu", integer_sums)
+    ours = dw()
+    assert ours.is_contiguous() and torch.equal(ours, ref)

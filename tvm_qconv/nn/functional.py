@@ -602,7 +602,7 @@ def int8_weight_grad_cpu(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Seq
 
 
 # Device type -> the int8 weight gradient's exact sums, int8_weight_grad_cpu's signature (any
-# float dtype or int64 that holds them exactly), or None for a conv its kernels cannot take.
+# float or integer dtype that holds them exactly, any strides), or None for a conv its kernels cannot take.
 INT8_WEIGHT_GRAD_KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {"cpu": int8_weight_grad_cpu}
 _FALLBACK_NOTED: set = set()
 
@@ -631,8 +631,13 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.
                           "it runs the float32 kernel on the quantized gradient")
         g_deq = g_q.to(torch.float32).mul_(s_g.view(1, -1, 1, 1))
         return _conv_weight_grad(x_q, x_scale, g_deq, weight_shape, stride, padding, dilation, groups)
-    dw = torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc)
-    return dw.mul_((x_scale * s_g).view(-1, 1, 1, 1))
+    scale = (x_scale * s_g).view(-1, 1, 1, 1)
+    dw = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
+    if acc.is_floating_point():     # float64 sums: rounded to float32 first, then scaled (two roundings)
+        return dw.copy_(acc).mul_(scale)
+    # integer sums: int * float32 converts each sum to float32 and multiplies in float32, the same two
+    # roundings in one pass (the layout change included: dw is contiguous whatever acc's strides)
+    return torch.mul(acc, scale, out=dw)
 
 
 # ----------------------------------------------------------------------------- autograd

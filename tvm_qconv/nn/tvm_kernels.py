@@ -556,7 +556,7 @@ def max_pool_grad(g: torch.Tensor, index: torch.Tensor, input_shape) -> torch.Te
 
 def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
                      groups: int) -> torch.Tensor | None:
-    """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (int64 OIHW) on the int8
+    """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (OIHW; int32 from one slice, int64 where slices are added) on the int8
     tensor cores: ``functional.int8_weight_grad_cpu``'s contract; None for a conv they cannot take
     (``grad_weight_mma.weight_grad_conv``).
 
@@ -584,7 +584,7 @@ def weight_grad_by_conv(conv: ConvWorkload, x_q: torch.Tensor, g_q: torch.Tensor
     gradient = _pack_input_nhwc32(g_q, transpose=True, pad_rows=True)     # [O_p, OH, OW, N_p]
     _call("forward", conv, x_q.device, _pack_input_nhwc32(x_q, transpose=True), gradient.view(gradient.shape[0], -1),
           acc)
-    acc = acc.sum(0) if splits else acc.to(torch.int64)     # int64: exact
+    acc = acc.sum(0) if splits else acc     # one slice: exact in int32; slices added in int64
     return acc[:, :kh, :kw, :o].permute(3, 0, 1, 2)
 
 
