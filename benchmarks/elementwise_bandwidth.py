@@ -82,7 +82,7 @@ def _timer(device: torch.device, iters: int):
 
 def _call(kind: str, shape, device: torch.device):
     """A no-argument function running ``kind``'s kernel on random tensors of ``shape``."""
-    from schedules.training import elementwise as E
+    from tvm_qconv.schedules.training import elementwise as E
     from tvm_qconv.nn import functional, tvm_kernels
 
     n, c, h, w = shape
