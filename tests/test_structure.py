@@ -171,3 +171,26 @@ def test_schedules_and_models_import_once_each_as_subpackages_from_either_layout
     assert all(name == "tvm_qconv" or name.startswith("tvm_qconv.") for name in ours), sorted(ours)
     assert len(set(ours.values())) == len(ours)
     assert "tvm_qconv.schedules.wgmma.conv2d" in ours
+
+
+def _top_level_imports(path: str) -> set[str]:
+    """The first component of every absolute import in the Python file ``path``."""
+    names = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_no_source_imports_schedules_or_models_as_top_level_packages():
+    # From the source tree, `import schedules` would load a second copy of tvm_qconv.schedules (a
+    # second kernel registry, a second TVMScript frame patch: a benchmark's did, and a later test
+    # failed); everything goes through tvm_qconv.
+    paths = [os.path.join(ROOT, s) for s in ("train.py", "deploy.py", "tune.py")]
+    for folder in ("tvm_qconv", "schedules", "models", "benchmarks", "tests"):
+        paths += [os.path.join(d, f) for d, _, files in os.walk(os.path.join(ROOT, folder))
+                  for f in files if f.endswith(".py")]
+    offenders = sorted(os.path.relpath(p, ROOT) for p in paths if _top_level_imports(p) & {"schedules", "models"})
+    assert not offenders, offenders
