@@ -418,9 +418,10 @@ TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
 
-def _elementwise(device_type: str, name: str) -> Callable[..., torch.Tensor]:
+def _elementwise(device_type: str, name: str, default: Callable | None = None) -> Callable[..., torch.Tensor]:
+    """``device_type``'s kernel ``name``, else ``default`` (else ``TORCH_ELEMENTWISE[name]``)."""
     _load_lazy_kernels(device_type)
-    return ELEMENTWISE_KERNELS.get(device_type, {}).get(name, TORCH_ELEMENTWISE[name])
+    return ELEMENTWISE_KERNELS.get(device_type, {}).get(name, default or TORCH_ELEMENTWISE[name])
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:

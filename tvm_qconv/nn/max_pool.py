@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import ELEMENTWISE_KERNELS, _load_lazy_kernels
+from .functional import _elementwise
 
 POOL = 2
 
@@ -48,18 +48,13 @@ def max_pool2x2_grad_torch(g: torch.Tensor, index: torch.Tensor, input_shape) ->
     return F.pad(d, (0, w - ow * POOL, 0, h - oh * POOL))
 
 
-def _kernel(device_type: str, name: str, default):
-    _load_lazy_kernels(device_type)
-    return ELEMENTWISE_KERNELS.get(device_type, {}).get(name, default)
-
-
 class MaxPool2x2Function(torch.autograd.Function):
     """2x2 / stride-2 max-pool of float32 NCHW ``x`` keeping 1-byte window indices for backward."""
 
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous()
-        out, index = _kernel(x.device.type, "max_pool", max_pool2x2_torch)(x)
+        out, index = _elementwise(x.device.type, "max_pool", max_pool2x2_torch)(x)
         ctx.save_for_backward(index)
         ctx.input_shape = tuple(x.shape)
         return out
@@ -67,7 +62,7 @@ class MaxPool2x2Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (index,) = ctx.saved_tensors
-        grad = _kernel(g.device.type, "max_pool_grad", max_pool2x2_grad_torch)
+        grad = _elementwise(g.device.type, "max_pool_grad", max_pool2x2_grad_torch)
         return grad(g.to(torch.float32).contiguous(), index, ctx.input_shape)
 
 
