@@ -9,8 +9,11 @@ The training step's profile (performance.md, "Training") puts these kernels at a
 H200's bandwidth; this measures them one at a time, without the rest of the step, so a schedule
 change can be judged in a minute (and run under ``ncu`` for the why).  Bytes are what the kernel
 must read and write at the least (``bytes_moved``); a copy of the largest tensor, timed the same way,
-is the bandwidth anchor (``torch`` ``copy_``, read + write).  Writes ``elementwise_bandwidth_b<b>.json``
-and prints a table by kind: summed time, bytes, GB/s and % of the copy's.
+is the bandwidth anchor (``torch`` ``copy_``, read + write).  On CUDA each figure is one call's
+share of 20 captured in a CUDA graph (``cuda_graph_ms``), as the training step runs them: timed one
+call at a time, the host's launch made the small shapes look several times slower.  Writes
+``elementwise_bandwidth_b<b>.json`` and prints a table by kind: summed time, bytes, GB/s and % of
+the copy's.
 """
 from __future__ import annotations
 
@@ -65,9 +68,9 @@ def workloads(batch: int, image_size: int) -> list[tuple[str, tuple[int, int, in
 
 
 def _timer(device: torch.device, iters: int):
-    if device.type == "cuda":
-        from benchmarks.timing import cuda_median_ms
-        return lambda fn: cuda_median_ms(fn, iters=iters, warmup=3)
+    if device.type == "cuda":   # in a CUDA graph, as in the training step: no host launch gaps
+        from tvm_qconv.compare.measure import cuda_graph_ms
+        return lambda fn: cuda_graph_ms(fn, reps=20, iters=iters)
 
     def cpu_median_ms(fn):
         fn()

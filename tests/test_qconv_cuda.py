@@ -392,6 +392,39 @@ def test_cuda_elementwise_kernels_give_the_cpus_torch_bits_including_ties_and_ex
     assert torch.equal(ours.cpu(), functional.int8_conv_dequantized_torch(x_q, w_q, *args))
 
 
+def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:
+    """``[1, C, H, width]``: channel ``c`` holds ``(k + 0.5) * scales[c]`` for k in -130..129, each
+    with its float32 neighbours up to 3 ulp away (quotients within a few ulp of a half-integer:
+    where the kernels' fast quotient must hand over to the correctly rounded one), zeros after."""
+    k = torch.arange(-130, 130, dtype=torch.float32) + 0.5
+    rows = []
+    for s in scales:
+        t = k * s
+        vals = [t]
+        up, down = t.clone(), t.clone()
+        for _ in range(3):
+            up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(float("-inf")))
+            vals += [up, down]
+        rows.append(torch.cat(vals))
+    x = torch.stack(rows)
+    x = torch.nn.functional.pad(x, (0, -x.shape[1] % width))
+    return x.view(1, len(scales), -1, width).contiguous()
+
+
+def test_cuda_quantizing_kernels_round_quotients_within_ulps_of_a_tie_as_torch():
+    # quantize / quantize_grad take the fast quotient and hand over to __fdiv_rn near k + 0.5
+    # (elementwise._rounded_quotient): every value here is 0-3 ulp from a tie, for scales that are
+    # not powers of two (where the fast and correctly rounded quotients differ most)
+    scales = torch.rand(8, generator=torch.Generator().manual_seed(3)) * 0.1 + 1e-4
+    x = _near_ties(scales)
+    assert torch.equal(tvm_kernels.quantize(x.to(CUDA), scales.to(CUDA)).cpu(), functional.quantize_torch(x, scales))
+    s0, ones = scales[0], torch.ones(8)
+    bits = functional.pack_bits(torch.ones(x.shape, dtype=torch.bool))
+    ours = tvm_kernels.quantize_grad(x.to(CUDA), bits.to(CUDA), s0.to(CUDA), ones.to(CUDA), scales.to(CUDA))
+    ref = functional.quantize_grad_torch(x, bits, s0, ones, scales)
+    assert torch.equal(ours[0].cpu(), ref[0]) and torch.equal(ours[1].cpu(), ref[1])
+
+
 def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit():
     # subnormal outputs keep their gradient (the bits kernel reads y's sign bits, not a float
     # compare that --use_fast_math would flush)

@@ -133,6 +133,48 @@ def _exact(op: str, a, b, rn: bool = False):
     return _OPS[op](a.astype("float64"), b.astype("float64")).astype("float32")
 
 
+# |q - nearbyint(q)| above this, the fast quotient may sit on the other side of a half-integer from
+# the correctly rounded one: far more than its error (2 ulp of the fast division: 2^-15 below 256)
+_NEAR_TIE = 0.5 - 2.0 ** -12
+# the fast division is within 2 ulp for divisors below 2^126 (the scales are far below; a larger one
+# goes the slow way too)
+_APPROX_DIVISOR_MAX = 2.0 ** 125
+# 1.5 * 2^23: v + _ROUNDER (|v| <= 127) rounds v to an integer (to nearest, ties to even) held in its
+# low mantissa bits; its bits minus _ROUNDER's are that integer
+_ROUNDER = 12582912.0
+_ROUNDER_BITS = 0x4B400000
+QMAX = 127.0
+
+
+def _clamp_qmax(v):
+    return tirx.max(tirx.min(v, tirx.const(QMAX, "float32")), tirx.const(-QMAX, "float32"))
+
+
+def _quantized_quotient(a, b, rn: bool = False):
+    """int8 ``clamp(nearbyint(a / b), -127, 127)``, ``a / b`` the correctly rounded float32 quotient
+    (module docstring): torch's ``(a / b).round_().clamp_(-127, 127).to(int8)``.
+
+    On CUDA (``rn``) without a correctly rounded division where it cannot matter: the fast quotient
+    (``--use_fast_math``'s division, within 2 ulp), clamped, rounded to an integer by adding
+    1.5 * 2^23 (one float add; its bits are the integer) gives the same integer unless the quotient
+    lies within ~2^-12 of a half-integer (k + 0.5), where the two roundings could fall on different
+    sides; only there (about one value in 4,000 of random data, a branch the warp rarely takes) is
+    ``__fdiv_rn`` computed.  The fast quotient overflows only to an infinity of the right sign, which
+    clamps as the correct one does.  ncu had ``quantize_grad`` compute-bound (90 % SM throughput,
+    21 % of DRAM's) on two ``__fdiv_rn``, two ``nearbyint`` and two float-to-int conversions an
+    element, all on the quarter-rate pipe (history.md, 2026-11-28); this leaves one reciprocal."""
+    if not rn:
+        return _clamp_qmax(tirx.nearbyint(_exact("/", a, b))).astype("int8")
+    x, q, r = tirx.Var("a", "float32"), tirx.Var("q", "float32"), tirx.Var("r", "float32")
+    rounder = tirx.const(_ROUNDER, "float32")
+    near_tie = tirx.any(tirx.abs(q - (r - rounder)) > tirx.const(_NEAR_TIE, "float32"),
+                        tirx.abs(b) > tirx.const(_APPROX_DIVISOR_MAX, "float32"))
+    fast = tirx.reinterpret("int32", r) - tirx.const(_ROUNDER_BITS, "int32")
+    slow = _clamp_qmax(tirx.nearbyint(_exact("/", x, b, rn=True))).astype("int32")
+    body = tirx.if_then_else(near_tie, slow, fast).astype("int8")
+    return tirx.Let(x, a, tirx.Let(q, _clamp_qmax(x / b), tirx.Let(r, q + rounder, body)))
+
+
 def quantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(x, scale[, mult], out)``: float32 NCHW -> int8 NCHW."""
     n, c, h, w = wl.shape
@@ -144,8 +186,7 @@ def quantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
         v = x[b, ch, y, xx]
         if m is not None:
             v = _exact("*", v, m[ch], rn)
-        v = tirx.nearbyint(_exact("/", v, s[ch if wl.per_channel else 0], rn))
-        return tirx.max(tirx.min(v, tirx.const(127.0, "float32")), tirx.const(-127.0, "float32")).astype("int8")
+        return _quantized_quotient(v, s[ch if wl.per_channel else 0], rn)
 
     out = te.compute(wl.shape, element, name="quantize")
     params = [x, s] + ([m] if m is not None else []) + [out]
@@ -227,6 +268,7 @@ def pack(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                       "tvm_qconv.workload": str(wl.to_dict())})
 
 STATS_PER_THREAD = 32   # elements of g a grad_stats thread reduces (at least, where there are enough)
+STATS_UNROLL = 8        # of them loaded at once
 
 
 def stats_grid(shape) -> tuple[int, int, int]:
@@ -285,19 +327,15 @@ def quantize_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     mult = te.placeholder((c,), "float32", name="mult") if wl.dx else None
     s_dw = te.placeholder((c,), "float32", name="s_dw") if wl.dw else None
 
-    def clamp(v):
-        v = tirx.nearbyint(v)
-        return tirx.max(tirx.min(v, tirx.const(127.0, "float32")), tirx.const(-127.0, "float32")).astype("int8")
-
     def element(b, ch, y, xx):
         v = g[b, ch, y, xx]
         if bits is not None:
             v = tirx.if_then_else(_bit(bits, ((b * c + ch) * h + y) * w + xx), v, tirx.const(0.0, "float32"))
         out = []
         if wl.dx:
-            out.append(clamp(_exact("/", _exact("*", v, mult[ch], rn), s_dx[0], rn)))
+            out.append(_quantized_quotient(_exact("*", v, mult[ch], rn), s_dx[0], rn))
         if wl.dw:
-            out.append(clamp(_exact("/", v, s_dw[ch], rn)))
+            out.append(_quantized_quotient(v, s_dw[ch], rn))
         return tuple(out) if len(out) > 1 else out[0]
 
     outs = te.compute(wl.shape, element, name="quantize_grad")
@@ -368,9 +406,12 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if two else [sch.get_sblock(wl.kind)]
     block = blocks[0]
     if wl.kind == "grad_stats":     # a block per [channel, P], its threads T apart; sums in registers
-        ch, p, t, _ = sch.get_loops(block)
+        ch, p, t, r = sch.get_loops(block)
         sch.bind(sch.fuse(ch, p), "blockIdx.x")
         sch.bind(t, "threadIdx.x")
+        # STATS_UNROLL loads in flight a thread: one at a time, ncu had the warps waiting on
+        # them (45 % of stalls) at 36 % of DRAM's throughput
+        sch.unroll(sch.split(r, [None, STATS_UNROLL])[1])
         amax, total = sch.cache_write(block, 0, "local"), sch.cache_write(block, 1, "local")
         sch.reverse_compute_at(total, t)
         sch.reverse_compute_at(amax, t)
@@ -381,7 +422,23 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
         sch.bind(tx, "threadIdx.x")
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     b, ch, y, xx = sch.get_loops(block)
-    if wl.kind in ("quantize", "quantize_grad") and wl.shape[3] % VEC == 0:
+    if wl.kind == "max_pool_grad" and wl.shape[2] % POOL == 0 and wl.shape[3] % POOL == 0:
+        # a thread per 2 rows x 4 columns (two windows; 2 x 2 where W is not a multiple of 4): one
+        # read of their g and indices, a 16-byte store a row; a thread per element (5 bytes read
+        # for 4 written) had it at ~28 % of a copy's bandwidth
+        cols = 2 * POOL if wl.shape[3] % (2 * POOL) == 0 else POOL
+        y0, y1 = sch.split(y, [None, POOL])
+        x0, x1 = sch.split(xx, [None, cols])
+        sch.reorder(b, ch, y0, x0, y1, x1)
+        bx, tx = sch.split(sch.fuse(b, ch, y0, x0), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        store = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(store, tx)
+        sch.vectorize(sch.get_loops(store)[-1])
+        sch.unroll(y1)
+        sch.unroll(x1)
+    elif wl.kind in ("quantize", "quantize_grad") and wl.shape[3] % VEC == 0:
         # 4 consecutive elements a thread: one 16-byte load, one 4-byte store
         x0, lane = sch.split(xx, [None, VEC])
         bx, tx = sch.split(sch.fuse(b, ch, y, x0), [None, THREADS])

@@ -39,6 +39,35 @@ def cuda_median_ms(fn, iters: int = 50, warmup: int = 5) -> float:
     return float(np.median(times))
 
 
+def cuda_graph_ms(fn, reps: int = 20, iters: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds of one ``fn()`` with ``reps`` calls captured in a CUDA graph, the
+    graph replayed ``iters`` times between events: the GPU's time without the host's launch gaps
+    (a few-microsecond kernel timed alone is mostly the host's call; in a training step captured
+    in a graph, none of it is).  ``fn`` must be capturable: CUDA work on the current stream only,
+    no host syncs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # warm-up (builds, allocator pools) off the capture
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / reps)
+    return float(np.median(times))
+
+
 @dataclass(frozen=True)
 class Timing:
     """Latency of one row: median and 99th percentile in ms over ``runs`` calls."""
