@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import tvm
 from tvm.script import parser as tvmscript
 
-from tests.test_qconv_autograd import CASES, CASE_IDS, NONCONTIGUOUS, assert_matches_reference, run_twins
+from tests.test_qconv_autograd import CASES, CASE_IDS, NONCONTIGUOUS, _input, _run, assert_matches_reference, run_twins
 from tests.workloads import conv_wl
 from tvm_qconv import registry
 from tvm_qconv.nn import QuantizedLinear, batch_amax, functional, quantize_per_tensor, quantize_weight
@@ -456,6 +456,37 @@ def test_kernel_is_built_once_and_then_loaded_from_disk(tvm_on_cpu, monkeypatch)
     _fresh_memory(monkeypatch)
     monkeypatch.setattr(tvm_kernels, "_build", lambda *a: pytest.fail("rebuilt a cached kernel"))
     tvm_kernels.get_kernel("forward", SMALL, cpu)  # disk
+
+
+def test_prebuild_compiles_what_a_step_calls_so_the_step_builds_nothing(tvm_on_cpu, monkeypatch):
+    # the dry run (on a copy) notes the kernels, two processes build them into the cache; the real
+    # step then calls exactly those, loads them all, and gets what a step without prebuild gets
+    import copy
+    case = next(c for c in CASES if c.relu and c.bias)
+    torch.manual_seed(0)
+    layer, _ = case.layers()
+    fresh = copy.deepcopy(layer)
+    x, grad = _input(case, 0), None
+    stats = tvm_kernels.prebuild(lambda: _run(copy.deepcopy(layer), x, grad), workers=2)
+    assert stats["failed"] == [] and {k for k, _ in stats["built"]} >= {"quantize", "forward", "grad_input",
+                                                                        "grad_weight", "relu_bits", "mask"}
+    assert not tvm_kernels.CALLS                           # the dry run's calls are not reported
+    assert len(os.listdir(tvm_on_cpu)) == len(stats["built"])
+
+    build = tvm_kernels._build
+
+    def no_build(*args):
+        raise AssertionError("the step built a kernel that prebuild should have")
+    monkeypatch.setattr(tvm_kernels, "_build", no_build)
+    ours, _ = _run(layer, x, grad)
+    assert set(tvm_kernels.CALLS) == set(stats["built"])
+    # a fresh cache, no prebuild: the same bits
+    monkeypatch.setattr(tvm_kernels, "_build", build)
+    monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tvm_on_cpu) + "-fresh")
+    monkeypatch.setattr(tvm_kernels, "_kernels", {})
+    ref, _ = _run(fresh, x, grad)
+    for name in ("out", "dx", "dw", "db"):
+        assert torch.equal(getattr(ours, name), getattr(ref, name))
 
 
 def test_corrupt_cache_entry_is_rebuilt_with_a_warning(tvm_on_cpu, monkeypatch):
