@@ -425,11 +425,13 @@ def test_cuda_quantizing_kernels_round_quotients_within_ulps_of_a_tie_as_torch()
     assert torch.equal(ours[0].cpu(), ref[0]) and torch.equal(ours[1].cpu(), ref[1])
 
 
-def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit():
+@pytest.mark.parametrize("shape", [(8, 64, 28, 28), (3, 5, 7, 9)], ids=["whole_bytes", "odd"])
+def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit(shape):
     # subnormal outputs keep their gradient (the bits kernel reads y's sign bits, not a float
-    # compare that --use_fast_math would flush)
+    # compare that --use_fast_math would flush); the mask kernel's 8-element threads where the
+    # size is a multiple of 8, one element a thread where it is not
     from tvm_qconv.nn import CompactReLU
-    x = torch.randn(8, 64, 28, 28, device=CUDA)
+    x = torch.randn(shape, device=CUDA)
     x.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])
     g = torch.randn_like(x)
     out = {}
