@@ -267,6 +267,28 @@ def _variants(text: str) -> list[str]:
     return names
 
 
+def _write_report(path: str, args, command: str, results: dict, compile_run: dict | None, rows: dict | None) -> None:
+    """The run's JSON (atomically): ``complete`` false until every variant ran and ``table`` is in."""
+    report = {"benchmark": "train_memory", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": command,
+              "model": args.model, "input_grad": args.input_grad,
+              "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
+              "steps": args.steps, "warmup": args.warmup, "complete": rows is not None, "table": rows,
+              "variants": results}
+    if compile_run is not None:
+        report["compile_run"] = {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels", "prebuild_s",
+                                                               "prebuilt") if k in compile_run}
+    try:
+        import tvm  # see the note at the top
+        report["tvm"] = tvm.__version__
+    except ImportError:
+        pass
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results", help="folder for train_memory_<model>_b<batch>.json")
@@ -297,29 +319,23 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     print(f"{args.model} training step, batch {args.batch}, {args.image_size}x{args.image_size}, "
           f"{args.warmup} warm-up + {args.steps} timed steps, each variant in a fresh process")
-    compile_run = run_child("ours_compile", args) if "ours" in args.variants else None
-    results = {v: run_child(v, args) for v in args.variants}
-
-    rows = summarize(results, compile_run)
-    report = {"benchmark": "train_memory", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "command": " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:])),
-              "model": args.model, "input_grad": args.input_grad,
-              "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
-              "steps": args.steps, "warmup": args.warmup, "table": rows, "variants": results}
-    if compile_run is not None:
-        report["compile_run"] = {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels", "prebuild_s",
-                                                               "prebuilt") if k in compile_run}
-    try:
-        import tvm  # see the note at the top
-        report["tvm"] = tvm.__version__
-    except ImportError:
-        pass
     tag = "".join(f"_{value}_{name}" for name, value in (("dx", args.input_grad), ("dw", args.weight_grad))
                   if value != "float32") + ("_graph" if args.cuda_graph else "")
     path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}{tag}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    command = " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
+    compile_run = run_child("ours_compile", args) if "ours" in args.variants else None
+    results = {}
+    for v in args.variants:     # each variant on disk as it finishes: a run cut off keeps what it measured
+        results[v] = run_child(v, args)
+        r = results[v]
+        print(f"[{v}] step {r['step_ms']:.2f} ms" + (f", {r['graph_step_ms']:.2f} ms in a CUDA graph"
+                                                      if "graph_step_ms" in r else "")
+              + f"; peak allocated {r['peak_cuda_allocated_mb']:.0f} MB, reserved {r['peak_cuda_reserved_mb']:.0f} MB",
+              flush=True)
+        _write_report(path, args, command, results, compile_run, rows=None)
+
+    rows = summarize(results, compile_run)
+    _write_report(path, args, command, results, compile_run, rows)
     print(f"\nwrote {path}")
     return 0
 
