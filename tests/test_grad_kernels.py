@@ -206,6 +206,57 @@ def test_cuda_kernels_build_with_shared_tiles_and_no_tvm_allocated_global_memory
             assert "signed char" in src  # the int8 tensor is read as int8, not a float copy
 
 
+# The elementwise kernels' CUDA schedules, on the CPU twin, against their unscheduled compute: the
+# schedules' index arithmetic (tails, 2 x 4 tiles, 16-byte vectors), bit for bit.  Only the kinds
+# without CUDA intrinsics (quantize, quantize_grad and dequantize call __f*_rn; the GPU tests
+# cover them).
+ELEMENTWISE_TWIN_CASES = [
+    ("grad_stats", (3, 5, 6, 6), {"relu": True}),       # 4 pixels a load, a partial last block
+    ("grad_stats", (2, 3, 7, 7), {"relu": True}),       # H * W odd: an element a load
+    ("grad_stats", (4, 2, 8, 8), {}),
+    ("mask", (2, 3, 4, 8), {}),                          # 8 elements a thread
+    ("mask", (2, 3, 16, 8), {}),                         # 96 threads a block: a divisor, no tail
+    ("mask", (3, 5, 7, 9), {}),                          # an element a thread
+    ("max_pool_grad", (2, 3, 8, 8), {}),                 # 2 x 4 tiles (48 of them: 48 threads)
+    ("max_pool_grad", (3, 5, 8, 8), {}),                 # 120 tiles: 120 threads
+    ("max_pool_grad", (2, 3, 6, 14), {}),                # 2 x 2 tiles
+    ("max_pool_grad", (2, 3, 7, 9), {}),                 # odd: a thread an element
+    ("max_pool", (2, 3, 8, 10), {}),
+    ("relu_bits", (2, 3, 5, 7), {}),
+    ("pack", (2, 40, 5, 7), {}),
+]
+
+
+@pytest.mark.parametrize("kind, shape, flags", ELEMENTWISE_TWIN_CASES,
+                         ids=[f"{k}-{'x'.join(map(str, s))}" for k, s, _ in ELEMENTWISE_TWIN_CASES])
+def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind, shape, flags):
+    from tvm_qconv.schedules.training import elementwise
+    wl = elementwise.ElementwiseWorkload(kind, shape, **flags)
+    plain = elementwise.definition(wl, tvm.target.Target("llvm"))
+    twin = cpu_twin(elementwise.definition(wl, CUDA))
+    rng = np.random.default_rng(0)
+    arrays = []
+    for param in plain.params:
+        shp, dtype = [int(d) for d in param.shape], str(param.dtype)
+        if dtype.startswith("float"):
+            arrays.append(rng.standard_normal(shp).astype(dtype))
+        elif dtype == "uint8" and kind == "max_pool_grad":      # window indices 0-3
+            arrays.append(rng.integers(0, 4, shp).astype(np.uint8))
+        else:
+            info = np.iinfo(dtype)
+            arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
+    n_out = len(plain.params) - {"grad_stats": 1 + flags.get("relu", False), "max_pool": 1, "max_pool_grad": 2,
+                                 "mask": 2, "relu_bits": 1, "pack": 1}[kind]
+    results = []
+    for func in (plain, twin):
+        lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
+        outs = [tvm.runtime.tensor(np.zeros_like(a)) for a in arrays[len(arrays) - n_out:]]
+        lib["main"](*[tvm.runtime.tensor(a) for a in arrays[:len(arrays) - n_out]], *outs)
+        results.append([o.numpy() for o in outs])
+    for ours, ref in zip(*results):
+        np.testing.assert_array_equal(ours, ref)
+
+
 # ----------------------------------------------------------------------------- the torch wrapper
 
 @pytest.fixture
@@ -679,8 +730,8 @@ def test_int8_gradients_through_tvm_kernels_read_g_twice_and_equal_the_torch_pat
 
 def test_the_gradient_kernels_compile_for_cuda_with_16_byte_loads_and_register_sums():
     # VGG16's first gradient at batch 32 (64 x 224 x 224): the quantizing kernel reads 4 floats at
-    # once and divides with __fdiv_rn; the stats kernel keeps its max and sum in registers (written once per thread) and
-    # reads g only in 256-thread blocks
+    # once and divides with __fdiv_rn (near ties only); the stats kernel reads 4 pixels at once,
+    # keeps its max and sum in registers (written once per thread) and runs 256-thread blocks
     from tvm_qconv.schedules.training import elementwise
     shape = (32, 64, 224, 224)
     cuda = make_target("cuda", arch="sm_90")
@@ -691,9 +742,10 @@ def test_the_gradient_kernels_compile_for_cuda_with_16_byte_loads_and_register_s
         if wl.kind == "quantize_grad":   # correctly rounded float32 ops, none of the float64 pipe's
             assert "*(float4*)" in src and "__fdiv_rn" in src and "__fmul_rn" in src and "double" not in src
         else:
-            assert "local_ptr[1]" in src and "double" in src
-    blocks, threads, per = elementwise.stats_grid(shape)
-    assert threads == 256 and per >= elementwise.STATS_PER_THREAD and blocks * threads * per >= 32 * 224 * 224
+            assert "local_ptr[1]" in src and "double" in src and "*(float4*)" in src
+    blocks, threads, per = elementwise.stats_grid(shape)    # items of 4 pixels (224 * 224 % 4 == 0)
+    assert elementwise.quads(shape) and threads == 256
+    assert 4 * per >= elementwise.STATS_PER_THREAD and blocks * threads * per * 4 >= 32 * 224 * 224
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

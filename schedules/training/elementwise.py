@@ -62,6 +62,7 @@ import tvm
 from tvm import te, tirx
 
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
+from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
 
 KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
@@ -273,13 +274,23 @@ STATS_UNROLL = 8        # of them loaded at once
 
 def stats_grid(shape) -> tuple[int, int, int]:
     """``(P, T, L)`` of :func:`grad_stats` on NCHW ``shape``: per channel ``P`` blocks of ``T``
-    threads, each reducing ``L`` elements ``T`` apart (coalesced); ``P * T * L >= N * H * W``.
-    The partials, ``12 * C * P * T`` bytes, are about ``12 / 32`` of a byte per element of ``g``."""
+    threads, each reducing ``L`` items ``T`` apart (coalesced); ``P * T * L`` items cover the
+    channel's ``N * H * W`` elements.  An item is 4 consecutive pixels (one 16-byte load) where
+    ``H * W`` is a multiple of 4 (:func:`quads`), else one element.  The partials, ``12 * C * P * T``
+    bytes, are about ``12 / 32`` of a byte per element of ``g``."""
     n, c, h, w = shape
-    m = n * h * w
-    threads = THREADS if m >= THREADS * STATS_PER_THREAD // 4 else 32
-    blocks = max(1, m // (threads * STATS_PER_THREAD))
+    per_item = 4 if quads(shape) else 1
+    m = n * h * w // per_item
+    items = STATS_PER_THREAD // per_item
+    threads = THREADS if m >= THREADS * items // 4 else 32
+    blocks = max(1, m // (threads * items))
     return blocks, threads, -(-m // (blocks * threads))
+
+
+def quads(shape) -> bool:
+    """:func:`grad_stats` reads 4 pixels at a time: ``H * W`` a multiple of 4 (every image's
+    channel plane then starts 16-byte aligned, and 4 pixels never straddle two planes)."""
+    return shape[2] * shape[3] % 4 == 0
 
 
 def _bit(bits, flat):
@@ -289,25 +300,34 @@ def _bit(bits, flat):
 
 def grad_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     """``(g[, bits], amax, total)``: per channel of the (masked) float32 NCHW ``g``, the partial
-    ``max|g|`` (float32) and ``sum g`` (float64) of each ``[P, T]`` thread (:func:`stats_grid`)."""
+    ``max|g|`` (float32) and ``sum g`` (float64) of each ``[P, T]`` thread (:func:`stats_grid`).
+    Where :func:`quads` holds, ``g`` is taken flat and a thread's item is 4 pixels of one plane at
+    ``(b * C + ch) * H * W + 4 q``: one address and one 16-byte load for 4 elements (one address an
+    element, from a division by ``H * W`` and one by ``W``, had ncu's SM throughput at 68 %)."""
     n, c, h, w = wl.shape
-    hw, m = h * w, n * h * w
+    hw, numel = h * w, n * c * h * w
     blocks, threads, per = stats_grid(wl.shape)
-    g = te.placeholder(wl.shape, "float32", name="g")
-    bits = te.placeholder(((n * c * hw + 7) // 8,), "uint8", name="bits") if wl.relu else None
+    four = quads(wl.shape)
+    lanes = 4 if four else 1
+    m = n * hw // lanes                           # items of a channel
+    g = te.placeholder((numel,) if four else wl.shape, "float32", name="g")
+    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits") if wl.relu else None
     r = te.reduce_axis((0, per), "r")
+    lane = te.reduce_axis((0, lanes), "lane")
     absmax_sum = te.comm_reducer(lambda a, b: (tirx.max(a[0], b[0]), a[1] + b[1]),
                                  lambda t0, t1: (tirx.const(0.0, t0), tirx.const(0.0, t1)), name="absmax_sum")
 
     def partial(ch, p, t):
-        j = (p * per + r) * threads + t           # over (n, y, x) of channel ch
+        j = (p * per + r) * threads + t           # the item, over (n, pixels / lanes) of channel ch
         jj = tirx.min(j, m - 1)
-        b, pix = jj // hw, jj % hw
+        b, q = jj // (hw // lanes), jj % (hw // lanes)
+        flat = (b * c + ch) * hw + q * lanes + lane
         keep = j < m
         if bits is not None:
-            keep = tirx.all(keep, _bit(bits, (b * c + ch) * hw + pix))
-        v = tirx.if_then_else(keep, g[b, ch, pix // w, pix % w], tirx.const(0.0, "float32"))
-        return absmax_sum((tirx.abs(v), v.astype("float64")), axis=r)
+            keep = tirx.all(keep, _bit(bits, flat))
+        pix = q * lanes + lane
+        v = tirx.if_then_else(keep, g[flat] if four else g[b, ch, pix // w, pix % w], tirx.const(0.0, "float32"))
+        return absmax_sum((tirx.abs(v), v.astype("float64")), axis=[r, lane])
 
     amax, total = te.compute((c, blocks, threads), partial, name="grad_stats")
     params = [g] + ([bits] if bits is not None else []) + [amax, total]
@@ -413,21 +433,40 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if two else [sch.get_sblock(wl.kind)]
     block = blocks[0]
     if wl.kind == "grad_stats":     # a block per [channel, P], its threads T apart; sums in registers
-        ch, p, t, r = sch.get_loops(block)
+        ch, p, t, r, lane = sch.get_loops(block)
         sch.bind(sch.fuse(ch, p), "blockIdx.x")
         sch.bind(t, "threadIdx.x")
-        # STATS_UNROLL loads in flight a thread: one at a time, ncu had the warps waiting on
-        # them (45 % of stalls) at 36 % of DRAM's throughput
-        sch.unroll(sch.split(r, [None, STATS_UNROLL])[1])
+        # several loads in flight a thread: one at a time, ncu had the warps waiting on them (45 %
+        # of stalls) at 36 % of DRAM's throughput
+        items = STATS_UNROLL // 2 if quads(wl.shape) else STATS_UNROLL    # 16 or 8 elements
+        r_in = sch.split(r, [None, items])[1]
+        if quads(wl.shape):     # the item's 4 pixels as one 16-byte load
+            load = sch.cache_read(block, "g", "local")
+            sch.compute_at(load, r_in)
+            sch.vectorize(sch.get_loops(load)[-1])
+        sch.unroll(r_in)
+        sch.unroll(lane)
         amax, total = sch.cache_write(block, 0, "local"), sch.cache_write(block, 1, "local")
         sch.reverse_compute_at(total, t)
         sch.reverse_compute_at(amax, t)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
-    if wl.kind == "mask" and _numel(wl) % 8 == 0:
+    n, c, h, w = wl.shape
+    # The staged paths below (16-byte loads and stores through registers) need a thread count
+    # that divides their items (block_threads): a register stage's store loses the grid tail's
+    # guard in TVM 0.27 and would write past the output (elementwise_int8.block_threads; the CPU
+    # twin test of these schedules caught it).  Without one they take the plain path.
+    staged = {"mask": _numel(wl) // 8 if _numel(wl) % 8 == 0 else 0,
+              "max_pool_grad": (n * c * (h // POOL) * (w // (2 * POOL if w % (2 * POOL) == 0 else POOL))
+                                if h % POOL == 0 and w % POOL == 0 else 0),
+              "quantize": n * c * h * (w // VEC) if w % VEC == 0 else 0,
+              "dequantize": n * (c // VEC) * h * w if wl.layout != "nchw" and c % VEC == 0 else 0}
+    staged["quantize_grad"] = staged["quantize"]
+    threads = block_threads(staged[wl.kind]) if staged.get(wl.kind) else None
+    if wl.kind == "mask" and threads:
         # a thread per byte of bits: 8 elements, two 16-byte loads and stores (a thread per element
         # had ResNet-50 b128's 49 masks at ~40 % of the bandwidth: 5.7 ms of the step)
         outer, pair, lane = sch.split(sch.get_loops(block)[0], [None, 2, VEC])
-        bx, tx = sch.split(outer, [None, THREADS])
+        bx, tx = sch.split(outer, [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         load = sch.cache_read(block, "g", "local")
@@ -445,15 +484,15 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
         sch.bind(tx, "threadIdx.x")
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     b, ch, y, xx = sch.get_loops(block)
-    if wl.kind == "max_pool_grad" and wl.shape[2] % POOL == 0 and wl.shape[3] % POOL == 0:
+    if wl.kind == "max_pool_grad" and threads:
         # a thread per 2 rows x 4 columns (two windows; 2 x 2 where W is not a multiple of 4): one
         # read of their g and indices, a 16-byte store a row; a thread per element (5 bytes read
         # for 4 written) had it at ~28 % of a copy's bandwidth
-        cols = 2 * POOL if wl.shape[3] % (2 * POOL) == 0 else POOL
+        cols = 2 * POOL if w % (2 * POOL) == 0 else POOL
         y0, y1 = sch.split(y, [None, POOL])
         x0, x1 = sch.split(xx, [None, cols])
         sch.reorder(b, ch, y0, x0, y1, x1)
-        bx, tx = sch.split(sch.fuse(b, ch, y0, x0), [None, THREADS])
+        bx, tx = sch.split(sch.fuse(b, ch, y0, x0), [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         store = sch.cache_write(block, 0, "local")
@@ -461,10 +500,10 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
         sch.vectorize(sch.get_loops(store)[-1])
         sch.unroll(y1)
         sch.unroll(x1)
-    elif wl.kind in ("quantize", "quantize_grad") and wl.shape[3] % VEC == 0:
+    elif wl.kind in ("quantize", "quantize_grad") and threads:
         # 4 consecutive elements a thread: one 16-byte load, one 4-byte store
         x0, lane = sch.split(xx, [None, VEC])
-        bx, tx = sch.split(sch.fuse(b, ch, y, x0), [None, THREADS])
+        bx, tx = sch.split(sch.fuse(b, ch, y, x0), [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         load = sch.cache_read(block, "x" if wl.kind == "quantize" else "g", "local")
@@ -475,11 +514,11 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
             sch.reverse_compute_at(store, tx)
             sch.vectorize(sch.get_loops(store)[-1])
         sch.unroll(lane)
-    elif wl.kind == "dequantize" and wl.layout != "nchw" and wl.shape[1] % VEC == 0:
+    elif wl.kind == "dequantize" and threads:
         # threads on pixels (consecutive x: coalesced NCHW stores), a 16-byte vector of channels each
         c0, lane = sch.split(ch, [None, VEC])
         sch.reorder(b, c0, y, xx, lane)
-        bx, tx = sch.split(sch.fuse(b, c0, y, xx), [None, THREADS])
+        bx, tx = sch.split(sch.fuse(b, c0, y, xx), [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         stage = sch.cache_read(block, 0, "local")

@@ -589,7 +589,8 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     blocks, threads, _ = elementwise.stats_grid(g.shape)
     amax = torch.empty((g.shape[1], blocks, threads), dtype=torch.float32, device=g.device)
     total = torch.empty(amax.shape, dtype=torch.float64, device=g.device)
-    _call("grad_stats", wl, g.device, g, *([] if bits is None else [bits]), amax, total)
+    flat = g.reshape(-1) if elementwise.quads(g.shape) else g    # the kernel's g (elementwise.grad_stats)
+    _call("grad_stats", wl, g.device, _ready(flat), *([] if bits is None else [bits]), amax, total)
     return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
 
 
