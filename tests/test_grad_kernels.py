@@ -223,7 +223,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("max_pool_grad", (2, 3, 7, 9), {}),                 # odd: a thread an element
     ("max_pool", (2, 3, 8, 10), {}),
     ("relu_bits", (2, 3, 5, 7), {}),
-    ("pack", (2, 40, 5, 7), {}),
+    ("pack", (2, 40, 5, 7), {}),                         # one pixel a thread (W odd)
+    ("pack", (2, 40, 4, 8), {}),                         # 4 pixels x 16 channels a thread, padded to 64
+    ("pack", (40, 3, 4, 8), {"transpose": True, "pad_rows": True}),   # the batch as the channels
 ]
 
 
