@@ -207,9 +207,9 @@ def test_cuda_kernels_build_with_shared_tiles_and_no_tvm_allocated_global_memory
 
 
 # The elementwise kernels' CUDA schedules, on the CPU twin, against their unscheduled compute: the
-# schedules' index arithmetic (tails, 2 x 4 tiles, 16-byte vectors), bit for bit.  Only the kinds
-# without CUDA intrinsics (quantize, quantize_grad and dequantize call __f*_rn; the GPU tests
-# cover them).
+# schedules' index arithmetic (tails, 2 x 4 tiles, 16-byte vectors), bit for bit.  The kinds that
+# call CUDA's __f*_rn intrinsics on the GPU (quantize, quantize_grad, dequantize) are scheduled
+# here over their float64-rounded compute: the same loops, block names and buffers.
 ELEMENTWISE_TWIN_CASES = [
     ("grad_stats", (3, 5, 6, 6), {"relu": True}),       # 4 pixels a load, a partial last block
     ("grad_stats", (2, 3, 7, 7), {"relu": True}),       # H * W odd: an element a load
@@ -226,6 +226,12 @@ ELEMENTWISE_TWIN_CASES = [
     ("pack", (2, 40, 5, 7), {}),                         # one pixel a thread (W odd)
     ("pack", (2, 40, 4, 8), {}),                         # 4 pixels x 16 channels a thread, padded to 64
     ("pack", (40, 3, 4, 8), {"transpose": True, "pad_rows": True}),   # the batch as the channels
+    ("quantize", (2, 3, 5, 8), {"per_channel": True}),   # 4 elements a thread, 60 threads
+    ("quantize", (2, 3, 5, 7), {}),                      # an element a thread
+    ("quantize_grad", (2, 3, 6, 8), {"relu": True, "dx": True, "dw": True}),
+    ("dequantize", (2, 40, 3, 5), {"per_channel": True, "layout": "nhwc32", "bias": True, "relu": True}),
+    ("dequantize", (2, 16, 3, 5), {"layout": "nhwc32"}),          # 8 channels a thread
+    ("dequantize", (2, 12, 3, 5), {"layout": "nchw4c", "per_channel": True}),
 ]
 
 
@@ -234,8 +240,8 @@ ELEMENTWISE_TWIN_CASES = [
 def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind, shape, flags):
     from tvm_qconv.schedules.training import elementwise
     wl = elementwise.ElementwiseWorkload(kind, shape, **flags)
-    plain = elementwise.definition(wl, tvm.target.Target("llvm"))
-    twin = cpu_twin(elementwise.definition(wl, CUDA))
+    plain = elementwise.compute(wl)
+    twin = cpu_twin(elementwise.schedule_cuda(elementwise.compute(wl), wl, CUDA))
     rng = np.random.default_rng(0)
     arrays = []
     for param in plain.params:
@@ -247,8 +253,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
         else:
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
-    n_out = len(plain.params) - {"grad_stats": 1 + flags.get("relu", False), "max_pool": 1, "max_pool_grad": 2,
-                                 "mask": 2, "relu_bits": 1, "pack": 1}[kind]
+    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2}.get(kind, 1)
     results = []
     for func in (plain, twin):
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")

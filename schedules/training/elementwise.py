@@ -446,6 +446,12 @@ def _schedule_pack(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
+def _dequantize_vector(channels: int, layout: str) -> int:
+    """Channels a ``dequantize`` thread reads at once: 8 from NHWC32 (two 16-byte loads, one
+    32-byte sector) where the channels allow, else 4 (NCHW4c's 4 are its contiguous ones)."""
+    return 2 * VEC if layout == "nhwc32" and channels % (2 * VEC) == 0 else VEC
+
+
 def _unroll_pairs_of_vectors(sch, block) -> None:
     """A staging block's 8 elements as two unrolled 16-byte vectors (CUDA has no 8-float vector)."""
     pair, lane = sch.split(sch.get_loops(block)[-1], [2, VEC])
@@ -455,14 +461,23 @@ def _unroll_pairs_of_vectors(sch, block) -> None:
 
 def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
     """The kernel of ``wl``, scheduled for CUDA (module docstring), as it is elsewhere."""
+    cuda = target.kind.name == "cuda"
+    func = compute(wl, rn=cuda)
+    return schedule_cuda(func, wl, target) if cuda else func
+
+
+def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
+    """The unscheduled kernel of ``wl``; ``rn``: its float32 operations as CUDA's correctly rounded
+    intrinsics (else in float64, rounded once)."""
     rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad}  # float ops
     if wl.kind in rounded:
-        func = rounded[wl.kind](wl, rn=target.kind.name == "cuda")
-    else:
-        func = {"relu_bits": relu_bits, "mask": mask, "pack": pack, "grad_stats": grad_stats, "max_pool": max_pool,
-                "max_pool_grad": max_pool_grad}[wl.kind](wl)
-    if target.kind.name != "cuda":
-        return func
+        return rounded[wl.kind](wl, rn=rn)
+    return {"relu_bits": relu_bits, "mask": mask, "pack": pack, "grad_stats": grad_stats, "max_pool": max_pool,
+            "max_pool_grad": max_pool_grad}[wl.kind](wl)
+
+
+def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
+    """:func:`compute`'s ``func`` scheduled for CUDA (the module docstring's threads and vectors)."""
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
     sch = tvm.s_tir.Schedule(func)
@@ -497,7 +512,7 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
               "max_pool_grad": (n * c * (h // POOL) * (w // (2 * POOL if w % (2 * POOL) == 0 else POOL))
                                 if h % POOL == 0 and w % POOL == 0 else 0),
               "quantize": n * c * h * (w // VEC) if w % VEC == 0 else 0,
-              "dequantize": n * (c // VEC) * h * w if wl.layout != "nchw" and c % VEC == 0 else 0}
+              "dequantize": n * (c // _dequantize_vector(c, wl.layout)) * h * w if wl.layout != "nchw" and c % VEC == 0 else 0}
     staged["quantize_grad"] = staged["quantize"]
     threads = block_threads(staged[wl.kind]) if staged.get(wl.kind) else None
     if wl.kind == "mask" and threads:
@@ -553,15 +568,21 @@ def definition(wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
             sch.vectorize(sch.get_loops(store)[-1])
         sch.unroll(lane)
     elif wl.kind == "dequantize" and threads:
-        # threads on pixels (consecutive x: coalesced NCHW stores), a 16-byte vector of channels each
-        c0, lane = sch.split(ch, [None, VEC])
+        # threads on pixels (consecutive x: coalesced NCHW stores), 8 channels each where C allows:
+        # a whole 32-byte sector of the accumulators (4 channels, half a sector, had it at ~69 % of
+        # a copy's bandwidth, VGG16 b32 on an H200)
+        vec = _dequantize_vector(c, wl.layout)
+        c0, lane = sch.split(ch, [None, vec])
         sch.reorder(b, c0, y, xx, lane)
         bx, tx = sch.split(sch.fuse(b, c0, y, xx), [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         stage = sch.cache_read(block, 0, "local")
         sch.compute_at(stage, tx)
-        sch.vectorize(sch.get_loops(stage)[-1])
+        if vec == 2 * VEC:
+            _unroll_pairs_of_vectors(sch, stage)
+        else:
+            sch.vectorize(sch.get_loops(stage)[-1])
         sch.unroll(lane)
     else:
         bx, tx = sch.split(sch.fuse(b, ch, y, xx), [None, THREADS])
