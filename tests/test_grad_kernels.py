@@ -232,6 +232,8 @@ ELEMENTWISE_TWIN_CASES = [
     ("dequantize", (2, 40, 3, 5), {"per_channel": True, "layout": "nhwc32", "bias": True, "relu": True}),
     ("dequantize", (2, 16, 3, 5), {"layout": "nhwc32"}),          # 8 channels a thread
     ("dequantize", (2, 12, 3, 5), {"layout": "nchw4c", "per_channel": True}),
+    ("scale_sums", (64, 32, 1, 1), {}),                  # a linear layer's: 2 x 1 tiles of 32 x 32
+    ("scale_sums", (32, 32, 3, 3), {}),
 ]
 
 
@@ -276,7 +278,7 @@ def tvm_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
         "quantize": tvm_kernels.quantize, "int8_conv_dequantized": tvm_kernels.int8_conv_dequantized,
         "relu_bits": tvm_kernels.relu_bits, "mask": tvm_kernels.mask, "grad_stats": tvm_kernels.grad_stats,
-        "quantize_grad": tvm_kernels.quantize_grad})
+        "quantize_grad": tvm_kernels.quantize_grad, "scale_sums": tvm_kernels.scale_sums})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
     return tmp_path / "kernels"
@@ -753,6 +755,22 @@ def test_the_gradient_kernels_compile_for_cuda_with_16_byte_loads_and_register_s
     blocks, threads, per = elementwise.stats_grid(shape)    # items of 4 pixels (224 * 224 % 4 == 0)
     assert elementwise.quads(shape) and threads == 256
     assert 4 * per >= elementwise.STATS_PER_THREAD and blocks * threads * per * 4 >= 32 * 224 * 224
+
+
+@pytest.mark.parametrize("weight_shape", [(64, 32, 3, 3), (32, 96, 1, 1), (40, 3, 3, 3)],
+                         ids=["conv", "linear", "no_whole_tiles"])
+def test_the_sums_scaling_kernel_gives_torchs_int_times_float_bits(tvm_on_cpu, weight_shape):
+    # dw = float(sum) * scale[o] through tvm_kernels.scale_sums (llvm here; a shared-memory
+    # transpose on CUDA) from the tensor cores' [C, KH, KW, O] order, against torch.mul's bits;
+    # a shape without whole 32 x 32 tiles goes through torch
+    o = weight_shape[0]
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(-2 ** 31, 2 ** 31 - 1, weight_shape[1:] + (o,), generator=gen, dtype=torch.int32)
+    sums, scale = base.permute(3, 0, 1, 2), torch.rand(o, generator=gen) * 1e-6
+    ours = tvm_kernels.scale_sums(sums, scale)
+    assert ours.is_contiguous() and torch.equal(ours, functional.scale_sums_torch(sums, scale))
+    from tvm_qconv.schedules.training import elementwise
+    assert ({k for k, _ in tvm_kernels.CALLS} == {"scale_sums"}) == elementwise.scale_sums_tiles(weight_shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -392,6 +392,19 @@ def test_cuda_elementwise_kernels_give_the_cpus_torch_bits_including_ties_and_ex
     assert torch.equal(ours.cpu(), functional.int8_conv_dequantized_torch(x_q, w_q, *args))
 
 
+@pytest.mark.parametrize("weight_shape", [(256, 512, 3, 3), (4096, 1024, 1, 1)], ids=["conv", "linear"])
+def test_cuda_sums_scaling_kernel_gives_torchs_bits(weight_shape):
+    # dw from the tensor cores' [C, KH, KW, O] int32 sums: the shared-memory transpose kernel
+    # (elementwise.scale_sums) against torch.mul's int * float bits on the CPU
+    o = weight_shape[0]
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randint(-2 ** 31, 2 ** 31 - 1, weight_shape[1:] + (o,), generator=gen, dtype=torch.int32)
+    scale = torch.rand(o, generator=gen) * 1e-6
+    ours = tvm_kernels.scale_sums(base.to(CUDA).permute(3, 0, 1, 2), scale.to(CUDA))
+    assert {k for k, _ in tvm_kernels.CALLS} == {"scale_sums"}
+    assert torch.equal(ours.cpu(), functional.scale_sums_torch(base.permute(3, 0, 1, 2), scale))
+
+
 def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:
     """``[1, C, H, width]``: channel ``c`` holds ``(k + 0.5) * scales[c]`` for k in -130..129, each
     with its float32 neighbours up to 3 ulp away (quotients within a few ulp of a half-integer:

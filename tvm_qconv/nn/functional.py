@@ -411,10 +411,18 @@ def quantize_grad_torch(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.
     return (None if s_dx is None else quantize_torch(m, s_dx, mult)), (None if s_dw is None else quantize_torch(m, s_dw))
 
 
+def scale_sums_torch(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Contiguous float32 OIHW ``dw = sums * scale[o]`` from integer sums (any strides): int *
+    float32 converts each sum to float32 and multiplies in float32, two roundings in one pass (the
+    layout change included)."""
+    dw = torch.empty(sums.shape, dtype=torch.float32, device=sums.device)
+    return torch.mul(sums, scale.view(-1, 1, 1, 1), out=dw)
+
+
 TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
     "relu_bits": relu_bits_torch, "mask": mask_torch, "grad_stats": grad_stats_torch,
-    "quantize_grad": quantize_grad_torch}
+    "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch}
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
 
@@ -632,13 +640,11 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.
                           "it runs the float32 kernel on the quantized gradient")
         g_deq = g_q.to(torch.float32).mul_(s_g.view(1, -1, 1, 1))
         return _conv_weight_grad(x_q, x_scale, g_deq, weight_shape, stride, padding, dilation, groups)
-    scale = (x_scale * s_g).view(-1, 1, 1, 1)
-    dw = torch.empty(acc.shape, dtype=torch.float32, device=acc.device)
+    scale = x_scale * s_g
     if acc.is_floating_point():     # float64 sums: rounded to float32 first, then scaled (two roundings)
-        return dw.copy_(acc).mul_(scale)
-    # integer sums: int * float32 converts each sum to float32 and multiplies in float32, the same two
-    # roundings in one pass (the layout change included: dw is contiguous whatever acc's strides)
-    return torch.mul(acc, scale, out=dw)
+        return torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc).mul_(scale.view(-1, 1, 1, 1))
+    return _elementwise(acc.device.type, "scale_sums")(acc, scale)
+
 
 
 # ----------------------------------------------------------------------------- autograd

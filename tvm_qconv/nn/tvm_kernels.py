@@ -86,7 +86,7 @@ from ..target import TargetInfo, make_target
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
                          mask_torch, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
-                         register_int8_conv_kernel, relu_bits_torch)
+                         register_int8_conv_kernel, relu_bits_torch, scale_sums_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -630,6 +630,21 @@ def max_pool_grad(g: torch.Tensor, index: torch.Tensor, input_shape) -> torch.Te
     return dx
 
 
+def scale_sums(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``functional.scale_sums_torch`` in one kernel (``elementwise.scale_sums``) where ``sums`` is
+    :func:`int8_weight_grad`'s int32 OIHW view of a contiguous ``[C, KH, KW, O]`` and the shape
+    takes whole tiles (``elementwise.scale_sums_tiles``); torch otherwise."""
+    base = sums.permute(1, 2, 3, 0)
+    if (sums.dtype != torch.int32 or sums.dim() != 4 or not base.is_contiguous()
+            or not elementwise.scale_sums_tiles(tuple(sums.shape))):
+        return scale_sums_torch(sums, scale)
+    o = sums.shape[0]
+    dw = torch.empty(sums.shape, dtype=torch.float32, device=sums.device)
+    _call("scale_sums", elementwise.ElementwiseWorkload("scale_sums", tuple(sums.shape)), sums.device,
+          base.reshape(-1, o), scale.to(torch.float32).reshape(-1), dw.view(o, -1))
+    return dw
+
+
 def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequence[int], stride, padding, dilation,
                      groups: int) -> torch.Tensor | None:
     """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (OIHW; int32 from one slice, int64 where slices are added) on the int8
@@ -677,7 +692,7 @@ def register(device_type: str = "cuda") -> None:
     ELEMENTWISE_KERNELS[device_type] = {"quantize": quantize, "int8_conv_dequantized": int8_conv_dequantized,
                                         "relu_bits": relu_bits, "mask": mask, "grad_stats": grad_stats,
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
-                                        "max_pool_grad": max_pool_grad}
+                                        "max_pool_grad": max_pool_grad, "scale_sums": scale_sums}
 
 
 def report() -> list[dict]:
