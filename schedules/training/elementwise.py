@@ -44,18 +44,22 @@ least 1e-30).  Elsewhere it is done in float64 and rounded to float32 once, whic
 the float32 result for ``+``, ``*`` and ``/`` of float32 operands (53 >= 2 * 24 + 2 bits: no
 double-rounding error).  The float64 route was the CUDA one too until 893d09e: on an H200 it
 was ~40 % of ``quantize_grad``'s time (VGG16 b32: 3.0 -> 1.7 ms without it; history.md).  The
-int32 -> float32 conversion rounds to nearest, as torch's ``copy_``.  Rounding is ``nearbyint``:
-ties to even, as ``torch.round``.
+quantizing kinds need the correctly rounded quotient only where it decides the integer: on CUDA
+they round the fast one and compute ``__fdiv_rn`` only within 2^-12 of a half-integer
+(:func:`_quantized_quotient`; ``quantize_grad`` 1.7 -> 0.85 ms).  The int32 -> float32 conversion
+rounds to nearest, as torch's ``copy_``.  Rounding is ``nearbyint``: ties to even, as
+``torch.round``.
 
-``pack`` is the copy torch made with ``permute(...).contiguous()``, at a stride of a whole feature
-map per byte; here a thread writes 16 packed bytes at once from 16 reads that are each coalesced
-across the warp (``channels_last_conversions.py``'s schedule).
-
-CUDA schedule: threads on consecutive elements of the NCHW side (coalesced float accesses; a
-quantizing thread takes 4 along a row where the row divides into them: one 16-byte load); the
-packed side of ``dequantize`` read 4 channels (16 bytes) at once per thread (``VEC``): in NCHW4c
-they are the innermost axis, so neighbouring threads read neighbouring 16 bytes.  Off CUDA
-the compute runs as it is (llvm).
+CUDA schedules (:func:`schedule_cuda`), each to keep 16-byte accesses and several loads in flight a
+thread: ``quantize`` / ``quantize_grad`` 4 elements along a row (one 16-byte load); ``dequantize``
+8 NHWC32 channels of a pixel (a 32-byte sector; 4 in NCHW4c), neighbouring threads on neighbouring
+pixels (coalesced NCHW stores); ``mask`` 8 elements (a byte of bits); ``max_pool_grad`` 2 rows x 4
+columns (two windows); ``pack`` 4 pixels x 16 channels (16 four-byte loads, each warp load 128
+bytes of a row; 4 sixteen-byte stores); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
+in flight; ``scale_sums`` a 32 x 32 transpose through shared memory.  Every staged path takes a
+thread count dividing its items (``block_threads``) or the plain one: a register stage's store
+loses the grid tail's guard in TVM 0.27.  ``tests/test_grad_kernels.py`` runs each schedule on a
+CPU twin against its compute.  Off CUDA the compute runs as it is (llvm).
 """
 from __future__ import annotations
 
