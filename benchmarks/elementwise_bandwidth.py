@@ -35,7 +35,9 @@ from tvm_qconv.cli_args import positive_int  # noqa: E402
 VGG16_CONVS = ((64, 1), (64, 1), (128, 2), (128, 2), (256, 4), (256, 4), (256, 4), (512, 8), (512, 8), (512, 8),
                (512, 16), (512, 16), (512, 16))
 POOLED = (1, 3, 6, 9, 12)           # indices of the convs a pool follows
-KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "pack", "max_pool", "max_pool_grad")
+KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "max_pool",
+         "max_pool_grad", "scale_sums")
+PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack")
 
 
 def bytes_moved(kind: str, shape) -> int:
@@ -50,20 +52,30 @@ def bytes_moved(kind: str, shape) -> int:
             "grad_stats": 4 * e + e // 8,                # g and its mask in (partials: a few KB)
             "dequantize": 4 * padded + 4 * e,            # NHWC32 int32 in, float out
             "relu_bits": 4 * e + e // 8,
+            "mask": 4 * e + e // 8 + 4 * e,              # g and the bits in, masked g out (ResNet's ReLUs)
+            "scale_sums": 8 * e,                         # the weight's int32 sums in, float dw out (shape: OIHW)
             "pack": e + padded,                          # int8 NCHW in, NHWC32 out
             "max_pool": 4 * e + 5 * pooled,              # float in, float max and 1-byte index out
             "max_pool_grad": 5 * pooled + 4 * e}[kind]
 
 
 def workloads(batch: int, image_size: int) -> list[tuple[str, tuple[int, int, int, int]]]:
-    """(kind, float-side NCHW shape) of every elementwise kernel call a VGG16 step makes at
-    ``batch`` (once per conv and pool; the weights' quantizations left out)."""
+    """(kind, shape) of every elementwise kernel call a VGG16 step makes at ``batch``: the float
+    side's NCHW shape once per conv and pool (``mask`` too, which VGG16 does not call: ResNet-50's
+    ReLUs, at these shapes), and ``scale_sums`` once per weight (OIHW, the linear layers 1 x 1; the
+    weights' quantizations left out)."""
     out = []
+    cin = 3
     for i, (c, down) in enumerate(VGG16_CONVS):
         shape = (batch, c, image_size // down, image_size // down)
-        out += [(k, shape) for k in ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "pack")]
+        out += [(k, shape) for k in PER_CONV]
         if i in POOLED:
             out += [("max_pool", shape), ("max_pool_grad", shape)]
+        out.append(("scale_sums", (c, cin, 3, 3)))
+        cin = c
+    features = 512 * (image_size // 32) ** 2
+    out += [("scale_sums", (4096, features, 1, 1)), ("scale_sums", (4096, 4096, 1, 1)),
+            ("scale_sums", (1000, 4096, 1, 1))]
     return out
 
 
@@ -90,6 +102,10 @@ def _call(kind: str, shape, device: torch.device):
 
     n, c, h, w = shape
     gen = torch.Generator().manual_seed(0)
+    if kind == "scale_sums":   # shape: the weight's OIHW; the sums in the tensor cores' [C, KH, KW, O]
+        base = torch.randint(-2 ** 20, 2 ** 20, shape[1:] + shape[:1], generator=gen, dtype=torch.int32).to(device)
+        sums, scale = base.permute(3, 0, 1, 2), (torch.rand(n, generator=gen) * 1e-6).to(device)
+        return lambda: tvm_kernels.scale_sums(sums, scale)
     x = torch.randn(shape, generator=gen).to(device)
     bits = functional.pack_bits(torch.randn(shape, generator=gen) > 0).to(device)
     s, sc = torch.tensor(0.05, device=device), (torch.rand(c, generator=gen) * 0.05 + 0.01).to(device)
@@ -101,6 +117,8 @@ def _call(kind: str, shape, device: torch.device):
         return lambda: tvm_kernels.grad_stats(x, bits)
     if kind == "relu_bits":
         return lambda: tvm_kernels.relu_bits(x)
+    if kind == "mask":
+        return lambda: tvm_kernels.mask(x, bits)
     if kind == "pack":
         x_q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
         return lambda: tvm_kernels._pack_input_nhwc32(x_q)
