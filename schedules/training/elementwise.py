@@ -276,7 +276,7 @@ def pack(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                       "tvm_qconv.workload": str(wl.to_dict())})
 
 STATS_PER_THREAD = 32   # elements of g a grad_stats thread reduces (at least, where there are enough)
-STATS_UNROLL = 8        # of them loaded at once
+STATS_UNROLL = 8        # loads in flight a grad_stats thread: 8 elements, or 8 // 2 items of 4 pixels
 
 
 def stats_grid(shape) -> tuple[int, int, int]:
@@ -548,7 +548,7 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx.
         sch.bind(t, "threadIdx.x")
         # several loads in flight a thread: one at a time, ncu had the warps waiting on them (45 %
         # of stalls) at 36 % of DRAM's throughput
-        items = STATS_UNROLL // 2 if quads(wl.shape) else STATS_UNROLL    # 16 or 8 elements
+        items = STATS_UNROLL // 2 if quads(wl.shape) else STATS_UNROLL    # 16 or 8 elements in flight
         r_in = sch.split(r, [None, items])[1]
         if quads(wl.shape):     # the item's 4 pixels as one 16-byte load
             load = sch.cache_read(block, "g", "local")

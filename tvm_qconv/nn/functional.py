@@ -646,7 +646,6 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.
     return _elementwise(acc.device.type, "scale_sums")(acc, scale)
 
 
-
 # ----------------------------------------------------------------------------- autograd
 
 def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask, keep_clip_mask):

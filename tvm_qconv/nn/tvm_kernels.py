@@ -634,10 +634,10 @@ def scale_sums(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``functional.scale_sums_torch`` in one kernel (``elementwise.scale_sums``) where ``sums`` is
     :func:`int8_weight_grad`'s int32 OIHW view of a contiguous ``[C, KH, KW, O]`` and the shape
     takes whole tiles (``elementwise.scale_sums_tiles``); torch otherwise."""
-    base = sums.permute(1, 2, 3, 0)
-    if (sums.dtype != torch.int32 or sums.dim() != 4 or not base.is_contiguous()
+    if (sums.dtype != torch.int32 or sums.dim() != 4 or not sums.permute(1, 2, 3, 0).is_contiguous()
             or not elementwise.scale_sums_tiles(tuple(sums.shape))):
         return scale_sums_torch(sums, scale)
+    base = sums.permute(1, 2, 3, 0)
     o = sums.shape[0]
     dw = torch.empty(sums.shape, dtype=torch.float32, device=sums.device)
     _call("scale_sums", elementwise.ElementwiseWorkload("scale_sums", tuple(sums.shape)), sums.device,
