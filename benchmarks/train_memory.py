@@ -52,6 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tvm_qconv.cli_args import positive_int  # noqa: E402
+from tvm_qconv.fileio import write_json  # noqa: E402
 from tvm_qconv.models import QuantizedVGG16, quantized_resnet50  # noqa: E402  (imports no TVM)
 from tvm_qconv.nn.functional import INPUT_GRADS  # noqa: E402
 
@@ -283,10 +284,7 @@ def _write_report(path: str, args, command: str, results: dict, compile_run: dic
         report["tvm"] = tvm.__version__
     except ImportError:
         pass
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+    write_json(path, report, indent=1)
 
 
 def main(argv=None) -> int:
