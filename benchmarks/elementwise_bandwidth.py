@@ -3,6 +3,7 @@
 the bytes it must move and the bandwidth that makes, against a same-run device-to-device copy.
 
     python benchmarks/elementwise_bandwidth.py --out results/ --batch 32
+    python benchmarks/elementwise_bandwidth.py --out results/ --batch 32 --kinds pack pack_transposed
     python benchmarks/elementwise_bandwidth.py --out results/ --device cpu --batch 1 --image-size 32
 
 The training step's profile (performance.md, "Training") puts these kernels at about a third of an
@@ -18,7 +19,6 @@ the copy's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,14 +30,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tvm_qconv.cli_args import positive_int  # noqa: E402
+from tvm_qconv.fileio import write_json  # noqa: E402
 
 # VGG16's conv outputs at 224 px: (channels, size) of each conv; the 2x2 pools after the marked ones
 VGG16_CONVS = ((64, 1), (64, 1), (128, 2), (128, 2), (256, 4), (256, 4), (256, 4), (512, 8), (512, 8), (512, 8),
                (512, 16), (512, 16), (512, 16))
 POOLED = (1, 3, 6, 9, 12)           # indices of the convs a pool follows
-KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "max_pool",
-         "max_pool_grad", "scale_sums")
-PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack")
+KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "pack_transposed",
+         "max_pool", "max_pool_grad", "scale_sums")
+PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "pack_transposed")
 
 
 def bytes_moved(kind: str, shape) -> int:
@@ -55,6 +56,7 @@ def bytes_moved(kind: str, shape) -> int:
             "mask": 4 * e + e // 8 + 4 * e,              # g and the bits in, masked g out (ResNet's ReLUs)
             "scale_sums": 8 * e,                         # the weight's int32 sums in, float dw out (shape: OIHW)
             "pack": e + padded,                          # int8 NCHW in, NHWC32 out
+            "pack_transposed": e + -(-c // 32) * 32 * h * w * -(-n // 32) * 32,   # -> [C_p, H, W, N_p] (dw's)
             "max_pool": 4 * e + 5 * pooled,              # float in, float max and 1-byte index out
             "max_pool_grad": 5 * pooled + 4 * e}[kind]
 
@@ -122,6 +124,9 @@ def _call(kind: str, shape, device: torch.device):
     if kind == "pack":
         x_q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
         return lambda: tvm_kernels._pack_input_nhwc32(x_q)
+    if kind == "pack_transposed":
+        x_q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+        return lambda: tvm_kernels._pack_input_nhwc32(x_q, transpose=True, pad_rows=True)
     if kind == "max_pool":
         return lambda: tvm_kernels.max_pool(x)
     if kind == "max_pool_grad":
@@ -135,13 +140,20 @@ def _call(kind: str, shape, device: torch.device):
     raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
 
 
-def measure(batch: int, image_size: int, device: torch.device, iters: int = 20) -> dict:
-    """Every call of :func:`workloads` timed; returns the JSON record (rows and the copy anchor)."""
+def measure(batch: int, image_size: int, device: torch.device, iters: int = 20,
+            kinds: tuple[str, ...] = KINDS) -> dict:
+    """Every call of :func:`workloads` of ``kinds`` timed; returns the JSON record (rows and the
+    copy anchor).  The kernels are built first, in parallel (``tvm_kernels.prebuild``)."""
+    from tvm_qconv.nn import tvm_kernels
+
     timer = _timer(device, iters)
+    calls = [(kind, shape, _call(kind, shape, device)) for kind, shape in workloads(batch, image_size)
+             if kind in kinds]
+    built = tvm_kernels.prebuild(lambda: [fn() for _, _, fn in calls])
+    print(f"prebuilt {len(built['built'])} kernels in {built['seconds']:.0f} s", flush=True)
     rows = []
-    for kind, shape in workloads(batch, image_size):
-        fn = _call(kind, shape, device)
-        fn()    # build (or load) the kernel before timing
+    for kind, shape, fn in calls:
+        fn()    # load the kernel before timing
         ms = timer(fn)
         rows.append({"kind": kind, "shape": list(shape), "ms": ms, "bytes": bytes_moved(kind, shape)})
     big = torch.empty(batch * 64 * image_size * image_size, device=device)
@@ -189,16 +201,16 @@ def main(argv=None) -> int:
                    help="input height and width (a multiple of 32: five pools)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--iters", type=positive_int, default=20)
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds to time (default: all)")
     args = p.parse_args(argv)
     if args.image_size % 32:
         p.error(f"--image-size must be a multiple of 32 (VGG16 pools five times), got {args.image_size}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here; use --device cpu (llvm builds) for a dry run")
-    record = measure(args.batch, args.image_size, torch.device(args.device), args.iters)
+    record = measure(args.batch, args.image_size, torch.device(args.device), args.iters, tuple(args.kinds))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"elementwise_bandwidth_b{args.batch}.json")
-    with open(path, "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(path, record, indent=1)
     print(table(record))
     print(f"wrote {path}")
     return 0

@@ -405,6 +405,22 @@ def test_cuda_sums_scaling_kernel_gives_torchs_bits(weight_shape):
     assert torch.equal(ours.cpu(), functional.scale_sums_torch(base.permute(3, 0, 1, 2), scale))
 
 
+@pytest.mark.parametrize("shape, transpose", [((32, 64, 56, 56), False), ((128, 256, 14, 14), False),
+                                              ((33, 40, 6, 6), True), ((128, 2048, 7, 7), True)],
+                         ids=["vgg", "resnet_14x14", "transposed_padded", "transposed_7x7"])
+def test_cuda_pack_gives_the_permuted_padded_copy(shape, transpose):
+    # int8 NCHW -> NHWC32 (or [C_p, H, W, N_p]): the pack_nhwc32 kernel (H * W a multiple of 4,
+    # words running into the next row at 14 x 14) and the pixel-a-thread one (7 x 7) against
+    # torch's permute and zero padding
+    x = torch.randint(-128, 128, shape, generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    ours = tvm_kernels._pack_input_nhwc32(x.to(CUDA), transpose=transpose, pad_rows=transpose).cpu()
+    ref = x.permute(1, 2, 3, 0) if transpose else x.permute(0, 2, 3, 1)
+    rows, cols = ref.shape[0], ref.shape[3]
+    ref = torch.nn.functional.pad(ref, (0, -cols % 32) + (0, 0) * 2 + (0, -rows % 32 if transpose else 0))
+    assert {k for k, _ in tvm_kernels.CALLS} == {"pack"}
+    assert torch.equal(ours, ref)
+
+
 def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:
     """``[1, C, H, width]``: channel ``c`` holds ``(k + 0.5) * scales[c]`` for k in -130..129, each
     with its float32 neighbours up to 3 ulp away (quotients within a few ulp of a half-integer:

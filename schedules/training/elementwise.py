@@ -54,8 +54,8 @@ CUDA schedules (:func:`schedule_cuda`), each to keep 16-byte accesses and severa
 thread: ``quantize`` / ``quantize_grad`` 4 elements along a row (one 16-byte load); ``dequantize``
 8 NHWC32 channels of a pixel (a 32-byte sector; 4 in NCHW4c), neighbouring threads on neighbouring
 pixels (coalesced NCHW stores); ``mask`` 8 elements (a byte of bits); ``max_pool_grad`` 2 rows x 4
-columns (two windows); ``pack`` 4 pixels x 16 channels (16 four-byte loads, each warp load 128
-bytes of a row; 4 sixteen-byte stores); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
+columns (two windows); ``pack`` 4 pixels x 32 channels (``pack_nhwc32``: 32 four-byte loads, each
+warp load 128 bytes of a channel; 8 sixteen-byte stores, whole sectors); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
 in flight; ``scale_sums`` a 32 x 32 transpose through shared memory.  Every staged path takes a
 thread count dividing its items (``block_threads``) or the plain one: a register stage's store
 loses the grid tail's guard in TVM 0.27.  ``tests/test_grad_kernels.py`` runs each schedule on a
@@ -71,6 +71,7 @@ from tvm import te, tirx
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
+from . import pack_nhwc32
 
 KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums")
@@ -459,42 +460,13 @@ def max_pool_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                           "tvm_qconv.workload": str(wl.to_dict())})
 
 
-PACK_PIXELS = 4     # consecutive pixels a pack thread reads of each of its 16 rows: one 4-byte load
-
-
 def _schedule_pack(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
-    """``pack`` on CUDA: a thread per 4 consecutive pixels x 16 packed channels, 16 loads of 4 bytes
-    (each warp load 128 contiguous bytes of a row) and 4 stores of 16 bytes.  One pixel a thread
-    (``channels_last_conversions``: 16 one-byte loads, 32 bytes a warp load) had it at ~48 % of a
-    copy's bandwidth (VGG16 b32, H200).  That schedule where W is not a multiple of 4 or no
-    thread count divides the work (``block_threads``)."""
-    n, c, h, w = wl.shape
-    rows, cols = (c, n) if wl.transpose else (n, c)
-    rows_p = ceil32(rows) if wl.pad_rows else rows
-    items = rows_p * h * (w // PACK_PIXELS) * (ceil32(cols) // 16)
-    threads = block_threads(items) if w % PACK_PIXELS == 0 else None
-    if threads is None:
+    """``pack`` on CUDA: ``pack_nhwc32``'s kernel (4 pixels x 32 channels a thread) where ``H * W``
+    is a multiple of 4, else a thread per pixel x 16 channels (``channels_last_conversions``)."""
+    if not pack_nhwc32.supports(wl.shape):
         return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
-    sch = tvm.s_tir.Schedule(func)
-    block = sch.get_sblock("pack")
-    i, y, x, j = sch.get_loops(block)
-    x0, x1 = sch.split(x, [None, PACK_PIXELS])
-    j0, j1 = sch.split(j, [None, 16])
-    sch.reorder(i, j0, y, x0, x1, j1)
-    bx, tx = sch.split(sch.fuse(i, j0, y, x0), [None, threads])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    load = sch.cache_read(block, "src", "local")
-    sch.compute_at(load, tx)
-    sch.unroll(sch.get_loops(load)[-2])         # registers, not a stack array: every index constant
-    sch.vectorize(sch.get_loops(load)[-1])      # a row's 4 pixels
-    store = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(store, tx)
-    sch.unroll(sch.get_loops(store)[-2])
-    sch.vectorize(sch.get_loops(store)[-1])     # a pixel's 16 channels
-    sch.unroll(x1)
-    sch.unroll(j1)
-    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    kernel = pack_nhwc32.pack_kernel(wl)
+    return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
 
 
 def _dequantize_vector(channels: int, layout: str) -> int:
