@@ -224,8 +224,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("max_pool", (2, 3, 8, 10), {}),
     ("relu_bits", (2, 3, 5, 7), {}),
     ("pack", (2, 40, 5, 7), {}),                         # one pixel a thread (H * W odd)
-    ("pack", (2, 40, 4, 8), {}),                         # 4 pixels x 32 channels a thread, padded to 64
+    ("pack", (2, 40, 4, 8), {}),                         # a 32-channel x 128-pixel tile, padded to 64
     ("pack", (3, 70, 6, 6), {}),                         # W = 6: a word's 4 pixels run into the next row
+    ("pack", (2, 33, 16, 12), {}),                       # 48 words a plane: a whole tile and a partial one
     ("pack", (40, 3, 4, 8), {"transpose": True, "pad_rows": True}),   # the batch as the channels
     ("pack", (33, 5, 2, 2), {"transpose": True}),        # 33 images: the second group's 31 are padding
     ("quantize", (2, 3, 5, 8), {"per_channel": True}),   # 4 elements a thread, 60 threads

@@ -54,8 +54,8 @@ CUDA schedules (:func:`schedule_cuda`), each to keep 16-byte accesses and severa
 thread: ``quantize`` / ``quantize_grad`` 4 elements along a row (one 16-byte load); ``dequantize``
 8 NHWC32 channels of a pixel (a 32-byte sector; 4 in NCHW4c), neighbouring threads on neighbouring
 pixels (coalesced NCHW stores); ``mask`` 8 elements (a byte of bits); ``max_pool_grad`` 2 rows x 4
-columns (two windows); ``pack`` 4 pixels x 32 channels (``pack_nhwc32``: 32 four-byte loads, each
-warp load 128 bytes of a channel; 8 sixteen-byte stores, whole sectors); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
+columns (two windows); ``pack`` a 32-channel x 128-pixel tile through shared memory (``pack_nhwc32``:
+each warp load 128 bytes of a channel, each pair of 16-byte stores a whole sector); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
 in flight; ``scale_sums`` a 32 x 32 transpose through shared memory.  Every staged path takes a
 thread count dividing its items (``block_threads``) or the plain one: a register stage's store
 loses the grid tail's guard in TVM 0.27.  ``tests/test_grad_kernels.py`` runs each schedule on a
@@ -461,8 +461,8 @@ def max_pool_grad(wl: ElementwiseWorkload) -> tirx.PrimFunc:
 
 
 def _schedule_pack(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
-    """``pack`` on CUDA: ``pack_nhwc32``'s kernel (4 pixels x 32 channels a thread) where ``H * W``
-    is a multiple of 4, else a thread per pixel x 16 channels (``channels_last_conversions``)."""
+    """``pack`` on CUDA: ``pack_nhwc32``'s shared-memory tile where ``H * W`` is a multiple of 4,
+    else a thread per pixel x 16 channels (``channels_last_conversions``)."""
     if not pack_nhwc32.supports(wl.shape):
         return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
     kernel = pack_nhwc32.pack_kernel(wl)
