@@ -12,7 +12,10 @@ images and labels, same seed and weights in every variant:
   the kernel cache (``$TVM_QCONV_KERNEL_CACHE`` or ``~/.cache/tvm_qconv/kernels``; its first step's
   time is the compile time, reported apart); the measured process loads every kernel from disk.
 * ``tf32``: the float twin (``nn.Conv2d`` / ``nn.Linear``, cuDNN), TF32 on for convs and matmuls,
-  ``cudnn.benchmark`` on: issue 35's "float twin".
+  ``cudnn.benchmark`` on: issue 35's "float twin".  Every twin runs without its range records
+  (``set_range_records(model, False)``): as plain float training, which computes no max|x| (until
+  2026-11-29 the twins paid two such reductions a layer a step, e.g. 3.7 ms of ResNet-50 b128's 64
+  ms, and the ratios looked that much better).
 * ``amp``: the float twin in channels_last under ``torch.autocast(dtype=torch.bfloat16)``,
   ``cudnn.benchmark`` on: what people train with.
 * ``defaults``: the float twin with PyTorch's defaults (cuDNN's convs in TF32, matmuls in fp32,
@@ -54,6 +57,7 @@ sys.path.insert(0, ROOT)
 from tvm_qconv.cli_args import positive_int  # noqa: E402
 from tvm_qconv.fileio import write_json  # noqa: E402
 from tvm_qconv.models import QuantizedVGG16, quantized_resnet50  # noqa: E402  (imports no TVM)
+from tvm_qconv.nn import set_range_records  # noqa: E402
 from tvm_qconv.nn.functional import INPUT_GRADS  # noqa: E402
 
 # The torch twin's child process runs this file too, and its peak RAM is a result: TVM is imported
@@ -91,6 +95,7 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = variant == "tf32"
     model = build_model(model_name, num_classes, image_size, quantized=ours, input_grad=input_grad,
                         weight_grad=weight_grad).to(dev).train()
+    set_range_records(model, False)     # the twins as plain float training (module docstring)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, image_size, image_size, device=dev, generator=g)
     labels = torch.randint(0, num_classes, (batch,), device=dev, generator=g)
@@ -274,7 +279,8 @@ def _write_report(path: str, args, command: str, results: dict, compile_run: dic
               "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": command,
               "model": args.model, "input_grad": args.input_grad,
               "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
-              "steps": args.steps, "warmup": args.warmup, "complete": rows is not None, "table": rows,
+              "steps": args.steps, "warmup": args.warmup, "twin_range_records": False,
+              "complete": rows is not None, "table": rows,
               "variants": results}
     if compile_run is not None:
         report["compile_run"] = {k: compile_run[k] for k in ("first_step_s", "process_s", "kernels", "prebuild_s",

@@ -31,6 +31,7 @@ from tvm_qconv.nn import (
     QuantizedLinear,
     TorchConv2d,
     TorchConv2dReLU,
+    TorchLinear,
     batch_amax,
     quantize_per_tensor,
     quantize_weight,
@@ -663,3 +664,66 @@ def test_a_delayed_input_range_quantizes_with_the_range_learned_before_the_batch
     assert clipped.any() and not x2.grad[clipped].any()     # the STE passes no gradient where it clipped
     with pytest.raises(ValueError, match="input_range must be one of"):
         set_input_range(layer, "ema")
+
+
+def _count_aminmax(monkeypatch) -> list:
+    calls = []
+    real = torch.aminmax
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "aminmax", counted)
+    return calls
+
+
+def test_a_layers_output_range_is_the_next_layers_input_range_without_a_second_reduction(monkeypatch):
+    from tvm_qconv.nn import functional as fn
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(QuantizedConv2dReLU(3, 8, 3, padding=1), QuantizedConv2dReLU(8, 4, 3, padding=1))
+    twin = torch.nn.Sequential(QuantizedConv2dReLU(3, 8, 3, padding=1), QuantizedConv2dReLU(8, 4, 3, padding=1))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    calls = _count_aminmax(monkeypatch)
+    y = model.train()(x)
+    # conv 1's input and output, conv 2's output: conv 2's input is conv 1's output, noted
+    assert len(calls) == 3
+    y.sum().backward()
+    monkeypatch.setattr(fn, "note_amax", lambda t, amax: None)       # the same step, every range computed
+    import tvm_qconv.nn.modules as modules
+    monkeypatch.setattr(modules, "note_amax", lambda t, amax: None)
+    y_ref = twin.train()(x)
+    assert len(calls) == 3 + 4
+    y_ref.sum().backward()
+    assert torch.equal(y, y_ref)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)                                     # the EMA ranges too
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_noted_range_is_dropped_when_its_tensor_changes_in_place_or_its_copy_is_changed():
+    from tvm_qconv.nn.functional import note_amax
+    y = torch.tensor([1.0, -3.0, 2.0])
+    note_amax(y, batch_amax(y))
+    first = batch_amax(y)
+    first.add_(100.0)                                  # the caller's copy: the record is untouched
+    assert batch_amax(y).item() == 3.0
+    y.mul_(2.0)                                        # the tensor's version moves: computed again
+    assert batch_amax(y).item() == 6.0
+
+
+def test_twins_without_range_records_are_plain_float_layers(monkeypatch):
+    from tvm_qconv.nn import set_range_records
+    torch.manual_seed(0)
+    twin = set_range_records(torch.nn.Sequential(TorchConv2dReLU(3, 8, 3, padding=1), TorchLinear(8, 2)), False)
+    quantized = set_range_records(QuantizedConv2dReLU(3, 8, 3, padding=1), False)   # int8 layers: unaffected
+    x = torch.randn(2, 3, 4, 4)
+    calls = _count_aminmax(monkeypatch)
+    y = twin[0].train()(x)
+    assert torch.equal(y, F.relu(F.conv2d(x, twin[0].weight, twin[0].bias, padding=1)))
+    twin[1].train()(y.mean((2, 3)))
+    assert not calls and not any(b.any() for b in twin.buffers())    # nothing reduced, nothing recorded
+    quantized.train()(x)
+    assert len(calls) == 2 and quantized.input_amax > 0 and quantized.output_amax > 0

@@ -23,6 +23,7 @@ from .modules import (
     TorchLinear,
     learned_amax,
     load_float_state_dict,
+    set_range_records,
     to_float_state_dict,
 )
 
@@ -45,4 +46,5 @@ __all__ = [
     "learned_amax",
     "to_float_state_dict",
     "load_float_state_dict",
+    "set_range_records",
 ]

@@ -73,6 +73,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -215,11 +216,51 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def batch_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max|x|`` as a 0-d float32 tensor (0 for an empty tensor), without an |x| temporary."""
+    """``max|x|`` as a 0-d float32 tensor (0 for an empty tensor), without an |x| temporary.
+
+    Where the range of this very tensor was noted (:func:`note_amax`: a layer notes its output's,
+    which it observes for its record) it is not computed again: the next layer's input range is
+    then free when the output is that input, as in VGG16 (10 of its step's 32 reductions)."""
+    known = _known_amax(x)
+    if known is not None:
+        return known.clone()    # a copy: the caller may change it in place
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     lo, hi = torch.aminmax(x.detach())
     return torch.maximum(-lo, hi).to(torch.float32)
+
+
+# ``id(tensor) -> (weakref to it, its version counter then, max|tensor|, that amax's version)``: a
+# tensor's range while it lives unchanged (an in-place op bumps a version: of the tensor, or of the
+# amax a caller was handed; the weakref's callback drops the entry).
+# Python-side bookkeeping only, so a step that uses it records the same kernels in a CUDA graph.
+_AMAX: dict[int, tuple] = {}
+
+
+def note_amax(t: torch.Tensor, amax: torch.Tensor) -> None:
+    """Record that ``batch_amax(t)`` is ``amax`` (0-d float32, on ``t``'s device) until ``t``
+    changes in place or is freed.  For tensors a layer has just made (its output): a write that
+    bypasses the version counter (through ``.numpy()``, ``.data`` or DLPack) would leave the record
+    stale, so tensors a user refills (an input buffer) are never noted.  Inference tensors (no
+    version counter) are not recorded."""
+    if t.is_inference():
+        return
+    key = id(t)
+
+    def forget(ref, key=key):
+        entry = _AMAX.get(key)
+        if entry is not None and entry[0] is ref:
+            del _AMAX[key]
+
+    _AMAX[key] = (weakref.ref(t, forget), t._version, amax, amax._version)
+
+
+def _known_amax(t: torch.Tensor) -> torch.Tensor | None:
+    entry = _AMAX.get(id(t))
+    if entry is None or entry[0]() is not t or t.is_inference() or entry[1] != t._version \
+            or entry[3] != entry[2]._version:
+        return None
+    return entry[2]
 
 
 # ----------------------------------------------------------------------------- bit masks

@@ -15,7 +15,9 @@ exponential moving average (EMA) of each batch's max:
 
 A value of 0 means "not observed yet"; an eval pass before any training then quantizes with
 the batch's own max.  The float twins keep the same buffers (used for nothing but the record),
-so a model's quantized and float versions have identical state dicts.  A plain float model
+so a model's quantized and float versions have identical state dicts; a twin that stands for plain
+float training (a speed baseline) stops recording with :func:`set_range_records` (two reductions a
+layer a step that ``nn.Conv2d`` does not do).  A plain float model
 (``nn.Conv2d``) lacks the two buffers: load it with :func:`load_float_state_dict`, and go back
 with :func:`to_float_state_dict`.
 """
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import batch_amax, check_input_grad, quantized_conv2d, quantized_linear
+from .functional import batch_amax, check_input_grad, note_amax, quantized_conv2d, quantized_linear
 
 AMAX_BUFFERS = {"input_amax": "in0", "output_amax": "out"}  # buffer -> calibration-point suffix
 DEFAULT_AMAX_MOMENTUM = 0.1
@@ -47,14 +49,19 @@ class _RangeTracker:
         self.register_buffer("output_amax", torch.zeros(()))
 
     @torch.no_grad()
-    def _observe(self, buf: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Fold this batch's max|t| into ``buf``; return the batch max.  Training only."""
-        m = batch_amax(t).to(buf.device)
+    def _observe(self, buf: torch.Tensor, t: torch.Tensor, made_here: bool = False) -> torch.Tensor:
+        """Fold this batch's max|t| into ``buf``; return the batch max.  Training only.
+        ``made_here``: ``t`` is this layer's output, whose max the next layer reuses (``note_amax``)."""
+        m = batch_amax(t)
+        if made_here:
+            note_amax(t, m)
+        m = m.to(buf.device)
         # The first batch initializes (an EMA from 0 would under-estimate for ~1/momentum steps).
         buf.copy_(torch.where(buf > 0, buf + self.amax_momentum * (m - buf), m))
         return m
 
     input_range = "batch"   # INPUT_RANGES; set_input_range sets it on every layer of a model
+    record_ranges = True    # the float twins' EMA records (set_range_records); the int8 layers always observe
 
     def _input_clip(self, x: torch.Tensor) -> torch.Tensor:
         """The amax to quantize ``x`` with: in training the batch's (``input_range`` "batch") or
@@ -118,7 +125,7 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
                              self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self._amax_is_batch_max,
                              input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
-            self._observe(self.output_amax, y)
+            self._observe(self.output_amax, y, made_here=True)
         return y
 
 
@@ -141,13 +148,14 @@ class TorchConv2d(_RangeTracker, nn.Conv2d):
         self._init_ranges(amax_momentum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        record = self.training and self.record_ranges
+        if record:
             self._observe(self.input_amax, x)
         y = nn.Conv2d.forward(self, x)
         if self.relu:
             y = F.relu(y)
-        if self.training:
-            self._observe(self.output_amax, y)
+        if record:
+            self._observe(self.output_amax, y, made_here=True)
         return y
 
 
@@ -178,7 +186,7 @@ class QuantizedLinear(_RangeTracker, nn.Linear):
         y = quantized_linear(x, self.weight, self.bias, self._input_clip(x), amax_is_batch_max=self._amax_is_batch_max,
                              input_grad=self.input_grad, weight_grad=self.weight_grad)
         if self.training:
-            self._observe(self.output_amax, y)
+            self._observe(self.output_amax, y, made_here=True)
         return y
 
 
@@ -191,11 +199,12 @@ class TorchLinear(_RangeTracker, nn.Linear):
         self._init_ranges(amax_momentum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        record = self.training and self.record_ranges
+        if record:
             self._observe(self.input_amax, x)
         y = nn.Linear.forward(self, x)
-        if self.training:
-            self._observe(self.output_amax, y)
+        if record:
+            self._observe(self.output_amax, y, made_here=True)
         return y
 
 
@@ -250,6 +259,17 @@ def load_float_state_dict(model: nn.Module, state_dict: dict) -> None:
     missing = [k for k in missing if k.rsplit(".", 1)[-1] not in AMAX_BUFFERS]
     if missing or unexpected:
         raise RuntimeError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+
+
+def set_range_records(model: nn.Module, on: bool) -> nn.Module:
+    """Make every float twin of ``model`` record its ranges in training (``on``, the default) or
+    not: off, a twin computes what ``nn.Conv2d`` / ``nn.Linear`` do and nothing more (the speed
+    baseline of ``benchmarks/train_memory.py``).  The int8 layers always observe their input (it
+    is their quantization range) and output.  Returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, (TorchConv2d, TorchLinear)):
+            m.record_ranges = bool(on)
+    return model
 
 
 def set_input_range(model: nn.Module, input_range: str) -> nn.Module:
