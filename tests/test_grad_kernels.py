@@ -234,6 +234,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("quantize_grad", (2, 3, 6, 8), {"relu": True, "dx": True, "dw": True}),
     ("dequantize", (2, 40, 3, 5), {"per_channel": True, "layout": "nhwc32", "bias": True, "relu": True}),
     ("dequantize", (2, 16, 3, 5), {"layout": "nhwc32"}),          # 8 channels a thread
+    ("dequantize", (2, 40, 3, 5), {"per_channel": True, "layout": "nhwc32", "bias": True, "relu": True,
+                                   "amax": True}),   # and the range of each 8 (dequantize_amax)
+    ("dequantize", (3, 8, 7, 9), {"layout": "nhwc32", "amax": True}),   # no ReLU: |negative| counts
     ("dequantize", (2, 12, 3, 5), {"layout": "nchw4c", "per_channel": True}),
     ("scale_sums", (64, 32, 1, 1), {}),                  # a linear layer's: 2 x 1 tiles of 32 x 32
     ("scale_sums", (32, 32, 3, 3), {}),
@@ -246,7 +249,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
     from tvm_qconv.schedules.training import elementwise
     wl = elementwise.ElementwiseWorkload(kind, shape, **flags)
     plain = elementwise.compute(wl)
-    twin = cpu_twin(elementwise.schedule_cuda(elementwise.compute(wl), wl, CUDA))
+    twin = cpu_twin(elementwise.schedule_cuda(elementwise.compute(wl), wl, CUDA, rn=False))
     rng = np.random.default_rng(0)
     arrays = []
     for param in plain.params:
@@ -258,7 +261,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
         else:
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
-    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2}.get(kind, 1)
+    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2}.get(kind, 1) + flags.get("amax", False)
     results = []
     for func in (plain, twin):
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
@@ -341,6 +344,41 @@ def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators
     args = (stride, (1, 1, 1, 1), (1, 1), 1)
     acc = tvm_kernels.int8_conv(x_q, w_q, *args)
     assert torch.equal(acc, functional.int8_conv_cpu(x_q, w_q, *args))
+
+
+@pytest.mark.parametrize("cout, relu", [(24, True), (16, False), (20, True)], ids=["relu", "signed", "no_range"])
+def test_the_tensor_core_dequantize_notes_its_outputs_range_for_the_next_layer(tvm_on_cpu, monkeypatch, cout, relu):
+    # From NHWC32 in whole 8-channel groups the dequantizing kernel also writes max|out| a group
+    # (dequantize_amax): batch_amax(out) then returns it without a reduction of its own, with torch's
+    # bits; 20 channels (not whole groups) keep the plain kernel and the reduction
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+
+    call = tvm_kernels._call
+    kinds = []
+
+    def run_on_llvm(kind, wl, device, *tensors):
+        kinds.append((kind, getattr(wl, "amax", None)))
+        if kind != "forward":
+            return call(kind, wl, device, *tensors)
+        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
+        fn(*tensors)
+
+    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
+    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (2, 16, 6, 5), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (cout, 16, 3, 3), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(cout, generator=g) * 1e-3, torch.randn(cout, generator=g)
+    args = ((1, 1), (1, 1, 1, 1), (1, 1), 1, scale, bias, relu)
+    y = tvm_kernels.int8_conv_dequantized(x_q, w_q, *args)
+    assert kinds[-1] == ("dequantize", cout % 8 == 0)
+    assert torch.equal(y, functional.int8_conv_dequantized_torch(x_q, w_q, *args))
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: kinds.append("aminmax") or aminmax(*a, **k))
+    amax = functional.batch_amax(y)
+    assert ("aminmax" in kinds) == (cout % 8 != 0)
+    lo, hi = aminmax(y)
+    assert torch.equal(amax, torch.maximum(-lo, hi))
 
 
 H100 = TargetInfo(kind="cuda", arch="sm_90", num_sm=132, has_dp4a=True, has_int8_mma=True)

@@ -421,6 +421,20 @@ def test_cuda_pack_gives_the_permuted_padded_copy(shape, transpose):
     assert torch.equal(ours, ref)
 
 
+@pytest.mark.parametrize("cout, relu", [(64, True), (256, False)], ids=["relu", "signed"])
+def test_cuda_dequantize_writes_the_outputs_range_as_torchs_aminmax(cout, relu):
+    # the tensor-core forward's dequantizing kernel also writes max|out| a group of 8 channels
+    # (dequantize_amax); batch_amax(out) takes it from there, with aminmax's bits
+    g = torch.Generator().manual_seed(0)
+    x_q = torch.randint(-127, 128, (8, 64, 28, 28), generator=g, dtype=torch.int8).to(CUDA)
+    w_q = torch.randint(-127, 128, (cout, 64, 3, 3), generator=g, dtype=torch.int8).to(CUDA)
+    scale, bias = (torch.rand(cout, generator=g) * 1e-4).to(CUDA), torch.randn(cout, generator=g).to(CUDA)
+    y = tvm_kernels.int8_conv_dequantized(x_q, w_q, (1, 1), (1, 1, 1, 1), (1, 1), 1, scale, bias, relu)
+    assert any(k == "dequantize" and "amax" in w for k, w in tvm_kernels.CALLS)
+    lo, hi = torch.aminmax(y)
+    assert torch.equal(batch_amax(y), torch.maximum(-lo, hi))
+
+
 def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:
     """``[1, C, H, width]``: channel ``c`` holds ``(k + 0.5) * scales[c]`` for k in -130..129, each
     with its float32 neighbours up to 3 ulp away (quotients within a few ulp of a half-integer:

@@ -71,7 +71,7 @@ from tvm import te, tirx
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
-from . import pack_nhwc32
+from . import dequantize_amax, pack_nhwc32
 
 KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums")
@@ -97,6 +97,9 @@ class ElementwiseWorkload:
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
         dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
+        amax: (dequantize, NHWC32, C a multiple of 8) also ``part`` ``[N, C / 8, H, W]``, the max
+            of ``|out|`` over each 8 channels of a pixel: ``part.amax()`` is the output's range
+            (``dequantize_amax``).
     """
 
     kind: str
@@ -110,10 +113,13 @@ class ElementwiseWorkload:
     pad_rows: bool = False
     dx: bool = False
     dw: bool = False
+    amax: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
+        if self.amax and not dequantize_amax.supports(self):
+            raise ValueError(f"amax is for NHWC32 dequantizes of whole {dequantize_amax.CHANNELS}-channel groups: {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,7 +129,7 @@ class ElementwiseWorkload:
         opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
                 "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
                 ("rows32", self.pad_rows), ("dx", self.dx),
-                ("dw", self.dw)) if on]
+                ("dw", self.dw), ("amax", self.amax)) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -221,6 +227,11 @@ def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
 
     out = te.compute(wl.shape, element, name="dequantize")
     params = [acc, s] + ([bias] if bias is not None else []) + [out]
+    if wl.amax:     # max |out| over each 8 channels of a pixel (dequantize_amax)
+        k = dequantize_amax.CHANNELS
+        lane = te.reduce_axis((0, k), name="lane")
+        params.append(te.compute((n, c // k, h, w), lambda b, g, y, xx: te.max(
+            tirx.abs(element(b, g * k + lane, y, xx)), axis=lane), name="dequantize_amax"))
     return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_dequantize",
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
@@ -500,10 +511,14 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
             "max_pool_grad": max_pool_grad}[wl.kind](wl)
 
 
-def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx.PrimFunc:
-    """:func:`compute`'s ``func`` scheduled for CUDA (the module docstring's threads and vectors)."""
+def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool = True) -> tirx.PrimFunc:
+    """:func:`compute`'s ``func`` scheduled for CUDA (the module docstring's threads and vectors);
+    ``rn``: ``func``'s (the written kernels compute as it does)."""
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
+    if wl.amax:     # a written kernel: its float operations rounded as ``func``'s are
+        kernel = dequantize_amax.dequantize_amax_kernel(wl, rn=rn)
+        return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
     sch = tvm.s_tir.Schedule(func)
     if wl.kind == "scale_sums":
         if not scale_sums_tiles(wl.shape):

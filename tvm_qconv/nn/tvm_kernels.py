@@ -62,6 +62,7 @@ Details that matter:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hashlib
 import json
@@ -77,7 +78,7 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
-from ..schedules.training import elementwise, grad_weight_mma
+from ..schedules.training import dequantize_amax, elementwise, grad_weight_mma
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
@@ -85,7 +86,7 @@ from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
-                         mask_torch, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
+                         mask_torch, note_amax, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
                          register_int8_conv_kernel, relu_bits_torch, scale_sums_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
@@ -545,7 +546,10 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
                           scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """``functional.int8_conv_dequantized_torch``: the conv's accumulators (NHWC32 on the tensor
     cores, NCHW4c on dp4a) go to float NCHW in one kernel (``elementwise.dequantize``: scale, bias,
-    ReLU); linear layers and grouped convs of group widths not a multiple of 4 through torch."""
+    ReLU); linear layers and grouped convs of group widths not a multiple of 4 through torch.
+    From NHWC32 in whole 8-channel groups the kernel also writes the output's range, noted for
+    ``functional.batch_amax`` (``dequantize_amax``: the layer's output observation, and the next
+    layer's input range where the output is its input, without a pass of their own)."""
     wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
     n, o = x_q.shape[0], w_q.shape[0]
     if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups) or (groups > 1 and (o // groups) % 4):
@@ -560,9 +564,14 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
     shape = (n, o, wl.out_height, wl.out_width)
     dq = elementwise.ElementwiseWorkload("dequantize", shape, per_channel=scale.dim() == 1, layout=layout.lower(),
                                          bias=bias is not None, relu=relu)
+    dq = dataclasses.replace(dq, amax=dequantize_amax.supports(dq))
     out = torch.empty(shape, dtype=torch.float32, device=x_q.device)
     extra = [] if bias is None else [bias]
-    _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out)
+    part = [torch.empty((n, o // dequantize_amax.CHANNELS) + shape[2:], dtype=torch.float32, device=x_q.device)
+            ] if dq.amax else []
+    _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out, *part)
+    if part:
+        note_amax(out, part[0].amax())
     return out
 
 
