@@ -223,6 +223,7 @@ ELEMENTWISE_TWIN_CASES = [
     ("max_pool_grad", (2, 3, 7, 9), {}),                 # odd: a thread an element
     ("max_pool", (2, 3, 8, 10), {}),
     ("relu_bits", (2, 3, 5, 7), {}),
+    ("relu_bits", (2, 4, 5, 6), {"amax": True}),        # and max|y| a byte's 8 (relu_bits_amax)
     ("pack", (2, 40, 5, 7), {}),                         # one pixel a thread (H * W odd)
     ("pack", (2, 40, 4, 8), {}),                         # a 32-channel x 128-pixel tile, padded to 64
     ("pack", (3, 70, 6, 6), {}),                         # W = 6: a word's 4 pixels run into the next row
@@ -708,6 +709,27 @@ def test_the_relu_mask_kernels_give_pack_bits_and_masked_fills_bits(tvm_on_cpu):
         bits = tvm_kernels.relu_bits(y)
         assert torch.equal(bits, functional.pack_bits(y > 0))
         assert torch.equal(tvm_kernels.mask(grad, bits), grad.masked_fill(y <= 0, 0.0))
+
+
+def test_a_compact_relus_output_range_comes_from_its_bits_kernel_for_the_next_int8_layer(tvm_on_cpu, monkeypatch):
+    # CompactReLU's bits kernel also writes max|y| a byte (relu_bits_amax); the next int8 conv's
+    # input range is then that, without an aminmax of its own, and the step's bits do not move
+    from tvm_qconv.nn import CompactReLU, QuantizedConv2d
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), CompactReLU(), QuantizedConv2d(8, 4, 3))
+    x = torch.randn(2, 3, 6, 6)
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), QuantizedConv2d(8, 4, 3))
+    ref.load_state_dict(model.state_dict())
+    aminmax, calls = torch.aminmax, []
+    monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: calls.append(tuple(t.shape)) or aminmax(t, *a, **k))
+    y = model.train()(x)
+    assert calls == [(2, 4, 4, 4)]      # only the conv's output (dp4a's NCHW4c on llvm: no fused range)
+    y_ref = ref.train()(x)
+    assert (2, 8, 6, 6) in calls
+    assert torch.equal(y, y_ref) and torch.equal(model[2].input_amax, ref[2].input_amax)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    assert torch.equal(model[0].weight.grad, ref[0].weight.grad)
 
 
 # (shape, masked): rows of 4 (the vectorized quantize_grad), of 7 (not), a partial last byte of

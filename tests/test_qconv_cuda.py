@@ -435,6 +435,16 @@ def test_cuda_dequantize_writes_the_outputs_range_as_torchs_aminmax(cout, relu):
     assert torch.equal(batch_amax(y), torch.maximum(-lo, hi))
 
 
+def test_cuda_relu_bits_writes_its_inputs_range_as_torchs_aminmax():
+    # CompactReLU's bits kernel also writes max|y| a byte (relu_bits_amax), noted for batch_amax
+    y = torch.relu(torch.randn(16, 64, 56, 56, generator=torch.Generator().manual_seed(0))).to(CUDA)
+    bits = tvm_kernels.relu_bits(y)
+    assert any(k == "relu_bits" and "amax" in w for k, w in tvm_kernels.CALLS)
+    assert torch.equal(bits, functional.pack_bits(y > 0))
+    lo, hi = torch.aminmax(y)
+    assert torch.equal(batch_amax(y), torch.maximum(-lo, hi))
+
+
 def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:
     """``[1, C, H, width]``: channel ``c`` holds ``(k + 0.5) * scales[c]`` for k in -130..129, each
     with its float32 neighbours up to 3 ulp away (quotients within a few ulp of a half-integer:

@@ -71,7 +71,7 @@ from tvm import te, tirx
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
-from . import dequantize_amax, pack_nhwc32
+from . import dequantize_amax, pack_nhwc32, relu_bits_amax
 
 KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums")
@@ -97,9 +97,10 @@ class ElementwiseWorkload:
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
         dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
-        amax: (dequantize, NHWC32, C a multiple of 8) also ``part`` ``[N, C / 8, H, W]``, the max
-            of ``|out|`` over each 8 channels of a pixel: ``part.amax()`` is the output's range
-            (``dequantize_amax``).
+        amax: also ``part``, whose max is the range ``max |.|`` of a tensor the kernel writes or
+            reads whole: (dequantize, NHWC32, C a multiple of 8) ``[N, C / 8, H, W]``, the max of
+            ``|out|`` over each 8 channels of a pixel (``dequantize_amax``); (relu_bits, numel a
+            multiple of 8) ``[numel / 8]``, the max of ``|y|`` over each byte's 8 (``relu_bits_amax``).
     """
 
     kind: str
@@ -118,8 +119,9 @@ class ElementwiseWorkload:
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
-        if self.amax and not dequantize_amax.supports(self):
-            raise ValueError(f"amax is for NHWC32 dequantizes of whole {dequantize_amax.CHANNELS}-channel groups: {self}")
+        if self.amax and not (dequantize_amax.supports(self) or relu_bits_amax.supports(self)):
+            raise ValueError(f"amax is for NHWC32 dequantizes of whole {dequantize_amax.CHANNELS}-channel groups "
+                             f"and relu_bits of whole bytes: {self}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -256,8 +258,13 @@ def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
         return sum(bits[1:], bits[0]).astype("uint8")
 
     out = te.compute(((numel + 7) // 8,), byte, name="relu_bits")
-    return te.create_prim_func([y, out]).with_attr({"tvm_qconv.kernel": "train_relu_bits",
-                                                    "tvm_qconv.workload": str(wl.to_dict())})
+    params = [y, out]
+    if wl.amax:     # max |y| over each byte's 8 (relu_bits_amax: numel a multiple of 8)
+        lane = te.reduce_axis((0, 8), name="lane")
+        params.append(te.compute((numel // 8,), lambda j: te.max(tirx.abs(y[8 * j + lane]), axis=lane),
+                                 name="relu_bits_amax"))
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_relu_bits",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
 
 
 def mask(wl: ElementwiseWorkload) -> tirx.PrimFunc:
@@ -516,8 +523,9 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
     ``rn``: ``func``'s (the written kernels compute as it does)."""
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
-    if wl.amax:     # a written kernel: its float operations rounded as ``func``'s are
-        kernel = dequantize_amax.dequantize_amax_kernel(wl, rn=rn)
+    if wl.amax:     # written kernels (dequantize's float operations rounded as ``func``'s are)
+        kernel = (dequantize_amax.dequantize_amax_kernel(wl, rn=rn) if wl.kind == "dequantize"
+                  else relu_bits_amax.relu_bits_amax_kernel(wl))
         return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
     sch = tvm.s_tir.Schedule(func)
     if wl.kind == "scale_sums":

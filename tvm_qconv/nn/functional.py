@@ -221,7 +221,7 @@ def batch_amax(x: torch.Tensor) -> torch.Tensor:
     Where the range of this very tensor was noted (:func:`note_amax`: a layer notes its output's,
     which it observes for its record) it is not computed again: the next layer's input range is
     then free when the output is that input, as in VGG16 (10 of its step's 32 reductions)."""
-    known = _known_amax(x)
+    known = known_amax(x)
     if known is not None:
         return known.clone()    # a copy: the caller may change it in place
     if x.numel() == 0:
@@ -255,7 +255,8 @@ def note_amax(t: torch.Tensor, amax: torch.Tensor) -> None:
     _AMAX[key] = (weakref.ref(t, forget), t._version, amax, amax._version)
 
 
-def _known_amax(t: torch.Tensor) -> torch.Tensor | None:
+def known_amax(t: torch.Tensor) -> torch.Tensor | None:
+    """The range :func:`note_amax` recorded for ``t`` while it still holds (else None); not a copy."""
     entry = _AMAX.get(id(t))
     if entry is None or entry[0]() is not t or t.is_inference() or entry[1] != t._version \
             or entry[3] != entry[2]._version:

@@ -78,7 +78,7 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
-from ..schedules.training import dequantize_amax, elementwise, grad_weight_mma
+from ..schedules.training import dequantize_amax, elementwise, grad_weight_mma, relu_bits_amax
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
@@ -86,8 +86,8 @@ from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
-                         mask_torch, note_amax, quantize_grad_torch, quantize_torch, register_conv_grad_kernels,
-                         register_int8_conv_kernel, relu_bits_torch, scale_sums_torch)
+                         known_amax, mask_torch, note_amax, quantize_grad_torch, quantize_torch,
+                         register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch, scale_sums_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -576,11 +576,19 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
 
 
 def relu_bits(y: torch.Tensor) -> torch.Tensor:
-    """``functional.relu_bits_torch`` in one kernel (``elementwise.relu_bits``)."""
+    """``functional.relu_bits_torch`` in one kernel (``elementwise.relu_bits``).  Where ``y``'s
+    range is not known yet (``CompactReLU``'s output, which the next int8 layer quantizes) and its
+    elements fill whole bytes, the kernel also writes it, noted for ``functional.batch_amax``
+    (``relu_bits_amax``)."""
     if y.dim() != 4 or y.dtype != torch.float32:
         return relu_bits_torch(y)
+    wl = elementwise.ElementwiseWorkload("relu_bits", tuple(y.shape))
+    wl = dataclasses.replace(wl, amax=relu_bits_amax.supports(wl) and known_amax(y) is None)
     out = torch.empty(((y.numel() + 7) // 8,), dtype=torch.uint8, device=y.device)
-    _call("relu_bits", elementwise.ElementwiseWorkload("relu_bits", tuple(y.shape)), y.device, y.reshape(-1), out)
+    part = [torch.empty((y.numel() // 8,), dtype=torch.float32, device=y.device)] if wl.amax else []
+    _call("relu_bits", wl, y.device, y.reshape(-1), out, *part)
+    if part:
+        note_amax(y, part[0].amax())
     return out
 
 
