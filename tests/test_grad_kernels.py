@@ -291,6 +291,30 @@ def tvm_on_cpu(tmp_path, monkeypatch):
     return tmp_path / "kernels"
 
 
+@pytest.fixture
+def tensor_cores_on_llvm(tvm_on_cpu, monkeypatch):
+    """``tvm_on_cpu`` with the layers of 16+ input channels on the tensor-core path, as on a GPU: the
+    forward's compute definition (NHWC32, int32 out: the mma.sync template's) built for llvm, the
+    kernels around it (packing, dequantizing) as ``tvm_on_cpu`` builds them.  Returns the list of
+    ``(kind, workload)`` of every kernel call, which grows as they run."""
+    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
+
+    call, calls = tvm_kernels._call, []
+
+    def run_on_llvm(kind, wl, device, *tensors):
+        calls.append((kind, wl))
+        if kind != "forward":
+            return call(kind, wl, device, *tensors)
+        data, weight, out = tensors
+        assert data.shape[-1] % 32 == 0 and weight.shape[0] % 32 == 0
+        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
+        fn(data, weight, out)
+
+    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
+    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
+    return calls
+
+
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_layer_through_tvm_kernels_matches_exact_reference(tvm_on_cpu, case):
     ours, _, ref = run_twins(case)
@@ -321,24 +345,10 @@ def test_tvm_forward_is_bit_exact_against_cpu_int8_conv(tvm_on_cpu, case):
 
 
 @pytest.mark.parametrize("cin, cout, stride", [(16, 20, (1, 1)), (40, 64, (2, 1))])
-def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators(tvm_on_cpu, monkeypatch, cin, cout,
+def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators(tensor_cores_on_llvm, cin, cout,
                                                                                   stride):
     # On a GPU a layer of 16+ input channels runs the mma.sync template (NHWC32, int32 out); here
     # its compute definition runs on llvm, so the packing around it is checked against the CPU conv.
-    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
-
-    call = tvm_kernels._call
-
-    def run_on_llvm(kind, wl, device, *tensors):
-        if kind != "forward":       # the packing kernel: its llvm build
-            return call(kind, wl, device, *tensors)
-        data, weight, out = tensors
-        assert data.shape[-1] % 32 == 0 and weight.shape[0] % 32 == 0
-        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
-        fn(data, weight, out)
-
-    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
-    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
     g = torch.Generator().manual_seed(0)
     x_q = torch.randint(-127, 128, (2, cin, 9, 7), generator=g, dtype=torch.int8)
     w_q = torch.randint(-127, 128, (cout, cin, 3, 3), generator=g, dtype=torch.int8)
@@ -348,31 +358,19 @@ def test_the_tensor_core_forward_packs_nhwc32_and_returns_the_exact_accumulators
 
 
 @pytest.mark.parametrize("cout, relu", [(24, True), (16, False), (20, True)], ids=["relu", "signed", "no_range"])
-def test_the_tensor_core_dequantize_notes_its_outputs_range_for_the_next_layer(tvm_on_cpu, monkeypatch, cout, relu):
+def test_the_tensor_core_dequantize_notes_its_outputs_range_for_the_next_layer(tensor_cores_on_llvm, monkeypatch,
+                                                                                cout, relu):
     # From NHWC32 in whole 8-channel groups the dequantizing kernel also writes max|out| a group
     # (dequantize_amax): batch_amax(out) then returns it without a reduction of its own, with torch's
     # bits; 20 channels (not whole groups) keep the plain kernel and the reduction
-    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
-
-    call = tvm_kernels._call
-    kinds = []
-
-    def run_on_llvm(kind, wl, device, *tensors):
-        kinds.append((kind, getattr(wl, "amax", None)))
-        if kind != "forward":
-            return call(kind, wl, device, *tensors)
-        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
-        fn(*tensors)
-
-    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
-    monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
+    kinds = tensor_cores_on_llvm
     g = torch.Generator().manual_seed(0)
     x_q = torch.randint(-127, 128, (2, 16, 6, 5), generator=g, dtype=torch.int8)
     w_q = torch.randint(-127, 128, (cout, 16, 3, 3), generator=g, dtype=torch.int8)
     scale, bias = torch.rand(cout, generator=g) * 1e-3, torch.randn(cout, generator=g)
     args = ((1, 1), (1, 1, 1, 1), (1, 1), 1, scale, bias, relu)
     y = tvm_kernels.int8_conv_dequantized(x_q, w_q, *args)
-    assert kinds[-1] == ("dequantize", cout % 8 == 0)
+    assert kinds[-1][0] == "dequantize" and kinds[-1][1].amax == (cout % 8 == 0)
     assert torch.equal(y, functional.int8_conv_dequantized_torch(x_q, w_q, *args))
     aminmax = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda *a, **k: kinds.append("aminmax") or aminmax(*a, **k))
@@ -660,22 +658,11 @@ def test_importing_the_training_layers_does_not_import_tvm():
 
 
 @pytest.mark.parametrize("scale_shape, bias, relu", [((), False, False), ((20,), True, True), ((20,), False, True)])
-def test_the_tensor_core_convs_float_output_is_one_dequantizing_kernel_with_torchs_bits(tvm_on_cpu, monkeypatch,
+def test_the_tensor_core_convs_float_output_is_one_dequantizing_kernel_with_torchs_bits(tensor_cores_on_llvm,
                                                                                         scale_shape, bias, relu):
     # On a GPU the NHWC32 accumulators of a 16+ channel conv go to float NCHW in one kernel
     # (scale, bias, ReLU: elementwise.dequantize); here the conv's compute runs on llvm and the
     # dequantizing kernel is the llvm build of the same definition, against the torch operations
-    from tvm_qconv.schedules.tensorcore import conv2d as tc_conv2d
-    call = tvm_kernels._call
-
-    def run(kind, wl, device, *tensors):
-        if kind != "forward":
-            return call(kind, wl, device, *tensors)
-        fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
-        fn(*tensors)
-
-    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
-    monkeypatch.setattr(tvm_kernels, "_call", run)
     g = torch.Generator().manual_seed(0)
     x_q = torch.randint(-127, 128, (2, 24, 9, 7), generator=g, dtype=torch.int8)
     w_q = torch.randint(-127, 128, (20, 24, 3, 3), generator=g, dtype=torch.int8)
