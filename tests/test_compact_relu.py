@@ -49,14 +49,19 @@ def test_the_int8_resnet50_keeps_compact_relus_and_its_float_twin_nn_relus():
     assert kinds(quantized_resnet50(num_classes=10, quantized=False)) == {nn.ReLU}
 
 
-def test_compact_relu_through_the_mask_kernels_matches(tmp_path, monkeypatch):
+# (shape, the forward's kernel): 210 elements, a partial last byte (torch's relu, then the bits
+# kernel); 240, whole bytes (elementwise.relu: relu, bits and range in one kernel)
+@pytest.mark.parametrize("shape, forward", [((2, 3, 5, 7), "relu_bits"), ((2, 3, 5, 8), "relu")])
+def test_compact_relu_through_the_kernels_matches(tmp_path, monkeypatch, shape, forward):
     from tvm_qconv.nn import tvm_kernels
     monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tmp_path / "kernels"))
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
-    monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {"relu_bits": tvm_kernels.relu_bits,
-                                                               "mask": tvm_kernels.mask})
+    monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
+    monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
+        "relu_bits": tvm_kernels.relu_bits, "relu_with_bits": tvm_kernels.relu_with_bits, "mask": tvm_kernels.mask})
     gen = torch.Generator().manual_seed(1)
-    x, g = torch.randn(2, 3, 5, 7, generator=gen), torch.randn(2, 3, 5, 7, generator=gen)
+    x, g = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-45, -1e-45])     # zeros get no gradient, a subnormal does
     ours, ref = _relu_and_grad(CompactReLU(), x, g), _relu_and_grad(nn.ReLU(), x, g)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
-    assert {k for k, _ in tvm_kernels.CALLS} >= {"relu_bits", "mask"}
+    assert {k for k, _ in tvm_kernels.CALLS} == {forward, "mask"}

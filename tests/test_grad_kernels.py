@@ -224,6 +224,7 @@ ELEMENTWISE_TWIN_CASES = [
     ("max_pool", (2, 3, 8, 10), {}),
     ("relu_bits", (2, 3, 5, 7), {}),
     ("relu_bits", (2, 4, 5, 6), {"amax": True}),        # and max|y| a byte's 8 (relu_bits_amax)
+    ("relu", (2, 4, 5, 6), {}),                          # relu(x), its bits and its range in one pass
     ("pack", (2, 40, 5, 7), {}),                         # one pixel a thread (H * W odd)
     ("pack", (2, 40, 4, 8), {}),                         # a 32-channel x 128-pixel tile, padded to 64
     ("pack", (3, 70, 6, 6), {}),                         # W = 6: a word's 4 pixels run into the next row
@@ -262,7 +263,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
         else:
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
-    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2}.get(kind, 1) + flags.get("amax", False)
+    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3}.get(kind, 1) + flags.get("amax", False)
     results = []
     for func in (plain, twin):
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")
@@ -284,7 +285,8 @@ def tvm_on_cpu(tmp_path, monkeypatch):
                         (tvm_kernels.conv_input_grad, tvm_kernels.conv_weight_grad))
     monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
         "quantize": tvm_kernels.quantize, "int8_conv_dequantized": tvm_kernels.int8_conv_dequantized,
-        "relu_bits": tvm_kernels.relu_bits, "mask": tvm_kernels.mask, "grad_stats": tvm_kernels.grad_stats,
+        "relu_bits": tvm_kernels.relu_bits, "relu_with_bits": tvm_kernels.relu_with_bits, "mask": tvm_kernels.mask,
+        "grad_stats": tvm_kernels.grad_stats,
         "quantize_grad": tvm_kernels.quantize_grad, "scale_sums": tvm_kernels.scale_sums})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
@@ -698,9 +700,9 @@ def test_the_relu_mask_kernels_give_pack_bits_and_masked_fills_bits(tvm_on_cpu):
         assert torch.equal(tvm_kernels.mask(grad, bits), grad.masked_fill(y <= 0, 0.0))
 
 
-def test_a_compact_relus_output_range_comes_from_its_bits_kernel_for_the_next_int8_layer(tvm_on_cpu, monkeypatch):
-    # CompactReLU's bits kernel also writes max|y| a byte (relu_bits_amax); the next int8 conv's
-    # input range is then that, without an aminmax of its own, and the step's bits do not move
+def test_a_compact_relus_output_range_comes_from_its_kernel_for_the_next_int8_layer(tvm_on_cpu, monkeypatch):
+    # CompactReLU's forward is one kernel (elementwise.relu: relu, bits, max|y| a byte); the next
+    # int8 conv's input range is then that, without an aminmax of its own; the step's bits do not move
     from tvm_qconv.nn import CompactReLU, QuantizedConv2d
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), CompactReLU(), QuantizedConv2d(8, 4, 3))
@@ -710,6 +712,7 @@ def test_a_compact_relus_output_range_comes_from_its_bits_kernel_for_the_next_in
     aminmax, calls = torch.aminmax, []
     monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: calls.append(tuple(t.shape)) or aminmax(t, *a, **k))
     y = model.train()(x)
+    assert ("relu", "relu 8 @6x6 b2") in tvm_kernels.CALLS
     assert calls == [(2, 4, 4, 4)]      # only the conv's output (dp4a's NCHW4c on llvm: no fused range)
     y_ref = ref.train()(x)
     assert (2, 8, 6, 6) in calls

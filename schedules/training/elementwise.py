@@ -17,6 +17,7 @@ kind               what
                    -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU
 ``relu_bits``      float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
                    ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
+``relu``           float32 ``x`` -> ``y = relu(x)``, its ``relu_bits`` and its range (``CompactReLU``)
 ``mask``           float32 ``g``, those bits -> ``g`` where its bit is set, else 0 (the ReLU's backward)
 ``pack``           int8 NCHW -> the tensor cores' NHWC32 ``[N, H, W, C_p]``, or with ``transpose``
                    ``[C, H, W, N_p]`` (the batch as the channels: the weight gradient's operands,
@@ -54,12 +55,15 @@ CUDA schedules (:func:`schedule_cuda`), each to keep 16-byte accesses and severa
 thread: ``quantize`` / ``quantize_grad`` 4 elements along a row (one 16-byte load); ``dequantize``
 8 NHWC32 channels of a pixel (a 32-byte sector; 4 in NCHW4c), neighbouring threads on neighbouring
 pixels (coalesced NCHW stores); ``mask`` 8 elements (a byte of bits); ``max_pool_grad`` 2 rows x 4
-columns (two windows); ``pack`` a 32-channel x 128-pixel tile through shared memory (``pack_nhwc32``:
-each warp load 128 bytes of a channel, each pair of 16-byte stores a whole sector); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads
-in flight; ``scale_sums`` a 32 x 32 transpose through shared memory.  Every staged path takes a
-thread count dividing its items (``block_threads``) or the plain one: a register stage's store
-loses the grid tail's guard in TVM 0.27.  ``tests/test_grad_kernels.py`` runs each schedule on a
-CPU twin against its compute.  Off CUDA the compute runs as it is (llvm).
+columns (two windows); ``pack`` a 32-channel x 128-pixel tile through shared memory
+(``pack_nhwc32``: each warp load 128 bytes of a channel, each pair of 16-byte stores a whole
+sector); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads in flight; ``scale_sums`` a
+32 x 32 transpose through shared memory.  Written kernels where a range comes along
+(``dequantize`` with ``amax``: ``dequantize_amax``; ``relu``, and ``relu_bits`` with ``amax``:
+``relu_bits_amax``).  Every staged path takes a thread count dividing its items
+(``block_threads``) or the plain one: a register stage's store loses the grid tail's guard in TVM
+0.27.  ``tests/test_grad_kernels.py`` runs each schedule on a CPU twin against its compute.  Off
+CUDA the compute runs as it is (llvm).
 """
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
 from . import dequantize_amax, pack_nhwc32, relu_bits_amax
 
-KINDS = ("quantize", "dequantize", "relu_bits", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
+KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
@@ -119,6 +123,8 @@ class ElementwiseWorkload:
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
+        if self.kind == "relu" and not relu_bits_amax.supports(self):
+            raise ValueError(f"relu takes whole bytes of bits (numel a multiple of 8): {self}")
         if self.amax and not (dequantize_amax.supports(self) or relu_bits_amax.supports(self)):
             raise ValueError(f"amax is for NHWC32 dequantizes of whole {dequantize_amax.CHANNELS}-channel groups "
                              f"and relu_bits of whole bytes: {self}")
@@ -265,6 +271,23 @@ def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                  name="relu_bits_amax"))
     return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_relu_bits",
                                                   "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def relu(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(x, y, bits, part)``: float32 ``x`` (flat, ``numel`` a multiple of 8) -> ``y = relu(x)``
+    (torch's: NaN kept), ``relu_bits`` of ``y`` and ``part[j] = max |y|`` over byte ``j``'s 8:
+    ``CompactReLU``'s forward and its output's range in one pass (``relu_bits_amax``)."""
+    numel = _numel(wl)
+    x = te.placeholder((numel,), "float32", name="x")
+    zero = tirx.const(0.0, "float32")
+    y = te.compute((numel,), lambda k: tirx.if_then_else(tirx.isnan(x[k]), x[k], tirx.max(x[k], zero)), name="relu")
+    bits = te.compute((numel // 8,), lambda j: sum(
+        (tirx.if_then_else(tirx.reinterpret("int32", y[8 * j + i]) > 0, 1 << i, 0) for i in range(1, 8)),
+        tirx.if_then_else(tirx.reinterpret("int32", y[8 * j]) > 0, 1, 0)).astype("uint8"), name="relu_bits")
+    lane = te.reduce_axis((0, 8), name="lane")
+    part = te.compute((numel // 8,), lambda j: te.max(tirx.abs(y[8 * j + lane]), axis=lane), name="relu_amax")
+    return te.create_prim_func([x, y, bits, part]).with_attr({"tvm_qconv.kernel": "train_relu",
+                                                            "tvm_qconv.workload": str(wl.to_dict())})
 
 
 def mask(wl: ElementwiseWorkload) -> tirx.PrimFunc:
@@ -514,8 +537,8 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
                "scale_sums": scale_sums}
     if wl.kind in rounded:
         return rounded[wl.kind](wl, rn=rn)
-    return {"relu_bits": relu_bits, "mask": mask, "pack": pack, "grad_stats": grad_stats, "max_pool": max_pool,
-            "max_pool_grad": max_pool_grad}[wl.kind](wl)
+    return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
+            "max_pool": max_pool, "max_pool_grad": max_pool_grad}[wl.kind](wl)
 
 
 def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool = True) -> tirx.PrimFunc:
@@ -523,7 +546,7 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
     ``rn``: ``func``'s (the written kernels compute as it does)."""
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
-    if wl.amax:     # written kernels (dequantize's float operations rounded as ``func``'s are)
+    if wl.amax or wl.kind == "relu":    # written kernels (dequantize's float operations rounded as ``func``'s are)
         kernel = (dequantize_amax.dequantize_amax_kernel(wl, rn=rn) if wl.kind == "dequantize"
                   else relu_bits_amax.relu_bits_amax_kernel(wl))
         return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})

@@ -1,15 +1,19 @@
-"""The training path's ``relu_bits`` that also writes its input's range: each thread reads 8
-elements of ``y`` (two 16-byte loads), writes their byte of bits (``elementwise.relu_bits``, the
-same bits) and ``max |y|`` over them to ``part`` (``[numel / 8]``), so ``part.amax()`` is
-``batch_amax(y)``.
+"""The training path's ReLU mask kernels that also write a range, a thread per 8 elements (two
+16-byte loads, one byte of bits):
+
+* ``relu_bits`` with ``amax``: ``y`` -> its byte of bits (``elementwise.relu_bits``, the same bits)
+  and ``max |y|`` over the 8 to ``part`` (``[numel / 8]``), so ``part.amax()`` is ``batch_amax(y)``;
+* ``relu``: ``x`` -> ``y = relu(x)`` (torch's: NaN kept, ``max(x, 0)`` else), the bits of ``y`` and
+  the same ``part``: ``CompactReLU``'s whole forward in one pass.
 
 Why: ``CompactReLU`` keeps the bits of its output for backward, and the next layer, an int8 conv,
-observes the same output's range to quantize it: in ResNet-50 that was a second full pass over
-every ReLU output in torch (``aminmax``, 4 bytes an element; about half of the 3.5 ms of range
-reductions in a b128 step, H200, 2026-11-29).  Here it costs a write of half a byte an element.
+observes the same output's range to quantize it.  In ResNet-50 (b128, H200, 2026-11-29) that was
+three passes over every ReLU output: torch's ``relu`` (read and write), the bits kernel (a read)
+and torch's ``aminmax`` (a read; about half of the step's 3.5 ms of range reductions).  ``relu``
+is one: 4 bytes read, 4 written, 5/8 of a byte for the bits and the range.
 
 Written as scheduled S-TIR (``tensorcore/pool.py`` says why not TIRx) for ``numel`` a multiple of 8
-(:func:`supports`); ``tests/test_grad_kernels.py`` runs it on a CPU twin against the compute.
+(:func:`supports`); ``tests/test_grad_kernels.py`` runs both on a CPU twin against the compute.
 """
 from __future__ import annotations
 
@@ -22,22 +26,22 @@ THREADS = 256
 def supports(wl) -> bool:
     """Whole bytes of bits: ``numel`` a multiple of 8."""
     n, c, h, w = wl.shape
-    return wl.kind == "relu_bits" and n * c * h * w % ELEMENTS == 0
+    return wl.kind in ("relu_bits", "relu") and n * c * h * w % ELEMENTS == 0
 
 
 def relu_bits_amax_kernel(wl):
-    """The CUDA kernel of ``elementwise.relu_bits(wl)`` with ``wl.amax`` (same parameters, same bits)."""
-    if not (supports(wl) and wl.amax):
-        raise ValueError(f"relu_bits_amax_kernel takes relu_bits of whole bytes with amax: {wl}")
+    """The CUDA kernel of ``elementwise.relu_bits(wl)`` with ``wl.amax``, or of
+    ``elementwise.relu(wl)`` (same parameters, same bits)."""
+    if not (supports(wl) and (wl.amax or wl.kind == "relu")):
+        raise ValueError(f"relu_bits_amax_kernel takes relu, or relu_bits with amax, of whole bytes: {wl}")
     n, c, h, w = wl.shape
     NUMEL = n * c * h * w
     BYTES = NUMEL // ELEMENTS
     GRID = (BYTES + THREADS - 1) // THREADS
+    RELU = wl.kind == "relu"
 
-    @T.prim_func(s_tir=True, private=True)
-    def main(y: T.Buffer((NUMEL,), "float32", align=16), out: T.Buffer((BYTES,), "uint8"),
-             part: T.Buffer((BYTES,), "float32")):
-        T.func_attr({"tirx.noalias": True})
+    @T.macro
+    def body(src, y, out, part):
         with T.sblock("root"):
             got = T.sblock_alloc_buffer((ELEMENTS,), "float32", scope="local")
             acc = T.sblock_alloc_buffer((1,), "int32", scope="local")        # the byte
@@ -48,7 +52,13 @@ def relu_bits_amax_kernel(wl):
                     if j < BYTES:
                         for h in T.unroll(2):
                             for i in T.vectorized(ELEMENTS // 2):
-                                got[h * 4 + i] = y[j * ELEMENTS + h * 4 + i]
+                                got[h * 4 + i] = src[j * ELEMENTS + h * 4 + i]
+                        if RELU:
+                            for i in T.unroll(ELEMENTS):
+                                got[i] = T.if_then_else(T.isnan(got[i]), got[i], T.max(got[i], T.float32(0)))
+                            for h in T.unroll(2):
+                                for i in T.vectorized(ELEMENTS // 2):
+                                    y[j * ELEMENTS + h * 4 + i] = got[h * 4 + i]
                         acc[0] = 0
                         top[0] = T.float32(0)
                         for i in T.unroll(ELEMENTS):
@@ -58,5 +68,18 @@ def relu_bits_amax_kernel(wl):
                             top[0] = T.max(top[0], T.fabs(got[i]))
                         out[j] = T.Cast("uint8", acc[0])
                         part[j] = top[0]
+
+    if RELU:
+        @T.prim_func(s_tir=True, private=True)
+        def main(x: T.Buffer((NUMEL,), "float32", align=16), y: T.Buffer((NUMEL,), "float32", align=16),
+                 out: T.Buffer((BYTES,), "uint8"), part: T.Buffer((BYTES,), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            body(x, y, out, part)
+    else:
+        @T.prim_func(s_tir=True, private=True)
+        def main(y: T.Buffer((NUMEL,), "float32", align=16), out: T.Buffer((BYTES,), "uint8"),
+                 part: T.Buffer((BYTES,), "float32")):
+            T.func_attr({"tirx.noalias": True})
+            body(y, None, out, part)
 
     return main

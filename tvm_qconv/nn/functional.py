@@ -425,6 +425,13 @@ def relu_bits_torch(y: torch.Tensor) -> torch.Tensor:
     return pack_bits(y > 0)
 
 
+def relu_with_bits_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(relu(x), relu_bits(relu(x)))``: ``CompactReLU``'s forward and the mask it keeps (the
+    bits through ``ELEMENTWISE_KERNELS``' ``relu_bits``, which may note the output's range)."""
+    y = torch.relu(x)
+    return y, _relu_bits(y)
+
+
 def mask_torch(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``g`` where its bit of ``bits`` (:func:`pack_bits`) is set, else 0."""
     return g.masked_fill(~unpack_bits(bits, g.shape), 0.0)
@@ -463,7 +470,8 @@ def scale_sums_torch(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
-    "relu_bits": relu_bits_torch, "mask": mask_torch, "grad_stats": grad_stats_torch,
+    "relu_bits": relu_bits_torch, "relu_with_bits": relu_with_bits_torch, "mask": mask_torch,
+    "grad_stats": grad_stats_torch,
     "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch}
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
@@ -498,6 +506,11 @@ def _int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding
 def _relu_bits(y: torch.Tensor) -> torch.Tensor:
     """The dispatch point of :func:`relu_bits_torch`."""
     return _elementwise(y.device.type, "relu_bits")(y)
+
+
+def _relu_with_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dispatch point of :func:`relu_with_bits_torch` (contiguous ``x``)."""
+    return _elementwise(x.device.type, "relu_with_bits")(x)
 
 
 def _mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,17 @@ what a training step keeps (about 9 M elements an image, 4.6 GB at batch 128). T
 packed 8 to a byte (``functional.pack_bits``) says everything backward needs, and gives the same
 gradient bit for bit (``threshold_backward``: the gradient where the output is positive).
 
-The bits and the masking go through the ``relu_bits`` / ``mask`` entries of
-``ELEMENTWISE_KERNELS[device]`` (on CUDA one TVM kernel each), the fused int8 conv's own ReLU
-mask; without a gradient to take, :class:`CompactReLU` is ``torch.relu``.
+The forward (``relu``, its bits and, for the next int8 layer, its range) and the masking go
+through the ``relu_with_bits`` / ``mask`` entries of ``ELEMENTWISE_KERNELS[device]`` (on CUDA one
+TVM kernel each: ``relu_bits_amax``, ``elementwise.mask``); without a gradient to take,
+:class:`CompactReLU` is ``torch.relu``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .functional import _mask, _relu_bits
+from .functional import _mask, _relu_with_bits
 
 
 class ReLUFunction(torch.autograd.Function):
@@ -24,8 +25,8 @@ class ReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        y = torch.relu(x.contiguous())
-        ctx.save_for_backward(_relu_bits(y))
+        y, bits = _relu_with_bits(x.contiguous())
+        ctx.save_for_backward(bits)
         return y
 
     @staticmethod

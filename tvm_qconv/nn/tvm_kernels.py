@@ -87,7 +87,8 @@ from ..target import TargetInfo, make_target
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
                          known_amax, mask_torch, note_amax, quantize_grad_torch, quantize_torch,
-                         register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch, scale_sums_torch)
+                         register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch,
+                         relu_with_bits_torch, scale_sums_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
 TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
@@ -592,6 +593,20 @@ def relu_bits(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def relu_with_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``functional.relu_with_bits_torch`` in one kernel (``elementwise.relu``: ``relu(x)``, its
+    bits and its range, noted for ``functional.batch_amax``) where ``x`` fills whole bytes of bits."""
+    if x.dim() != 4 or x.dtype != torch.float32 or x.numel() % relu_bits_amax.ELEMENTS:
+        return relu_with_bits_torch(x)
+    wl = elementwise.ElementwiseWorkload("relu", tuple(x.shape))
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    bits = torch.empty((x.numel() // 8,), dtype=torch.uint8, device=x.device)
+    part = torch.empty((x.numel() // 8,), dtype=torch.float32, device=x.device)
+    _call("relu", wl, x.device, x.reshape(-1), y.view(-1), bits, part)
+    note_amax(y, part.amax())
+    return y, bits
+
+
 def mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``functional.mask_torch`` in one kernel (``elementwise.mask``)."""
     if g.dim() != 4 or g.dtype != torch.float32:
@@ -712,7 +727,8 @@ def register(device_type: str = "cuda") -> None:
     register_conv_grad_kernels(device_type, conv_input_grad, conv_weight_grad)
     INT8_WEIGHT_GRAD_KERNELS[device_type] = int8_weight_grad
     ELEMENTWISE_KERNELS[device_type] = {"quantize": quantize, "int8_conv_dequantized": int8_conv_dequantized,
-                                        "relu_bits": relu_bits, "mask": mask, "grad_stats": grad_stats,
+                                        "relu_bits": relu_bits, "relu_with_bits": relu_with_bits, "mask": mask,
+                                        "grad_stats": grad_stats,
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
                                         "max_pool_grad": max_pool_grad, "scale_sums": scale_sums}
 
