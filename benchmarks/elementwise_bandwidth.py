@@ -36,9 +36,10 @@ from tvm_qconv.fileio import write_json  # noqa: E402
 VGG16_CONVS = ((64, 1), (64, 1), (128, 2), (128, 2), (256, 4), (256, 4), (256, 4), (512, 8), (512, 8), (512, 8),
                (512, 16), (512, 16), (512, 16))
 POOLED = (1, 3, 6, 9, 12)           # indices of the convs a pool follows
-KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "pack_transposed",
-         "max_pool", "max_pool_grad", "scale_sums")
-PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "mask", "pack", "pack_transposed")
+KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "relu", "mask", "pack",
+         "pack_transposed", "max_pool", "max_pool_grad", "scale_sums")
+PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "relu", "mask", "pack",
+            "pack_transposed")
 
 
 def bytes_moved(kind: str, shape) -> int:
@@ -51,8 +52,9 @@ def bytes_moved(kind: str, shape) -> int:
     return {"quantize": 4 * e + e,                       # float in, int8 out
             "quantize_grad": 4 * e + e // 8 + 2 * e,     # g and its mask in, two int8 out
             "grad_stats": 4 * e + e // 8,                # g and its mask in (partials: a few KB)
-            "dequantize": 4 * padded + 4 * e,            # NHWC32 int32 in, float out
+            "dequantize": 4 * padded + 4 * e + e // 2,   # NHWC32 int32 in, float out, its range a thread
             "relu_bits": 4 * e + e // 8,
+            "relu": 8 * e + e // 8 + e // 2,             # x in; relu(x), its bits and range out (ResNet's)
             "mask": 4 * e + e // 8 + 4 * e,              # g and the bits in, masked g out (ResNet's ReLUs)
             "scale_sums": 8 * e,                         # the weight's int32 sums in, float dw out (shape: OIHW)
             "pack": e + padded,                          # int8 NCHW in, NHWC32 out
@@ -63,9 +65,9 @@ def bytes_moved(kind: str, shape) -> int:
 
 def workloads(batch: int, image_size: int) -> list[tuple[str, tuple[int, int, int, int]]]:
     """(kind, shape) of every elementwise kernel call a VGG16 step makes at ``batch``: the float
-    side's NCHW shape once per conv and pool (``mask`` too, which VGG16 does not call: ResNet-50's
-    ReLUs, at these shapes), and ``scale_sums`` once per weight (OIHW, the linear layers 1 x 1; the
-    weights' quantizations left out)."""
+    side's NCHW shape once per conv and pool (``relu`` and ``mask`` too, which VGG16 does not call:
+    ResNet-50's ``CompactReLU``, at these shapes), and ``scale_sums`` once per weight (OIHW, the
+    linear layers 1 x 1; the weights' quantizations left out)."""
     out = []
     cin = 3
     for i, (c, down) in enumerate(VGG16_CONVS):
@@ -117,8 +119,12 @@ def _call(kind: str, shape, device: torch.device):
         return lambda: tvm_kernels.quantize_grad(x, bits, s, sc, sc)
     if kind == "grad_stats":
         return lambda: tvm_kernels.grad_stats(x, bits)
-    if kind == "relu_bits":
-        return lambda: tvm_kernels.relu_bits(x)
+    if kind == "relu_bits":     # the fused tensor-core layer's: its range came with the dequantize
+        wl, out = E.ElementwiseWorkload("relu_bits", shape), torch.empty((x.numel() + 7) // 8, dtype=torch.uint8,
+                                                                        device=device)
+        return lambda: tvm_kernels._call("relu_bits", wl, device, x.reshape(-1), out)
+    if kind == "relu":
+        return lambda: tvm_kernels.relu_with_bits(x)
     if kind == "mask":
         return lambda: tvm_kernels.mask(x, bits)
     if kind == "pack":
@@ -132,30 +138,40 @@ def _call(kind: str, shape, device: torch.device):
     if kind == "max_pool_grad":
         out, index = tvm_kernels.max_pool(x)
         return lambda: tvm_kernels.max_pool_grad(out, index, shape)
-    if kind == "dequantize":   # the fused layer's: per-channel scale, bias, ReLU, from NHWC32
+    if kind == "dequantize":   # the fused layer's: per-channel scale, bias, ReLU, from NHWC32, its range
         acc = torch.randint(-2 ** 20, 2 ** 20, (n, h, w, -(-c // 32) * 32), generator=gen, dtype=torch.int32)
         acc, out = acc.to(device), torch.empty(shape, device=device)
-        wl = E.ElementwiseWorkload("dequantize", shape, per_channel=True, layout="nhwc32", bias=True, relu=True)
-        return lambda: tvm_kernels._call("dequantize", wl, device, acc, sc, sc, out)
+        part = torch.empty((n, c // 8, h, w), dtype=torch.int32, device=device)
+        wl = E.ElementwiseWorkload("dequantize", shape, per_channel=True, layout="nhwc32", bias=True, relu=True,
+                                   amax=True)
+        return lambda: tvm_kernels._call("dequantize", wl, device, acc, sc, sc, out, part, outputs=2)
     raise ValueError(f"unknown kind {kind!r}; one of {KINDS}")
 
 
 def measure(batch: int, image_size: int, device: torch.device, iters: int = 20,
             kinds: tuple[str, ...] = KINDS) -> dict:
     """Every call of :func:`workloads` of ``kinds`` timed; returns the JSON record (rows and the
-    copy anchor).  The kernels are built first, in parallel (``tvm_kernels.prebuild``)."""
+    copy anchor).  The kernels are built first, in parallel (``tvm_kernels.prebuild``); each call's
+    tensors are made for it and freed after it (all at once they would be ~40 bytes an activation
+    element: ~19 GB at batch 32)."""
     from tvm_qconv.nn import tvm_kernels
 
     timer = _timer(device, iters)
-    calls = [(kind, shape, _call(kind, shape, device)) for kind, shape in workloads(batch, image_size)
-             if kind in kinds]
-    built = tvm_kernels.prebuild(lambda: [fn() for _, _, fn in calls])
+    calls = [(kind, shape) for kind, shape in workloads(batch, image_size) if kind in kinds]
+
+    def dry_run():
+        for kind, shape in calls:
+            _call(kind, shape, device)()
+
+    built = tvm_kernels.prebuild(dry_run)
     print(f"prebuilt {len(built['built'])} kernels in {built['seconds']:.0f} s", flush=True)
     rows = []
-    for kind, shape, fn in calls:
+    for kind, shape in calls:
+        fn = _call(kind, shape, device)
         fn()    # load the kernel before timing
         ms = timer(fn)
         rows.append({"kind": kind, "shape": list(shape), "ms": ms, "bytes": bytes_moved(kind, shape)})
+        del fn
     big = torch.empty(batch * 64 * image_size * image_size, device=device)
     dst = torch.empty_like(big)
     copy_ms = timer(lambda: dst.copy_(big))

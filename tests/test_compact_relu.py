@@ -65,3 +65,21 @@ def test_compact_relu_through_the_kernels_matches(tmp_path, monkeypatch, shape, 
     ours, ref = _relu_and_grad(CompactReLU(), x, g), _relu_and_grad(nn.ReLU(), x, g)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
     assert {k for k, _ in tvm_kernels.CALLS} == {forward, "mask"}
+
+
+def test_compact_relu_kernel_keeps_nan_and_passes_its_gradient_as_nn_relu(tmp_path, monkeypatch):
+    # relu(NaN) = NaN and threshold_backward passes the gradient there (NaN <= 0 is false); the
+    # range the kernel notes for the next layer is NaN too, as aminmax's
+    from tvm_qconv.nn import tvm_kernels
+    monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setattr(tvm_kernels, "_kernels", {})
+    monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", {
+        "relu_bits": tvm_kernels.relu_bits, "relu_with_bits": tvm_kernels.relu_with_bits, "mask": tvm_kernels.mask})
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(2, 3, 4, 4, generator=gen), torch.randn(2, 3, 4, 4, generator=gen)
+    x.view(-1)[5] = float("nan")
+    ours, ref = _relu_and_grad(CompactReLU(), x, g), _relu_and_grad(nn.ReLU(), x, g)
+    assert torch.equal(ours[0].isnan(), ref[0].isnan()) and torch.equal(ours[0].nan_to_num(), ref[0].nan_to_num())
+    assert torch.equal(ours[1], ref[1]) and ours[1].view(-1)[5] == g.view(-1)[5]
+    y, _ = tvm_kernels.relu_with_bits(x)
+    assert functional.batch_amax(y).isnan()

@@ -303,10 +303,10 @@ def tensor_cores_on_llvm(tvm_on_cpu, monkeypatch):
 
     call, calls = tvm_kernels._call, []
 
-    def run_on_llvm(kind, wl, device, *tensors):
+    def run_on_llvm(kind, wl, device, *tensors, **kwargs):
         calls.append((kind, wl))
         if kind != "forward":
-            return call(kind, wl, device, *tensors)
+            return call(kind, wl, device, *tensors, **kwargs)
         data, weight, out = tensors
         assert data.shape[-1] % 32 == 0 and weight.shape[0] % 32 == 0
         fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
@@ -403,9 +403,9 @@ def test_the_int8_weight_gradient_as_a_conv_of_the_input_with_the_gradient_is_ex
 
     call = tvm_kernels._call
 
-    def run_on_llvm(kind, wl, device, *tensors):
+    def run_on_llvm(kind, wl, device, *tensors, **kwargs):
         if kind != "forward":       # the packing kernels: their llvm builds
-            return call(kind, wl, device, *tensors)
+            return call(kind, wl, device, *tensors, **kwargs)
         fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
         fn(*tensors)
 
@@ -851,3 +851,13 @@ def test_integer_weight_gradient_sums_scale_to_the_float_paths_bits_in_one_pass(
     monkeypatch.setitem(functional.INT8_WEIGHT_GRAD_KERNELS, "cpu", integer_sums)
     ours = dw()
     assert ours.is_contiguous() and torch.equal(ours, ref)
+
+
+def test_an_elementwise_kernel_past_int32_indexing_is_refused_with_what_to_do():
+    # the written kernels index in int32: a pack of 2.4 G padded elements would wrap silently
+    from tvm_qconv.schedules.training import elementwise
+    with pytest.raises(ValueError, match="index in int32.*smaller batch"):
+        elementwise.ElementwiseWorkload("pack", (9, 64, 2048, 2048))
+    with pytest.raises(ValueError, match="smaller batch"):   # 3 channels padded to 32 in NHWC32
+        elementwise.ElementwiseWorkload("dequantize", (700, 3, 320, 320), layout="nhwc32")
+    elementwise.ElementwiseWorkload("pack", (32, 64, 224, 224))      # VGG16's first map at batch 32

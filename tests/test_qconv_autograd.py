@@ -703,15 +703,24 @@ def test_a_layers_output_range_is_the_next_layers_input_range_without_a_second_r
         assert torch.equal(a.grad, b.grad)
 
 
-def test_a_noted_range_is_dropped_when_its_tensor_changes_in_place_or_its_copy_is_changed():
-    from tvm_qconv.nn.functional import note_amax
+def test_a_noted_range_is_dropped_when_its_tensor_or_the_range_changes_in_place():
+    from tvm_qconv.nn.functional import known_amax, note_amax
     y = torch.tensor([1.0, -3.0, 2.0])
-    note_amax(y, batch_amax(y))
+    noted = torch.tensor(3.0)
+    note_amax(y, noted)
     first = batch_amax(y)
-    first.add_(100.0)                                  # the caller's copy: the record is untouched
+    assert first is not noted and known_amax(y) is noted
+    first.add_(100.0)                                  # a caller's copy: the record is untouched
     assert batch_amax(y).item() == 3.0
     y.mul_(2.0)                                        # the tensor's version moves: computed again
-    assert batch_amax(y).item() == 6.0
+    assert known_amax(y) is None and batch_amax(y).item() == 6.0
+    note_amax(y, noted)
+    noted.fill_(-1.0)                                  # the noted range itself changed: not used
+    assert known_amax(y) is None and batch_amax(y).item() == 6.0
+    with torch.inference_mode():                       # no version counter: nothing is noted
+        z = torch.tensor([5.0])
+        note_amax(z, torch.tensor(1.0))
+    assert known_amax(z) is None and batch_amax(z).item() == 5.0
 
 
 def test_twins_without_range_records_are_plain_float_layers(monkeypatch):

@@ -431,18 +431,40 @@ def test_cuda_dequantize_writes_the_outputs_range_as_torchs_aminmax(cout, relu):
     scale, bias = (torch.rand(cout, generator=g) * 1e-4).to(CUDA), torch.randn(cout, generator=g).to(CUDA)
     y = tvm_kernels.int8_conv_dequantized(x_q, w_q, (1, 1), (1, 1, 1, 1), (1, 1), 1, scale, bias, relu)
     assert any(k == "dequantize" and "amax" in w for k, w in tvm_kernels.CALLS)
+    assert functional.known_amax(y) is not None        # batch_amax below takes the kernel's
     lo, hi = torch.aminmax(y)
     assert torch.equal(batch_amax(y), torch.maximum(-lo, hi))
 
 
 def test_cuda_relu_bits_writes_its_inputs_range_as_torchs_aminmax():
-    # CompactReLU's bits kernel also writes max|y| a byte (relu_bits_amax), noted for batch_amax
+    # a dp4a layer's ReLU output: the bits kernel also writes max|y| a byte (relu_bits_amax)
     y = torch.relu(torch.randn(16, 64, 56, 56, generator=torch.Generator().manual_seed(0))).to(CUDA)
     bits = tvm_kernels.relu_bits(y)
     assert any(k == "relu_bits" and "amax" in w for k, w in tvm_kernels.CALLS)
     assert torch.equal(bits, functional.pack_bits(y > 0))
+    assert functional.known_amax(y) is not None
     lo, hi = torch.aminmax(y)
     assert torch.equal(batch_amax(y), torch.maximum(-lo, hi))
+
+
+@pytest.mark.parametrize("special", ["subnormals", "nan"])
+def test_cuda_relu_kernel_keeps_subnormals_and_nan_as_torch(special):
+    # CompactReLU's forward kernel decides on the values' bits: --use_fast_math's max.ftz.f32 would
+    # make relu(1e-45) 0 (its gradient lost) and drop NaN from the range
+    x = torch.randn(8, 16, 14, 14, generator=torch.Generator().manual_seed(0))
+    x.view(-1)[:6] = torch.tensor([1e-45, -1e-45, 1e-40, 0.0, -0.0, 3.0])
+    if special == "nan":
+        x.view(-1)[7] = float("nan")
+    x = x.to(CUDA)
+    y, bits = tvm_kernels.relu_with_bits(x)
+    ref = torch.relu(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(y.nan_to_num(), ref.nan_to_num())
+    assert y.view(-1)[0].item() == 1e-45 and y.view(-1)[2].item() == 1e-40
+    assert torch.equal(bits, functional.pack_bits(~(ref <= 0)))    # threshold_backward's: NaN passes
+    lo, hi = torch.aminmax(ref)
+    assert functional.known_amax(y) is not None
+    assert torch.equal(batch_amax(y).nan_to_num(nan=-1.0), torch.maximum(-lo, hi).nan_to_num(nan=-1.0))
 
 
 def _near_ties(scales: torch.Tensor, width: int = 16) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The training path's ``dequantize`` from NHWC32 that also writes its output's range: each thread
 dequantizes 8 channels of a pixel (scale, bias, ReLU: ``elementwise.dequantize``, the same bits)
-and writes ``max |out|`` over them to ``part`` (``[N, C / 8, H, W]``), so ``part.amax()`` is
-``batch_amax(out)``.
+and writes the bits of ``max |out|`` over them to ``part`` (int32 ``[N, C / 8, H, W]``,
+``elementwise.abs_bits``: an integer max, exact where a float max under --use_fast_math flushes
+subnormals and drops NaN), so ``part.amax().view(float32)`` is ``batch_amax(out)``.
 
 Why: every int8 layer observes its float output's range each training step (its record, and the
 next layer's quantization range where the output is the next input), which was one more pass over
@@ -12,9 +13,8 @@ byte an element and a reduction reading it back.
 
 Written as scheduled S-TIR (``tensorcore/pool.py`` says why not TIRx); the threads as
 ``elementwise``'s staged ``dequantize`` (consecutive threads on consecutive pixels: coalesced NCHW
-stores; 8 channels a thread, two 16-byte loads of the accumulators).  The range of a finite output
-(int32 accumulators times finite scales) is exact: a max.  ``tests/test_grad_kernels.py`` runs it
-on a CPU twin against ``elementwise.dequantize``'s compute.
+stores; 8 channels a thread, two 16-byte loads of the accumulators).  ``tests/test_grad_kernels.py``
+runs it on a CPU twin against ``elementwise.dequantize``'s compute.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tensorcore.layout import ceil32
+from .elementwise_bits import ABS_BITS
 
 CHANNELS = 8        # a thread's channels of one pixel: one 32-byte sector of int32 accumulators
 THREADS = 256
@@ -61,7 +62,7 @@ def dequantize_amax_kernel(wl, rn: bool = True):
         with T.sblock("root"):
             got = T.sblock_alloc_buffer((CHANNELS,), "int32", scope="local")
             val = T.sblock_alloc_buffer((CHANNELS,), "float32", scope="local")
-            top = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            top = T.sblock_alloc_buffer((1,), "int32", scope="local")      # max |v|'s bits
             for cta in T.thread_binding(GRID, thread="blockIdx.x"):
                 for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                     t = T.meta_var(cta * THREADS + tid)          # (image, channel group, row, column)
@@ -73,7 +74,7 @@ def dequantize_amax_kernel(wl, rn: bool = True):
                         for h in T.unroll(2):
                             for l in T.vectorized(CHANNELS // 2):
                                 got[h * 4 + l] = acc[b, y, x, g * CHANNELS + h * 4 + l]
-                        top[0] = T.float32(0)
+                        top[0] = 0
                         for l in T.unroll(CHANNELS):
                             c = T.meta_var(g * CHANNELS + l)
                             if BIAS:
@@ -81,20 +82,20 @@ def dequantize_amax_kernel(wl, rn: bool = True):
                             else:
                                 val[l] = value(got[l], scale[c * S], None)
                             out[b, c, y, x] = val[l]
-                            top[0] = T.max(top[0], T.fabs(val[l]))
+                            top[0] = T.max(top[0], T.reinterpret("int32", val[l]) & ABS_BITS)
                         part[b, g, y, x] = top[0]
 
     if BIAS:
         @T.prim_func(s_tir=True, private=True)
         def main(acc: T.Buffer((N, H, W, CP), "int32", align=16), scale: T.Buffer((SC,), "float32"),
                  bias: T.Buffer((C,), "float32"), out: T.Buffer((N, C, H, W), "float32"),
-                 part: T.Buffer((N, CV, H, W), "float32")):
+                 part: T.Buffer((N, CV, H, W), "int32")):
             T.func_attr({"tirx.noalias": True})
             body(acc, scale, bias, out, part)
     else:
         @T.prim_func(s_tir=True, private=True)
         def main(acc: T.Buffer((N, H, W, CP), "int32", align=16), scale: T.Buffer((SC,), "float32"),
-                 out: T.Buffer((N, C, H, W), "float32"), part: T.Buffer((N, CV, H, W), "float32")):
+                 out: T.Buffer((N, C, H, W), "float32"), part: T.Buffer((N, CV, H, W), "int32")):
             T.func_attr({"tirx.noalias": True})
             body(acc, scale, None, out, part)
 

@@ -76,12 +76,14 @@ from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..tensorcore.layout import ceil32
 from . import dequantize_amax, pack_nhwc32, relu_bits_amax
+from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
+INDEX_LIMIT = 2 ** 31   # elements of a kernel's tensors: the written kernels index in int32
 
 
 @dataclass(frozen=True)
@@ -101,10 +103,11 @@ class ElementwiseWorkload:
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
         dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
-        amax: also ``part``, whose max is the range ``max |.|`` of a tensor the kernel writes or
-            reads whole: (dequantize, NHWC32, C a multiple of 8) ``[N, C / 8, H, W]``, the max of
-            ``|out|`` over each 8 channels of a pixel (``dequantize_amax``); (relu_bits, numel a
-            multiple of 8) ``[numel / 8]``, the max of ``|y|`` over each byte's 8 (``relu_bits_amax``).
+        amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
+            ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
+            multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
+            (``dequantize_amax``); (relu_bits, numel a multiple of 8) ``[numel / 8]``, over each
+            byte's 8 (``relu_bits_amax``).
     """
 
     kind: str
@@ -123,6 +126,9 @@ class ElementwiseWorkload:
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
+        if self.largest_tensor() >= INDEX_LIMIT:
+            raise ValueError(f"{self.describe()}: a tensor of {self.largest_tensor()} elements; the training kernels "
+                             f"index in int32 (under {INDEX_LIMIT}): use a smaller batch")
         if self.kind == "relu" and not relu_bits_amax.supports(self):
             raise ValueError(f"relu takes whole bytes of bits (numel a multiple of 8): {self}")
         if self.amax and not (dequantize_amax.supports(self) or relu_bits_amax.supports(self)):
@@ -131,6 +137,14 @@ class ElementwiseWorkload:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def largest_tensor(self) -> int:
+        """Elements of the kernel's largest tensor: the NCHW side, or a padded NHWC32 one."""
+        n, c, h, w = self.shape
+        if self.kind == "pack":
+            rows, cols = (c, n) if self.transpose else (n, c)
+            return max(n * c * h * w, (ceil32(rows) if self.pad_rows else rows) * h * w * ceil32(cols))
+        return max(n * c * h * w, n * h * w * ceil32(c) if self.layout == "nhwc32" else 0)
 
     def describe(self) -> str:
         n, c, h, w = self.shape
@@ -235,11 +249,11 @@ def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
 
     out = te.compute(wl.shape, element, name="dequantize")
     params = [acc, s] + ([bias] if bias is not None else []) + [out]
-    if wl.amax:     # max |out| over each 8 channels of a pixel (dequantize_amax)
+    if wl.amax:     # max |out| over each 8 channels of a pixel, as bits (dequantize_amax)
         k = dequantize_amax.CHANNELS
         lane = te.reduce_axis((0, k), name="lane")
         params.append(te.compute((n, c // k, h, w), lambda b, g, y, xx: te.max(
-            tirx.abs(element(b, g * k + lane, y, xx)), axis=lane), name="dequantize_amax"))
+            abs_bits(element(b, g * k + lane, y, xx)), axis=lane), name="dequantize_amax"))
     return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_dequantize",
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
@@ -251,23 +265,21 @@ def _numel(wl: ElementwiseWorkload) -> int:
 
 def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     """``(y, out)``: float32 ``y`` (flat) -> uint8 ``[ceil(numel / 8)]``, bit ``i`` of byte ``j`` set
-    where ``y[8j + i] > 0`` (the tail past ``numel`` 0)."""
+    where ReLU's backward passes the gradient at ``y[8j + i]`` (:func:`relu_passes`: positive or
+    NaN; the tail past ``numel`` 0)."""
     numel = _numel(wl)
     y = te.placeholder((numel,), "float32", name="y")
 
     def byte(j):
-        # y > 0 as its bits (a positive float's are a positive int32): exact for subnormals, which
-        # a float compare under --use_fast_math flushes to zero
-        bits = [tirx.if_then_else(tirx.all(8 * j + i < numel,
-                                           tirx.reinterpret("int32", y[tirx.min(8 * j + i, numel - 1)]) > 0),
+        bits = [tirx.if_then_else(tirx.all(8 * j + i < numel, relu_passes(y[tirx.min(8 * j + i, numel - 1)])),
                                   1 << i, 0) for i in range(8)]
         return sum(bits[1:], bits[0]).astype("uint8")
 
     out = te.compute(((numel + 7) // 8,), byte, name="relu_bits")
     params = [y, out]
-    if wl.amax:     # max |y| over each byte's 8 (relu_bits_amax: numel a multiple of 8)
+    if wl.amax:     # max |y| over each byte's 8, as bits (relu_bits_amax: numel a multiple of 8)
         lane = te.reduce_axis((0, 8), name="lane")
-        params.append(te.compute((numel // 8,), lambda j: te.max(tirx.abs(y[8 * j + lane]), axis=lane),
+        params.append(te.compute((numel // 8,), lambda j: te.max(abs_bits(y[8 * j + lane]), axis=lane),
                                  name="relu_bits_amax"))
     return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": "train_relu_bits",
                                                   "tvm_qconv.workload": str(wl.to_dict())})
@@ -275,17 +287,17 @@ def relu_bits(wl: ElementwiseWorkload) -> tirx.PrimFunc:
 
 def relu(wl: ElementwiseWorkload) -> tirx.PrimFunc:
     """``(x, y, bits, part)``: float32 ``x`` (flat, ``numel`` a multiple of 8) -> ``y = relu(x)``
-    (torch's: NaN kept), ``relu_bits`` of ``y`` and ``part[j] = max |y|`` over byte ``j``'s 8:
-    ``CompactReLU``'s forward and its output's range in one pass (``relu_bits_amax``)."""
+    (:func:`relu_value`), ``relu_bits`` of ``y`` and ``part[j]``, the bits of ``max |y|`` over byte
+    ``j``'s 8 (:func:`abs_bits`): ``CompactReLU``'s forward and its output's range in one pass
+    (``relu_bits_amax``)."""
     numel = _numel(wl)
     x = te.placeholder((numel,), "float32", name="x")
-    zero = tirx.const(0.0, "float32")
-    y = te.compute((numel,), lambda k: tirx.if_then_else(tirx.isnan(x[k]), x[k], tirx.max(x[k], zero)), name="relu")
+    y = te.compute((numel,), lambda k: relu_value(x[k]), name="relu")
     bits = te.compute((numel // 8,), lambda j: sum(
-        (tirx.if_then_else(tirx.reinterpret("int32", y[8 * j + i]) > 0, 1 << i, 0) for i in range(1, 8)),
-        tirx.if_then_else(tirx.reinterpret("int32", y[8 * j]) > 0, 1, 0)).astype("uint8"), name="relu_bits")
+        (tirx.if_then_else(relu_passes(y[8 * j + i]), 1 << i, 0) for i in range(1, 8)),
+        tirx.if_then_else(relu_passes(y[8 * j]), 1, 0)).astype("uint8"), name="relu_bits")
     lane = te.reduce_axis((0, 8), name="lane")
-    part = te.compute((numel // 8,), lambda j: te.max(tirx.abs(y[8 * j + lane]), axis=lane), name="relu_amax")
+    part = te.compute((numel // 8,), lambda j: te.max(abs_bits(y[8 * j + lane]), axis=lane), name="relu_amax")
     return te.create_prim_func([x, y, bits, part]).with_attr({"tvm_qconv.kernel": "train_relu",
                                                             "tvm_qconv.workload": str(wl.to_dict())})
 

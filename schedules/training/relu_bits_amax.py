@@ -2,9 +2,14 @@
 16-byte loads, one byte of bits):
 
 * ``relu_bits`` with ``amax``: ``y`` -> its byte of bits (``elementwise.relu_bits``, the same bits)
-  and ``max |y|`` over the 8 to ``part`` (``[numel / 8]``), so ``part.amax()`` is ``batch_amax(y)``;
-* ``relu``: ``x`` -> ``y = relu(x)`` (torch's: NaN kept, ``max(x, 0)`` else), the bits of ``y`` and
-  the same ``part``: ``CompactReLU``'s whole forward in one pass.
+  and the bits of ``max |y|`` over the 8 to ``part`` (int32 ``[numel / 8]``,
+  ``elementwise.abs_bits``), so ``part.amax().view(float32)`` is ``batch_amax(y)``;
+* ``relu``: ``x`` -> ``y = relu(x)`` (``elementwise.relu_value``: torch's, NaN and positive
+  subnormals kept), the bits of ``y`` and the same ``part``: ``CompactReLU``'s whole forward.
+
+Every decision is on the values' bits, not a float compare or max: TVM compiles CUDA with
+--use_fast_math, under which ``max(x, 0)`` is ``max.ftz.f32`` (a positive subnormal becomes 0, its
+gradient lost) and a float max drops NaN from a range.
 
 Why: ``CompactReLU`` keeps the bits of its output for backward, and the next layer, an int8 conv,
 observes the same output's range to quantize it.  In ResNet-50 (b128, H200, 2026-11-29) that was
@@ -18,6 +23,8 @@ Written as scheduled S-TIR (``tensorcore/pool.py`` says why not TIRx) for ``nume
 from __future__ import annotations
 
 from tvm.script import tirx as T
+
+from .elementwise_bits import ABS_BITS, relu_passes, relu_value
 
 ELEMENTS = 8        # a thread's elements: one byte of bits, two 16-byte loads
 THREADS = 256
@@ -45,7 +52,7 @@ def relu_bits_amax_kernel(wl):
         with T.sblock("root"):
             got = T.sblock_alloc_buffer((ELEMENTS,), "float32", scope="local")
             acc = T.sblock_alloc_buffer((1,), "int32", scope="local")        # the byte
-            top = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            top = T.sblock_alloc_buffer((1,), "int32", scope="local")        # max |y|'s bits
             for cta in T.thread_binding(GRID, thread="blockIdx.x"):
                 for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                     j = T.meta_var(cta * THREADS + tid)
@@ -55,30 +62,29 @@ def relu_bits_amax_kernel(wl):
                                 got[h * 4 + i] = src[j * ELEMENTS + h * 4 + i]
                         if RELU:
                             for i in T.unroll(ELEMENTS):
-                                got[i] = T.if_then_else(T.isnan(got[i]), got[i], T.max(got[i], T.float32(0)))
+                                got[i] = relu_value(got[i])
                             for h in T.unroll(2):
                                 for i in T.vectorized(ELEMENTS // 2):
                                     y[j * ELEMENTS + h * 4 + i] = got[h * 4 + i]
                         acc[0] = 0
-                        top[0] = T.float32(0)
+                        top[0] = 0
                         for i in T.unroll(ELEMENTS):
-                            # y > 0 as its bits, as elementwise.relu_bits (exact for subnormals)
-                            if T.reinterpret("int32", got[i]) > 0:
+                            if relu_passes(got[i]):
                                 acc[0] = acc[0] | (1 << i)
-                            top[0] = T.max(top[0], T.fabs(got[i]))
+                            top[0] = T.max(top[0], T.reinterpret("int32", got[i]) & ABS_BITS)
                         out[j] = T.Cast("uint8", acc[0])
                         part[j] = top[0]
 
     if RELU:
         @T.prim_func(s_tir=True, private=True)
         def main(x: T.Buffer((NUMEL,), "float32", align=16), y: T.Buffer((NUMEL,), "float32", align=16),
-                 out: T.Buffer((BYTES,), "uint8"), part: T.Buffer((BYTES,), "float32")):
+                 out: T.Buffer((BYTES,), "uint8"), part: T.Buffer((BYTES,), "int32")):
             T.func_attr({"tirx.noalias": True})
             body(x, y, out, part)
     else:
         @T.prim_func(s_tir=True, private=True)
         def main(y: T.Buffer((NUMEL,), "float32", align=16), out: T.Buffer((BYTES,), "uint8"),
-                 part: T.Buffer((BYTES,), "float32")):
+                 part: T.Buffer((BYTES,), "int32")):
             T.func_attr({"tirx.noalias": True})
             body(y, None, out, part)
 

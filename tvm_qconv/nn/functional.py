@@ -243,7 +243,7 @@ def note_amax(t: torch.Tensor, amax: torch.Tensor) -> None:
     bypasses the version counter (through ``.numpy()``, ``.data`` or DLPack) would leave the record
     stale, so tensors a user refills (an input buffer) are never noted.  Inference tensors (no
     version counter) are not recorded."""
-    if t.is_inference():
+    if t.is_inference() or amax.is_inference():
         return
     key = id(t)
 
@@ -421,8 +421,9 @@ def int8_conv_dequantized_torch(x_q: torch.Tensor, w_q: torch.Tensor, stride, pa
 
 
 def relu_bits_torch(y: torch.Tensor) -> torch.Tensor:
-    """``pack_bits(y > 0)``: the ReLU mask backward keeps."""
-    return pack_bits(y > 0)
+    """``pack_bits(~(y <= 0))``: the ReLU mask backward keeps, where ``threshold_backward`` passes
+    the gradient (``y > 0``, and NaN)."""
+    return pack_bits(~(y <= 0))
 
 
 def relu_with_bits_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

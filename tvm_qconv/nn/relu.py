@@ -3,9 +3,10 @@
 ``nn.ReLU`` keeps its output for backward: 4 bytes an element in float32, the whole activation.
 Where the next layer is an int8 layer, which keeps only its int8 input, that float tensor would
 otherwise be freed once the next layer has read it: in ResNet-50 the ReLUs' outputs are most of
-what a training step keeps (about 9 M elements an image, 4.6 GB at batch 128). The mask ``y > 0``
-packed 8 to a byte (``functional.pack_bits``) says everything backward needs, and gives the same
-gradient bit for bit (``threshold_backward``: the gradient where the output is positive).
+what a training step keeps (about 9 M elements an image, 4.6 GB at batch 128). The mask "not
+``y <= 0``" packed 8 to a byte (``functional.pack_bits``) says everything backward needs, and
+gives the same gradient bit for bit (``threshold_backward``: the gradient where the output is
+positive, or NaN).
 
 The forward (``relu``, its bits and, for the next int8 layer, its range) and the masking go
 through the ``relu_with_bits`` / ``mask`` entries of ``ELEMENTWISE_KERNELS[device]`` (on CUDA one
@@ -21,7 +22,7 @@ from .functional import _mask, _relu_with_bits
 
 
 class ReLUFunction(torch.autograd.Function):
-    """``relu(x)`` keeping ``pack_bits(y > 0)`` for backward (contiguous NCHW order)."""
+    """``relu(x)`` keeping ``relu_bits_torch(y)`` (positive or NaN) for backward (contiguous NCHW order)."""
 
     @staticmethod
     def forward(ctx, x):

@@ -343,14 +343,15 @@ def describe(wl) -> str:
     return wl.describe() + ("" if wl.padding == (1, 1, 1, 1) else f" pad{wl.padding}")
 
 
-def _call(kind: str, wl, device: torch.device, *tensors: torch.Tensor) -> None:
-    """Run a kernel: inputs made ready for TVM (copied if needed), the output (last) written in place."""
+def _call(kind: str, wl, device: torch.device, *tensors: torch.Tensor, outputs: int = 1) -> None:
+    """Run a kernel: inputs made ready for TVM (copied if needed), the ``outputs`` last tensors
+    written in place."""
     fn = get_kernel(kind, wl, device)
-    *inputs, out = tensors
-    if _ready(out) is not out:  # a copy would take the result away with it
-        raise ValueError(f"{kind} output must be contiguous and {ALIGNMENT}-byte aligned")
+    inputs, outs = tensors[:-outputs], tensors[-outputs:]
+    if any(_ready(out) is not out for out in outs):  # a copy would take the result away with it
+        raise ValueError(f"{kind} outputs must be contiguous and {ALIGNMENT}-byte aligned")
     CALLS[(kind, describe(wl))] += 1
-    fn(*[_ready(t) for t in inputs], out)
+    fn(*[_ready(t) for t in inputs], *outs)
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:
@@ -568,28 +569,29 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
     dq = dataclasses.replace(dq, amax=dequantize_amax.supports(dq))
     out = torch.empty(shape, dtype=torch.float32, device=x_q.device)
     extra = [] if bias is None else [bias]
-    part = [torch.empty((n, o // dequantize_amax.CHANNELS) + shape[2:], dtype=torch.float32, device=x_q.device)
+    part = [torch.empty((n, o // dequantize_amax.CHANNELS) + shape[2:], dtype=torch.int32, device=x_q.device)
             ] if dq.amax else []
-    _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out, *part)
-    if part:
-        note_amax(out, part[0].amax())
+    _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out, *part,
+          outputs=1 + len(part))
+    if part:    # the bits of max|out| (elementwise.abs_bits): an int32 max, NaN above inf
+        note_amax(out, part[0].amax().view(torch.float32))
     return out
 
 
 def relu_bits(y: torch.Tensor) -> torch.Tensor:
-    """``functional.relu_bits_torch`` in one kernel (``elementwise.relu_bits``).  Where ``y``'s
-    range is not known yet (``CompactReLU``'s output, which the next int8 layer quantizes) and its
-    elements fill whole bytes, the kernel also writes it, noted for ``functional.batch_amax``
-    (``relu_bits_amax``)."""
+    """``functional.relu_bits_torch`` in one kernel (``elementwise.relu_bits``).  ``y`` is a tensor
+    a layer has just made (the fused conv's ReLU output): where its range is not known yet (a dp4a
+    conv's, whose dequantizing kernel does not write it) and its elements fill whole bytes, the
+    kernel also writes the range, noted for ``functional.batch_amax`` (``relu_bits_amax``)."""
     if y.dim() != 4 or y.dtype != torch.float32:
         return relu_bits_torch(y)
     wl = elementwise.ElementwiseWorkload("relu_bits", tuple(y.shape))
     wl = dataclasses.replace(wl, amax=relu_bits_amax.supports(wl) and known_amax(y) is None)
     out = torch.empty(((y.numel() + 7) // 8,), dtype=torch.uint8, device=y.device)
-    part = [torch.empty((y.numel() // 8,), dtype=torch.float32, device=y.device)] if wl.amax else []
-    _call("relu_bits", wl, y.device, y.reshape(-1), out, *part)
+    part = [torch.empty((y.numel() // 8,), dtype=torch.int32, device=y.device)] if wl.amax else []
+    _call("relu_bits", wl, y.device, y.reshape(-1), out, *part, outputs=1 + len(part))
     if part:
-        note_amax(y, part[0].amax())
+        note_amax(y, part[0].amax().view(torch.float32))
     return out
 
 
@@ -601,9 +603,9 @@ def relu_with_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wl = elementwise.ElementwiseWorkload("relu", tuple(x.shape))
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     bits = torch.empty((x.numel() // 8,), dtype=torch.uint8, device=x.device)
-    part = torch.empty((x.numel() // 8,), dtype=torch.float32, device=x.device)
-    _call("relu", wl, x.device, x.reshape(-1), y.view(-1), bits, part)
-    note_amax(y, part.amax())
+    part = torch.empty((x.numel() // 8,), dtype=torch.int32, device=x.device)
+    _call("relu", wl, x.device, x.reshape(-1), y.view(-1), bits, part, outputs=3)
+    note_amax(y, part.amax().view(torch.float32))
     return y, bits
 
 
@@ -627,7 +629,7 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     amax = torch.empty((g.shape[1], blocks, threads), dtype=torch.float32, device=g.device)
     total = torch.empty(amax.shape, dtype=torch.float64, device=g.device)
     flat = g.reshape(-1) if elementwise.quads(g.shape) else g    # the kernel's g (elementwise.grad_stats)
-    _call("grad_stats", wl, g.device, _ready(flat), *([] if bits is None else [bits]), amax, total)
+    _call("grad_stats", wl, g.device, _ready(flat), *([] if bits is None else [bits]), amax, total, outputs=2)
     return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
 
 
@@ -642,7 +644,7 @@ def quantize_grad(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.Tensor
     args = ([g] + ([] if bits is None else [bits])
             + ([s_dx.to(torch.float32).reshape(1), mult.to(torch.float32)] if wl.dx else [])
             + ([s_dw.to(torch.float32)] if wl.dw else []))
-    _call("quantize_grad", wl, g.device, *args, *outs)
+    _call("quantize_grad", wl, g.device, *args, *outs, outputs=len(outs))
     return (outs[0] if wl.dx else None), (outs[-1] if wl.dw else None)
 
 
@@ -653,7 +655,8 @@ def max_pool(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, c, h, w = x.shape
     out = torch.empty((n, c, h // 2, w // 2), dtype=torch.float32, device=x.device)
     index = torch.empty(out.shape, dtype=torch.uint8, device=x.device)
-    _call("max_pool", elementwise.ElementwiseWorkload("max_pool", tuple(x.shape)), x.device, x, out, index)
+    _call("max_pool", elementwise.ElementwiseWorkload("max_pool", tuple(x.shape)), x.device, x, out, index,
+          outputs=2)
     return out, index
 
 
