@@ -265,7 +265,8 @@ def set_range_records(model: nn.Module, on: bool) -> nn.Module:
     """Make every float twin of ``model`` record its ranges in training (``on``, the default) or
     not: off, a twin computes what ``nn.Conv2d`` / ``nn.Linear`` do and nothing more (the speed
     baseline of ``benchmarks/train_memory.py``).  The int8 layers always observe their input (it
-    is their quantization range) and output.  Returns ``model``."""
+    is their quantization range) and output.  Off, a twin's range buffers keep what they held (0:
+    never observed), and so do its checkpoints.  Returns ``model``."""
     for m in model.modules():
         if isinstance(m, (TorchConv2d, TorchLinear)):
             m.record_ranges = bool(on)

@@ -551,7 +551,8 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
     ReLU); linear layers and grouped convs of group widths not a multiple of 4 through torch.
     From NHWC32 in whole 8-channel groups the kernel also writes the output's range, noted for
     ``functional.batch_amax`` (``dequantize_amax``: the layer's output observation, and the next
-    layer's input range where the output is its input, without a pass of their own)."""
+    layer's input range where the output is its input, without a pass of their own); in eval too,
+    where nothing reads it (half a byte an element written and reduced)."""
     wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
     n, o = x_q.shape[0], w_q.shape[0]
     if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups) or (groups > 1 and (o // groups) % 4):
