@@ -1,5 +1,5 @@
-"""Small helpers every hand-written schedule uses: divisor tile sizes and the loops a
-``compute_at`` made.  One copy here, so the families (``nchw4c/dp4a.py``,
+"""Small helpers every hand-written schedule uses: divisor tile sizes, the loops a
+``compute_at`` made, and a written kernel standing in for a compute's schedule.  One copy here, so the families (``nchw4c/dp4a.py``,
 ``tensorcore/mma.py``) and the training kernels (``training/``) share it instead of importing
 each other's private helpers.
 """
@@ -20,3 +20,9 @@ def loops_under(sch, block, loop) -> list:
     loops = sch.get_loops(block)
     at = [i for i, l in enumerate(loops) if sch.get(l).same_as(sch.get(loop))][0]
     return list(loops[at + 1:])
+
+
+def as_schedule_of(func, kernel):
+    """``kernel`` (a written, already scheduled PrimFunc) in place of the compute ``func``: the
+    compute's attributes (kernel name, workload) kept, marked scheduled."""
+    return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})

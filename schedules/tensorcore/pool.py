@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 
 from ..layout_kernels import MaxPool2d
 from ..pool_int8 import pool_out_size
+from ..sched_utils import as_schedule_of
 from ..workload import PoolWorkload
 
 VEC = 16            # channels (bytes) per thread: one 16-byte load / store
@@ -78,6 +79,5 @@ class MaxPool2dNhwc32(MaxPool2d):
     def schedule(self, func, target):
         if target.kind.name != "cuda":
             return super().schedule(func, target)
-        kernel = max_pool2d_nhwc32_vec(PoolWorkload.of(func))
-        return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
+        return as_schedule_of(func, max_pool2d_nhwc32_vec(PoolWorkload.of(func)))
 

@@ -74,6 +74,7 @@ from tvm import te, tirx
 
 from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
+from ..sched_utils import as_schedule_of
 from ..tensorcore.layout import ceil32
 from . import dequantize_amax, pack_nhwc32, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
@@ -518,8 +519,7 @@ def _schedule_pack(func: tirx.PrimFunc, wl: ElementwiseWorkload, target) -> tirx
     else a thread per pixel x 16 channels (``channels_last_conversions``)."""
     if not pack_nhwc32.supports(wl.shape):
         return schedule_pixels_by_vectors(func, target, "pack", channel=3, int8_is_output=True)
-    kernel = pack_nhwc32.pack_kernel(wl)
-    return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
+    return as_schedule_of(func, pack_nhwc32.pack_kernel(wl))
 
 
 def _dequantize_vector(channels: int, layout: str) -> int:
@@ -559,9 +559,8 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
     if wl.amax or wl.kind == "relu":    # written kernels (dequantize's float operations rounded as ``func``'s are)
-        kernel = (dequantize_amax.dequantize_amax_kernel(wl, rn=rn) if wl.kind == "dequantize"
-                  else relu_bits_amax.relu_bits_amax_kernel(wl))
-        return kernel.with_attr({**{k: v for k, v in func.attrs.items()}, "tir.is_scheduled": True})
+        return as_schedule_of(func, dequantize_amax.dequantize_amax_kernel(wl, rn=rn) if wl.kind == "dequantize"
+                              else relu_bits_amax.relu_bits_amax_kernel(wl))
     sch = tvm.s_tir.Schedule(func)
     if wl.kind == "scale_sums":
         if not scale_sums_tiles(wl.shape):

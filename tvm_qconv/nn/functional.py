@@ -258,8 +258,7 @@ def note_amax(t: torch.Tensor, amax: torch.Tensor) -> None:
 def known_amax(t: torch.Tensor) -> torch.Tensor | None:
     """The range :func:`note_amax` recorded for ``t`` while it still holds (else None); not a copy."""
     entry = _AMAX.get(id(t))
-    if entry is None or entry[0]() is not t or t.is_inference() or entry[1] != t._version \
-            or entry[3] != entry[2]._version:
+    if entry is None or entry[0]() is not t or entry[1] != t._version or entry[3] != entry[2]._version:
         return None
     return entry[2]
 

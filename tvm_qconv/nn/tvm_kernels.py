@@ -574,9 +574,15 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
             ] if dq.amax else []
     _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out, *part,
           outputs=1 + len(part))
-    if part:    # the bits of max|out| (elementwise.abs_bits): an int32 max, NaN above inf
-        note_amax(out, part[0].amax().view(torch.float32))
+    if part:
+        _note_range(out, part[0])
     return out
+
+
+def _note_range(t: torch.Tensor, part: torch.Tensor) -> None:
+    """Note ``max|t|`` for ``functional.batch_amax`` from a kernel's int32 partial maxima of |t|'s
+    bits (``elementwise_bits.abs_bits``: an integer max, NaN above inf)."""
+    note_amax(t, part.amax().view(torch.float32))
 
 
 def relu_bits(y: torch.Tensor) -> torch.Tensor:
@@ -592,7 +598,7 @@ def relu_bits(y: torch.Tensor) -> torch.Tensor:
     part = [torch.empty((y.numel() // 8,), dtype=torch.int32, device=y.device)] if wl.amax else []
     _call("relu_bits", wl, y.device, y.reshape(-1), out, *part, outputs=1 + len(part))
     if part:
-        note_amax(y, part[0].amax().view(torch.float32))
+        _note_range(y, part[0])
     return out
 
 
@@ -606,7 +612,7 @@ def relu_with_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bits = torch.empty((x.numel() // 8,), dtype=torch.uint8, device=x.device)
     part = torch.empty((x.numel() // 8,), dtype=torch.int32, device=x.device)
     _call("relu", wl, x.device, x.reshape(-1), y.view(-1), bits, part, outputs=3)
-    note_amax(y, part.amax().view(torch.float32))
+    _note_range(y, part)
     return y, bits
 
 
