@@ -28,6 +28,12 @@ Where the candidates are measured:
                                                                    here, measure there, one candidate per
                                                                    server at a time
     python tune.py --model resnet18 --target llvm                  this CPU (or --rpc-* for another one)
+
+The training step's int8 convs (``models/``, ``train.py``) are tiled per conv by measurement too:
+
+    python tune.py --training --model vgg16 --batch 32             every conv of one step (forward, dx, dw):
+                                                                   the mma.sync template's tiles, fastest kept
+                                                                   in tuning_logs/training-convs-<arch>.json
 """
 from __future__ import annotations
 
@@ -103,11 +109,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "127.0.0.1, stops them at the end)")
     p.add_argument("--prune", action="store_true",
                    help="afterwards keep only the best record per task (small enough to commit)")
+    t = p.add_argument_group("the training step's int8 convs (tvm_qconv/nn/conv_tiles.py)")
+    t.add_argument("--training", action="store_true",
+                   help="measure the mma.sync tiles of every int8 conv of one training step (forward, dx, dw) of "
+                        "--model (vgg16, resnet50) at --batch on this machine's GPU and keep the fastest per conv in "
+                        "tuning_logs/training-convs-<arch>.json, which the training kernels are then built with")
+    t.add_argument("--seconds", type=_positive, default=None,
+                   help="with --training: stop measuring after this long (what was measured is kept; run the same "
+                        "command to go on)")
+    t.add_argument("--redo", action="store_true", help="with --training: measure convs the table already holds again")
     return p
+
+
+def tune_training(args) -> int:
+    """``--training``: :func:`tvm_qconv.nn.conv_tiles.tune_model`."""
+    if args.target != "cuda":
+        raise InputError("--training measures the training step's CUDA kernels: drop --target llvm")
+    from tvm_qconv.nn.conv_tiles import tune_model  # after parsing: see the note above
+    tune_model(args.model, args.batch, image_size=args.image_size, workers=args.workers, seconds=args.seconds,
+               redo=args.redo)
+    return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.training:
+        return cli.run(lambda: tune_training(args), "the convs measured so far are kept in the table: run the same "
+                                                   "command to go on from them")
     from tvm_qconv.remote import Remote, local_cluster  # after parsing: see the note above
     from tvm_qconv.tuning import TuneJob, default_work_dir, prune_database, read_peaks
 

@@ -84,6 +84,8 @@ from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
+from ..schedules.tensorcore.mma import InvalidDecisions
+from . import conv_tiles
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
                          known_amax, mask_torch, note_amax, quantize_grad_torch, quantize_torch,
@@ -167,9 +169,11 @@ def _impl(kind: str, wl: ConvWorkload, target):
     return impl
 
 
-def _definition(kind: str, wl: ConvWorkload, target):
+def _definition(kind: str, wl: ConvWorkload, target, tiles=None):
     """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
-    its default schedule where it has one (llvm: the bare compute definition).
+    its default schedule where it has one (llvm: the bare compute definition), or, for a
+    tensor-core forward, by ``tiles`` (``(decisions, stages)``: the measured table's,
+    ``conv_tiles``; a table entry the template no longer takes is warned about and the default used).
 
     Raises:
         NotImplementedError: a forward kernel that does not take the ``(data, weight, out)`` that
@@ -183,7 +187,18 @@ def _definition(kind: str, wl: ConvWorkload, target):
         raise NotImplementedError(f"{impl.name} takes {len(func.params)} arguments for {wl.describe()}; the training "
                                   f"forward passes (data, weight, out) packed for {impl.layout}: teach int8_conv its "
                                   "packing")
+    if tiles and impl.name == conv_tiles.IMPL:
+        try:
+            return conv_tiles.schedule(func, *tiles)
+        except InvalidDecisions as err:
+            warnings.warn(f"the tile table's entry for {describe(wl)} does not fit the template ({err}): built with "
+                          f"the default tiles; run python tune.py --training again")
     return impl.schedule(func, target) or func
+
+
+def _tiles(kind: str, wl, arch: str):
+    """The measured tiles of a forward kernel (``conv_tiles.lookup``), None for other kinds."""
+    return conv_tiles.lookup(wl, arch) if kind == "forward" and isinstance(wl, ConvWorkload) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,7 +215,11 @@ def symbol(kind: str) -> str:
 
 def cache_key(kind: str, wl, arch: str) -> dict:
     """Everything a cached kernel depends on."""
-    return {"kind": kind, "workload": wl.to_dict(), "arch": arch, "tvm": tvm.__version__, "source": _source_hash()}
+    key = {"kind": kind, "workload": wl.to_dict(), "arch": arch, "tvm": tvm.__version__, "source": _source_hash()}
+    tiles = _tiles(kind, wl, arch)
+    if tiles:       # only where tabled: the default kernels keep their cache entries
+        key["tiles"] = tiles
+    return key
 
 
 def cache_path(kind: str, wl, arch: str) -> str:
@@ -208,10 +227,13 @@ def cache_path(kind: str, wl, arch: str) -> str:
     return os.path.join(cache_dir(), f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.so")
 
 
-def _build(kind: str, wl, target, path: str) -> None:
-    """Compile one kernel and write it to ``path`` atomically."""
+def _build(kind: str, wl, target, path: str, tiles=None) -> None:
+    """Compile one kernel and write it to ``path`` atomically; ``tiles``: the forward's measured
+    tiles (None: the table's, ``False``: the default's)."""
+    if tiles is None:
+        tiles = _tiles(kind, wl, str(target.attrs["arch"])) if target.kind.name == "cuda" else None
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
-    func = _definition(kind, wl, target).with_attr("global_symbol", symbol(kind))
+    func = _definition(kind, wl, target, tiles or None).with_attr("global_symbol", symbol(kind))
     # the implementation's own pipeline and PassContext entries (the mma template's async copies)
     options = registry.compile_options([] if kind in elementwise.KINDS else [_impl(kind, wl, target)])
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
@@ -234,11 +256,11 @@ def get_kernel(kind: str, wl, device: torch.device) -> Callable:
     target, arch = device_target(device)
     mem_key = (kind, wl, arch, device.index)
     fn = _kernels.get(mem_key)
+    if _recording is not None and (_record_all or (fn is None and not os.path.exists(cache_path(kind, wl, arch)))):
+        _recording.add((kind, wl, arch))    # a dry run (prebuild, kernel_jobs): remembered, not built, not run
+        return _skip
     if fn is not None:
         return fn
-    if _recording is not None and not os.path.exists(cache_path(kind, wl, arch)):
-        _recording.add((kind, wl, arch))    # prebuild's dry run: remembered, not built, not cached
-        return _skip
     with _lock:
         fn = _kernels.get(mem_key)
         if fn is None:
@@ -267,6 +289,7 @@ def _load_or_build(kind: str, wl, target, arch: str) -> Callable:
 # ----------------------------------------------------------------------------- parallel prebuild
 
 _recording: set | None = None     # (kind, workload, arch) a prebuild's dry run asked for
+_record_all = False               # kernel_jobs: record the cached kernels too
 
 
 def _skip(*tensors) -> None:
@@ -325,6 +348,21 @@ def prebuild(dry_run: Callable[[], object], workers: int | None = None) -> dict:
                 pool.shutdown(cancel_futures=True)
                 raise
     return {"built": sorted(built), "failed": failed, "seconds": time.perf_counter() - t0}
+
+
+def kernel_jobs(dry_run: Callable[[], object]) -> list[tuple[str, object, str]]:
+    """Every ``(kind, workload, arch)`` ``dry_run()`` calls, cached or not; nothing is built, and
+    no kernel runs (results are garbage, as in :func:`prebuild`'s dry run)."""
+    global _recording, _record_all
+    calls = CALLS.copy()
+    _recording, _record_all = set(), True
+    try:
+        dry_run()
+        return sorted(_recording, key=lambda j: (j[0], describe(j[1]), j[2]))
+    finally:
+        _recording, _record_all = None, False
+        CALLS.clear()
+        CALLS.update(calls)
 
 
 def _build_into_cache(kind: str, wl, arch: str) -> float:

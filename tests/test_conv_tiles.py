@@ -1,0 +1,126 @@
+"""The training convs' measured tiles (``tvm_qconv/nn/conv_tiles.py``): the candidates the
+search measures, the rule that picks one, the table it keeps and how the kernels are built with it.
+
+The measuring itself needs a GPU: ``test_qconv_cuda.py`` builds a tabled conv there and checks its
+sums against the default kernel's bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tvm_qconv.errors import InputError
+from tvm_qconv.nn import conv_tiles, tvm_kernels
+from tvm_qconv.schedules.tensorcore import mma
+from tvm_qconv.schedules.workload import ConvWorkload
+
+ARCH = "sm_90"
+H200_SMS = 132
+# VGG16's training convs at batch 32: a forward 3x3, a dx, a split-K dw and a linear layer's dw
+WORKLOADS = [
+    ConvWorkload(32, 256, 56, 56, 256, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none", act_min=-127,
+                 out_dtype="int32"),
+    ConvWorkload(32, 512, 14, 14, 512, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none", act_min=-127,
+                 out_dtype="int32"),
+    ConvWorkload(256, 32, 28, 28, 512, (28, 28), (1, 1), (1, 1, 1, 1), (1, 1), activation="none", act_min=-127,
+                 out_dtype="int32", splits=4),
+    ConvWorkload(1, 32, 1, 25088, 4096, (1, 1), (1, 1), (0, 0, 0, 0), (1, 1), activation="none", act_min=-127,
+                 out_dtype="int32"),
+]
+
+
+def _gemm(wl):
+    return conv_tiles.gemm_extents(tvm_kernels._impl("forward", wl, tvm_kernels.target_of(ARCH)).compute(wl))
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    path = tmp_path / "tiles.json"
+    monkeypatch.setenv(conv_tiles.TABLE_ENV, str(path))
+    return path
+
+
+def _row(wl, tiles=None, stages=None, ms=1.0, default_ms=1.0):
+    return {"workload": wl.to_dict(), "describe": tvm_kernels.describe(wl), "gemm": list(_gemm(wl)),
+            "default": {"tiles": None, "stages": 3, "ms": default_ms},
+            "best": None if tiles is None else {"tiles": tiles, "stages": stages, "ms": ms}}
+
+
+@pytest.mark.parametrize("wl", WORKLOADS, ids=["fwd", "fwd14", "dw_split", "linear_dw"])
+def test_candidates_are_valid_distinct_tiles_and_include_the_default(wl):
+    mp, op, k = _gemm(wl)
+    cands = conv_tiles.candidates(mp, op, k)
+    assert len(cands) == len({json.dumps(c, sort_keys=True) for c in cands}) >= 1
+    for d, stages in cands:
+        bm, bn = 16 * d["m"][1] * d["m"][2], 16 * d["o"][1] * d["o"][2]
+        assert mp % bm == 0 and op % bn == 0 and d["m"][0] * bm == mp and d["o"][0] * bn == op
+        assert d["m"][2] <= mma.MAX_FRAGS and d["o"][2] <= mma.MAX_FRAGS
+        assert d["m"][1] * d["o"][1] <= 8                       # at most 256 threads a block
+        assert d["k"][0] * d["k"][1] * 32 == k and d["k"][0] >= stages - 1
+        assert mma.smem_bytes({**d, "stages": stages}) <= mma.DYN_SMEM_BUDGET
+    assert mma.default_decisions(mp, op, k, H200_SMS) in cands
+
+
+def test_a_candidate_replaces_the_default_only_when_three_percent_faster():
+    a, b = ({"m": [1, 2, 2]}, 3), ({"m": [2, 2, 1]}, 4)
+    assert conv_tiles.choose(1.0, [(*a, 0.98), (*b, 0.99)]) is None          # within noise: the default stays
+    assert conv_tiles.choose(1.0, [(*a, 0.98), (*b, 0.96)]) == (*b, 0.96)    # the fastest, 4 % faster
+    assert conv_tiles.choose(1.0, []) is None
+
+
+def test_the_table_keeps_each_workloads_choice_and_rewrites_only_the_measured_ones(table):
+    fast, kept = WORKLOADS[0], WORKLOADS[1]
+    tiles, stages = conv_tiles.candidates(*_gemm(fast))[-1]
+    meta = {"arch": ARCH, "device": "test"}
+    conv_tiles.merge_rows(str(table), [_row(fast, tiles, stages, ms=0.5), _row(kept)], meta)
+    assert conv_tiles.lookup(fast, ARCH) == (tiles, stages)
+    assert conv_tiles.lookup(kept, ARCH) is None                              # measured: the default stays
+    assert conv_tiles.lookup(WORKLOADS[2], ARCH) is None                      # never measured
+    conv_tiles.merge_rows(str(table), [_row(fast)], meta)                     # measured again: default now
+    assert conv_tiles.lookup(fast, ARCH) is None
+    assert len(json.loads(table.read_text())["layers"]) == 2
+
+
+def test_a_corrupt_table_is_refused_naming_the_file_and_the_fix(table):
+    table.write_text('{"layers": [{"workload": {"batch": 1}}]}')
+    with pytest.raises(InputError, match=re.escape(str(table)) + ".*delete it.*tune.py --training"):
+        conv_tiles.lookup(WORKLOADS[0], ARCH)
+
+
+def test_a_tabled_conv_is_built_with_its_tiles_under_its_own_cache_key(table):
+    wl = WORKLOADS[1]
+    target = tvm_kernels.target_of(ARCH)
+    default_key = tvm_kernels.cache_path("forward", wl, ARCH)
+    four_by_two = next(c for c in conv_tiles.candidates(*_gemm(wl)) if c[0]["m"][1] * c[0]["o"][1] == 8)
+    conv_tiles.merge_rows(str(table), [_row(wl, *four_by_two, ms=0.5)], {"arch": ARCH})
+    assert tvm_kernels.cache_key("forward", wl, ARCH)["tiles"] == four_by_two
+    assert tvm_kernels.cache_path("forward", wl, ARCH) != default_key
+    assert "tiles" not in tvm_kernels.cache_key("forward", WORKLOADS[0], ARCH)    # untabled: key as before
+
+    def threads_y(func):     # the block's warps: threadIdx.y's extent
+        return int(re.search(r'T\.thread_binding\((\d+), thread="threadIdx\.y"\)', func.script()).group(1))
+    assert threads_y(tvm_kernels._definition("forward", wl, target, conv_tiles.lookup(wl, ARCH))) == 8
+    assert threads_y(tvm_kernels._definition("forward", wl, target)) == 4      # the default's 2 x 2
+
+
+def test_a_table_entry_the_template_no_longer_takes_warns_and_builds_the_default(table):
+    wl = WORKLOADS[1]
+    tiles = {"m": [1, 2, 4], "o": [1, 2, 4], "k": [1, 144]}                    # a K step of 4,608: no longer fits
+    with pytest.warns(UserWarning, match="does not fit the template.*default tiles"):
+        func = tvm_kernels._definition("forward", wl, tvm_kernels.target_of(ARCH), (tiles, 2))
+    assert func.attrs["tir.is_scheduled"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU this would start a real search")
+def test_tune_training_without_a_gpu_says_where_to_run_it(capsys):
+    import tune
+    assert tune.main(["--training", "--model", "vgg16", "--batch", "2"]) != 0
+    assert "measures on a CUDA GPU and none is visible" in capsys.readouterr().err
+
+
+def test_tune_training_refuses_a_model_it_cannot_build():
+    with pytest.raises(InputError, match="vgg16, resnet50.*'alexnet'"):
+        conv_tiles.training_workloads("alexnet", 2, 32, torch.device("cpu"))
