@@ -1,16 +1,19 @@
-"""The training convs' measured tiles (``tvm_qconv/nn/conv_tiles.py``): the candidates the
-search measures, the rule that picks one, the table it keeps and how the kernels are built with it.
+"""The training convs' measured kernels (``tvm_qconv/nn/conv_tiles.py``): the choices the search
+measures (the mma.sync template's tiles, Hopper's wgmma kernel with its int32 epilogue), the rule
+that picks one, the table it keeps and how the kernels are built with it.
 
-The measuring itself needs a GPU: ``test_qconv_cuda.py`` builds a tabled conv there and checks its
-sums against the default kernel's bit for bit.
+The measuring itself needs a GPU: ``test_qconv_cuda.py`` builds tabled convs of both families
+there and checks their sums against the default kernel's bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 import torch
+import tvm
 
 from tvm_qconv.errors import InputError
 from tvm_qconv.nn import conv_tiles, tvm_kernels
@@ -43,10 +46,10 @@ def table(tmp_path, monkeypatch):
     return path
 
 
-def _row(wl, tiles=None, stages=None, ms=1.0, default_ms=1.0):
+def _row(wl, choice=None, ms=1.0, default_ms=1.0):
     return {"workload": wl.to_dict(), "describe": tvm_kernels.describe(wl), "gemm": list(_gemm(wl)),
-            "default": {"tiles": None, "stages": 3, "ms": default_ms},
-            "best": None if tiles is None else {"tiles": tiles, "stages": stages, "ms": ms}}
+            "default": {"choice": None, "ms": default_ms},
+            "best": None if choice is None else {"choice": choice, "ms": ms}}
 
 
 @pytest.mark.parametrize("wl", WORKLOADS, ids=["fwd", "fwd14", "dw_split", "linear_dw"])
@@ -54,34 +57,62 @@ def test_candidates_are_valid_distinct_tiles_and_include_the_default(wl):
     mp, op, k = _gemm(wl)
     cands = conv_tiles.candidates(mp, op, k)
     assert len(cands) == len({json.dumps(c, sort_keys=True) for c in cands}) >= 1
-    for d, stages in cands:
+    for c in cands:
+        d, stages = c["tiles"], c["stages"]
+        assert c["family"] == "mma"
         bm, bn = 16 * d["m"][1] * d["m"][2], 16 * d["o"][1] * d["o"][2]
         assert mp % bm == 0 and op % bn == 0 and d["m"][0] * bm == mp and d["o"][0] * bn == op
         assert d["m"][2] <= mma.MAX_FRAGS and d["o"][2] <= mma.MAX_FRAGS
         assert d["m"][1] * d["o"][1] <= 8                       # at most 256 threads a block
         assert d["k"][0] * d["k"][1] * 32 == k and d["k"][0] >= stages - 1
         assert mma.smem_bytes({**d, "stages": stages}) <= mma.DYN_SMEM_BUDGET
-    assert mma.default_decisions(mp, op, k, H200_SMS) in cands
+    assert conv_tiles.mma_choice(*mma.default_decisions(mp, op, k, H200_SMS)) in cands
+
+
+def test_wgmma_is_a_choice_for_the_convs_tma_can_gather_in_one_slice():
+    fwd, fwd14, dw_split, linear_dw = WORKLOADS
+    assert conv_tiles.wgmma_choices(fwd)[0] == {"family": "wgmma", "config": {"bm": 128, "bn": 128, "stages": 6}}
+    assert all(c["config"]["bn"] >= 64 for c in conv_tiles.wgmma_choices(fwd14))
+    assert conv_tiles.wgmma_choices(dw_split) == []          # a split reduction: the template only
+    assert conv_tiles.wgmma_choices(linear_dw)               # FC1's dw, one slice: 25,088 rows of 1 x 1 taps
+    assert conv_tiles.wgmma_choices(dataclasses.replace(fwd, in_channels=8)) == []   # the mma family's floor
+    assert conv_tiles.build_arch(conv_tiles.wgmma_choices(fwd)[0], "sm_90") == "sm_90a"
+    assert conv_tiles.build_arch(conv_tiles.candidates(*_gemm(fwd))[0], "sm_90") == "sm_90"
 
 
 def test_a_candidate_replaces_the_default_only_when_three_percent_faster():
-    a, b = ({"m": [1, 2, 2]}, 3), ({"m": [2, 2, 1]}, 4)
-    assert conv_tiles.choose(1.0, [(*a, 0.98), (*b, 0.99)]) is None          # within noise: the default stays
-    assert conv_tiles.choose(1.0, [(*a, 0.98), (*b, 0.96)]) == (*b, 0.96)    # the fastest, 4 % faster
+    a, b = conv_tiles.mma_choice({"m": [1, 2, 2]}, 3), conv_tiles.mma_choice({"m": [2, 2, 1]}, 4)
+    assert conv_tiles.choose(1.0, [(a, 0.98), (b, 0.99)]) is None          # within noise: the default stays
+    assert conv_tiles.choose(1.0, [(a, 0.98), (b, 0.96)]) == (b, 0.96)      # the fastest, 4 % faster
     assert conv_tiles.choose(1.0, []) is None
 
 
 def test_the_table_keeps_each_workloads_choice_and_rewrites_only_the_measured_ones(table):
     fast, kept = WORKLOADS[0], WORKLOADS[1]
-    tiles, stages = conv_tiles.candidates(*_gemm(fast))[-1]
+    choice = conv_tiles.candidates(*_gemm(fast))[-1]
     meta = {"arch": ARCH, "device": "test"}
-    conv_tiles.merge_rows(str(table), [_row(fast, tiles, stages, ms=0.5), _row(kept)], meta)
-    assert conv_tiles.lookup(fast, ARCH) == (tiles, stages)
+    conv_tiles.merge_rows(str(table), [_row(fast, choice, ms=0.5), _row(kept)], meta)
+    assert conv_tiles.lookup(fast, ARCH) == choice
     assert conv_tiles.lookup(kept, ARCH) is None                              # measured: the default stays
     assert conv_tiles.lookup(WORKLOADS[2], ARCH) is None                      # never measured
     conv_tiles.merge_rows(str(table), [_row(fast)], meta)                     # measured again: default now
     assert conv_tiles.lookup(fast, ARCH) is None
     assert len(json.loads(table.read_text())["layers"]) == 2
+
+
+def test_the_committed_table_is_readable_and_every_choice_builds_for_its_conv():
+    # tuning_logs/training-convs-sm_90.json (VGG16 b32 and b128, H200): each tabled choice still
+    # schedules its conv (a template change that broke one would only warn at training time)
+    path = conv_tiles.table_path(ARCH)
+    table = conv_tiles.read_table(path)
+    assert table["layers"] and table["arch"] == ARCH
+    target = tvm_kernels.target_of(ARCH)
+    for row in table["layers"]:
+        if row["choice"] is None:
+            continue
+        wl = ConvWorkload.from_dict(row["workload"])
+        func = tvm_kernels.registry.get(conv_tiles.IMPL).compute(wl)
+        assert conv_tiles.schedule(func, row["choice"], target).attrs["tir.is_scheduled"], row["describe"]
 
 
 def test_a_corrupt_table_is_refused_naming_the_file_and_the_fix(table):
@@ -94,11 +125,11 @@ def test_a_tabled_conv_is_built_with_its_tiles_under_its_own_cache_key(table):
     wl = WORKLOADS[1]
     target = tvm_kernels.target_of(ARCH)
     default_key = tvm_kernels.cache_path("forward", wl, ARCH)
-    four_by_two = next(c for c in conv_tiles.candidates(*_gemm(wl)) if c[0]["m"][1] * c[0]["o"][1] == 8)
-    conv_tiles.merge_rows(str(table), [_row(wl, *four_by_two, ms=0.5)], {"arch": ARCH})
-    assert tvm_kernels.cache_key("forward", wl, ARCH)["tiles"] == four_by_two
+    four_by_two = next(c for c in conv_tiles.candidates(*_gemm(wl)) if c["tiles"]["m"][1] * c["tiles"]["o"][1] == 8)
+    conv_tiles.merge_rows(str(table), [_row(wl, four_by_two, ms=0.5)], {"arch": ARCH})
+    assert tvm_kernels.cache_key("forward", wl, ARCH)["choice"] == four_by_two
     assert tvm_kernels.cache_path("forward", wl, ARCH) != default_key
-    assert "tiles" not in tvm_kernels.cache_key("forward", WORKLOADS[0], ARCH)    # untabled: key as before
+    assert "choice" not in tvm_kernels.cache_key("forward", WORKLOADS[0], ARCH)   # untabled: key as before
 
     def threads_y(func):     # the block's warps: threadIdx.y's extent
         return int(re.search(r'T\.thread_binding\((\d+), thread="threadIdx\.y"\)', func.script()).group(1))
@@ -109,9 +140,36 @@ def test_a_tabled_conv_is_built_with_its_tiles_under_its_own_cache_key(table):
 def test_a_table_entry_the_template_no_longer_takes_warns_and_builds_the_default(table):
     wl = WORKLOADS[1]
     tiles = {"m": [1, 2, 4], "o": [1, 2, 4], "k": [1, 144]}                    # a K step of 4,608: no longer fits
-    with pytest.warns(UserWarning, match="does not fit the template.*default tiles"):
-        func = tvm_kernels._definition("forward", wl, tvm_kernels.target_of(ARCH), (tiles, 2))
+    with pytest.warns(UserWarning, match="does not fit the kernels.*default tiles"):
+        func = tvm_kernels._definition("forward", wl, tvm_kernels.target_of(ARCH), conv_tiles.mma_choice(tiles, 2))
     assert func.attrs["tir.is_scheduled"]
+
+
+def test_a_wgmma_choice_builds_hoppers_kernel_with_the_int32_epilogue_for_sm_90a(table, tmp_path):
+    # the training forward on wgmma: TMA-fed, warp-specialized, the accumulators stored as int32
+    # pairs (no requantize, no staged int8 tile); compiled by nvcc for sm_90a without spills
+    import shutil
+    import subprocess
+    from tvm_qconv.target import cuda_source
+    wl = WORKLOADS[0]
+    choice = conv_tiles.wgmma_choices(wl)[0]
+    target = tvm_kernels.target_of(conv_tiles.build_arch(choice, ARCH))
+    func = tvm_kernels._definition("forward", wl, target, choice).with_attr("global_symbol", "k")
+    assert len(func.params) == 3 and str(func.params[2].dtype) == "int32"
+    options = tvm_kernels.registry.compile_options([tvm_kernels.registry.get(conv_tiles.IMPL)])
+    with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+        src = cuda_source(tvm.compile(tvm.IRModule({"k": func}), target=target, tir_pipeline=options["tir_pipeline"]))
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in src and ".im2col" in src
+    assert "qconv_st_i2(" in src and "qconv_copy16(" not in src and "qconv_st_u16(" not in src
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine: the source checks above ran, the compile did not")
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    done = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"), str(cu), "-Xptxas", "-v",
+                           "-diag-suppress", "177"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr) == ["0"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU this would start a real search")

@@ -518,23 +518,31 @@ def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit(shape)
     assert torch.equal(out["ours"][0], out["torch"][0]) and torch.equal(out["ours"][1], out["torch"][1])
 
 
-def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(tmp_path, monkeypatch):
-    # a tabled conv (conv_tiles: 4 x 2 warps) and the default kernel, on the same random int8
-    # operands: the same int32 sums, bit for bit
+@pytest.mark.parametrize("family", ["mma", "wgmma"])
+def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family, tmp_path, monkeypatch):
+    # a tabled conv (conv_tiles: the template with 4 x 2 warps, or Hopper's wgmma kernel with its
+    # int32 epilogue, 64 x 256 tiles) and the default kernel, on the same random int8 operands:
+    # the same int32 sums, bit for bit
     import tvm
     from tvm_qconv.nn import conv_tiles
+    if family == "wgmma" and torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
     wl = tvm_kernels.ConvWorkload(32, 512, 14, 14, 512, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
                                   act_min=-127, out_dtype="int32")
     arch = tvm_kernels.device_target(CUDA)[1]
     func = tvm_kernels._impl("forward", wl, tvm_kernels.target_of(arch)).compute(wl)
     mp, op, k = conv_tiles.gemm_extents(func)
-    default = conv_tiles.mma.default_decisions(mp, op, k, 132)
-    other = next(c for c in conv_tiles.candidates(mp, op, k) if c != default and c[0]["m"][1] * c[0]["o"][1] == 8)
+    default = conv_tiles.mma_choice(*conv_tiles.mma.default_decisions(mp, op, k, 132))
+    if family == "mma":
+        other = next(c for c in conv_tiles.candidates(mp, op, k)
+                     if c != default and c["tiles"]["m"][1] * c["tiles"]["o"][1] == 8)
+    else:
+        other = conv_tiles.wgmma_choices(wl)[0]
     path = tmp_path / "tiles.json"
     monkeypatch.setenv(conv_tiles.TABLE_ENV, str(path))
     conv_tiles.merge_rows(str(path), [{"workload": wl.to_dict(), "describe": "test",
-                                       "default": {"tiles": default[0], "stages": default[1], "ms": 1.0},
-                                       "best": {"tiles": other[0], "stages": other[1], "ms": 0.5}}], {"arch": arch})
+                                       "default": {"choice": default, "ms": 1.0},
+                                       "best": {"choice": other, "ms": 0.5}}], {"arch": arch})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     tabled = tvm_kernels.get_kernel("forward", wl, CUDA)
     conv_tiles._build_candidate(wl, arch, False, str(tmp_path / "default.so"))

@@ -1,6 +1,7 @@
 """The wgmma family (``schedules/wgmma/``) on CPU: which layers it takes, its tile decisions, its
 CUDA code (wgmma, TMA im2col, warp specialization) and a module mixing it with S-TIR kernels.
 On an H100 / H200 (marked ``gpu``): the kernels bit-exact against NumPy."""
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -54,7 +55,10 @@ def test_supports_only_what_tma_im2col_can_gather():
     assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, kernel=(1, 1), padding=(0, 0, 130, 0)))  # upper
     # a tap offset of 128 rows, its corners in range
     assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, dilation=(64, 1), padding=(0, 1, 0, 1)))
-    assert not conv2d.supports(conv_wl(1, 64, 28, 28, 64, out_dtype="int32"))
+    # the training forward's int32 accumulators: one slice (no split reduction), a signed input
+    assert conv2d.supports(conv_wl(1, 64, 28, 28, 64, relu=False, out_dtype="int32"))
+    split = dataclasses.replace(conv_wl(1, 64, 28, 28, 64, relu=False, out_dtype="int32"), splits=3)
+    assert not conv2d.supports(split)
 
 
 def test_the_registry_keeps_narrow_layers_on_mma():

@@ -79,6 +79,8 @@ STORE_SRC = ('__device__ __forceinline__ void qconv_st_u16(void* p, unsigned sho
              '{ *(unsigned short*)p = v; }')
 COPY_SRC = ('__device__ __forceinline__ void qconv_copy16(void* dst, void* src) '
             '{ *(int4*)dst = *(const int4*)src; }')
+STORE_I2_SRC = ('__device__ __forceinline__ void qconv_st_i2(void* p, int a, int b) '
+                '{ *(int2*)p = make_int2(a, b); }')
 BAR_SRC = ('__device__ __forceinline__ void qconv_wg_bar(int id) '
            '{ asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory"); }')
 TMA_IM2COL = "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
@@ -134,7 +136,10 @@ def im2col_corners(wl: ConvWorkload) -> tuple[int, int, int, int]:
 def supports(wl: ConvWorkload) -> bool:
     """Whether TMA im2col can gather this conv (and the layer is one this kernel computes)."""
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    return (wl.groups == 1 and wl.out_dtype == "int8" and max(sh, sw) <= MAX_STRIDE
+    # int32: the training forward's accumulators (one slice: no split reduction), its input signed
+    # (TMA's zero fill is its zero point)
+    computes = wl.out_dtype == "int8" or (wl.out_dtype == "int32" and wl.splits == 1 and not wl.pads_with_zero_point)
+    return (wl.groups == 1 and computes and max(sh, sw) <= MAX_STRIDE
             and all(MIN_CORNER <= c <= MAX_CORNER for c in im2col_corners(wl))
             and (kh - 1) * dh <= MAX_CORNER and (kw - 1) * dw <= MAX_CORNER)
 
@@ -145,7 +150,9 @@ def default_config(wl: ConvWorkload, staged_store: bool = True) -> Config:
     n128 blocks) for layers of K >= 4608 whose output channels come in 256s (VGG16's 512->512:
     1.08-1.12x over 128 x 128; equal at 256 input channels, where K = 2304 keeps 128 x 128).
     ``staged_store=False``: the direct-store epilogue (only to measure against: it was slower on
-    every layer measured, ``benchmarks/wgmma_epilogue.py``), its ring up to 6 stages deep."""
+    every layer measured, ``benchmarks/wgmma_epilogue.py``), its ring up to 6 stages deep.  An
+    int32 output (the training forward) always stores directly: its tile would be 4x the int8 one's."""
+    staged_store = staged_store and wl.out_dtype == "int8"
     _, _, op, k = gemm_shape(wl)
     bk = k_tile(ceil32(wl.in_channels))
     if op % 256 == 0 and k >= 4608:
@@ -192,6 +199,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
     assert config.accumulators() <= MAX_ACC, config
     assert K * 128 * 128 < 1 << 30, K          # |acc| < 2**30: the 32-bit requantize holds
+    INT32 = wl.out_dtype == "int32"            # the training forward: the accumulators stored as they are
+    assert not (INT32 and config.staged_store), config
     # The epilogue in the 32-bit requantize's form too, where it was measured to pay (H100, VGG16's
     # convs at batch 64, docs/history.md): 128-row tiles, 1.00-1.10x; on 64 x 256 tiles the
     # second copy of the 128-accumulator epilogue made 512->512 @28 1.26x slower: those keep one.
@@ -222,12 +231,10 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     LUT = epilogue_table.script_table(wl)     # wl.table: the function after the conv (epilogue_table.py)
     C = wl.out_channels
 
-    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
-    @T.prim_func(private=True, check_well_formed=LUT is None)
-    def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
-             bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
-             out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
-        T.func_attr({"tirx.noalias": True})
+    # The kernel's body, for both signatures below (Python-level ``if INT32`` picks its parts;
+    # ``lut``, the epilogue's table, is an argument so that the int8 signature's decorator sees it).
+    @T.macro
+    def body(data, weight, bias, mult, shift, out, lut):
         A_map: T.let[T.TensorMap()] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed(ENCODE_IM2COL, A_map, data.data, N, H, W, CP, LO_H, LO_W, UP_H, UP_W, BK, BM, SH, SW,
                       SWIZZLE)
@@ -242,11 +249,14 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         A_s = T.decl_buffer((STAGES, BM, BK), "int8", data=ring.data, scope="shared.dyn")
         B_s = T.decl_buffer((STAGES, BN, BK), "int8", data=ring.data, elem_offset=STAGES * A_ST,
                             scope="shared.dyn")
-        out16 = T.decl_buffer((M * OP // 2,), "uint16", data=out.data)   # two channels per store
-        # the staged epilogue: each consumer's tile [BM, ROW] in shared memory, written as pairs of
-        # channels, read and copied out as 16-byte vectors
-        tile8 = T.decl_buffer((2 * BM * ROW,), "int8", data=ring.data, elem_offset=RING, scope="shared.dyn")
-        out8 = T.decl_buffer((M * OP,), "int8", data=out.data)
+        if INT32:
+            out32 = T.decl_buffer((M * OP,), "int32", data=out.data)
+        else:
+            out16 = T.decl_buffer((M * OP // 2,), "uint16", data=out.data)   # two channels per store
+            # the staged epilogue: each consumer's tile [BM, ROW] in shared memory, written as pairs of
+            # channels, read and copied out as 16-byte vectors
+            tile8 = T.decl_buffer((2 * BM * ROW,), "int8", data=ring.data, elem_offset=RING, scope="shared.dyn")
+            out8 = T.decl_buffer((M * OP,), "int8", data=out.data)
         full = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         empty = T.alloc_buffer((STAGES,), "uint64", scope="shared", align=8)
         order = T.alloc_buffer((2,), "uint64", scope="shared", align=8)
@@ -263,12 +273,13 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         # the mbarriers
         ok = T.alloc_buffer((2,), "int32", scope="local")
         ok[0] = FORMS - 1
-        for i in T.serial((OP + 383) // 384):
-            if i * 384 + wg * 128 + tid < OP:
-                for r in T.serial(ROWS):
-                    if not requantize_i32_ok(_bias(bias, r, i * 384 + wg * 128 + tid, TABLE),
-                                             shift[i * 384 + wg * 128 + tid]):
-                        ok[0] = 0
+        if not INT32:
+            for i in T.serial((OP + 383) // 384):
+                if i * 384 + wg * 128 + tid < OP:
+                    for r in T.serial(ROWS):
+                        if not requantize_i32_ok(_bias(bias, r, i * 384 + wg * 128 + tid, TABLE),
+                                                 shift[i * 384 + wg * 128 + tid]):
+                            ok[0] = 0
         ok[1] = T.call_extern("int32", "__syncthreads_and", ok[0])
         if wg == 0:                                           # ---- producer
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
@@ -340,40 +351,68 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                     T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
                 if tid == 0:
                     T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(j * KT + KT - 1) % STAGES]), T.uint32(1))
-                for fast in T.unroll(FORMS):                  # the requantize's forms
-                    if fast == ok[1]:
-                        for mw in T.unroll(MW):
-                            for nw in T.unroll(NW):
-                                for i in T.unroll(ACC // 4):
-                                    for h in T.unroll(2):
-                                        row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4
-                                                         + 8 * h)
-                                        col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
-                                        reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
-                                        cls = T.meta_var(_border_class(wl, row, TABLE))
-                                        q0 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
-                                                                         mult[col], shift[col], LO, HI), col, LUT, C))
-                                        q1 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg + 1],
-                                                                         _bias(bias, cls, col + 1, TABLE),
-                                                                         mult[col + 1], shift[col + 1], LO, HI),
-                                                                col + 1, LUT, C))
-                                        pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
-                                            T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
-                                        if STAGED:
-                                            T.cuda.func_call("qconv_st_u16", tile8.ptr_to(
-                                                [(wg - 1) * BM * ROW + (row - t // NB * BM) * ROW + col - t % NB * BN]),
-                                                pair, source_code=STORE_SRC)
-                                        elif row < M:
-                                            out16[(row * OP + col) // 2] = pair
-                if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
-                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
-                    for v in T.unroll(BM * SEGS // 128):
-                        r = T.meta_var((v * 128 + tid) // SEGS)
-                        seg = T.meta_var((v * 128 + tid) % SEGS * 16)
-                        if t // NB * BM + r < M:
-                            T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
-                                             tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
-                    T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
+                if INT32:     # the accumulators as they are: two channels' int32s a store, 8 bytes
+                    for mw in T.unroll(MW):
+                        for nw in T.unroll(NW):
+                            for i in T.unroll(ACC // 4):
+                                for h in T.unroll(2):
+                                    row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4 + 8 * h)
+                                    col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
+                                    reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
+                                    if row < M:
+                                        T.cuda.func_call("qconv_st_i2", out32.ptr_to([row * OP + col]), acc[reg],
+                                                         acc[reg + 1], source_code=STORE_I2_SRC)
+                else:
+                    for fast in T.unroll(FORMS):                  # the requantize's forms
+                        if fast == ok[1]:
+                            for mw in T.unroll(MW):
+                                for nw in T.unroll(NW):
+                                    for i in T.unroll(ACC // 4):
+                                        for h in T.unroll(2):
+                                            row = T.meta_var(t // NB * BM + mw * 64 + tid // 32 * 16 + tid % 32 // 4
+                                                             + 8 * h)
+                                            col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
+                                            reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
+                                            cls = T.meta_var(_border_class(wl, row, TABLE))
+                                            q0 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg], _bias(bias, cls, col, TABLE),
+                                                                             mult[col], shift[col], LO, HI), col, lut, C))
+                                            q1 = T.meta_var(epilogue_table.finish_int32(_requant(fast, acc[reg + 1],
+                                                                             _bias(bias, cls, col + 1, TABLE),
+                                                                             mult[col + 1], shift[col + 1], LO, HI),
+                                                                    col + 1, lut, C))
+                                            pair = T.meta_var(T.Cast("uint16", T.bitwise_or(   # two int8s, little-endian
+                                                T.bitwise_and(q0, 255), T.shift_left(T.bitwise_and(q1, 255), 8))))
+                                            if STAGED:
+                                                T.cuda.func_call("qconv_st_u16", tile8.ptr_to(
+                                                    [(wg - 1) * BM * ROW + (row - t // NB * BM) * ROW + col - t % NB * BN]),
+                                                    pair, source_code=STORE_SRC)
+                                            elif row < M:
+                                                out16[(row * OP + col) // 2] = pair
+                    if STAGED:      # the tile to global memory, each warp 4 rows x 128 bytes per step
+                        T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)
+                        for v in T.unroll(BM * SEGS // 128):
+                            r = T.meta_var((v * 128 + tid) // SEGS)
+                            seg = T.meta_var((v * 128 + tid) % SEGS * 16)
+                            if t // NB * BM + r < M:
+                                T.cuda.func_call("qconv_copy16", out8.ptr_to([(t // NB * BM + r) * OP + t % NB * BN + seg]),
+                                                 tile8.ptr_to([(wg - 1) * BM * ROW + r * ROW + seg]), source_code=COPY_SRC)
+                        T.cuda.func_call("qconv_wg_bar", wg, source_code=BAR_SRC)   # read before the next tile's writes
+
+    if INT32:     # the training forward's int32 accumulators (``conv2d_nhwc_int32``): no epilogue
+        @T.prim_func(private=True)
+        def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
+                 out: T.Buffer((N, OH, OW, OP), "int32", align=16)):
+            T.func_attr({"tirx.noalias": True})
+            body(data, weight, None, None, None, out, None)
+        return main
+
+    # the table's buffer becomes a parameter after parsing (with_table_param): not well-formed before
+    @T.prim_func(private=True, check_well_formed=LUT is None)
+    def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
+             bias: T.Buffer(BIAS_SHAPE, "int32"), mult: T.Buffer((OP,), "int32"), shift: T.Buffer((OP,), "int32"),
+             out: T.Buffer((N, OH, OW, OP), "int8", align=16)):
+        T.func_attr({"tirx.noalias": True})
+        body(data, weight, bias, mult, shift, out, LUT)
 
     return epilogue_table.with_table_param(main, LUT)
 

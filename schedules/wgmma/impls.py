@@ -54,6 +54,8 @@ class Conv2dWgmma(Conv2dMma):
     takes_residual = False   # its epilogue is written in the TIRx kernel: a table, no other addend
 
     def compute(self, wl: ConvWorkload):
+        if wl.out_dtype == "int32":      # the training forward's accumulators, as the mma.sync family's
+            return super().compute(wl)
         return self.tag(tc_conv2d.conv2d_nhwc_int8(wl, border=True), wl)
 
     def pack_params(self, wl, weight, bias, mult, shift):

@@ -52,10 +52,11 @@ def candidate_configs(wl: ConvWorkload) -> list[Config]:
         widths.add(256)
     if op <= 224 and op in WGMMA_N:
         widths.add(op)
+    staged = wl.out_dtype == "int8"       # an int32 output (the training forward) stores directly
     found = [default_config(wl)]
     for bn in sorted(widths):
         for bm in (128, 64):
-            config = Config(bm, bn, ring_stages(bm, bn, bk))
+            config = Config(bm, bn, ring_stages(bm, bn, bk, staged), staged)
             if config.accumulators() <= MAX_ACC and config not in found:
                 found.append(config)
     return found

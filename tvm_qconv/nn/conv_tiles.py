@@ -1,27 +1,33 @@
-"""The training step's int8 convs with their tiles chosen per layer by measurement.
+"""The training step's int8 convs, their kernel chosen per conv by measurement.
 
 Every int8 conv of a training step on the tensor cores -- the forward, ``dx`` (a forward conv
 of the gradient with the flipped weight) and ``dw`` (the split-K conv of the input with the
-gradient, ``schedules/training/grad_weight_mma.py``) -- is the ``mma.sync`` template
-(``schedules/tensorcore/mma.py``) with int32 output.  Untuned it takes
-``mma.default_decisions``: a heuristic block tile, 2 x 2 warps and the deepest pipeline that
-fits.  Here the template's tiles are measured per workload on the GPU and the fastest kept:
+gradient, ``schedules/training/grad_weight_mma.py``) -- is by default the ``mma.sync`` template
+(``schedules/tensorcore/mma.py``) with int32 output and ``mma.default_decisions``: a heuristic
+block tile, 2 x 2 warps and the deepest pipeline that fits.  Here each conv's choices are
+measured on the GPU and the fastest kept.  A *choice* is a dict:
 
-* :func:`candidates`: every block tile of 32 / 64 / 128 rows and columns dividing the GEMM, its
-  warps 2 x 2 (and 4 x 2 / 2 x 4 for 128-wide tiles), the two longest K steps that fit the
-  shared memory, each with its deepest pipeline; the default always among them.
-* :func:`search`: all candidates built in parallel processes, each timed as 20 calls captured
-  in a CUDA graph (``compare.measure.cuda_graph_ms``), its int32 output checked against the
-  default's bit for bit (a candidate that differs is dropped, and said).
-* The table, ``tuning_logs/training-convs-<arch>.json`` (or the file ``$TVM_QCONV_CONV_TILES``
-  names), keeps one entry per workload: its default's and its best candidate's times, and the
-  tiles :mod:`tvm_kernels` then builds it with.  The best is taken only when it is at least
-  :data:`MIN_GAIN` faster than the default (timing noise is ~1 %); otherwise the entry says the
-  default stays.  The table is rewritten (atomically) after each workload: an interrupted search
-  keeps what it measured, and the same command goes on from there.
+* ``{"family": "mma", "tiles": decisions, "stages": n}``: the template with these decisions
+  (:func:`candidates`: every block tile of 32 / 64 / 128 rows and columns dividing the GEMM, its
+  warps 2 x 2, and 4 x 2 / 2 x 4 for 128-wide tiles, the two longest K steps that fit the shared
+  memory, each at its deepest pipeline; the default always among them);
+* ``{"family": "wgmma", "config": {"bm", "bn", "stages"}}``: Hopper's warp-specialized TMA +
+  ``wgmma`` kernel (``schedules/wgmma/conv2d.py``) with its int32 epilogue, on GPUs that have it,
+  for the convs TMA im2col can gather in one slice (:func:`wgmma_choices`; built for
+  ``sm_90a``).
+
+:func:`search` builds all choices in parallel processes and times each as 20 calls captured in
+a CUDA graph (``compare.measure.cuda_graph_ms``), its int32 output checked against the default's
+bit for bit (a choice that differs is dropped, and said).  The table,
+``tuning_logs/training-convs-<arch>.json`` (or the file ``$TVM_QCONV_CONV_TILES`` names), keeps
+one entry per workload: its default's and its best choice's times and the choice
+:mod:`tvm_kernels` then builds it with.  The best is taken only when it is at least
+:data:`MIN_GAIN` faster than the default (timing noise is ~1 %); otherwise the entry says the
+default stays.  The table is rewritten (atomically) after each workload: an interrupted search
+keeps what it measured, and the same command goes on from there.
 
 Workloads are matched by their exact shape (batch included): tune with the batch you train with.
-The kernel cache key of a tabled workload includes its tiles, so a changed entry rebuilds just
+The kernel cache key of a tabled workload includes its choice, so a changed entry rebuilds just
 that kernel.
 
 ``python tune.py --training --model vgg16 --batch 32`` runs :func:`tune_model`.
@@ -74,22 +80,25 @@ def read_table(path: str) -> dict:
             table = json.load(f)
         for row in table["layers"]:
             ConvWorkload.from_dict(row["workload"])
-            _ = row["tiles"], row["stages"]
+            if row["choice"] is not None and row["choice"]["family"] not in FAMILIES:
+                raise ValueError(f"unknown family {row['choice']['family']!r}")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise InputError(f"{path} is not a training-conv tile table ({type(err).__name__}: {err}): delete it (the "
+        raise InputError(f"{path} is not a training-conv table ({type(err).__name__}: {err}): delete it (the "
                          f"convs then run their default tiles) or rebuild it with python tune.py --training") from err
     return table
 
 
+FAMILIES = ("mma", "wgmma")
+
+
 @functools.lru_cache(maxsize=8)
-def _entries(path: str, stamp: tuple) -> dict[str, tuple[dict, int] | None]:
-    return {key(ConvWorkload.from_dict(r["workload"])): (r["tiles"], r["stages"]) if r["tiles"] else None
-            for r in read_table(path)["layers"]}
+def _entries(path: str, stamp: tuple) -> dict[str, dict | None]:
+    return {key(ConvWorkload.from_dict(r["workload"])): r["choice"] for r in read_table(path)["layers"]}
 
 
-def lookup(wl: ConvWorkload, arch: str) -> tuple[dict, int] | None:
-    """``(decisions, stages)`` the table holds for ``wl`` on ``arch``; None where the default stays
-    (no table, no entry, or the default measured fastest)."""
+def lookup(wl: ConvWorkload, arch: str) -> dict | None:
+    """The choice the table holds for ``wl`` on ``arch``; None where the default stays (no table,
+    no entry, or the default measured fastest)."""
     path = table_path(arch)
     try:
         st = os.stat(path)
@@ -98,15 +107,32 @@ def lookup(wl: ConvWorkload, arch: str) -> tuple[dict, int] | None:
     return _entries(path, (st.st_mtime_ns, st.st_size)).get(key(wl))
 
 
-def schedule(func, decisions: dict, stages: int):
-    """``func`` (``conv2d_nhwc_int32``'s PrimFunc) on the template with these tiles.
+def build_arch(choice: dict | None, arch: str) -> str:
+    """The arch a choice is built for: ``sm_90a`` for wgmma (its instructions exist only there)."""
+    return "sm_90a" if choice and choice["family"] == "wgmma" else arch
+
+
+def schedule(func, choice: dict, target):
+    """``func`` (``conv2d_nhwc_int32``'s PrimFunc, tagged with its workload) as ``choice``.
 
     Raises:
-        mma.InvalidDecisions: tiles that do not fit this GEMM or the shared memory.
+        mma.InvalidDecisions: template tiles that do not fit this GEMM or the shared memory.
+        AssertionError: a wgmma config its kernel does not take.
     """
     import tvm
+
+    from ..schedules.kernel import tirx_kernel
+    from ..schedules.wgmma import conv2d as wgmma_conv2d
+    from ..target import TargetInfo
+
+    if choice["family"] == "wgmma":
+        wl = ConvWorkload.of(func)
+        assert wgmma_conv2d.supports(wl), wl
+        kernel = wgmma_conv2d.conv2d_wgmma(wl, wgmma_conv2d.Config(**choice["config"], staged_store=False),
+                                           TargetInfo.from_target(target).num_sm)
+        return tirx_kernel(func, kernel)
     sch = tvm.s_tir.Schedule(func)
-    mma.apply_mma_schedule(sch, decisions, stages)
+    mma.apply_mma_schedule(sch, choice["tiles"], choice["stages"])
     return sch.mod["main"].with_attr("tir.is_scheduled", True)
 
 
@@ -115,9 +141,13 @@ def gemm_extents(func) -> tuple[int, int, int]:
     return mma.gemm_extents(tvm.s_tir.Schedule(func))
 
 
-def candidates(mp: int, op: int, k: int) -> list[tuple[dict, int]]:
-    """The tiles :func:`search` measures for an ``(M_p, O_p, K)`` GEMM (module docstring), each
-    ``(decisions, stages)`` as ``mma.apply_mma_schedule`` takes them; no duplicates."""
+def mma_choice(decisions: dict, stages: int) -> dict:
+    return {"family": "mma", "tiles": decisions, "stages": stages}
+
+
+def candidates(mp: int, op: int, k: int) -> list[dict]:
+    """The template's choices :func:`search` measures for an ``(M_p, O_p, K)`` GEMM (module
+    docstring); no duplicates."""
     mt, ot, kt = mp // 16, op // 16, k // 32
     out = []
     for bm in (128, 64, 32):
@@ -136,27 +166,52 @@ def candidates(mp: int, op: int, k: int) -> list[tuple[dict, int]]:
                     if all(kk != c[0] for c in longest) and len(longest) < 2:
                         longest.append((kk, s))
                 for kk, s in longest:
-                    out.append(({"m": [mt // (bm // 16), wm, fm], "o": [ot // (bn // 16), wn, fn],
-                                 "k": [kt // kk, kk]}, s))
+                    out.append(mma_choice({"m": [mt // (bm // 16), wm, fm], "o": [ot // (bn // 16), wn, fn],
+                                           "k": [kt // kk, kk]}, s))
     return out
 
 
-def choose(default_ms: float, measured: list[tuple[dict, int, float]]) -> tuple[dict, int, float] | None:
-    """The fastest of ``measured`` ``(decisions, stages, ms)`` where it beats ``default_ms`` by
+def wgmma_choices(wl: ConvWorkload) -> list[dict]:
+    """The wgmma kernel's tiles for ``wl`` (``schedules/wgmma/space.py``, at least
+    ``MIN_TILE_COLUMNS`` wide), none where its kernel cannot compute ``wl``."""
+    from ..schedules.tensorcore.impls import MIN_IN_CHANNELS
+    from ..schedules.wgmma import conv2d as wgmma_conv2d
+    from ..schedules.wgmma import space
+    from ..schedules.wgmma.impls import MIN_TILE_COLUMNS
+
+    if wl.in_channels < MIN_IN_CHANNELS or not wgmma_conv2d.supports(wl):
+        return []
+    return [{"family": "wgmma", "config": {"bm": c.bm, "bn": c.bn, "stages": c.stages}}
+            for c in space.candidate_configs(wl) if c.bn >= MIN_TILE_COLUMNS]
+
+
+def describe_choice(choice: dict | None) -> str:
+    if choice is None:
+        return "default"
+    if choice["family"] == "wgmma":
+        c = choice["config"]
+        return f"wgmma {c['bm']}x{c['bn']}, {c['stages']} stages"
+    d = choice["tiles"]
+    return (f"mma {16 * d['m'][1] * d['m'][2]}x{16 * d['o'][1] * d['o'][2]}, warps {d['m'][1]}x{d['o'][1]}, "
+            f"BK {32 * d['k'][1]}, {choice['stages']} stages")
+
+
+def choose(default_ms: float, measured: list[tuple[dict, float]]) -> tuple[dict, float] | None:
+    """The fastest of ``measured`` ``(choice, ms)`` where it beats ``default_ms`` by
     :data:`MIN_GAIN` or more; None where the default stays."""
     if not measured:
         return None
-    best = min(measured, key=lambda m: m[2])
-    return best if best[2] <= default_ms * (1 - MIN_GAIN) else None
+    best = min(measured, key=lambda m: m[1])
+    return best if best[1] <= default_ms * (1 - MIN_GAIN) else None
 
 
 # ----------------------------------------------------------------------------- measuring
 
-def _build_candidate(wl: ConvWorkload, arch: str, tiles, path: str) -> float:
-    """A worker: the forward kernel of ``wl`` with ``tiles`` (None: the default) into ``path``."""
+def _build_candidate(wl: ConvWorkload, arch: str, choice: dict | None, path: str) -> float:
+    """A worker: the forward kernel of ``wl`` as ``choice`` (None: the default) into ``path``."""
     from . import tvm_kernels
     t0 = time.perf_counter()
-    tvm_kernels._build("forward", wl, tvm_kernels.target_of(arch), path, tiles=tiles or False)
+    tvm_kernels._build("forward", wl, tvm_kernels.target_of(build_arch(choice, arch)), path, choice=choice or False)
     return time.perf_counter() - t0
 
 
@@ -175,19 +230,22 @@ def _arguments(func, device: torch.device, generator: torch.Generator) -> list[t
 def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int | None = None,
            seconds: float | None = None, on_row: Callable[[dict], None] | None = None,
            timer: Callable | None = None) -> list[dict]:
-    """Measure :func:`candidates` of each workload on ``device`` (module docstring); one row per
-    workload measured before ``seconds`` ran out, each also handed to ``on_row`` as it is done.
+    """Measure the choices of each workload on ``device`` (module docstring): the template's
+    :func:`candidates`, and :func:`wgmma_choices` where the GPU has wgmma (compute capability 9.0);
+    one row per workload measured before ``seconds`` ran out, each also handed to ``on_row`` as it
+    is done.
 
-    Row: ``workload``, ``describe``, ``gemm`` ``[M_p, O_p, K]``, ``default`` and ``best``
-    (``{"tiles", "stages", "ms"}``; ``best`` None where the default stays), ``measured`` (every
-    candidate's ``ms``, None for one that failed to build or gave other bits) and ``tops_default``
-    / ``tops_best`` on the padded GEMM, every slice (what the tensor cores execute)."""
+    Row: ``workload``, ``describe``, ``gemm`` ``[M_p, O_p, K]`` (K of one slice), ``default`` and
+    ``best`` (``{"choice", "ms"}``; ``best`` None where the default stays), ``measured`` (every
+    choice's ``ms``, None for one that failed to build or gave other bits) and ``tops_default`` /
+    ``tops_best`` on the padded GEMM, every slice (what the tensor cores execute)."""
     from ..compare.measure import cuda_graph_ms
     from ..target import TargetInfo
     from . import tvm_kernels
 
     timer = timer or (lambda fn: cuda_graph_ms(fn, reps=20, iters=5))
     arch = tvm_kernels.device_target(device)[1]
+    hopper = torch.cuda.get_device_capability(device) == (9, 0)
     deadline = None if seconds is None else time.monotonic() + seconds
     plans = []
     for wl in workloads:
@@ -196,20 +254,21 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
             continue
         func = impl.compute(wl)
         mp, op, k = gemm_extents(func)
-        default = mma.default_decisions(mp, op, k, TargetInfo.from_target(tvm_kernels.target_of(arch)).num_sm)
-        cands = [c for c in candidates(mp, op, k) if c != (default[0], default[1])]
-        plans.append((wl, func, (mp, op, k), [None] + cands, default))
+        default = mma_choice(*mma.default_decisions(mp, op, k, TargetInfo.from_target(
+            tvm_kernels.target_of(arch)).num_sm))
+        choices = [c for c in candidates(mp, op, k) if c != default] + (wgmma_choices(wl) if hopper else [])
+        plans.append((wl, func, (mp, op, k), [None] + choices, default))
     rows = []
     with tempfile.TemporaryDirectory(prefix="conv_tiles-") as tmp, concurrent.futures.ProcessPoolExecutor(
             max(1, workers or os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [[pool.submit(_build_candidate, wl, arch, tiles, os.path.join(tmp, f"{i}-{j}.so"))
-                    for j, tiles in enumerate(tiles_list)] for i, (wl, _, _, tiles_list, _) in enumerate(plans)]
+        futures = [[pool.submit(_build_candidate, wl, arch, choice, os.path.join(tmp, f"{i}-{j}.so"))
+                    for j, choice in enumerate(choices)] for i, (wl, _, _, choices, _) in enumerate(plans)]
         try:
-            for i, (wl, func, gemm, tiles_list, default) in enumerate(plans):
+            for i, (wl, func, gemm, choices, default) in enumerate(plans):
                 if deadline is not None and time.monotonic() > deadline:
                     print(f"[tune --training] time is up: {len(plans) - i} workloads left for the next run", flush=True)
                     break
-                rows.append(_measure_one(wl, func, gemm, tiles_list, default, futures[i], tmp, i, device, timer))
+                rows.append(_measure_one(wl, func, gemm, choices, default, futures[i], tmp, i, device, timer))
                 if on_row is not None:
                     on_row(rows[-1])
         finally:
@@ -217,19 +276,20 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
     return rows
 
 
-def _measure_one(wl, func, gemm, tiles_list, default, futures, tmp, i, device, timer) -> dict:
+def _measure_one(wl, func, gemm, choices, default, futures, tmp, i, device, timer) -> dict:
     import tvm
     from . import tvm_kernels
 
     g = torch.Generator(device=device).manual_seed(0)
     args = _arguments(func, device, g)
     reference, measured = None, []
-    for j, (tiles, future) in enumerate(zip(tiles_list, futures)):
+    for j, (choice, future) in enumerate(zip(choices, futures)):
         try:
             future.result()
             fn = tvm.runtime.load_module(os.path.join(tmp, f"{i}-{j}.so"))[tvm_kernels.symbol("forward")]
-        except Exception as err:  # noqa: BLE001  a candidate the template cannot build: skipped, said
-            print(f"  {tvm_kernels.describe(wl)}: tiles {tiles} did not build ({type(err).__name__})", flush=True)
+        except Exception as err:  # noqa: BLE001  a choice the kernels cannot build: skipped, said
+            print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} did not build ({type(err).__name__})",
+                  flush=True)
             measured.append(None)
             continue
         args[-1].zero_()
@@ -237,7 +297,8 @@ def _measure_one(wl, func, gemm, tiles_list, default, futures, tmp, i, device, t
         if reference is None:
             reference = args[-1].clone()
         elif not torch.equal(args[-1], reference):
-            print(f"  {tvm_kernels.describe(wl)}: tiles {tiles} give other sums than the default: dropped", flush=True)
+            print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} gives other sums than the default: "
+                  "dropped", flush=True)
             measured.append(None)
             continue
         measured.append(timer(lambda: fn(*args)))
@@ -245,16 +306,16 @@ def _measure_one(wl, func, gemm, tiles_list, default, futures, tmp, i, device, t
         raise RuntimeError(f"the default kernel of {tvm_kernels.describe(wl)} did not build or run")
     ops = 2 * gemm[0] * gemm[1] * gemm[2] * wl.splits     # gemm's K is one slice's
     default_ms = measured[0]
-    pick = choose(default_ms, [(t[0], t[1], ms) for t, ms in zip(tiles_list[1:], measured[1:]) if ms is not None])
-    best_ms = pick[2] if pick else default_ms
+    pick = choose(default_ms, [(c, ms) for c, ms in zip(choices[1:], measured[1:]) if ms is not None])
+    best_ms = pick[1] if pick else default_ms
     row = {"workload": wl.to_dict(), "describe": tvm_kernels.describe(wl), "gemm": list(gemm),
-           "default": {"tiles": default[0], "stages": default[1], "ms": default_ms},
-           "best": None if pick is None else {"tiles": pick[0], "stages": pick[1], "ms": pick[2]},
-           "measured": [{"tiles": t[0] if t else default[0], "stages": t[1] if t else default[1], "ms": ms}
-                        for t, ms in zip(tiles_list, measured)],
+           "default": {"choice": default, "ms": default_ms},
+           "best": None if pick is None else {"choice": pick[0], "ms": pick[1]},
+           "measured": [{"choice": c or default, "ms": ms} for c, ms in zip(choices, measured)],
            "tops_default": ops / default_ms / 1e9, "tops_best": ops / best_ms / 1e9}
     print(f"  {row['describe']:<48} default {default_ms:8.4f} ms  best {best_ms:8.4f} ms "
-          f"({default_ms / best_ms:4.2f}x, {row['tops_best']:6.1f} TOPS) of {len(measured)} candidates", flush=True)
+          f"({default_ms / best_ms:4.2f}x, {row['tops_best']:6.1f} TOPS, {describe_choice(pick and pick[0])}) "
+          f"of {len(measured)}", flush=True)
     return row
 
 
@@ -266,8 +327,7 @@ def merge_rows(path: str, rows: list[dict], meta: dict) -> None:
     for r in rows:
         best = r["best"]
         by_key[key(ConvWorkload.from_dict(r["workload"]))] = {
-            "workload": r["workload"], "describe": r["describe"],
-            "tiles": best["tiles"] if best else None, "stages": best["stages"] if best else None,
+            "workload": r["workload"], "describe": r["describe"], "choice": best["choice"] if best else None,
             "ms": best["ms"] if best else r["default"]["ms"], "default_ms": r["default"]["ms"], **meta}
     table.update({k: v for k, v in meta.items() if k in ("arch", "tvm")})
     table["layers"] = sorted(by_key.values(), key=lambda r: r["describe"])

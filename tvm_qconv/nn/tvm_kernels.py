@@ -169,11 +169,12 @@ def _impl(kind: str, wl: ConvWorkload, target):
     return impl
 
 
-def _definition(kind: str, wl: ConvWorkload, target, tiles=None):
+def _definition(kind: str, wl: ConvWorkload, target, choice=None):
     """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
     its default schedule where it has one (llvm: the bare compute definition), or, for a
-    tensor-core forward, by ``tiles`` (``(decisions, stages)``: the measured table's,
-    ``conv_tiles``; a table entry the template no longer takes is warned about and the default used).
+    tensor-core forward, as ``choice`` (the measured table's, ``conv_tiles``: the template's
+    tiles or the wgmma kernel; a table entry the kernels no longer take is warned about and the
+    default used).
 
     Raises:
         NotImplementedError: a forward kernel that does not take the ``(data, weight, out)`` that
@@ -181,23 +182,25 @@ def _definition(kind: str, wl: ConvWorkload, target, tiles=None):
     """
     if kind in elementwise.KINDS:
         return elementwise.definition(wl, target)
-    impl = _impl(kind, wl, target)
+    # a measured choice is one of the mma template's compute (tabled for it), whatever the registry
+    # would pick on its build arch
+    impl = registry.get(conv_tiles.IMPL) if choice else _impl(kind, wl, target)
     func = impl.compute(wl)
     if kind == "forward" and len(func.params) != 3:
         raise NotImplementedError(f"{impl.name} takes {len(func.params)} arguments for {wl.describe()}; the training "
                                   f"forward passes (data, weight, out) packed for {impl.layout}: teach int8_conv its "
                                   "packing")
-    if tiles and impl.name == conv_tiles.IMPL:
+    if choice:
         try:
-            return conv_tiles.schedule(func, *tiles)
-        except InvalidDecisions as err:
-            warnings.warn(f"the tile table's entry for {describe(wl)} does not fit the template ({err}): built with "
-                          f"the default tiles; run python tune.py --training again")
+            return conv_tiles.schedule(func, choice, target)
+        except (InvalidDecisions, AssertionError) as err:
+            warnings.warn(f"the tile table's entry for {describe(wl)} ({conv_tiles.describe_choice(choice)}) does not "
+                          f"fit the kernels ({err}): built with the default tiles; run python tune.py --training again")
     return impl.schedule(func, target) or func
 
 
-def _tiles(kind: str, wl, arch: str):
-    """The measured tiles of a forward kernel (``conv_tiles.lookup``), None for other kinds."""
+def _choice(kind: str, wl, arch: str):
+    """The measured choice of a forward kernel (``conv_tiles.lookup``), None for other kinds."""
     return conv_tiles.lookup(wl, arch) if kind == "forward" and isinstance(wl, ConvWorkload) else None
 
 
@@ -216,9 +219,9 @@ def symbol(kind: str) -> str:
 def cache_key(kind: str, wl, arch: str) -> dict:
     """Everything a cached kernel depends on."""
     key = {"kind": kind, "workload": wl.to_dict(), "arch": arch, "tvm": tvm.__version__, "source": _source_hash()}
-    tiles = _tiles(kind, wl, arch)
-    if tiles:       # only where tabled: the default kernels keep their cache entries
-        key["tiles"] = tiles
+    choice = _choice(kind, wl, arch)
+    if choice:      # only where tabled: the default kernels keep their cache entries
+        key["choice"] = choice
     return key
 
 
@@ -227,15 +230,18 @@ def cache_path(kind: str, wl, arch: str) -> str:
     return os.path.join(cache_dir(), f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.so")
 
 
-def _build(kind: str, wl, target, path: str, tiles=None) -> None:
-    """Compile one kernel and write it to ``path`` atomically; ``tiles``: the forward's measured
-    tiles (None: the table's, ``False``: the default's)."""
-    if tiles is None:
-        tiles = _tiles(kind, wl, str(target.attrs["arch"])) if target.kind.name == "cuda" else None
+def _build(kind: str, wl, target, path: str, choice=None) -> None:
+    """Compile one kernel and write it to ``path`` atomically; ``choice``: the forward's measured
+    kernel (None: the table's, ``False``: the default), built for its arch (wgmma: ``sm_90a``)."""
+    if choice is None and target.kind.name == "cuda":
+        choice = _choice(kind, wl, str(target.attrs["arch"]))
+    if choice and target.kind.name == "cuda":
+        target = target_of(conv_tiles.build_arch(choice, str(target.attrs["arch"])))
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
-    func = _definition(kind, wl, target, tiles or None).with_attr("global_symbol", symbol(kind))
+    func = _definition(kind, wl, target, choice or None).with_attr("global_symbol", symbol(kind))
     # the implementation's own pipeline and PassContext entries (the mma template's async copies)
-    options = registry.compile_options([] if kind in elementwise.KINDS else [_impl(kind, wl, target)])
+    options = registry.compile_options([] if kind in elementwise.KINDS else
+                                       [registry.get(conv_tiles.IMPL) if choice else _impl(kind, wl, target)])
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target, tir_pipeline=options["tir_pipeline"])
     with atomic_path(path, suffix=".so") as tmp:
