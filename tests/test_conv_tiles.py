@@ -73,7 +73,10 @@ def test_wgmma_is_a_choice_for_the_convs_tma_can_gather_in_one_slice():
     fwd, fwd14, dw_split, linear_dw = WORKLOADS
     assert conv_tiles.wgmma_choices(fwd)[0] == {"family": "wgmma", "config": {"bm": 128, "bn": 128, "stages": 6}}
     assert all(c["config"]["bn"] >= 64 for c in conv_tiles.wgmma_choices(fwd14))
-    assert conv_tiles.wgmma_choices(dw_split) == []          # a split reduction: the template only
+    assert conv_tiles.wgmma_choices(dw_split)                # dw: split-K, 4 slices of 196 K steps
+    first_layer_dw = ConvWorkload(64, 32, 224, 224, 64, (224, 224), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
+                                  act_min=-127, out_dtype="int32", splits=14)
+    assert conv_tiles.wgmma_choices(first_layer_dw) == []    # 224 x 224 taps: past TMA's 127-pixel offsets
     assert conv_tiles.wgmma_choices(linear_dw)               # FC1's dw, one slice: 25,088 rows of 1 x 1 taps
     assert conv_tiles.wgmma_choices(dataclasses.replace(fwd, in_channels=8)) == []   # the mma family's floor
     assert conv_tiles.build_arch(conv_tiles.wgmma_choices(fwd)[0], "sm_90") == "sm_90a"
@@ -145,21 +148,24 @@ def test_a_table_entry_the_template_no_longer_takes_warns_and_builds_the_default
     assert func.attrs["tir.is_scheduled"]
 
 
-def test_a_wgmma_choice_builds_hoppers_kernel_with_the_int32_epilogue_for_sm_90a(table, tmp_path):
-    # the training forward on wgmma: TMA-fed, warp-specialized, the accumulators stored as int32
-    # pairs (no requantize, no staged int8 tile); compiled by nvcc for sm_90a without spills
+@pytest.mark.parametrize("wl", [WORKLOADS[0], WORKLOADS[2]], ids=["fwd", "dw_split"])
+def test_a_wgmma_choice_builds_hoppers_kernel_with_the_int32_epilogue_for_sm_90a(wl, tmp_path):
+    # the training convs on wgmma: TMA-fed, warp-specialized, the accumulators stored as int32
+    # pairs (no requantize, no staged int8 tile), a split reduction's slices each to its own
+    # [S, ...] plane; compiled by nvcc for sm_90a without spills
     import shutil
     import subprocess
     from tvm_qconv.target import cuda_source
-    wl = WORKLOADS[0]
     choice = conv_tiles.wgmma_choices(wl)[0]
     target = tvm_kernels.target_of(conv_tiles.build_arch(choice, ARCH))
     func = tvm_kernels._definition("forward", wl, target, choice).with_attr("global_symbol", "k")
+    out_shape = [int(d) for d in func.params[2].shape]
     assert len(func.params) == 3 and str(func.params[2].dtype) == "int32"
+    assert out_shape[:1] == ([wl.splits] if wl.splits > 1 else [wl.batch])
     options = tvm_kernels.registry.compile_options([tvm_kernels.registry.get(conv_tiles.IMPL)])
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         src = cuda_source(tvm.compile(tvm.IRModule({"k": func}), target=target, tir_pipeline=options["tir_pipeline"]))
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in src and ".im2col" in src
+    assert f"m64n{min(choice['config']['bn'], 128)}k32.s32.s8.s8" in src and ".im2col" in src
     assert "qconv_st_i2(" in src and "qconv_copy16(" not in src and "qconv_st_u16(" not in src
     nvcc = shutil.which("nvcc")
     if nvcc is None:

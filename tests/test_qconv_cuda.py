@@ -518,17 +518,22 @@ def test_cuda_compact_relu_gives_nn_relus_output_and_gradient_bit_for_bit(shape)
     assert torch.equal(out["ours"][0], out["torch"][0]) and torch.equal(out["ours"][1], out["torch"][1])
 
 
-@pytest.mark.parametrize("family", ["mma", "wgmma"])
+@pytest.mark.parametrize("family", ["mma", "wgmma", "wgmma_dw"])
 def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family, tmp_path, monkeypatch):
     # a tabled conv (conv_tiles: the template with 4 x 2 warps, or Hopper's wgmma kernel with its
-    # int32 epilogue, 64 x 256 tiles) and the default kernel, on the same random int8 operands:
-    # the same int32 sums, bit for bit
+    # int32 epilogue: a forward on 64 x 256 tiles, VGG16's split-K dw of 256 -> 256 @56) and the
+    # default kernel, on the same random int8 operands: the same int32 sums, bit for bit
     import tvm
     from tvm_qconv.nn import conv_tiles
-    if family == "wgmma" and torch.cuda.get_device_capability(CUDA) != (9, 0):
+    from tvm_qconv.schedules.training import grad_weight_mma
+    if family != "mma" and torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
     wl = tvm_kernels.ConvWorkload(32, 512, 14, 14, 512, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
                                   act_min=-127, out_dtype="int32")
+    if family == "wgmma_dw":
+        wl = grad_weight_mma.weight_grad_conv(dataclasses.replace(wl, in_channels=256, out_channels=256, height=56,
+                                                                  width=56), tvm_kernels._target_info(CUDA))
+        assert wl.splits > 1
     arch = tvm_kernels.device_target(CUDA)[1]
     func = tvm_kernels._impl("forward", wl, tvm_kernels.target_of(arch)).compute(wl)
     mp, op, k = conv_tiles.gemm_extents(func)
@@ -538,6 +543,7 @@ def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family,
                      if c != default and c["tiles"]["m"][1] * c["tiles"]["o"][1] == 8)
     else:
         other = conv_tiles.wgmma_choices(wl)[0]
+        assert other["family"] == "wgmma"
     path = tmp_path / "tiles.json"
     monkeypatch.setenv(conv_tiles.TABLE_ENV, str(path))
     conv_tiles.merge_rows(str(path), [{"workload": wl.to_dict(), "describe": "test",

@@ -55,10 +55,11 @@ def test_supports_only_what_tma_im2col_can_gather():
     assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, kernel=(1, 1), padding=(0, 0, 130, 0)))  # upper
     # a tap offset of 128 rows, its corners in range
     assert not conv2d.supports(conv_wl(1, 64, 300, 300, 64, dilation=(64, 1), padding=(0, 1, 0, 1)))
-    # the training forward's int32 accumulators: one slice (no split reduction), a signed input
-    assert conv2d.supports(conv_wl(1, 64, 28, 28, 64, relu=False, out_dtype="int32"))
-    split = dataclasses.replace(conv_wl(1, 64, 28, 28, 64, relu=False, out_dtype="int32"), splits=3)
-    assert not conv2d.supports(split)
+    # the training convs' int32 accumulators, a signed input; a split reduction in whole K steps
+    # of the kernel's (3 x 3 taps x one 64-channel step: 9 steps, 3 slices of 3, not 2 of 4.5)
+    int32 = conv_wl(1, 64, 28, 28, 64, relu=False, out_dtype="int32")
+    assert conv2d.supports(int32) and conv2d.supports(dataclasses.replace(int32, splits=3))
+    assert not conv2d.supports(dataclasses.replace(int32, splits=2))
 
 
 def test_the_registry_keeps_narrow_layers_on_mma():

@@ -136,9 +136,13 @@ def im2col_corners(wl: ConvWorkload) -> tuple[int, int, int, int]:
 def supports(wl: ConvWorkload) -> bool:
     """Whether TMA im2col can gather this conv (and the layer is one this kernel computes)."""
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    # int32: the training forward's accumulators (one slice: no split reduction), its input signed
-    # (TMA's zero fill is its zero point)
-    computes = wl.out_dtype == "int8" or (wl.out_dtype == "int32" and wl.splits == 1 and not wl.pads_with_zero_point)
+    # int32: the training convs' accumulators (a split reduction in whole K steps of the kernel's,
+    # each slice's sums exact in int32), the input signed (TMA's zero fill is its zero point)
+    cp = ceil32(wl.in_channels)
+    steps = kh * kw * (cp // k_tile(cp))
+    computes = wl.out_dtype == "int8" or (wl.out_dtype == "int32" and not wl.pads_with_zero_point
+                                          and steps % wl.splits == 0
+                                          and steps // wl.splits * k_tile(cp) * 127 * 127 < 1 << 31)
     return (wl.groups == 1 and computes and max(sh, sw) <= MAX_STRIDE
             and all(MIN_CORNER <= c <= MAX_CORNER for c in im2col_corners(wl))
             and (kh - 1) * dh <= MAX_CORNER and (kw - 1) * dw <= MAX_CORNER)
@@ -198,7 +202,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     BM, BN, STAGES, WN = config.bm, config.bn, config.stages, config.wn
     assert BM in (64, 128) and OP % BN == 0 and WN in WGMMA_N and BN % WN == 0, (config, OP)
     assert config.accumulators() <= MAX_ACC, config
-    assert K * 128 * 128 < 1 << 30, K          # |acc| < 2**30: the 32-bit requantize holds
+    # |acc| < 2**30: the 32-bit requantize holds; int32 sums: one slice's must not wrap
+    assert K // wl.splits * 128 * 128 < (1 << 31 if wl.out_dtype == "int32" else 1 << 30), K
     INT32 = wl.out_dtype == "int32"            # the training forward: the accumulators stored as they are
     assert not (INT32 and config.staged_store), config
     # The epilogue in the 32-bit requantize's form too, where it was measured to pay (H100, VGG16's
@@ -209,13 +214,16 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     SWIZZLE = {32: 1, 64: 2, 128: 3}[BK]      # CUtensorMapSwizzle / wgmma layout: 32B, 64B, 128B
     SBO = (8 * BK) >> 4                        # descriptor: 8-row swizzle atom, in 16-byte units
     CBLK = CP // BK                            # K steps per tap (channel blocks of BK)
-    KT = KH * KW * CBLK                        # K steps per tile
+    KT = KH * KW * CBLK                        # K steps of the whole reduction
+    S = wl.splits                              # K slices (the training dw: split-K, int32 sums per slice)
+    KTS = KT // S                              # K steps per tile: one slice's
     MW, NW = BM // 64, BN // WN                # m64 and nWN blocks per tile
     ACC = 64 * WN // 128                       # registers of one m64nWN block per thread
     NACC = MW * NW * ACC
     A_ST, B_ST = BM * BK, BN * BK              # bytes per stage
     NB = OP // BN
-    NT = tiles(wl, config)                     # tiles, column-block fastest (A shared in L2)
+    TPS = tiles(wl, config)                    # tiles of one slice, column-block fastest (A shared in L2)
+    NT = S * TPS                               # the grid's tiles, slice by slice
     GRID = min(num_sm, NT)
     WGMMA = f"wgmma.mma_async.sync.aligned.m64n{WN}k32.s32.s8.s8"
     A_BLOCK, B_BLOCK = (64 * BK) >> 4, (WN * BK) >> 4     # descriptor step to the next m64 / nWN block
@@ -250,7 +258,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         B_s = T.decl_buffer((STAGES, BN, BK), "int8", data=ring.data, elem_offset=STAGES * A_ST,
                             scope="shared.dyn")
         if INT32:
-            out32 = T.decl_buffer((M * OP,), "int32", data=out.data)
+            out32 = T.decl_buffer((S * M * OP,), "int32", data=out.data)
         else:
             out16 = T.decl_buffer((M * OP // 2,), "uint16", data=out.data)   # two channels per store
             # the staged epilogue: each consumer's tile [BM, ROW] in shared memory, written as pairs of
@@ -285,22 +293,24 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGS)
             if tid == 0:
                 for j in T.serial(ntiles):
-                    t = T.meta_var(cta + j * GRID)
+                    t = T.meta_var(_in_slice(cta + j * GRID, TPS, S))     # the tile within its slice
+                    k0 = T.meta_var(_slice(cta + j * GRID, TPS, S) * KTS)   # its slice's first K step
                     m0 = T.meta_var(t // NB * BM)
                     img = T.meta_var(m0 // OHW)
                     oh = T.meta_var(m0 // OW % OH)
                     ow = T.meta_var(m0 % OW)
-                    for kt in T.serial(KT):
-                        step = T.meta_var(j * KT + kt)        # the ring's step count: stage, lap
+                    for kt in T.serial(KTS):
+                        step = T.meta_var(j * KTS + kt)       # the ring's step count: stage, lap
                         st = T.meta_var(step % STAGES)
-                        tap = T.meta_var(kt // CBLK)
+                        kg = T.meta_var(_plus(kt, k0))        # the K step in the whole reduction
+                        tap = T.meta_var(kg // CBLK)
                         # wait for lap - 1's release of the stage (lap 0: passes at once)
                         T.cuda.mbarrier_wait(empty.ptr_to([st]), (step // STAGES + 1) % 2)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(full.ptr_to([st]), T.uint32(A_ST + B_ST))
                         T.ptx[TMA_IM2COL](A_s.ptr_to([st, 0, 0]), T.address_of(A_map),
-                                          kt % CBLK * BK, ow * SW - PL, oh * SH - PT, img, full.ptr_to([st]),
+                                          kg % CBLK * BK, ow * SW - PL, oh * SH - PT, img, full.ptr_to([st]),
                                           T.Cast("uint16", tap % KW * DW), T.Cast("uint16", tap // KW * DH))
-                        T.ptx[TMA_TILE](B_s.ptr_to([st, 0, 0]), T.address_of(B_map), kt * BK, t % NB * BN,
+                        T.ptx[TMA_TILE](B_s.ptr_to([st, 0, 0]), T.address_of(B_map), kg * BK, t % NB * BN,
                                         full.ptr_to([st]))
         else:                                                 # ---- consumers
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGS)
@@ -310,7 +320,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
             dB = T.alloc_buffer((1,), "uint64", scope="local")
             for jj in T.serial((ntiles - (wg - 1) + 1) // 2):
                 j = T.meta_var(jj * 2 + (wg - 1))             # consumer 1 takes tiles 0, 2, ...
-                t = T.meta_var(cta + j * GRID)
+                t = T.meta_var(_in_slice(cta + j * GRID, TPS, S))
+                sl = T.meta_var(_slice(cta + j * GRID, TPS, S))
                 for i in T.unroll(NACC):
                     acc[i] = 0
                 # the turn: consumer 2 may start its jj-th main loop once consumer 1 has passed
@@ -321,8 +332,8 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                         T.cuda.mbarrier_wait(order.ptr_to([0]), (jj - 1) % 2)
                 else:
                     T.cuda.mbarrier_wait(order.ptr_to([1]), jj % 2)
-                for kt in T.serial(KT):
-                    step = T.meta_var(j * KT + kt)
+                for kt in T.serial(KTS):
+                    step = T.meta_var(j * KTS + kt)
                     st = T.meta_var(step % STAGES)
                     T.cuda.mbarrier_wait(full.ptr_to([st]), step // STAGES % 2)
                     T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dA[0]), A_s.ptr_to([st, 0, 0]), 1, SBO,
@@ -350,7 +361,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                 for i in T.unroll(NACC):
                     T.cuda.func_call("qconv_wg_fence", acc_u[i], source_code=FENCE_SRC)
                 if tid == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(j * KT + KT - 1) % STAGES]), T.uint32(1))
+                    T.ptx.mbarrier.arrive.shared.b64(empty.ptr_to([(j * KTS + KTS - 1) % STAGES]), T.uint32(1))
                 if INT32:     # the accumulators as they are: two channels' int32s a store, 8 bytes
                     for mw in T.unroll(MW):
                         for nw in T.unroll(NW):
@@ -360,7 +371,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
                                     col = T.meta_var(t % NB * BN + nw * WN + i * 8 + tid % 4 * 2)
                                     reg = T.meta_var((mw * NW + nw) * ACC + i * 4 + h * 2)
                                     if row < M:
-                                        T.cuda.func_call("qconv_st_i2", out32.ptr_to([row * OP + col]), acc[reg],
+                                        T.cuda.func_call("qconv_st_i2", out32.ptr_to([_plus(row * OP + col, sl * M * OP)]), acc[reg],
                                                          acc[reg + 1], source_code=STORE_I2_SRC)
                 else:
                     for fast in T.unroll(FORMS):                  # the requantize's forms
@@ -401,7 +412,7 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
     if INT32:     # the training forward's int32 accumulators (``conv2d_nhwc_int32``): no epilogue
         @T.prim_func(private=True)
         def main(data: T.Buffer((N, H, W, CP), "int8", align=16), weight: T.Buffer((OP, K), "int8", align=16),
-                 out: T.Buffer((N, OH, OW, OP), "int32", align=16)):
+                 out: T.Buffer(((S,) if S > 1 else ()) + (N, OH, OW, OP), "int32", align=16)):
             T.func_attr({"tirx.noalias": True})
             body(data, weight, None, None, None, out, None)
         return main
@@ -415,6 +426,22 @@ def conv2d_wgmma(wl: ConvWorkload, config: Config, num_sm: int) -> tirx.PrimFunc
         body(data, weight, bias, mult, shift, out, LUT)
 
     return epilogue_table.with_table_param(main, LUT)
+
+
+def _in_slice(tile, tiles_per_slice: int, splits: int):
+    """The grid tile ``tile``'s index within its K slice (``tile`` itself without a split)."""
+    return tile if splits == 1 else tile % tiles_per_slice
+
+
+def _slice(tile, tiles_per_slice: int, splits: int):
+    """The K slice of grid tile ``tile`` (0 without a split)."""
+    return 0 if splits == 1 else tile // tiles_per_slice
+
+
+def _plus(x, offset):
+    """``x + offset``, or ``x`` itself where ``offset`` is the int 0: the one-slice kernel's code
+    stays what it was before split-K."""
+    return x if isinstance(offset, int) and offset == 0 else x + offset
 
 
 def _bias(bias, row, col, table: bool):
