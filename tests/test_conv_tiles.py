@@ -188,3 +188,27 @@ def test_tune_training_without_a_gpu_says_where_to_run_it(capsys):
 def test_tune_training_refuses_a_model_it_cannot_build():
     with pytest.raises(InputError, match="vgg16, resnet50.*'alexnet'"):
         conv_tiles.training_workloads("alexnet", 2, 32, torch.device("cpu"))
+
+
+def test_a_split_k_dw_may_choose_its_split_count_on_wgmma(table):
+    # the dw conv's split count was chosen for mma.sync's grid; the wgmma kernel's persistent grid
+    # wants ~2 or ~4 tiles per SM (two consumers a CTA), so its choices may carry their own count
+    from tvm_qconv.schedules.wgmma import conv2d as wgmma_conv2d
+    dw = WORKLOADS[2]
+    choices = conv_tiles.wgmma_split_choices(dw, H200_SMS)
+    resplit = [c for c in choices if "splits" in c]
+    assert resplit and all(c["splits"] != dw.splits for c in resplit)
+    for c in resplit:
+        wl = conv_tiles.choice_workload(dw, c)
+        assert wgmma_conv2d.supports(wl)
+        tiles = wl.splits * wgmma_conv2d.tiles(wl, wgmma_conv2d.Config(**c["config"], staged_store=False))
+        assert tiles >= 2 * H200_SMS
+    # the table keys the conv without its count: the caller finds the choice, then runs its count
+    chosen = resplit[0]
+    conv_tiles.merge_rows(str(table), [_row(dw, chosen, ms=0.5)], {"arch": ARCH})
+    assert conv_tiles.lookup(dw, ARCH) == chosen
+    wl = conv_tiles.choice_workload(dw, conv_tiles.lookup(dw, ARCH))
+    assert wl.splits == chosen["splits"] and conv_tiles.lookup(wl, ARCH) == chosen
+    assert tvm_kernels._choice("forward", wl, ARCH) == chosen
+    assert tvm_kernels._choice("forward", dw, ARCH) is None        # the old count: the default kernel
+    assert conv_tiles.choice_workload(dw, None) is dw

@@ -559,3 +559,34 @@ def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family,
     args[-1].zero_()
     plain(*args)
     assert sums.abs().sum() > 0 and torch.equal(sums, args[-1])
+
+
+def test_a_dw_run_at_its_measured_split_count_on_wgmma_gives_the_same_weight_gradient(tmp_path, monkeypatch):
+    # int8_weight_grad with a table whose choice for VGG16's 256 -> 256 @56 dw is the wgmma kernel
+    # at another split count: the same exact sums as the default split on mma.sync
+    from tvm_qconv.nn import conv_tiles
+    from tvm_qconv.schedules.training import grad_weight_mma
+    if torch.cuda.get_device_capability(CUDA) != (9, 0):
+        pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    x_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
+    g_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
+    args = (x_q, g_q, (256, 256, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    monkeypatch.setenv(conv_tiles.TABLE_ENV, str(tmp_path / "tiles.json"))
+    tvm_kernels._measured_splits.cache_clear()
+    default = tvm_kernels.int8_weight_grad(*args)
+    fwd = tvm_kernels.ConvWorkload(32, 256, 56, 56, 256, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
+                                   act_min=-127, out_dtype="int32")
+    dw = grad_weight_mma.weight_grad_conv(fwd, tvm_kernels._target_info(CUDA))
+    choice = next(c for c in conv_tiles.wgmma_split_choices(dw, tvm_kernels._target_info(CUDA).num_sm) if "splits" in c)
+    conv_tiles.merge_rows(str(tmp_path / "tiles.json"), [{"workload": dw.to_dict(), "describe": "test",
+                                                          "default": {"choice": None, "ms": 1.0},
+                                                          "best": {"choice": choice, "ms": 0.5}}], {"arch": "test"})
+    tvm_kernels._measured_splits.cache_clear()
+    try:
+        tvm_kernels.CALLS.clear()
+        chosen = tvm_kernels.int8_weight_grad(*args)
+        assert any(f"split{choice['splits']}" in d for _, d in tvm_kernels.CALLS)
+    finally:
+        tvm_kernels._measured_splits.cache_clear()
+    assert default.abs().sum() > 0 and torch.equal(chosen, default)

@@ -35,6 +35,7 @@ that kernel.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import multiprocessing
@@ -64,7 +65,15 @@ def table_path(arch: str) -> str:
 
 
 def key(wl: ConvWorkload) -> str:
-    return json.dumps(wl.to_dict(), sort_keys=True)
+    """A table key: the workload's fields, its split count left out (a split-K dw's count is part
+    of its choice: :func:`choice_workload`)."""
+    return json.dumps({**wl.to_dict(), "splits": 1}, sort_keys=True)
+
+
+def choice_workload(wl: ConvWorkload, choice: dict | None) -> ConvWorkload:
+    """The workload ``choice`` runs: ``wl`` with the choice's split count where it has one."""
+    splits = (choice or {}).get("splits", wl.splits)
+    return wl if splits == wl.splits else dataclasses.replace(wl, splits=splits)
 
 
 def read_table(path: str) -> dict:
@@ -97,8 +106,9 @@ def _entries(path: str, stamp: tuple) -> dict[str, dict | None]:
 
 
 def lookup(wl: ConvWorkload, arch: str) -> dict | None:
-    """The choice the table holds for ``wl`` on ``arch``; None where the default stays (no table,
-    no entry, or the default measured fastest)."""
+    """The choice the table holds for ``wl`` on ``arch`` (whatever ``wl``'s split count; see
+    :func:`choice_workload`); None where the default stays (no table, no entry, or the default
+    measured fastest)."""
     path = table_path(arch)
     try:
         st = os.stat(path)
@@ -185,12 +195,35 @@ def wgmma_choices(wl: ConvWorkload) -> list[dict]:
             for c in space.candidate_configs(wl) if c.bn >= MIN_TILE_COLUMNS]
 
 
+def wgmma_split_choices(wl: ConvWorkload, num_sm: int) -> list[dict]:
+    """:func:`wgmma_choices` of a split-K ``wl`` (dw), each at ``wl``'s split count and at the
+    counts that give the persistent grid about 2 and 4 tiles per SM (its two consumers take a
+    tile each: a count chosen for mma.sync's grid can leave one idle), where the kernel takes them."""
+    from ..schedules.wgmma import conv2d as wgmma_conv2d
+
+    out = []
+    for choice in wgmma_choices(wl):
+        out.append(choice)
+        if wl.splits == 1:
+            continue
+        per_slice = wgmma_conv2d.tiles(wl, wgmma_conv2d.Config(**choice["config"], staged_store=False))
+        for want in (2 * num_sm, 4 * num_sm):
+            splits = -(-want // per_slice)
+            while splits < 4096 and not wgmma_conv2d.supports(dataclasses.replace(wl, splits=splits)):
+                splits += 1
+            if splits < 4096 and splits != wl.splits and all(c.get("splits") != splits or c["config"] !=
+                                                              choice["config"] for c in out):
+                out.append({**choice, "splits": splits})
+    return out
+
+
 def describe_choice(choice: dict | None) -> str:
     if choice is None:
         return "default"
     if choice["family"] == "wgmma":
         c = choice["config"]
-        return f"wgmma {c['bm']}x{c['bn']}, {c['stages']} stages"
+        split = f", split {choice['splits']}" if "splits" in choice else ""
+        return f"wgmma {c['bm']}x{c['bn']}, {c['stages']} stages{split}"
     d = choice["tiles"]
     return (f"mma {16 * d['m'][1] * d['m'][2]}x{16 * d['o'][1] * d['o'][2]}, warps {d['m'][1]}x{d['o'][1]}, "
             f"BK {32 * d['k'][1]}, {choice['stages']} stages")
@@ -211,7 +244,8 @@ def _build_candidate(wl: ConvWorkload, arch: str, choice: dict | None, path: str
     """A worker: the forward kernel of ``wl`` as ``choice`` (None: the default) into ``path``."""
     from . import tvm_kernels
     t0 = time.perf_counter()
-    tvm_kernels._build("forward", wl, tvm_kernels.target_of(build_arch(choice, arch)), path, choice=choice or False)
+    tvm_kernels._build("forward", choice_workload(wl, choice), tvm_kernels.target_of(build_arch(choice, arch)), path,
+                       choice=choice or False)
     return time.perf_counter() - t0
 
 
@@ -256,7 +290,9 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
         mp, op, k = gemm_extents(func)
         default = mma_choice(*mma.default_decisions(mp, op, k, TargetInfo.from_target(
             tvm_kernels.target_of(arch)).num_sm))
-        choices = [c for c in candidates(mp, op, k) if c != default] + (wgmma_choices(wl) if hopper else [])
+        num_sm = TargetInfo.from_target(tvm_kernels.target_of(arch)).num_sm
+        choices = [c for c in candidates(mp, op, k) if c != default] + (wgmma_split_choices(wl, num_sm) if hopper
+                                                                         else [])
         plans.append((wl, func, (mp, op, k), [None] + choices, default))
     rows = []
     with tempfile.TemporaryDirectory(prefix="conv_tiles-") as tmp, concurrent.futures.ProcessPoolExecutor(
@@ -277,11 +313,14 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
 
 
 def _measure_one(wl, func, gemm, choices, default, futures, tmp, i, device, timer) -> dict:
+    """One workload's choices, timed; a split-K workload's with the caller's sum over the slices
+    (``tvm_kernels.weight_grad_by_conv``: int64), since a choice may change the slice count."""
     import tvm
     from . import tvm_kernels
 
     g = torch.Generator(device=device).manual_seed(0)
-    args = _arguments(func, device, g)
+    *inputs, out = _arguments(func, device, g)
+    split = wl.splits > 1
     reference, measured = None, []
     for j, (choice, future) in enumerate(zip(choices, futures)):
         try:
@@ -292,16 +331,22 @@ def _measure_one(wl, func, gemm, choices, default, futures, tmp, i, device, time
                   flush=True)
             measured.append(None)
             continue
-        args[-1].zero_()
-        fn(*args)
+        slices = choice_workload(wl, choice).splits
+        acc = torch.zeros(((slices,) + tuple(out.shape[1:])) if split else out.shape, dtype=out.dtype, device=device)
+
+        def run(fn=fn, acc=acc):
+            fn(*inputs, acc)
+            return acc.sum(0) if split else acc
+        result = run()
         if reference is None:
-            reference = args[-1].clone()
-        elif not torch.equal(args[-1], reference):
+            reference = result.clone()
+        elif not torch.equal(result, reference):
             print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} gives other sums than the default: "
                   "dropped", flush=True)
             measured.append(None)
             continue
-        measured.append(timer(lambda: fn(*args)))
+        measured.append(timer(run))
+        del acc
     if measured[0] is None:
         raise RuntimeError(f"the default kernel of {tvm_kernels.describe(wl)} did not build or run")
     ops = 2 * gemm[0] * gemm[1] * gemm[2] * wl.splits     # gemm's K is one slice's
@@ -355,7 +400,18 @@ def training_workloads(model_name: str, batch: int, image_size: int, device: tor
                                                                 weight_grad="int8")).to(device).train()
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     labels = torch.randint(0, num_classes, (batch,), device=device)
-    jobs = tvm_kernels.kernel_jobs(lambda: F.cross_entropy(model(x), labels).backward())
+    # with no table: the dw convs at their default split counts (a choice may change them)
+    previous = os.environ.get(TABLE_ENV)
+    os.environ[TABLE_ENV] = os.path.join(tempfile.gettempdir(), "tvm_qconv-no-conv-table.json")
+    tvm_kernels._measured_splits.cache_clear()
+    try:
+        jobs = tvm_kernels.kernel_jobs(lambda: F.cross_entropy(model(x), labels).backward())
+    finally:
+        if previous is None:
+            del os.environ[TABLE_ENV]
+        else:
+            os.environ[TABLE_ENV] = previous
+        tvm_kernels._measured_splits.cache_clear()
     seen, out = set(), []
     for kind, wl, _ in jobs:
         if kind == "forward" and wl not in seen:

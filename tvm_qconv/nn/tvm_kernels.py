@@ -200,8 +200,13 @@ def _definition(kind: str, wl: ConvWorkload, target, choice=None):
 
 
 def _choice(kind: str, wl, arch: str):
-    """The measured choice of a forward kernel (``conv_tiles.lookup``), None for other kinds."""
-    return conv_tiles.lookup(wl, arch) if kind == "forward" and isinstance(wl, ConvWorkload) else None
+    """The measured choice of a forward kernel (``conv_tiles.lookup``) where it is for ``wl``'s
+    split count (a split-K dw's choice may change the count: :func:`int8_weight_grad` asks for the
+    chosen one), None otherwise and for other kinds."""
+    if kind != "forward" or not isinstance(wl, ConvWorkload):
+        return None
+    choice = conv_tiles.lookup(wl, arch)
+    return choice if conv_tiles.choice_workload(wl, choice) == wl else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -751,7 +756,18 @@ def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequenc
     wl = ConvWorkload(*x_q.shape, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
                       activation="none", act_min=QMIN, out_dtype="int32")
     conv = grad_weight_mma.weight_grad_conv(wl, _target_info(x_q.device))
-    return None if conv is None else weight_grad_by_conv(conv, x_q, g_q, weight_shape)
+    if conv is None:
+        return None
+    conv = _measured_splits(conv, x_q.device)
+    return weight_grad_by_conv(conv, x_q, g_q, weight_shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_splits(conv: ConvWorkload, device: torch.device) -> ConvWorkload:
+    """``conv`` with the split count its measured choice runs (``conv_tiles.choice_workload``).
+    Cached per process: a table rewritten by a search during training is read by the next run."""
+    arch = device_target(device)[1]
+    return conv_tiles.choice_workload(conv, conv_tiles.lookup(conv, arch))
 
 
 def weight_grad_by_conv(conv: ConvWorkload, x_q: torch.Tensor, g_q: torch.Tensor,
