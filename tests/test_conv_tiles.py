@@ -212,3 +212,46 @@ def test_a_split_k_dw_may_choose_its_split_count_on_wgmma(table):
     assert tvm_kernels._choice("forward", wl, ARCH) == chosen
     assert tvm_kernels._choice("forward", dw, ARCH) is None        # the old count: the default kernel
     assert conv_tiles.choice_workload(dw, None) is dw
+
+
+def test_choices_build_as_one_library_and_a_bad_one_alone_leaves_the_others(tmp_path):
+    # the search compiles a workload's choices 8 to a library (kernel c<index> each); a choice the
+    # template refuses fails that library, and then each kernel is built alone: the others are kept
+    wl = WORKLOADS[1]
+    cands = conv_tiles.candidates(*_gemm(wl))
+    good = {0: None, 1: cands[1]}
+    assert conv_tiles._build_group(wl, ARCH, good, str(tmp_path / "g.so")) == {0: None, 1: None}
+    assert (tmp_path / "g.so").exists()
+    bad = conv_tiles.mma_choice({"m": [1, 2, 4], "o": [1, 2, 4], "k": [1, 144]}, 2)     # no longer fits
+    errors = conv_tiles._build_group(wl, ARCH, {**good, 2: bad}, str(tmp_path / "h.so"))
+    assert errors[0] is None and errors[1] is None and "InvalidDecisions" in errors[2]
+    assert (tmp_path / "h.so.0.so").exists() and (tmp_path / "h.so.1.so").exists()
+    assert not (tmp_path / "h.so").exists() and not (tmp_path / "h.so.2.so").exists()
+
+
+def test_search_builds_checks_times_and_picks_per_workload(monkeypatch):
+    # the search's plumbing, with the GPU parts replaced: three choices of one conv (the default,
+    # a template tile, a wgmma tile) built for real in a worker process, then "run" by stand-ins:
+    # the tile's kernel gives other sums (dropped, said), the wgmma one is 2x faster (picked)
+    wl = WORKLOADS[1]
+    monkeypatch.setattr(tvm_kernels, "device_target", lambda device: (tvm_kernels.target_of(ARCH), ARCH))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(conv_tiles, "candidates", lambda mp, op, k: [conv_tiles.mma_choice(
+        {"m": [mp // 64, 2, 2], "o": [op // 64, 2, 2], "k": [k // 64, 2]}, 3)])
+    wgmma = conv_tiles.wgmma_choices(wl)[:1]
+    monkeypatch.setattr(conv_tiles, "wgmma_split_choices", lambda wl, num_sm: wgmma)
+    built = {}
+
+    def stand_ins(groups):
+        for path, indices, future in groups:
+            assert all(e is None for e in future.result().values())
+            built[path] = indices
+        return {0: lambda *a: a[-1].fill_(7), 1: lambda *a: a[-1].fill_(8), 2: lambda *a: a[-1].fill_(7)}
+    monkeypatch.setattr(conv_tiles, "_kernels_of", stand_ins)
+    times = iter([1.0, 0.5])          # the default, then wgmma (the tile is dropped before timing)
+    rows = conv_tiles.search([wl], torch.device("cpu"), workers=2, timer=lambda fn: next(times))
+    assert len(built) == 2 and sorted(map(len, built.values())) == [1, 2]      # sm_90: default + tile; sm_90a
+    (row,) = rows
+    assert [m["ms"] for m in row["measured"]] == [1.0, None, 0.5]
+    assert row["best"] == {"choice": wgmma[0], "ms": 0.5} and row["default"]["ms"] == 1.0
+    assert row["tops_best"] == pytest.approx(2 * row["tops_default"])

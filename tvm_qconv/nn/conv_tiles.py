@@ -249,6 +249,51 @@ def _build_candidate(wl: ConvWorkload, arch: str, choice: dict | None, path: str
     return time.perf_counter() - t0
 
 
+GROUP = 8     # choices compiled into one library: nvcc and TVM's pipeline pay their fixed costs once
+
+
+def _build_group(wl: ConvWorkload, arch: str, choices: dict[int, dict | None], path: str) -> dict[int, str | None]:
+    """A worker: the forward kernels of ``wl`` as ``choices`` (index -> choice, None: the default;
+    all of one build arch) into one library at ``path``, kernel ``c<index>`` each.  8 kernels
+    in one library took 0.9 s a kernel to lower and compile, one alone 1.8 s (nvcc's and the
+    pipeline's fixed costs; this machine, 2026-11-29).  Where the library fails to build, each
+    kernel is built alone into ``<path>.<index>.so``.  Returns index -> None (built) or the error."""
+    import tvm
+
+    from .. import registry
+    from . import tvm_kernels
+
+    target = tvm_kernels.target_of(build_arch(next(iter(choices.values())), arch))
+    impl = registry.get(IMPL)
+    options = registry.compile_options([impl])
+
+    def function(j: int):
+        choice = choices[j]
+        cw = choice_workload(wl, choice)
+        func = (schedule(impl.compute(cw), choice, target) if choice else
+                tvm_kernels._definition("forward", cw, target))
+        return func.with_attr("global_symbol", f"c{j}")
+
+    def build(indices, out: str) -> None:
+        with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
+            ex = tvm.compile(tvm.IRModule({f"c{j}": function(j) for j in indices}), target=target,
+                             tir_pipeline=options["tir_pipeline"])
+        ex.export_library(out)
+
+    try:
+        build(list(choices), path)
+        return {j: None for j in choices}
+    except Exception:  # noqa: BLE001  one bad kernel: the others alone
+        errors = {}
+        for j in choices:
+            try:
+                build([j], f"{path}.{j}.so")
+                errors[j] = None
+            except Exception as err:  # noqa: BLE001
+                errors[j] = f"{type(err).__name__}: {err}"
+        return errors
+
+
 def _arguments(func, device: torch.device, generator: torch.Generator) -> list[torch.Tensor]:
     """Random int8 inputs and a zeroed output of ``func``'s parameter shapes."""
     args = []
@@ -297,14 +342,21 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
     rows = []
     with tempfile.TemporaryDirectory(prefix="conv_tiles-") as tmp, concurrent.futures.ProcessPoolExecutor(
             max(1, workers or os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [[pool.submit(_build_candidate, wl, arch, choice, os.path.join(tmp, f"{i}-{j}.so"))
-                    for j, choice in enumerate(choices)] for i, (wl, _, _, choices, _) in enumerate(plans)]
+        futures = []     # per workload: (library path, its indices, future) per group of one build arch
+        for i, (wl, _, _, choices, _) in enumerate(plans):
+            by_arch: dict[str, list[int]] = {}
+            for j, choice in enumerate(choices):
+                by_arch.setdefault(build_arch(choice, arch), []).append(j)
+            groups = [idx[g:g + GROUP] for idx in by_arch.values() for g in range(0, len(idx), GROUP)]
+            futures.append([(path := os.path.join(tmp, f"{i}-{n}.so"), idx,
+                             pool.submit(_build_group, wl, arch, {j: choices[j] for j in idx}, path))
+                            for n, idx in enumerate(groups)])
         try:
             for i, (wl, func, gemm, choices, default) in enumerate(plans):
                 if deadline is not None and time.monotonic() > deadline:
                     print(f"[tune --training] time is up: {len(plans) - i} workloads left for the next run", flush=True)
                     break
-                rows.append(_measure_one(wl, func, gemm, choices, default, futures[i], tmp, i, device, timer))
+                rows.append(_measure_one(wl, func, gemm, choices, default, futures[i], device, timer))
                 if on_row is not None:
                     on_row(rows[-1])
         finally:
@@ -312,23 +364,42 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
     return rows
 
 
-def _measure_one(wl, func, gemm, choices, default, futures, tmp, i, device, timer) -> dict:
+def _kernels_of(groups) -> dict[int, object]:
+    """index -> the built kernel, or the reason it is missing, from :func:`_build_group`'s libraries."""
+    import tvm
+
+    from ..schedules.wgmma import tensormap  # noqa: F401  (registers the encoder the wgmma kernels' host code calls)
+
+    found = {}
+    for path, indices, future in groups:
+        try:
+            errors = future.result()
+        except Exception as err:  # noqa: BLE001  the worker died: every kernel of its group is missing
+            errors = {j: f"{type(err).__name__}: {err}" for j in indices}
+        whole = all(e is None for e in errors.values()) and os.path.exists(path)
+        library = tvm.runtime.load_module(path) if whole else None
+        for j in indices:
+            if errors.get(j) is not None:
+                found[j] = errors[j]
+            else:
+                found[j] = (library or tvm.runtime.load_module(f"{path}.{j}.so"))[f"c{j}"]
+    return found
+
+
+def _measure_one(wl, func, gemm, choices, default, groups, device, timer) -> dict:
     """One workload's choices, timed; a split-K workload's with the caller's sum over the slices
     (``tvm_kernels.weight_grad_by_conv``: int64), since a choice may change the slice count."""
-    import tvm
     from . import tvm_kernels
 
     g = torch.Generator(device=device).manual_seed(0)
     *inputs, out = _arguments(func, device, g)
     split = wl.splits > 1
     reference, measured = None, []
-    for j, (choice, future) in enumerate(zip(choices, futures)):
-        try:
-            future.result()
-            fn = tvm.runtime.load_module(os.path.join(tmp, f"{i}-{j}.so"))[tvm_kernels.symbol("forward")]
-        except Exception as err:  # noqa: BLE001  a choice the kernels cannot build: skipped, said
-            print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} did not build ({type(err).__name__})",
-                  flush=True)
+    kernels = _kernels_of(groups)
+    for j, choice in enumerate(choices):
+        fn = kernels[j]
+        if isinstance(fn, str):      # a choice the kernels cannot build: skipped, said
+            print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} did not build ({fn[:200]})", flush=True)
             measured.append(None)
             continue
         slices = choice_workload(wl, choice).splits

@@ -85,6 +85,7 @@ from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
 from ..schedules.tensorcore.mma import InvalidDecisions
+from ..schedules.wgmma import tensormap as _tensormap  # noqa: F401  (the TMA encoder a tabled wgmma conv calls)
 from . import conv_tiles
 from . import max_pool as max_pool2x2
 from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
