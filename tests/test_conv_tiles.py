@@ -255,3 +255,46 @@ def test_search_builds_checks_times_and_picks_per_workload(monkeypatch):
     assert [m["ms"] for m in row["measured"]] == [1.0, None, 0.5]
     assert row["best"] == {"choice": wgmma[0], "ms": 0.5} and row["default"]["ms"] == 1.0
     assert row["tops_best"] == pytest.approx(2 * row["tops_default"])
+
+
+def test_a_dw_choice_of_one_slice_is_timed_with_an_output_without_the_slice_axis(monkeypatch):
+    # VGG16's 256 -> 512 @28 dw: 4 slices by mma.sync's count, where one wgmma slice already gives
+    # ~2 tiles per SM; that choice's kernel takes [C, KH', KW', O_p], not [1, C, KH', KW', O_p], and
+    # its sums must equal the 4 slices' sum (the search once handed it the 5-d tensor and stopped)
+    wl = ConvWorkload(256, 32, 28, 28, 512, (28, 28), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
+                      act_min=-127, out_dtype="int32", splits=4)
+    one = next(c for c in conv_tiles.wgmma_split_choices(wl, H200_SMS) if c.get("splits") == 1)
+    monkeypatch.setattr(tvm_kernels, "device_target", lambda device: (tvm_kernels.target_of(ARCH), ARCH))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(conv_tiles, "candidates", lambda mp, op, k: [])
+    monkeypatch.setattr(conv_tiles, "wgmma_split_choices", lambda wl, num_sm: [one])
+
+    def slices4(*a):
+        assert a[-1].dim() == 5 and a[-1].shape[0] == 4
+        a[-1].fill_(7)
+
+    def slice1(*a):
+        assert a[-1].dim() == 4
+        a[-1].fill_(28)
+    monkeypatch.setattr(conv_tiles, "_kernels_of", lambda groups: {0: slices4, 1: slice1})
+    times = iter([1.0, 0.5])
+    (row,) = conv_tiles.search([wl], torch.device("cpu"), workers=1, timer=lambda fn: (fn(), next(times))[1])
+    assert [m["ms"] for m in row["measured"]] == [1.0, 0.5] and row["best"]["choice"] == one
+
+
+def test_a_table_measured_on_another_arch_is_not_used(table):
+    wl = WORKLOADS[0]
+    choice = conv_tiles.candidates(*_gemm(wl))[-1]
+    conv_tiles.merge_rows(str(table), [_row(wl, choice, ms=0.5)], {"arch": "sm_80"})
+    assert conv_tiles.lookup(wl, "sm_80") == choice and conv_tiles.lookup(wl, ARCH) is None
+
+
+def test_the_registry_never_picks_wgmma_for_an_int32_conv_by_itself():
+    # the training convs reach the wgmma kernel only as a measured choice: its tuning space and
+    # records describe int8 layers
+    from tvm_qconv import registry
+    from tvm_qconv.target import TargetInfo
+    sm90a = TargetInfo.from_target(tvm_kernels.target_of("sm_90a"))
+    assert registry.select("conv2d", WORKLOADS[0], sm90a).name == conv_tiles.IMPL
+    assert registry.get("conv2d.nhwc32.wgmma").applies(dataclasses.replace(WORKLOADS[0], out_dtype="int8",
+                                                                           activation="relu", act_min=0), sm90a)

@@ -65,8 +65,10 @@ class Conv2dWgmma(Conv2dMma):
         return packed
 
     def applies(self, wl: ConvWorkload, target) -> bool:
+        # int32 outputs (the training convs) take this kernel only as a measured choice
+        # (``tvm_qconv/nn/conv_tiles.py``): its tuning space and records describe int8 layers
         if not (target.kind == "cuda" and target.has_wgmma and wl.in_channels >= MIN_IN_CHANNELS
-                and conv2d.supports(wl)):
+                and wl.out_dtype == "int8" and conv2d.supports(wl)):
             return False
         return conv2d.default_config(wl).bn >= MIN_TILE_COLUMNS
 

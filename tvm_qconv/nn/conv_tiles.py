@@ -101,8 +101,9 @@ FAMILIES = ("mma", "wgmma")
 
 
 @functools.lru_cache(maxsize=8)
-def _entries(path: str, stamp: tuple) -> dict[str, dict | None]:
-    return {key(ConvWorkload.from_dict(r["workload"])): r["choice"] for r in read_table(path)["layers"]}
+def _entries(path: str, stamp: tuple) -> tuple[str | None, dict[str, dict | None]]:
+    table = read_table(path)
+    return table.get("arch"), {key(ConvWorkload.from_dict(r["workload"])): r["choice"] for r in table["layers"]}
 
 
 def lookup(wl: ConvWorkload, arch: str) -> dict | None:
@@ -114,7 +115,10 @@ def lookup(wl: ConvWorkload, arch: str) -> dict | None:
         st = os.stat(path)
     except OSError:
         return None
-    return _entries(path, (st.st_mtime_ns, st.st_size)).get(key(wl))
+    table_arch, entries = _entries(path, (st.st_mtime_ns, st.st_size))
+    if table_arch is not None and table_arch != arch:      # measured on another GPU ($TVM_QCONV_CONV_TILES)
+        return None
+    return entries.get(key(wl))
 
 
 def build_arch(choice: dict | None, arch: str) -> str:
@@ -335,7 +339,8 @@ def search(workloads: list[ConvWorkload], device: torch.device, *, workers: int 
         mp, op, k = gemm_extents(func)
         default = mma_choice(*mma.default_decisions(mp, op, k, TargetInfo.from_target(
             tvm_kernels.target_of(arch)).num_sm))
-        num_sm = TargetInfo.from_target(tvm_kernels.target_of(arch)).num_sm
+        num_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else \
+            TargetInfo.from_target(tvm_kernels.target_of(arch)).num_sm
         choices = [c for c in candidates(mp, op, k) if c != default] + (wgmma_split_choices(wl, num_sm) if hopper
                                                                          else [])
         plans.append((wl, func, (mp, op, k), [None] + choices, default))
@@ -377,12 +382,14 @@ def _kernels_of(groups) -> dict[int, object]:
         except Exception as err:  # noqa: BLE001  the worker died: every kernel of its group is missing
             errors = {j: f"{type(err).__name__}: {err}" for j in indices}
         whole = all(e is None for e in errors.values()) and os.path.exists(path)
-        library = tvm.runtime.load_module(path) if whole else None
         for j in indices:
             if errors.get(j) is not None:
                 found[j] = errors[j]
-            else:
-                found[j] = (library or tvm.runtime.load_module(f"{path}.{j}.so"))[f"c{j}"]
+                continue
+            try:
+                found[j] = tvm.runtime.load_module(path if whole else f"{path}.{j}.so")[f"c{j}"]
+            except Exception as err:  # noqa: BLE001  a library that does not load: that kernel is missing
+                found[j] = f"{type(err).__name__}: {err}"
     return found
 
 
@@ -393,7 +400,7 @@ def _measure_one(wl, func, gemm, choices, default, groups, device, timer) -> dic
 
     g = torch.Generator(device=device).manual_seed(0)
     *inputs, out = _arguments(func, device, g)
-    split = wl.splits > 1
+    split = wl.splits > 1      # the default's output has a slice axis
     reference, measured = None, []
     kernels = _kernels_of(groups)
     for j, choice in enumerate(choices):
@@ -402,12 +409,13 @@ def _measure_one(wl, func, gemm, choices, default, groups, device, timer) -> dic
             print(f"  {tvm_kernels.describe(wl)}: {describe_choice(choice)} did not build ({fn[:200]})", flush=True)
             measured.append(None)
             continue
-        slices = choice_workload(wl, choice).splits
-        acc = torch.zeros(((slices,) + tuple(out.shape[1:])) if split else out.shape, dtype=out.dtype, device=device)
+        slices = choice_workload(wl, choice).splits      # a resplit dw's own count (1: no slice axis)
+        shape = tuple(out.shape[1:]) if split else tuple(out.shape)
+        acc = torch.zeros(((slices,) + shape) if slices > 1 else shape, dtype=out.dtype, device=device)
 
-        def run(fn=fn, acc=acc):
+        def run(fn=fn, acc=acc, slices=slices):
             fn(*inputs, acc)
-            return acc.sum(0) if split else acc
+            return acc.sum(0) if slices > 1 else acc.to(torch.int64)
         result = run()
         if reference is None:
             reference = result.clone()

@@ -98,7 +98,7 @@ TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 te
 ALIGNMENT = 64  # bytes; TVM's kAllocAlignment, which its kernels assume for every argument
 _SCHEDULES_DIR = os.path.dirname(os.path.abspath(schedules.__file__))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PACKAGE_SOURCES = ("nn/tvm_kernels.py", "registry.py", "target.py")  # beside schedules/: what picks and targets
+_PACKAGE_SOURCES = ("nn/tvm_kernels.py", "nn/conv_tiles.py", "registry.py", "target.py")  # beside schedules/: what picks and targets
 
 # The registry op each kind of kernel is.
 OPS = {"forward": "conv2d", "grad_input": "conv2d_grad_input", "grad_weight": "conv2d_grad_weight"}
