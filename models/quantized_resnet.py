@@ -21,6 +21,7 @@ from torch import nn
 
 from tvm_qconv.nn import (CompactReLU, QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear,
                           load_float_state_dict)
+from tvm_qconv.nn.batch_norm import BatchNormReLU
 
 
 def _conv_like(conv: nn.Conv2d, cls) -> nn.Module:
@@ -71,7 +72,7 @@ def swap_layers(model: nn.Module, quantized: bool = True, input_grad: str = "flo
 
 
 def quantized_resnet50(num_classes: int = 1000, quantized: bool = True, input_grad: str = "float32",
-                       weight_grad: str = "float32") -> nn.Module:
+                       weight_grad: str = "float32", fuse_bn_relu: bool = False) -> nn.Module:
     """torchvision's ``resnet50`` (random init under the caller's seed) with int8 QAT layers.
 
     Args:
@@ -79,7 +80,61 @@ def quantized_resnet50(num_classes: int = 1000, quantized: bool = True, input_gr
         quantized: the int8 layers (True) or the float twins (False).
         input_grad, weight_grad: how the int8 layers compute input and weight gradients
             (``QuantizedConv2d``).
+        fuse_bn_relu: BatchNorm, the residual add and the ReLU as one op (:func:`fuse_batch_norm_relu`).
     """
     import torchvision  # here: the VGG models need no torchvision
 
-    return swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized, input_grad, weight_grad)
+    model = swap_layers(torchvision.models.resnet50(num_classes=num_classes), quantized, input_grad, weight_grad)
+    return fuse_batch_norm_relu(model) if fuse_bn_relu else model
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_blocks() -> dict[type, tuple[type, tuple[str, ...]]]:
+    """torchvision's block classes -> (the same block with its BatchNorms as :class:`BatchNormReLU`,
+    the ReLUs and the residual add inside them; the names of those BatchNorms).  Built on first
+    use: importing this module needs no torchvision."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    class FusedBottleneck(Bottleneck):
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.bn2(self.conv2(self.bn1(self.conv1(x))))
+            return self.bn3(self.conv3(out), identity)
+
+    class FusedBasicBlock(BasicBlock):
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            return self.bn2(self.conv2(self.bn1(self.conv1(x))), identity)
+
+    return {Bottleneck: (FusedBottleneck, ("bn1", "bn2", "bn3")), BasicBlock: (FusedBasicBlock, ("bn1", "bn2"))}
+
+
+def _batch_norm_relu_like(bn: nn.BatchNorm2d) -> BatchNormReLU:
+    new = BatchNormReLU(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
+                        device=bn.weight.device, dtype=bn.weight.dtype)
+    new.load_state_dict(bn.state_dict())
+    return new.train(bn.training)
+
+
+def fuse_batch_norm_relu(model: nn.Module) -> nn.Module:
+    """``model`` (a torchvision ResNet) with every BatchNorm that a ReLU follows as one
+    :class:`BatchNormReLU` (the stem's, each block's, the last one of a block with the residual
+    add); the downsampling branches' BatchNorms, which no ReLU follows, stay.  Same parameters
+    and state dict; in place.
+
+    Raises:
+        TypeError: a model that is not a torchvision ResNet.
+    """
+    from torchvision.models.resnet import ResNet
+
+    if not isinstance(model, ResNet):
+        raise TypeError(f"fuse_batch_norm_relu takes a torchvision ResNet, got {type(model).__name__}")
+    model.bn1, model.relu = _batch_norm_relu_like(model.bn1), nn.Identity()
+    fused = _fused_blocks()
+    for block in model.modules():
+        if type(block) in fused:
+            cls, names = fused[type(block)]
+            block.__class__ = cls
+            for name in names:
+                setattr(block, name, _batch_norm_relu_like(getattr(block, name)))
+    return model
