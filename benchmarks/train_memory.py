@@ -73,19 +73,21 @@ METRICS = [("peak_ram_mb", "Peak RAM (MB)"), ("peak_cuda_allocated_mb", "Peak CU
 
 
 def build_model(model: str, num_classes: int, image_size: int, quantized: bool,
-                input_grad: str = "float32", weight_grad: str = "float32") -> torch.nn.Module:
-    """The model of a variant, seeded: every variant starts from the same weights."""
+                input_grad: str = "float32", weight_grad: str = "float32", fuse_bn_relu: bool = False
+                ) -> torch.nn.Module:
+    """The model of a variant, seeded: every variant starts from the same weights.  ``fuse_bn_relu``
+    (ResNet-50, ours only): BatchNorm, the residual add and the ReLU as one op (``BatchNormReLU``)."""
     torch.manual_seed(0)
     if model == "vgg16":
         return QuantizedVGG16(num_classes=num_classes, image_size=image_size, quantized=quantized,
                               input_grad=input_grad, weight_grad=weight_grad)
     return quantized_resnet50(num_classes=num_classes, quantized=quantized, input_grad=input_grad,
-                              weight_grad=weight_grad)
+                              weight_grad=weight_grad, fuse_bn_relu=fuse_bn_relu and quantized)
 
 
 def child(variant: str, model_name: str, batch: int, image_size: int, steps: int, warmup: int,
           num_classes: int, input_grad: str = "float32", weight_grad: str = "float32",
-          cuda_graph: bool = False) -> dict:
+          cuda_graph: bool = False, fuse_bn_relu: bool = False) -> dict:
     """One variant in this (fresh) process: peaks, step times, one profiled step and, for ours,
     the TVM kernels that ran."""
     ours = variant.startswith("ours")
@@ -94,7 +96,7 @@ def child(variant: str, model_name: str, batch: int, image_size: int, steps: int
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = variant == "tf32"
     model = build_model(model_name, num_classes, image_size, quantized=ours, input_grad=input_grad,
-                        weight_grad=weight_grad).to(dev).train()
+                        weight_grad=weight_grad, fuse_bn_relu=fuse_bn_relu).to(dev).train()
     set_range_records(model, False)     # the twins as plain float training (module docstring)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(batch, 3, image_size, image_size, device=dev, generator=g)
@@ -204,6 +206,7 @@ def run_child(variant: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
            "--input-grad", args.input_grad, "--weight-grad", args.weight_grad,
            *(["--cuda-graph"] if args.cuda_graph and variant != "ours_compile" else []),
+           *(["--fuse-bn-relu"] if args.fuse_bn_relu else []),
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--num-classes", str(args.num_classes)]
     print(f"[{variant}] {args.model} batch {args.batch} ...", flush=True)
@@ -280,6 +283,7 @@ def _write_report(path: str, args, command: str, results: dict, compile_run: dic
               "model": args.model, "input_grad": args.input_grad,
               "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
               "steps": args.steps, "warmup": args.warmup, "twin_range_records": False,
+              "fuse_bn_relu": args.fuse_bn_relu,
               "complete": rows is not None, "table": rows,
               "variants": results}
     if compile_run is not None:
@@ -305,6 +309,9 @@ def main(argv=None) -> int:
                    help="ours: weight gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each variant's step captured in a CUDA graph and replayed")
+    p.add_argument("--fuse-bn-relu", action="store_true",
+                   help="(resnet50) ours with BatchNorm, the residual add and the ReLU as one op (BatchNormReLU, "
+                        "tvm_qconv/nn/batch_norm.py); the twins keep torch's modules")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (32: activations dominate)")
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
@@ -315,7 +322,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         res = child(args.child, args.model, args.batch, args.image_size, args.steps, args.warmup, args.num_classes,
-                    args.input_grad, args.weight_grad, args.cuda_graph)
+                    args.input_grad, args.weight_grad, args.cuda_graph, args.fuse_bn_relu)
         with open(args.child_out, "w") as f:
             json.dump(res, f)
         return 0
@@ -324,7 +331,7 @@ def main(argv=None) -> int:
     print(f"{args.model} training step, batch {args.batch}, {args.image_size}x{args.image_size}, "
           f"{args.warmup} warm-up + {args.steps} timed steps, each variant in a fresh process")
     tag = "".join(f"_{value}_{name}" for name, value in (("dx", args.input_grad), ("dw", args.weight_grad))
-                  if value != "float32") + ("_graph" if args.cuda_graph else "")
+                  if value != "float32") + ("_graph" if args.cuda_graph else "") + ("_bnrelu" if args.fuse_bn_relu else "")
     path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}{tag}.json")
     command = " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
     compile_run = run_child("ours_compile", args) if "ours" in args.variants else None

@@ -126,3 +126,78 @@ def test_the_int8_resnet50_trains_with_the_fused_op():
     loss = nn.functional.cross_entropy(model(x), torch.tensor([1, 2]))
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["bn_relu", "bn_add_relu"])
+def test_the_backward_kernels_give_the_definitions_gradients(residual, tmp_path, monkeypatch):
+    # tvm_kernels' four kernels (llvm builds of elementwise.bn_stats, bn_relu, bn_grad_sums,
+    # bn_grad) in place of the torch definition: the same values (each float32 operation rounded as
+    # the definition's; its float64 sums summed in another order, equal to their last bits)
+    from tvm_qconv.nn import functional, tvm_kernels
+    monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tmp_path / "kernels"))
+    monkeypatch.setattr(tvm_kernels, "_kernels", {})
+    ours, _ = _pair(channels=5)
+    twin = copy.deepcopy(ours)
+    g = torch.Generator().manual_seed(2)
+    y = torch.randn(4, 5, 6, 6, generator=g) * 2 + 0.5      # 720 elements: whole bytes of bits
+    add = torch.randn(4, 5, 6, 6, generator=g) if residual else None
+    grad = torch.randn(4, 5, 6, 6, generator=g)
+    results = []
+    for kernels in ({}, {"bn_stats": tvm_kernels.bn_stats, "bn_relu": tvm_kernels.bn_relu,
+                         "bn_grad_sums": tvm_kernels.bn_grad_sums, "bn_grad": tvm_kernels.bn_grad}):
+        monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", kernels)
+        model = ours if not kernels else twin
+        yi = y.clone().requires_grad_()
+        ai = add.clone().requires_grad_() if residual else None
+        out = model(yi, ai)
+        out.backward(grad)
+        results.append([out.detach(), model.running_var.clone(), yi.grad, model.weight.grad, model.bias.grad]
+                       + ([ai.grad] if residual else []))
+    (out0, rv0, dy0, dg0, db0, *da0), (out1, rv1, dy1, dg1, db1, *da1) = results
+    # the forward's statistics from float64 sums in another order: the same float32 values here
+    torch.testing.assert_close(out1, out0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(rv1, rv0, rtol=1e-6, atol=1e-7)
+    assert torch.equal(dy0, dy1) or torch.allclose(dy0, dy1, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dg1, dg0, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(db1, db0, rtol=1e-6, atol=1e-7)
+    if residual:
+        assert torch.equal(da1[0], da0[0])
+    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_relu", "bn_grad_sums", "bn_grad"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True], ids=["bn_relu", "bn_add_relu"])
+def test_on_cuda_the_kernels_give_the_cpu_definitions_values(residual):
+    # BatchNormReLU on CUDA (tvm_kernels' four kernels) against the same module on the CPU (the
+    # torch definition): the output, its bits' gradient mask and every gradient; the float64 sums'
+    # order differs, each float32 operation is rounded the same (CUDA's __f*_rn)
+    from tvm_qconv.nn import functional, tvm_kernels
+    cuda = torch.device("cuda")
+    functional._load_lazy_kernels("cuda")
+    ours, _ = _pair(channels=64)
+    twin = copy.deepcopy(ours).to(cuda)
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(8, 64, 14, 14, generator=g) * 2 + 0.5
+    add = torch.randn(8, 64, 14, 14, generator=g) if residual else None
+    grad = torch.randn(8, 64, 14, 14, generator=g)
+    results = []
+    for model, dev in ((ours, torch.device("cpu")), (twin, cuda)):
+        yi = y.to(dev).requires_grad_()
+        ai = add.to(dev).requires_grad_() if residual else None
+        tvm_kernels.CALLS.clear()
+        out = model(yi, ai)
+        out.backward(grad.to(dev))
+        results.append([t.detach().cpu() for t in [out, model.running_mean, model.running_var, yi.grad,
+                                                    model.weight.grad, model.bias.grad] + ([ai.grad] if residual else [])])
+    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_relu", "bn_grad_sums", "bn_grad"}
+    for cpu, gpu in zip(*results):
+        torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
+
+
+def test_the_training_benchmark_fuses_ours_only():
+    # train_memory.py --fuse-bn-relu: our ResNet-50 with the op, the float twins with torch's modules
+    from benchmarks.train_memory import build_model
+    ours = build_model("resnet50", 10, 64, quantized=True, fuse_bn_relu=True)
+    twin = build_model("resnet50", 10, 64, quantized=False, fuse_bn_relu=True)
+    assert any(isinstance(m, BatchNormReLU) for m in ours.modules())
+    assert not any(isinstance(m, BatchNormReLU) for m in twin.modules())

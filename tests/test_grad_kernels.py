@@ -241,6 +241,15 @@ ELEMENTWISE_TWIN_CASES = [
     ("dequantize", (3, 8, 7, 9), {"layout": "nhwc32", "amax": True}),   # no ReLU: |negative| counts
     ("dequantize", (2, 12, 3, 5), {"layout": "nchw4c", "per_channel": True}),
     ("scale_sums", (64, 32, 1, 1), {}),                  # a linear layer's: 2 x 1 tiles of 32 x 32
+    ("bn_stats", (3, 5, 6, 6), {}),                       # BatchNormReLU's statistics: 4 pixels a load
+    ("bn_stats", (2, 3, 7, 7), {}),
+    ("bn_relu", (2, 4, 5, 6), {}),                        # its forward: normalize, ReLU, bits, range
+    ("bn_relu", (2, 3, 7, 8), {"addend": True}),          # with the residual: 56 pixels, whole bytes a channel
+    ("bn_relu", (8, 3, 7, 7), {"addend": True}),          # 49 pixels: a thread's 8 elements span two channels
+    ("bn_grad_sums", (3, 5, 6, 6), {}),                   # BatchNormReLU's backward: 4 pixels of g and y a load
+    ("bn_grad_sums", (2, 3, 7, 7), {}),                   # an element a load
+    ("bn_grad", (2, 3, 5, 7), {}),
+    ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient
     ("scale_sums", (32, 32, 3, 3), {}),
 ]
 
@@ -263,7 +272,9 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
         else:
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
-    n_out = {"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3}.get(kind, 1) + flags.get("amax", False)
+    n_out = ({"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3, "bn_grad_sums": 2, "bn_stats": 2,
+              "bn_relu": 3}.get(kind, 1)
+             + flags.get("amax", False) + flags.get("addend", False))
     results = []
     for func in (plain, twin):
         lib = tvm.compile(tvm.IRModule({"main": func}), target="llvm")

@@ -34,6 +34,15 @@ kind               what
 ``scale_sums``     the int8 weight gradient's int32 sums ``[C * KH * KW, O]`` (the tensor cores' order)
                    -> float32 OIHW ``dw = float(sum) * scale[o]`` (``shape`` = OIHW): torch's
                    ``int32 * float32`` bits, a transpose through shared memory
+``bn_stats``       ``BatchNormReLU``'s forward statistics: float32 NCHW ``y`` -> per channel, partial over
+                   ``[P, T]`` as ``grad_stats``: ``sum y`` and ``sum y * y`` (float64)
+``bn_relu``        its forward after them: ``relu((y - mean[c]) * scale[c] + beta[c] [+ addend])``, its
+                   bits and its range as ``relu`` (``relu_bits_amax``)
+``bn_grad_sums``   ``BatchNormReLU``'s backward, pass 1 (``tvm_qconv/nn/batch_norm.py``): float32 NCHW
+                   ``g``, ReLU bits, ``y``, ``mean[c]`` -> per channel of ``dz = g`` masked, partial
+                   over ``[P, T]`` as ``grad_stats``: ``sum dz`` and ``sum dz * (y - mean)`` (float64)
+``bn_grad``        pass 2: ``g``, bits, ``y``, ``mean``, ``a``, ``b``, ``c`` (per channel) -> float32
+                   ``dy = a * dz + b * (y - mean) + c`` [and, with ``addend``, ``dz``: the residual's]
 =================  ===============================================================================
 
 Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
@@ -80,7 +89,7 @@ from . import dequantize_amax, pack_nhwc32, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
-         "max_pool_grad", "scale_sums")
+         "max_pool_grad", "scale_sums", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -104,6 +113,7 @@ class ElementwiseWorkload:
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
         dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
+        addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient.
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -123,6 +133,7 @@ class ElementwiseWorkload:
     dx: bool = False
     dw: bool = False
     amax: bool = False
+    addend: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
@@ -152,15 +163,15 @@ class ElementwiseWorkload:
         opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
                 "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
                 ("rows32", self.pad_rows), ("dx", self.dx),
-                ("dw", self.dw), ("amax", self.amax)) if on]
+                ("dw", self.dw), ("amax", self.amax), ("addend", self.addend)) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
-_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q}
+_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q, "-": lambda p, q: p - q}
 # CUDA's correctly rounded float32 operations: IEEE whatever --use_fast_math says (it makes ``/``
 # approximate and contracts ``a * b + c``), and off the float64 pipe (conversions and a software
 # division per element), which had bounded the quantizing kernels on an H200
-_RN = {"*": "__fmul_rn", "/": "__fdiv_rn", "+": "__fadd_rn"}
+_RN = {"*": "__fmul_rn", "/": "__fdiv_rn", "+": "__fadd_rn", "-": "__fsub_rn"}
 
 
 def _exact(op: str, a, b, rn: bool = False):
@@ -397,6 +408,123 @@ def grad_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
 
+def bn_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(y, s1, s2)``: per channel of float32 NCHW ``y`` the partial ``sum y`` and ``sum y * y``
+    (float64, the square too: ``batch_norm.batch_stats``' values) of each ``[P, T]`` thread
+    (:func:`stats_grid`); ``y`` flat, 4 pixels an item, where :func:`quads` holds."""
+    n, c, h, w = wl.shape
+    hw, numel = h * w, n * c * h * w
+    blocks, threads, per = stats_grid(wl.shape)
+    four = quads(wl.shape)
+    lanes = 4 if four else 1
+    m = n * hw // lanes
+    y = te.placeholder((numel,) if four else wl.shape, "float32", name="y")
+    r = te.reduce_axis((0, per), "r")
+    lane = te.reduce_axis((0, lanes), "lane")
+    sums = te.comm_reducer(lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                           lambda t0, t1: (tirx.const(0.0, t0), tirx.const(0.0, t1)), name="sum_pair")
+
+    def partial(ch, p, t):
+        j = (p * per + r) * threads + t
+        jj = tirx.min(j, m - 1)
+        b, q = jj // (hw // lanes), jj % (hw // lanes)
+        pix = q * lanes + lane
+        v = y[(b * c + ch) * hw + pix] if four else y[b, ch, pix // w, pix % w]
+        v = tirx.if_then_else(j < m, v, tirx.const(0.0, "float32")).astype("float64")
+        return sums((v, v * v), axis=[r, lane])
+
+    s1, s2 = te.compute((c, blocks, threads), partial, name="bn_stats")
+    return te.create_prim_func([y, s1, s2]).with_attr(
+        {"tvm_qconv.kernel": "train_bn_stats", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bn_relu(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
+    """``(x, mean, scale, beta[, addend], y, bits, part)``: float32 (flat, ``numel`` a multiple of
+    8) ``y = relu(((x - mean[c]) * scale[c] + beta[c]) [+ addend])``, each float32 operation rounded
+    on its own in that order (``batch_norm.normalize_relu``'s bits), with :func:`relu`'s bits and
+    ``part`` of ``y``."""
+    n, c, h, w = wl.shape
+    numel, hw = _numel(wl), h * w
+    x = te.placeholder((numel,), "float32", name="x")
+    mean, scale, beta = (te.placeholder((c,), "float32", name=nm) for nm in ("mean", "scale", "beta"))
+    addend = te.placeholder((numel,), "float32", name="addend") if wl.addend else None
+
+    def value(k):
+        ch = k // hw % c
+        z = _exact("+", _exact("*", _exact("-", x[k], mean[ch], rn), scale[ch], rn), beta[ch], rn)
+        return relu_value(z if addend is None else _exact("+", z, addend[k], rn))
+
+    y = te.compute((numel,), value, name="relu")
+    bits = te.compute((numel // 8,), lambda j: sum(
+        (tirx.if_then_else(relu_passes(y[8 * j + i]), 1 << i, 0) for i in range(1, 8)),
+        tirx.if_then_else(relu_passes(y[8 * j]), 1, 0)).astype("uint8"), name="relu_bits")
+    lane = te.reduce_axis((0, 8), name="lane")
+    part = te.compute((numel // 8,), lambda j: te.max(abs_bits(y[8 * j + lane]), axis=lane), name="relu_amax")
+    inputs = [x, mean, scale, beta] + ([addend] if addend is not None else [])
+    return te.create_prim_func(inputs + [y, bits, part]).with_attr(
+        {"tvm_qconv.kernel": "train_bn_relu", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bn_grad_sums(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(g, bits, y, mean, s1, s2)``: per channel of ``dz = g`` masked by ``bits``, the partial
+    ``sum dz`` and ``sum dz * (y - mean)`` of each ``[P, T]`` thread (:func:`stats_grid`), in
+    float64 (the difference and the product too: ``batch_norm.grad_sums``' values); ``g`` and
+    ``y`` flat, 4 pixels an item, where :func:`quads` holds (as :func:`grad_stats`)."""
+    n, c, h, w = wl.shape
+    hw, numel = h * w, n * c * h * w
+    blocks, threads, per = stats_grid(wl.shape)
+    four = quads(wl.shape)
+    lanes = 4 if four else 1
+    m = n * hw // lanes
+    g = te.placeholder((numel,) if four else wl.shape, "float32", name="g")
+    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits")
+    y = te.placeholder((numel,) if four else wl.shape, "float32", name="y")
+    mean = te.placeholder((c,), "float32", name="mean")
+    r = te.reduce_axis((0, per), "r")
+    lane = te.reduce_axis((0, lanes), "lane")
+    sums = te.comm_reducer(lambda a, b: (a[0] + b[0], a[1] + b[1]),
+                           lambda t0, t1: (tirx.const(0.0, t0), tirx.const(0.0, t1)), name="sum_pair")
+
+    def partial(ch, p, t):
+        j = (p * per + r) * threads + t
+        jj = tirx.min(j, m - 1)
+        b, q = jj // (hw // lanes), jj % (hw // lanes)
+        flat = (b * c + ch) * hw + q * lanes + lane
+        pix = q * lanes + lane
+        keep = tirx.all(j < m, _bit(bits, flat))
+        gv = g[flat] if four else g[b, ch, pix // w, pix % w]
+        yv = y[flat] if four else y[b, ch, pix // w, pix % w]
+        dz = tirx.if_then_else(keep, gv, tirx.const(0.0, "float32")).astype("float64")
+        return sums((dz, dz * (yv.astype("float64") - mean[ch].astype("float64"))), axis=[r, lane])
+
+    s1, s2 = te.compute((c, blocks, threads), partial, name="bn_grad_sums")
+    return te.create_prim_func([g, bits, y, mean, s1, s2]).with_attr(
+        {"tvm_qconv.kernel": "train_bn_grad_sums", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bn_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
+    """``(g, bits, y, mean, a, b, c, dy[, dz])``: float32 NCHW ``dz = g`` masked by ``bits`` and
+    ``dy = ((dz * a) + ((y - mean) * b)) + c`` per channel, each float32 operation rounded on its
+    own in that order (``batch_norm.grad_apply``'s bits); ``dz`` out with ``addend``."""
+    n, c, h, w = wl.shape
+    g = te.placeholder(wl.shape, "float32", name="g")
+    bits = te.placeholder(((n * c * h * w + 7) // 8,), "uint8", name="bits")
+    y = te.placeholder(wl.shape, "float32", name="y")
+    mean, a, b, cc = (te.placeholder((c,), "float32", name=nm) for nm in ("mean", "a", "b", "c"))
+
+    def element(i, ch, yy, xx):
+        flat = ((i * c + ch) * h + yy) * w + xx
+        dz = tirx.if_then_else(_bit(bits, flat), g[i, ch, yy, xx], tirx.const(0.0, "float32"))
+        t = _exact("*", _exact("-", y[i, ch, yy, xx], mean[ch], rn), b[ch], rn)
+        dy = _exact("+", _exact("+", _exact("*", dz, a[ch], rn), t, rn), cc[ch], rn)
+        return (dy, dz) if wl.addend else dy
+
+    outs = te.compute(wl.shape, element, name="bn_grad")
+    outs = list(outs) if wl.addend else [outs]
+    return te.create_prim_func([g, bits, y, mean, a, b, cc] + outs).with_attr(
+        {"tvm_qconv.kernel": "train_bn_grad", "tvm_qconv.workload": str(wl.to_dict())})
+
+
 def quantize_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(g[, bits][, s_dx, mult][, s_dw], [q_dx], [q_dw])``: the (masked) float32 NCHW ``g`` as
     ``quantize``'s ``(g, s_dx, mult)`` and ``(g, s_dw)`` give it, int8 NCHW, in one pass."""
@@ -546,11 +674,12 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """The unscheduled kernel of ``wl``; ``rn``: its float32 operations as CUDA's correctly rounded
     intrinsics (else in float64, rounded once)."""
     rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad,  # float ops
-               "scale_sums": scale_sums}
+               "scale_sums": scale_sums, "bn_grad": bn_grad, "bn_relu": bn_relu}
     if wl.kind in rounded:
         return rounded[wl.kind](wl, rn=rn)
     return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
-            "max_pool": max_pool, "max_pool_grad": max_pool_grad}[wl.kind](wl)
+            "max_pool": max_pool, "max_pool_grad": max_pool_grad, "bn_grad_sums": bn_grad_sums,
+            "bn_stats": bn_stats}[wl.kind](wl)
 
 
 def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool = True) -> tirx.PrimFunc:
@@ -558,9 +687,9 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
     ``rn``: ``func``'s (the written kernels compute as it does)."""
     if wl.kind == "pack":
         return _schedule_pack(func, wl, target)
-    if wl.amax or wl.kind == "relu":    # written kernels (dequantize's float operations rounded as ``func``'s are)
+    if wl.amax or wl.kind in ("relu", "bn_relu"):   # written kernels (float operations rounded as ``func``'s are)
         return as_schedule_of(func, dequantize_amax.dequantize_amax_kernel(wl, rn=rn) if wl.kind == "dequantize"
-                              else relu_bits_amax.relu_bits_amax_kernel(wl))
+                              else relu_bits_amax.relu_bits_amax_kernel(wl, rn=rn))
     sch = tvm.s_tir.Schedule(func)
     if wl.kind == "scale_sums":
         if not scale_sums_tiles(wl.shape):
@@ -568,10 +697,10 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
         _schedule_scale_sums(sch)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     # quantize_grad's two outputs are two blocks in one loop nest (the loops below are shared)
-    two = (wl.dx and wl.dw) or wl.kind == "max_pool"
+    two = (wl.dx and wl.dw) or wl.kind == "max_pool" or (wl.kind == "bn_grad" and wl.addend)
     blocks = [sch.get_sblock(f"{wl.kind}_v{i}") for i in range(2)] if two else [sch.get_sblock(wl.kind)]
     block = blocks[0]
-    if wl.kind == "grad_stats":     # a block per [channel, P], its threads T apart; sums in registers
+    if wl.kind in ("grad_stats", "bn_grad_sums", "bn_stats"):   # a block per [channel, P], its threads T apart
         ch, p, t, r, lane = sch.get_loops(block)
         sch.bind(sch.fuse(ch, p), "blockIdx.x")
         sch.bind(t, "threadIdx.x")
@@ -579,10 +708,11 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
         # of stalls) at 36 % of DRAM's throughput
         items = STATS_UNROLL // 2 if quads(wl.shape) else STATS_UNROLL    # 16 or 8 elements in flight
         r_in = sch.split(r, [None, items])[1]
-        if quads(wl.shape):     # the item's 4 pixels as one 16-byte load
-            load = sch.cache_read(block, "g", "local")
-            sch.compute_at(load, r_in)
-            sch.vectorize(sch.get_loops(load)[-1])
+        if quads(wl.shape):     # the item's 4 pixels as one 16-byte load (of g, and of y)
+            for name in {"bn_grad_sums": ("g", "y"), "bn_stats": ("y",)}.get(wl.kind, ("g",)):
+                load = sch.cache_read(block, name, "local")
+                sch.compute_at(load, r_in)
+                sch.vectorize(sch.get_loops(load)[-1])
         sch.unroll(r_in)
         sch.unroll(lane)
         amax, total = sch.cache_write(block, 0, "local"), sch.cache_write(block, 1, "local")

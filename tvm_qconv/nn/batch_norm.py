@@ -27,17 +27,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import _relu_bits, mask_torch
+from .functional import _elementwise, _relu_bits, mask_torch
 
 
 def batch_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean, var, invstd)`` per channel of NCHW float32 ``y``: float64 sums, the biased
-    variance (what normalizes), returned as float32; ``invstd = 1 / sqrt(var + eps)``."""
+    """``(mean, var, invstd)`` per channel of NCHW float32 ``y``: float64 sums of ``y`` and ``y * y``
+    (:func:`finish_stats`)."""
     y64 = y.to(torch.float64)
-    m = y.numel() // y.shape[1]
-    mean = y64.sum(dim=(0, 2, 3)) / m
-    var = (y64 * y64).sum(dim=(0, 2, 3)) / m - mean * mean
-    var = var.clamp_min(0.0)
+    return finish_stats(y64.sum(dim=(0, 2, 3)), (y64 * y64).sum(dim=(0, 2, 3)), y.numel() // y.shape[1], eps)
+
+
+def finish_stats(s1: torch.Tensor, s2: torch.Tensor, m: int, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean, var, invstd)`` from the float64 per-channel sums of ``y`` and ``y * y`` over ``m``
+    elements: the biased variance (what normalizes), float32 out; ``invstd = 1 / sqrt(var + eps)``."""
+    mean = s1 / m
+    var = (s2 / m - mean * mean).clamp_min(0.0)
     return mean.to(torch.float32), var.to(torch.float32), torch.rsqrt(var + eps).to(torch.float32)
 
 
@@ -72,6 +77,12 @@ def grad_apply(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch
     return dy, dz
 
 
+def _grad_apply(g, bits, y, mean, a, b, c, want_dz: bool = True):
+    """:func:`grad_apply` with the kernels' signature (``dz`` only where wanted)."""
+    dy, dz = grad_apply(g, bits, y, mean, a, b, c)
+    return dy, (dz if want_dz else None)
+
+
 def coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 2's per-channel ``(a, b, c)`` (module docstring), computed in float64, float32 out."""
@@ -88,7 +99,9 @@ class BatchNormReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, gamma, beta, addend, mean, invstd, batch):
         scale = gamma.detach().to(torch.float32) * invstd
-        out, bits = normalize_relu(y, mean, scale, beta.detach().to(torch.float32), addend)
+        # on CUDA one TVM kernel (tvm_kernels.bn_relu), which also notes the output's range
+        out, bits = _elementwise(y.device.type, "bn_relu", normalize_relu)(
+            y, mean, scale, beta.detach().to(torch.float32), addend)
         ctx.save_for_backward(y, bits, gamma, mean, invstd)
         ctx.has_addend, ctx.batch = addend is not None, batch
         return out
@@ -97,14 +110,15 @@ class BatchNormReLUFunction(torch.autograd.Function):
     def backward(ctx, g):
         y, bits, gamma, mean, invstd = ctx.saved_tensors
         g = g.to(torch.float32).contiguous()
-        s1, s2 = grad_sums(g, bits, y, mean)
+        device = g.device.type      # on CUDA one TVM kernel a pass (tvm_kernels.bn_grad_sums, bn_grad)
+        s1, s2 = _elementwise(device, "bn_grad_sums", grad_sums)(g, bits, y, mean)
         m = y.numel() // y.shape[1]
         dy = dz = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             a, b, c = coefficients(s1, s2, gamma.detach(), invstd, m)
             if not ctx.batch:       # constant statistics: no gradient through them
                 b, c = torch.zeros_like(b), torch.zeros_like(c)
-            dy, dz = grad_apply(g, bits, y, mean, a, b, c)
+            dy, dz = _elementwise(device, "bn_grad", _grad_apply)(g, bits, y, mean, a, b, c, ctx.has_addend)
         dgamma = (s2 * invstd.to(torch.float64)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
         dbeta = s1.to(gamma.dtype) if ctx.needs_input_grad[2] else None
         return dy, dgamma, dbeta, (dz if ctx.has_addend else None), None, None, None
@@ -126,7 +140,7 @@ class BatchNormReLU(nn.BatchNorm2d):
         addend = None if addend is None else addend.to(torch.float32).contiguous()
         if self.training:
             with torch.no_grad():
-                mean, var, invstd = batch_stats(y, self.eps)
+                mean, var, invstd = _elementwise(y.device.type, "bn_stats", batch_stats)(y, self.eps)
                 m = y.numel() // y.shape[1]
                 unbiased = var * (m / max(m - 1, 1))
                 self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)

@@ -690,6 +690,69 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
 
 
+def bn_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch_norm.batch_stats`` from one pass over ``y`` (``elementwise.bn_stats``: float64 partial
+    sums of ``y`` and ``y * y``, finished here as the definition finishes its own)."""
+    from .batch_norm import batch_stats, finish_stats
+    if y.dim() != 4 or y.dtype != torch.float32:
+        return batch_stats(y, eps)
+    wl = elementwise.ElementwiseWorkload("bn_stats", tuple(y.shape))
+    blocks, threads, _ = elementwise.stats_grid(y.shape)
+    s1 = torch.empty((y.shape[1], blocks, threads), dtype=torch.float64, device=y.device)
+    s2 = torch.empty_like(s1)
+    _call("bn_stats", wl, y.device, _ready(y.reshape(-1) if elementwise.quads(y.shape) else y), s1, s2, outputs=2)
+    return finish_stats(s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2)), y.numel() // y.shape[1], eps)
+
+
+def bn_relu(y: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor,
+            addend: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_norm.normalize_relu`` in one kernel (``elementwise.bn_relu``: the output, its bits
+    and its range, noted for ``functional.batch_amax``) where ``y`` fills whole bytes of bits."""
+    from .batch_norm import normalize_relu
+    if y.dim() != 4 or y.dtype != torch.float32 or y.numel() % relu_bits_amax.ELEMENTS:
+        return normalize_relu(y, mean, scale, beta, addend)
+    wl = elementwise.ElementwiseWorkload("bn_relu", tuple(y.shape), addend=addend is not None)
+    out = torch.empty(y.shape, dtype=torch.float32, device=y.device)
+    bits = torch.empty((y.numel() // 8,), dtype=torch.uint8, device=y.device)
+    part = torch.empty((y.numel() // 8,), dtype=torch.int32, device=y.device)
+    coeffs = [t.to(torch.float32).contiguous() for t in (mean, scale, beta)]
+    _call("bn_relu", wl, y.device, y.reshape(-1), *coeffs, *([] if addend is None else [addend.reshape(-1)]),
+          out.view(-1), bits, part, outputs=3)
+    _note_range(out, part)
+    return out, bits
+
+
+def bn_grad_sums(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_norm.grad_sums`` in one pass over ``g``, its bits and ``y`` (``elementwise.bn_grad_sums``;
+    the float64 partials finished here)."""
+    from .batch_norm import grad_sums
+    if g.dim() != 4 or g.dtype != torch.float32 or y.dtype != torch.float32:
+        return grad_sums(g, bits, y, mean)
+    wl = elementwise.ElementwiseWorkload("bn_grad_sums", tuple(g.shape))
+    blocks, threads, _ = elementwise.stats_grid(g.shape)
+    s1 = torch.empty((g.shape[1], blocks, threads), dtype=torch.float64, device=g.device)
+    s2 = torch.empty_like(s1)
+    four = elementwise.quads(g.shape)
+    _call("bn_grad_sums", wl, g.device, _ready(g.reshape(-1) if four else g), bits,
+          _ready(y.reshape(-1) if four else y), mean.to(torch.float32), s1, s2, outputs=2)
+    return s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2))
+
+
+def bn_grad(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, a: torch.Tensor,
+            b: torch.Tensor, c: torch.Tensor, want_dz: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``batch_norm.grad_apply`` in one pass (``elementwise.bn_grad``): ``dy`` [and ``dz``]."""
+    from .batch_norm import grad_apply
+    if g.dim() != 4 or g.dtype != torch.float32 or y.dtype != torch.float32:
+        dy, dz = grad_apply(g, bits, y, mean, a, b, c)
+        return dy, (dz if want_dz else None)
+    wl = elementwise.ElementwiseWorkload("bn_grad", tuple(g.shape), addend=want_dz)
+    outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _ in range(1 + want_dz)]
+    coeffs = [t.to(torch.float32).contiguous() for t in (mean, a, b, c)]
+    _call("bn_grad", wl, g.device, g, bits, y, *coeffs, *outs, outputs=len(outs))
+    return outs[0], (outs[1] if want_dz else None)
+
+
 def quantize_grad(g: torch.Tensor, bits: torch.Tensor | None, s_dx: torch.Tensor | None, mult: torch.Tensor | None,
                   s_dw: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``functional.quantize_grad_torch`` in one pass over ``g`` (``elementwise.quantize_grad``)."""
@@ -801,7 +864,9 @@ def register(device_type: str = "cuda") -> None:
                                         "relu_bits": relu_bits, "relu_with_bits": relu_with_bits, "mask": mask,
                                         "grad_stats": grad_stats,
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
-                                        "max_pool_grad": max_pool_grad, "scale_sums": scale_sums}
+                                        "max_pool_grad": max_pool_grad, "scale_sums": scale_sums,
+                                        "bn_stats": bn_stats, "bn_relu": bn_relu,
+                                        "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad}
 
 
 def report() -> list[dict]:
