@@ -408,17 +408,23 @@ def grad_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
                                                   "tvm_qconv.workload": str(wl.to_dict())})
 
 
-def bn_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
-    """``(y, s1, s2)``: per channel of float32 NCHW ``y`` the partial ``sum y`` and ``sum y * y``
-    (float64, the square too: ``batch_norm.batch_stats``' values) of each ``[P, T]`` thread
-    (:func:`stats_grid`); ``y`` flat, 4 pixels an item, where :func:`quads` holds."""
+def _pair_sums(wl: ElementwiseWorkload, name: str, images: tuple[str, ...], masked: bool, channel: tuple[str, ...],
+               pair) -> tirx.PrimFunc:
+    """Per channel of NCHW ``wl.shape``, the partial float64 sums of ``pair(load, ch, keep)`` (two
+    values) of each ``[P, T]`` thread of :func:`grad_stats`' grid (:func:`stats_grid`): the float32
+    tensors ``images`` (flat, 4 pixels an item, where :func:`quads` holds), then ReLU ``bits`` where
+    ``masked``, then the per-channel float32 ``channel`` tensors are the parameters, before the two
+    ``[C, P, T]`` outputs.  ``load(t)`` is the item's element of image ``t`` (or channel tensor
+    ``t``'s entry); ``keep`` whether it is in the tensor (and its bit set)."""
     n, c, h, w = wl.shape
     hw, numel = h * w, n * c * h * w
     blocks, threads, per = stats_grid(wl.shape)
     four = quads(wl.shape)
     lanes = 4 if four else 1
     m = n * hw // lanes
-    y = te.placeholder((numel,) if four else wl.shape, "float32", name="y")
+    tensors = {t: te.placeholder((numel,) if four else wl.shape, "float32", name=t) for t in images}
+    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits") if masked else None
+    tensors.update({t: te.placeholder((c,), "float32", name=t) for t in channel})
     r = te.reduce_axis((0, per), "r")
     lane = te.reduce_axis((0, lanes), "lane")
     sums = te.comm_reducer(lambda a, b: (a[0] + b[0], a[1] + b[1]),
@@ -428,14 +434,29 @@ def bn_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
         j = (p * per + r) * threads + t
         jj = tirx.min(j, m - 1)
         b, q = jj // (hw // lanes), jj % (hw // lanes)
+        flat = (b * c + ch) * hw + q * lanes + lane
         pix = q * lanes + lane
-        v = y[(b * c + ch) * hw + pix] if four else y[b, ch, pix // w, pix % w]
-        v = tirx.if_then_else(j < m, v, tirx.const(0.0, "float32")).astype("float64")
-        return sums((v, v * v), axis=[r, lane])
+        keep = j < m if bits is None else tirx.all(j < m, _bit(bits, flat))
 
-    s1, s2 = te.compute((c, blocks, threads), partial, name="bn_stats")
-    return te.create_prim_func([y, s1, s2]).with_attr(
-        {"tvm_qconv.kernel": "train_bn_stats", "tvm_qconv.workload": str(wl.to_dict())})
+        def load(t):
+            if t in channel:
+                return tensors[t][ch]
+            return tensors[t][flat] if four else tensors[t][b, ch, pix // w, pix % w]
+        return sums(pair(load, ch, keep), axis=[r, lane])
+
+    s1, s2 = te.compute((c, blocks, threads), partial, name=name)
+    params = [tensors[t] for t in images] + ([bits] if masked else []) + [tensors[t] for t in channel] + [s1, s2]
+    return te.create_prim_func(params).with_attr({"tvm_qconv.kernel": f"train_{name}",
+                                                  "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bn_stats(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(y, s1, s2)``: per channel of float32 NCHW ``y`` the partial ``sum y`` and ``sum y * y``
+    (float64, the square too: ``batch_norm.batch_stats``' values) of each ``[P, T]`` thread."""
+    def pair(load, ch, keep):
+        v = tirx.if_then_else(keep, load("y"), tirx.const(0.0, "float32")).astype("float64")
+        return v, v * v
+    return _pair_sums(wl, "bn_stats", ("y",), False, (), pair)
 
 
 def bn_relu(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
@@ -466,40 +487,13 @@ def bn_relu(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
 
 
 def bn_grad_sums(wl: ElementwiseWorkload) -> tirx.PrimFunc:
-    """``(g, bits, y, mean, s1, s2)``: per channel of ``dz = g`` masked by ``bits``, the partial
-    ``sum dz`` and ``sum dz * (y - mean)`` of each ``[P, T]`` thread (:func:`stats_grid`), in
-    float64 (the difference and the product too: ``batch_norm.grad_sums``' values); ``g`` and
-    ``y`` flat, 4 pixels an item, where :func:`quads` holds (as :func:`grad_stats`)."""
-    n, c, h, w = wl.shape
-    hw, numel = h * w, n * c * h * w
-    blocks, threads, per = stats_grid(wl.shape)
-    four = quads(wl.shape)
-    lanes = 4 if four else 1
-    m = n * hw // lanes
-    g = te.placeholder((numel,) if four else wl.shape, "float32", name="g")
-    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits")
-    y = te.placeholder((numel,) if four else wl.shape, "float32", name="y")
-    mean = te.placeholder((c,), "float32", name="mean")
-    r = te.reduce_axis((0, per), "r")
-    lane = te.reduce_axis((0, lanes), "lane")
-    sums = te.comm_reducer(lambda a, b: (a[0] + b[0], a[1] + b[1]),
-                           lambda t0, t1: (tirx.const(0.0, t0), tirx.const(0.0, t1)), name="sum_pair")
-
-    def partial(ch, p, t):
-        j = (p * per + r) * threads + t
-        jj = tirx.min(j, m - 1)
-        b, q = jj // (hw // lanes), jj % (hw // lanes)
-        flat = (b * c + ch) * hw + q * lanes + lane
-        pix = q * lanes + lane
-        keep = tirx.all(j < m, _bit(bits, flat))
-        gv = g[flat] if four else g[b, ch, pix // w, pix % w]
-        yv = y[flat] if four else y[b, ch, pix // w, pix % w]
-        dz = tirx.if_then_else(keep, gv, tirx.const(0.0, "float32")).astype("float64")
-        return sums((dz, dz * (yv.astype("float64") - mean[ch].astype("float64"))), axis=[r, lane])
-
-    s1, s2 = te.compute((c, blocks, threads), partial, name="bn_grad_sums")
-    return te.create_prim_func([g, bits, y, mean, s1, s2]).with_attr(
-        {"tvm_qconv.kernel": "train_bn_grad_sums", "tvm_qconv.workload": str(wl.to_dict())})
+    """``(g, y, bits, mean, s1, s2)``: per channel of ``dz = g`` masked by ``bits``, the partial
+    ``sum dz`` and ``sum dz * (y - mean)`` of each ``[P, T]`` thread, in float64 (the difference
+    and the product too: ``batch_norm.grad_sums``' values)."""
+    def pair(load, ch, keep):
+        dz = tirx.if_then_else(keep, load("g"), tirx.const(0.0, "float32")).astype("float64")
+        return dz, dz * (load("y").astype("float64") - load("mean").astype("float64"))
+    return _pair_sums(wl, "bn_grad_sums", ("g", "y"), True, ("mean",), pair)
 
 
 def bn_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:

@@ -734,8 +734,8 @@ def bn_grad_sums(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: tor
     s1 = torch.empty((g.shape[1], blocks, threads), dtype=torch.float64, device=g.device)
     s2 = torch.empty_like(s1)
     four = elementwise.quads(g.shape)
-    _call("bn_grad_sums", wl, g.device, _ready(g.reshape(-1) if four else g), bits,
-          _ready(y.reshape(-1) if four else y), mean.to(torch.float32), s1, s2, outputs=2)
+    _call("bn_grad_sums", wl, g.device, _ready(g.reshape(-1) if four else g), _ready(y.reshape(-1) if four else y),
+          bits, mean.to(torch.float32), s1, s2, outputs=2)
     return s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2))
 
 
