@@ -93,7 +93,7 @@ def test_a_fused_resnet_computes_torchvisions_resnet():
     # within rounding of 0 may fall on the other side in either (the two round the normalization
     # in another order), moving a last-block bias gradient by ~0.3 % where torch's happens to be exact
     import torchvision
-    from models.quantized_resnet import fuse_batch_norm_relu
+    from tvm_qconv.models.quantized_resnet import fuse_batch_norm_relu
     for build in (torchvision.models.resnet18, torchvision.models.resnet50):
         torch.manual_seed(0)
         ref = build(num_classes=10)
