@@ -96,31 +96,36 @@ def _fused_blocks() -> dict[type, tuple[type, tuple[str, ...]]]:
     from torchvision.models.resnet import BasicBlock, Bottleneck
 
     class FusedBottleneck(Bottleneck):
-        def forward(self, x):
-            identity = x if self.downsample is None else self.downsample(x)
-            out = self.bn2(self.conv2(self.bn1(self.conv1(x))))
-            return self.bn3(self.conv3(out), identity)
+        def forward(self, x):       # the downsampling last, as torchvision's: its output lives shortest
+            out = self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
+            return self.bn3(out, x if self.downsample is None else self.downsample(x))
 
     class FusedBasicBlock(BasicBlock):
         def forward(self, x):
-            identity = x if self.downsample is None else self.downsample(x)
-            return self.bn2(self.conv2(self.bn1(self.conv1(x))), identity)
+            out = self.conv2(self.bn1(self.conv1(x)))
+            return self.bn2(out, x if self.downsample is None else self.downsample(x))
 
     return {Bottleneck: (FusedBottleneck, ("bn1", "bn2", "bn3")), BasicBlock: (FusedBasicBlock, ("bn1", "bn2"))}
 
 
 def _batch_norm_relu_like(bn: nn.BatchNorm2d) -> BatchNormReLU:
+    like = next(bn.parameters(), None)
+    like = like if like is not None else next(bn.buffers(), None)
     new = BatchNormReLU(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                        device=bn.weight.device, dtype=bn.weight.dtype)
+                        **({} if like is None else {"device": like.device, "dtype": like.dtype}))
     new.load_state_dict(bn.state_dict())
+    for p, q in zip(new.parameters(), bn.parameters()):
+        p.requires_grad_(q.requires_grad)      # a frozen BatchNorm stays frozen
     return new.train(bn.training)
 
 
 def fuse_batch_norm_relu(model: nn.Module) -> nn.Module:
     """``model`` (a torchvision ResNet) with every BatchNorm that a ReLU follows as one
     :class:`BatchNormReLU` (the stem's, each block's, the last one of a block with the residual
-    add); the downsampling branches' BatchNorms, which no ReLU follows, stay.  Same parameters
-    and state dict; in place.
+    add); the downsampling branches' BatchNorms, which no ReLU follows, stay.  Same parameter
+    values and state dict, in place; the fused BatchNorms' parameters are new tensors: build the
+    optimizer after fusing.  Save the fused model by its state dict (its block classes are made on
+    first use, so pickling the module itself fails).
 
     Raises:
         TypeError: a model that is not a torchvision ResNet.

@@ -201,3 +201,37 @@ def test_the_training_benchmark_fuses_ours_only():
     twin = build_model("resnet50", 10, 64, quantized=False, fuse_bn_relu=True)
     assert any(isinstance(m, BatchNormReLU) for m in ours.modules())
     assert not any(isinstance(m, BatchNormReLU) for m in twin.modules())
+
+
+def test_eval_statistics_are_constants_and_an_inf_elsewhere_stays_out_of_a_gradient():
+    # eval: the running statistics (made non-trivial here), no gradient through them, and dy of an
+    # element only from its own gradient (a y of inf next to it does not leak NaN into it)
+    ours, ref = _pair(channels=2)
+    with torch.no_grad():
+        for m in (ours, ref):
+            m.running_mean.copy_(torch.tensor([0.5, -1.0]))
+            m.running_var.copy_(torch.tensor([2.0, 0.25]))
+    ours.eval(), ref.eval()
+    y = torch.randn(2, 2, 3, 3)
+    y[0, 0, 0, 0] = float("inf")
+    ya, yb = y.clone().requires_grad_(), y.clone().requires_grad_()
+    grad = torch.randn(2, 2, 3, 3)
+    ours(ya).backward(grad)
+    torch.relu(ref(yb)).backward(grad)
+    assert torch.isfinite(ya.grad).all()        # the inf's own gradient too: gamma * invstd * g
+    torch.testing.assert_close(ya.grad, yb.grad, **TOL)
+
+
+def test_one_value_a_channel_in_training_is_refused_as_torch_does():
+    ours, _ = _pair(channels=3)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ours(torch.randn(1, 3, 1, 1, requires_grad=True))
+
+
+def test_fusing_keeps_a_frozen_batch_norm_frozen():
+    import torchvision
+    from tvm_qconv.models.quantized_resnet import fuse_batch_norm_relu
+    model = torchvision.models.resnet18(num_classes=10)
+    model.layer1[0].bn1.weight.requires_grad_(False)
+    fuse_batch_norm_relu(model)
+    assert isinstance(model.layer1[0].bn1, BatchNormReLU) and not model.layer1[0].bn1.weight.requires_grad

@@ -20,12 +20,16 @@ rearranged so that each pass reads ``g``, the bits and ``y`` once.
 This module holds the definition (the CPU path, and the reference the CUDA kernels will be
 checked against): float64 per-channel sums, float32 elementwise operations in a fixed order.
 Statistics are the batch's in training (the running ones updated as ``nn.BatchNorm2d`` does,
-unbiased variance, ``momentum`` not None), the running ones in eval.
+unbiased variance, ``momentum`` not None), the running ones in eval.  The CUDA kernels round each
+operation with CUDA's ``__f*_rn``, which under TVM's ``--use_fast_math`` flush subnormals: a
+normalized value below 1.2e-38 in magnitude becomes 0 there (and its ReLU bit 0), where the
+definition keeps it.  No second derivative (``once_differentiable``).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .functional import _elementwise, _relu_bits, mask_torch
 
@@ -107,6 +111,7 @@ class BatchNormReLUFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         y, bits, gamma, mean, invstd = ctx.saved_tensors
         g = g.to(torch.float32).contiguous()
@@ -116,9 +121,11 @@ class BatchNormReLUFunction(torch.autograd.Function):
         dy = dz = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
             a, b, c = coefficients(s1, s2, gamma.detach(), invstd, m)
-            if not ctx.batch:       # constant statistics: no gradient through them
-                b, c = torch.zeros_like(b), torch.zeros_like(c)
-            dy, dz = _elementwise(device, "bn_grad", _grad_apply)(g, bits, y, mean, a, b, c, ctx.has_addend)
+            if ctx.batch:
+                dy, dz = _elementwise(device, "bn_grad", _grad_apply)(g, bits, y, mean, a, b, c, ctx.has_addend)
+            else:   # constant statistics (eval): no gradient through them, y not read (an inf there stays out)
+                dz = mask_torch(g, bits)
+                dy = dz * a.view(1, -1, 1, 1)
         dgamma = (s2 * invstd.to(torch.float64)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
         dbeta = s1.to(gamma.dtype) if ctx.needs_input_grad[2] else None
         return dy, dgamma, dbeta, (dz if ctx.has_addend else None), None, None, None
@@ -139,10 +146,13 @@ class BatchNormReLU(nn.BatchNorm2d):
         y = y.contiguous()
         addend = None if addend is None else addend.to(torch.float32).contiguous()
         if self.training:
+            if y.numel() == y.shape[1]:
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                                 f"{list(y.shape)}")
             with torch.no_grad():
                 mean, var, invstd = _elementwise(y.device.type, "bn_stats", batch_stats)(y, self.eps)
                 m = y.numel() // y.shape[1]
-                unbiased = var * (m / max(m - 1, 1))
+                unbiased = var * (m / (m - 1))
                 self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
                 self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
                 self.num_batches_tracked.add_(1)
