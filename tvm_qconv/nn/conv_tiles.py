@@ -244,15 +244,6 @@ def choose(default_ms: float, measured: list[tuple[dict, float]]) -> tuple[dict,
 
 # ----------------------------------------------------------------------------- measuring
 
-def _build_candidate(wl: ConvWorkload, arch: str, choice: dict | None, path: str) -> float:
-    """A worker: the forward kernel of ``wl`` as ``choice`` (None: the default) into ``path``."""
-    from . import tvm_kernels
-    t0 = time.perf_counter()
-    tvm_kernels._build("forward", choice_workload(wl, choice), tvm_kernels.target_of(build_arch(choice, arch)), path,
-                       choice=choice or False)
-    return time.perf_counter() - t0
-
-
 GROUP = 8     # choices compiled into one library: nvcc and TVM's pipeline pay their fixed costs once
 
 

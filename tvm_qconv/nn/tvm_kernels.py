@@ -236,15 +236,14 @@ def cache_path(kind: str, wl, arch: str) -> str:
     return os.path.join(cache_dir(), f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.so")
 
 
-def _build(kind: str, wl, target, path: str, choice=None) -> None:
-    """Compile one kernel and write it to ``path`` atomically; ``choice``: the forward's measured
-    kernel (None: the table's, ``False``: the default), built for its arch (wgmma: ``sm_90a``)."""
-    if choice is None and target.kind.name == "cuda":
-        choice = _choice(kind, wl, str(target.attrs["arch"]))
-    if choice and target.kind.name == "cuda":
+def _build(kind: str, wl, target, path: str) -> None:
+    """Compile one kernel and write it to ``path`` atomically: a forward with a measured choice
+    (``conv_tiles``, the same lookup as its cache key) as that choice, for its arch (wgmma: ``sm_90a``)."""
+    choice = _choice(kind, wl, str(target.attrs["arch"])) if target.kind.name == "cuda" else None
+    if choice:
         target = target_of(conv_tiles.build_arch(choice, str(target.attrs["arch"])))
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
-    func = _definition(kind, wl, target, choice or None).with_attr("global_symbol", symbol(kind))
+    func = _definition(kind, wl, target, choice).with_attr("global_symbol", symbol(kind))
     # the implementation's own pipeline and PassContext entries (the mma template's async copies)
     options = registry.compile_options([] if kind in elementwise.KINDS else
                                        [registry.get(conv_tiles.IMPL) if choice else _impl(kind, wl, target)])
