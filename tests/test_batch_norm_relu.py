@@ -182,8 +182,9 @@ def test_on_cuda_the_kernels_give_the_cpu_definitions_values(residual):
     grad = torch.randn(8, 64, 14, 14, generator=g)
     results = []
     for model, dev in ((ours, torch.device("cpu")), (twin, cuda)):
-        yi = y.to(dev).requires_grad_()
-        ai = add.to(dev).requires_grad_() if residual else None
+        # leaves on each device (y.to("cpu") would be y itself, and y.to("cuda") of it no leaf)
+        yi = y.detach().to(dev).requires_grad_()
+        ai = add.detach().to(dev).requires_grad_() if residual else None
         tvm_kernels.CALLS.clear()
         out = model(yi, ai)
         out.backward(grad.to(dev))

@@ -282,6 +282,22 @@ def test_a_dw_choice_of_one_slice_is_timed_with_an_output_without_the_slice_axis
     assert [m["ms"] for m in row["measured"]] == [1.0, 0.5] and row["best"]["choice"] == one
 
 
+def test_a_one_slice_conv_is_timed_as_the_kernel_alone(monkeypatch):
+    # what is timed is what the step runs: a one-slice conv's kernel writing its int32 sums, not
+    # also the int64 copy the bit check compares (a full pass of the output: it once added
+    # ~0.7 ms to VGG16 b128's 128 -> 128 @112 forward, the same to every choice)
+    wl = WORKLOADS[1]
+    assert wl.splits == 1
+    monkeypatch.setattr(tvm_kernels, "device_target", lambda device: (tvm_kernels.target_of(ARCH), ARCH))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))     # no wgmma choices
+    monkeypatch.setattr(conv_tiles, "candidates", lambda mp, op, k: [])
+    monkeypatch.setattr(conv_tiles, "_kernels_of", lambda groups: {0: lambda *a: a[-1].fill_(7)})
+    timed = []
+    (row,) = conv_tiles.search([wl], torch.device("cpu"), workers=1, timer=lambda fn: (timed.append(fn()), 1.0)[1])
+    assert timed[0].dtype == torch.int32 and bool((timed[0] == 7).all())
+    assert row["default"]["ms"] == 1.0
+
+
 def test_a_table_measured_on_another_arch_is_not_used(table):
     wl = WORKLOADS[0]
     choice = conv_tiles.candidates(*_gemm(wl))[-1]

@@ -23,7 +23,7 @@ from tvm_qconv.nn import tvm_kernels
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
 KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
-         "quantize_grad", "max_pool", "max_pool_grad"}  # all kinds
+         "quantize_grad", "scale_sums", "max_pool", "max_pool_grad"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -176,7 +176,7 @@ def test_kernels_run_on_torchs_current_stream():
 # NHWC32 accumulators dequantized by TVM); int8 ones at batch 16: dx and dw are int8 convs on the
 # forward's kernels too, so no float gradient kernel runs
 @pytest.mark.parametrize("grads, batch, kinds", [
-    ("float32", 8, KINDS - {"grad_stats", "quantize_grad"}),
+    ("float32", 8, KINDS - {"grad_stats", "quantize_grad", "scale_sums"}),
     ("int8", 16, KINDS - {"grad_input", "grad_weight", "mask"})])
 def test_a_training_step_runs_tvm_kernels_and_no_torch_conv(grads, batch, kinds):
     torch.manual_seed(0)
@@ -571,7 +571,7 @@ def test_a_dw_run_at_its_measured_split_count_on_wgmma_gives_the_same_weight_gra
     g = torch.Generator(device=CUDA).manual_seed(0)
     x_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
     g_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
-    args = (x_q, g_q, (256, 256, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    args = (x_q, g_q, (256, 256, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)   # padding: top, left, bottom, right
     monkeypatch.setenv(conv_tiles.TABLE_ENV, str(tmp_path / "tiles.json"))
     tvm_kernels._measured_splits.cache_clear()
     default = tvm_kernels.int8_weight_grad(*args)

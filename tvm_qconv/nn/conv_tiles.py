@@ -404,10 +404,10 @@ def _measure_one(wl, func, gemm, choices, default, groups, device, timer) -> dic
         shape = tuple(out.shape[1:]) if split else tuple(out.shape)
         acc = torch.zeros(((slices,) + shape) if slices > 1 else shape, dtype=out.dtype, device=device)
 
-        def run(fn=fn, acc=acc, slices=slices):
+        def run(fn=fn, acc=acc, slices=slices):     # what the step runs: the kernel, the slices' int64 sum
             fn(*inputs, acc)
-            return acc.sum(0) if slices > 1 else acc.to(torch.int64)
-        result = run()
+            return acc.sum(0) if slices > 1 else acc
+        result = run().to(torch.int64)     # compared outside the timed call (a full pass of the output)
         if reference is None:
             reference = result.clone()
         elif not torch.equal(result, reference):
