@@ -175,15 +175,25 @@ def _graph_step_ms(step, steps: int) -> float:
     return 1000 * statistics.median(times[1:])
 
 
+OPS_KEPT = 40     # the ops (with input shapes) kept per variant, most device time first
+
+
 def _profile(step) -> dict:
     """One step under the profiler: each CUDA kernel's launches and summed microseconds (most time
-    first), the GPU-busy time, the step's wall time, and the PyTorch conv / matmul ops among its ops."""
+    first), the GPU-busy time, the step's wall time, the PyTorch conv / matmul ops among its ops,
+    and the :data:`OPS_KEPT` ops (by input shapes) whose own kernels took the most time."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     wall_ms = 1000 * (time.perf_counter() - t0)
+    # the ops that launched the kernels: each CPU op's own kernels' time, by op and input shapes
+    # (which copy, which reduction: the kernels' names alone do not say)
+    by_op = [{"op": a.key, "shapes": str(a.input_shapes)[:300], "calls": a.count,
+              "us": round(a.self_device_time_total, 1)}
+             for a in prof.key_averages(group_by_input_shape=True)
+             if a.device_type == torch.autograd.DeviceType.CPU and a.self_device_time_total > 0]
     kernels, ops = {}, set()
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -195,7 +205,8 @@ def _profile(step) -> dict:
     return {"cuda_kernels": {k: {"launches": n, "us": round(us, 1)} for k, (n, us) in top},
             "launches": sum(n for n, _ in kernels.values()),
             "gpu_busy_ms": round(sum(us for _, us in kernels.values()) / 1000, 3),
-            "profiled_wall_ms": round(wall_ms, 3), "torch_matmul_ops": sorted(ops)}
+            "profiled_wall_ms": round(wall_ms, 3), "torch_matmul_ops": sorted(ops),
+            "ops_by_device_time": sorted(by_op, key=lambda r: -r["us"])[:OPS_KEPT]}
 
 
 def run_child(variant: str, args) -> dict:
@@ -265,6 +276,9 @@ def summarize(results: dict, compile_run: dict | None) -> dict:
         for name, k in list(results[v]["cuda_kernels"].items())[:15]:
             print(f"  {k['launches']:>4} {k['us']:>9.1f}  {name[:100]}")
         print(f"  PyTorch conv/matmul ops: {results[v]['torch_matmul_ops'] or 'none'}")
+        print(f"{v}: the ops whose own kernels took the most time (calls, us, input shapes):")
+        for r in results[v].get("ops_by_device_time", [])[:15]:
+            print(f"  {r['calls']:>4} {r['us']:>9.1f}  {r['op'][:40]:<40} {r['shapes'][:90]}")
     return rows
 
 
