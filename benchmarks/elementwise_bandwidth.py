@@ -37,7 +37,7 @@ VGG16_CONVS = ((64, 1), (64, 1), (128, 2), (128, 2), (256, 4), (256, 4), (256, 4
                (512, 16), (512, 16), (512, 16))
 POOLED = (1, 3, 6, 9, 12)           # indices of the convs a pool follows
 KINDS = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "relu", "mask", "pack",
-         "pack_transposed", "max_pool", "max_pool_grad", "scale_sums")
+         "pack_transposed", "max_pool", "max_pool_grad", "scale_sums", "flip_transpose")
 PER_CONV = ("quantize", "quantize_grad", "grad_stats", "dequantize", "relu_bits", "relu", "mask", "pack",
             "pack_transposed")
 
@@ -57,6 +57,7 @@ def bytes_moved(kind: str, shape) -> int:
             "relu": 8 * e + e // 8 + e // 2,             # x in; relu(x), its bits and range out (ResNet's)
             "mask": 4 * e + e // 8 + 4 * e,              # g and the bits in, masked g out (ResNet's ReLUs)
             "scale_sums": 8 * e,                         # the weight's int32 sums in, float dw out (shape: OIHW)
+            "flip_transpose": 2 * e,                     # the int8 weight in, dx's flipped weight out (OIHW)
             "pack": e + padded,                          # int8 NCHW in, NHWC32 out
             "pack_transposed": e + -(-c // 32) * 32 * h * w * -(-n // 32) * 32,   # -> [C_p, H, W, N_p] (dw's)
             "max_pool": 4 * e + 5 * pooled,              # float in, float max and 1-byte index out
@@ -67,7 +68,8 @@ def workloads(batch: int, image_size: int) -> list[tuple[str, tuple[int, int, in
     """(kind, shape) of every elementwise kernel call a VGG16 step makes at ``batch``: the float
     side's NCHW shape once per conv and pool (``relu`` and ``mask`` too, which VGG16 does not call:
     ResNet-50's ``CompactReLU``, at these shapes), and ``scale_sums`` once per weight (OIHW, the
-    linear layers 1 x 1; the weights' quantizations left out)."""
+    linear layers 1 x 1), ``flip_transpose`` once per weight with an input gradient (all but the
+    first conv's; the weights' quantizations left out)."""
     out = []
     cin = 3
     for i, (c, down) in enumerate(VGG16_CONVS):
@@ -76,10 +78,12 @@ def workloads(batch: int, image_size: int) -> list[tuple[str, tuple[int, int, in
         if i in POOLED:
             out += [("max_pool", shape), ("max_pool_grad", shape)]
         out.append(("scale_sums", (c, cin, 3, 3)))
+        if i > 0:
+            out.append(("flip_transpose", (c, cin, 3, 3)))
         cin = c
     features = 512 * (image_size // 32) ** 2
-    out += [("scale_sums", (4096, features, 1, 1)), ("scale_sums", (4096, 4096, 1, 1)),
-            ("scale_sums", (1000, 4096, 1, 1))]
+    for weight in ((4096, features, 1, 1), (4096, 4096, 1, 1), (1000, 4096, 1, 1)):
+        out += [("scale_sums", weight), ("flip_transpose", weight)]
     return out
 
 
@@ -110,6 +114,9 @@ def _call(kind: str, shape, device: torch.device):
         base = torch.randint(-2 ** 20, 2 ** 20, shape[1:] + shape[:1], generator=gen, dtype=torch.int32).to(device)
         sums, scale = base.permute(3, 0, 1, 2), (torch.rand(n, generator=gen) * 1e-6).to(device)
         return lambda: tvm_kernels.scale_sums(sums, scale)
+    if kind == "flip_transpose":   # shape: the weight's OIHW (1000 classes: torch's flip and transpose)
+        w_q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+        return lambda: tvm_kernels.flip_transpose(w_q, 1)
     x = torch.randn(shape, generator=gen).to(device)
     bits = functional.pack_bits(torch.randn(shape, generator=gen) > 0).to(device)
     s, sc = torch.tensor(0.05, device=device), (torch.rand(c, generator=gen) * 0.05 + 0.01).to(device)

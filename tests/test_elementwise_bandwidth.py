@@ -21,10 +21,11 @@ def test_the_bytes_each_kind_must_move_at_vgg16s_first_conv():
     assert bw.bytes_moved("pack_transposed", (3, 40, 2, 2)) == 3 * 40 * 4 + 64 * 4 * 32
 
 
-def test_a_vgg16_step_calls_nine_kinds_per_conv_two_per_pool_and_one_per_weight():
+def test_a_vgg16_step_calls_nine_kinds_per_conv_two_per_pool_and_one_or_two_per_weight():
     calls = bw.workloads(2, 64)
-    assert len(calls) == 13 * 9 + 5 * 2 + 16
+    assert len(calls) == 13 * 9 + 5 * 2 + 16 + 15     # flip_transpose: every weight but the first conv's
     assert ("scale_sums", (4096, 512 * 4, 1, 1)) in calls and ("scale_sums", (64, 3, 3, 3)) in calls
+    assert ("flip_transpose", (4096, 512 * 4, 1, 1)) in calls and ("flip_transpose", (64, 3, 3, 3)) not in calls
     assert ("max_pool", (2, 64, 64, 64)) in calls and ("quantize", (2, 512, 4, 4)) in calls
 
 
@@ -33,7 +34,7 @@ def test_a_cpu_dry_run_times_every_call_and_writes_the_table(tmp_path, monkeypat
     assert bw.main(["--out", str(tmp_path), "--device", "cpu", "--batch", "1", "--image-size", "32",
                     "--iters", "2"]) == 0
     record = json.loads((tmp_path / "elementwise_bandwidth_b1.json").read_text())
-    assert len(record["rows"]) == 13 * 9 + 5 * 2 + 16 and all(r["ms"] > 0 for r in record["rows"])
+    assert len(record["rows"]) == 13 * 9 + 5 * 2 + 16 + 15 and all(r["ms"] > 0 for r in record["rows"])
     kinds = {s["kind"] for s in bw.by_kind(record)}
     assert kinds == set(bw.KINDS) and record["copy_gb_s"] > 0
     out = capsys.readouterr().out

@@ -251,6 +251,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("bn_grad", (2, 3, 5, 7), {}),
     ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient
     ("scale_sums", (32, 32, 3, 3), {}),
+    ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
+    ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose
+    ("flip_transpose", (16, 32, 7, 7), {}),              # 49 taps: 16 x 16 tiles
 ]
 
 
@@ -298,7 +301,8 @@ def tvm_on_cpu(tmp_path, monkeypatch):
         "quantize": tvm_kernels.quantize, "int8_conv_dequantized": tvm_kernels.int8_conv_dequantized,
         "relu_bits": tvm_kernels.relu_bits, "relu_with_bits": tvm_kernels.relu_with_bits, "mask": tvm_kernels.mask,
         "grad_stats": tvm_kernels.grad_stats,
-        "quantize_grad": tvm_kernels.quantize_grad, "scale_sums": tvm_kernels.scale_sums})
+        "quantize_grad": tvm_kernels.quantize_grad, "scale_sums": tvm_kernels.scale_sums,
+        "flip_transpose": tvm_kernels.flip_transpose})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
     return tmp_path / "kernels"
@@ -835,6 +839,26 @@ def test_the_sums_scaling_kernel_gives_torchs_int_times_float_bits(tvm_on_cpu, w
     assert ours.is_contiguous() and torch.equal(ours, functional.scale_sums_torch(sums, scale))
     from tvm_qconv.schedules.training import elementwise
     assert ({k for k, _ in tvm_kernels.CALLS} == {"scale_sums"}) == elementwise.scale_sums_tiles(weight_shape)
+
+
+@pytest.mark.parametrize("weight_shape, groups", [((64, 32, 3, 3), 1), ((64, 96, 1, 1), 1), ((40, 32, 3, 3), 1),
+                                                  ((64, 16, 3, 3), 2)],
+                         ids=["conv", "linear", "no_whole_tiles", "groups"])
+def test_dx_weight_flip_and_transpose_kernel_gives_torchs_and_packs_without_a_copy(tvm_on_cpu, weight_shape, groups):
+    # dx's weight [C, O, KH, KW] flipped through tvm_kernels.flip_transpose (llvm here; a
+    # shared-memory transpose on CUDA) equals torch's flip of the transposed view; it is a view of
+    # [C, KH, KW, O], so the tensor cores' weight pack ([C_p, KH*KW*O_p]) is a view of it too;
+    # groups and shapes without whole 32 x 32 tiles go through torch
+    from tvm_qconv.schedules.training import elementwise
+    w_q = torch.randint(-127, 128, weight_shape, generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    ours = tvm_kernels.flip_transpose(w_q, groups)
+    assert torch.equal(ours, functional.flipped_transposed_torch(w_q, groups))
+    kernel = groups == 1 and elementwise.flip_transpose_tiles(weight_shape)
+    assert ({k for k, _ in tvm_kernels.CALLS} == {"flip_transpose"}) == kernel
+    if kernel:
+        packed = tvm_kernels._pack_weight_nhwc32(ours)
+        assert packed.data_ptr() == ours.data_ptr()      # no copy
+        assert torch.equal(packed, tvm_kernels._pack_weight_nhwc32(functional.flipped_transposed_torch(w_q, 1)))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -352,21 +352,24 @@ def test_saves_the_input_as_int8(case):
     kept = _saved(lambda: out.append(ours(x)))
     n_out = out[0].numel()
     # Exactly: the int8 input, the float weight *parameter itself* (a reference, 0 extra bytes:
-    # backward re-quantizes it), the 0-d input scale, the ReLU mask as bits, and no clip mask
-    # (training quantizes with the batch's own max: nothing clips).
+    # backward re-quantizes it), its per-channel scales (4 B a channel: no second reduction over
+    # the weight), the 0-d input scale, the ReLU mask as bits, and no clip mask (training
+    # quantizes with the batch's own max: nothing clips).
+    out_channels = ours.weight.shape[0]
     expected = {
         (torch.int8, tuple(x.shape)),
         (torch.float32, tuple(ours.weight.shape)),
+        (torch.float32, (out_channels,)),
         (torch.float32, ()),
         (torch.uint8, (math.ceil(n_out / 8),) if case.relu else (0,)),
         (torch.uint8, (0,)),
     }
     assert {(t.dtype, tuple(t.shape)) for t in kept} == expected
-    floats = [t for t in kept if t.is_floating_point() and t.dim() > 0]
+    floats = [t for t in kept if t.is_floating_point() and t.dim() > 1]
     assert len(floats) == 1 and floats[0].data_ptr() == ours.weight.data_ptr()
     extra = [t for t in kept if t.data_ptr() != ours.weight.data_ptr()]
     ours_bytes = sum(t.numel() * t.element_size() for t in extra)
-    assert ours_bytes == x.numel() + 4 + (math.ceil(n_out / 8) if case.relu else 0)
+    assert ours_bytes == x.numel() + 4 * out_channels + 4 + (math.ceil(n_out / 8) if case.relu else 0)
     # The twin keeps the float input (4 B/element) and, with ReLU, the float output (4 B).
     twin_kept = [t for t in _saved(lambda: twin(x)) if t.data_ptr() != twin.weight.data_ptr()]
     assert sum(t.numel() * t.element_size() for t in twin_kept) == 4 * x.numel() + (4 * n_out if case.relu else 0)

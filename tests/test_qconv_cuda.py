@@ -23,7 +23,7 @@ from tvm_qconv.nn import tvm_kernels
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
 KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
-         "quantize_grad", "scale_sums", "max_pool", "max_pool_grad"}  # all kinds
+         "quantize_grad", "scale_sums", "flip_transpose", "max_pool", "max_pool_grad"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -176,7 +176,7 @@ def test_kernels_run_on_torchs_current_stream():
 # NHWC32 accumulators dequantized by TVM); int8 ones at batch 16: dx and dw are int8 convs on the
 # forward's kernels too, so no float gradient kernel runs
 @pytest.mark.parametrize("grads, batch, kinds", [
-    ("float32", 8, KINDS - {"grad_stats", "quantize_grad", "scale_sums"}),
+    ("float32", 8, KINDS - {"grad_stats", "quantize_grad", "scale_sums", "flip_transpose"}),
     ("int8", 16, KINDS - {"grad_input", "grad_weight", "mask"})])
 def test_a_training_step_runs_tvm_kernels_and_no_torch_conv(grads, batch, kinds):
     torch.manual_seed(0)
@@ -403,6 +403,17 @@ def test_cuda_sums_scaling_kernel_gives_torchs_bits(weight_shape):
     ours = tvm_kernels.scale_sums(base.to(CUDA).permute(3, 0, 1, 2), scale.to(CUDA))
     assert {k for k, _ in tvm_kernels.CALLS} == {"scale_sums"}
     assert torch.equal(ours.cpu(), functional.scale_sums_torch(base.permute(3, 0, 1, 2), scale))
+
+
+@pytest.mark.parametrize("weight_shape", [(256, 512, 3, 3), (4096, 25088, 1, 1), (64, 32, 7, 7)],
+                         ids=["conv", "vgg16_fc6", "7x7"])
+def test_cuda_dx_weight_flip_and_transpose_kernel_gives_torchs(weight_shape):
+    # dx's flipped, transposed int8 weight: the shared-memory transpose (elementwise.flip_transpose;
+    # VGG16's first linear layer a 100 MB transpose) against torch's flip of the transposed view
+    w_q = torch.randint(-127, 128, weight_shape, generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    ours = tvm_kernels.flip_transpose(w_q.to(CUDA), 1)
+    assert {k for k, _ in tvm_kernels.CALLS} == {"flip_transpose"}
+    assert torch.equal(ours.cpu(), functional.flipped_transposed_torch(w_q, 1))
 
 
 @pytest.mark.parametrize("shape, transpose", [((32, 64, 56, 56), False), ((128, 256, 14, 14), False),

@@ -34,6 +34,9 @@ kind               what
 ``scale_sums``     the int8 weight gradient's int32 sums ``[C * KH * KW, O]`` (the tensor cores' order)
                    -> float32 OIHW ``dw = float(sum) * scale[o]`` (``shape`` = OIHW): torch's
                    ``int32 * float32`` bits, a transpose through shared memory
+``flip_transpose`` the int8 weight OIHW ``[O, C, KH, KW]`` -> ``[C, KH, KW, O]``, both taps flipped: the
+                   weight of the conv that computes ``dx`` (``functional.flipped_transposed_torch``)
+                   in the layout the tensor-core pack reads without a copy
 ``bn_stats``       ``BatchNormReLU``'s forward statistics: float32 NCHW ``y`` -> per channel, partial over
                    ``[P, T]`` as ``grad_stats``: ``sum y`` and ``sum y * y`` (float64)
 ``bn_relu``        its forward after them: ``relu((y - mean[c]) * scale[c] + beta[c] [+ addend])``, its
@@ -67,7 +70,8 @@ pixels (coalesced NCHW stores); ``mask`` 8 elements (a byte of bits); ``max_pool
 columns (two windows); ``pack`` a 32-channel x 128-pixel tile through shared memory
 (``pack_nhwc32``: each warp load 128 bytes of a channel, each pair of 16-byte stores a whole
 sector); ``grad_stats`` 4 pixels a load from a flat ``g``, 4 loads in flight; ``scale_sums`` a
-32 x 32 transpose through shared memory.  Written kernels where a range comes along
+32 x 32 transpose through shared memory; ``flip_transpose`` 32 x 32 channel pairs (all taps) through
+shared memory.  Written kernels where a range comes along
 (``dequantize`` with ``amax``: ``dequantize_amax``; ``relu``, and ``relu_bits`` with ``amax``:
 ``relu_bits_amax``).  Every staged path takes a thread count dividing its items
 (``block_threads``) or the plain one: a register stage's store loses the grid tail's guard in TVM
@@ -89,7 +93,7 @@ from . import dequantize_amax, pack_nhwc32, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
-         "max_pool_grad", "scale_sums", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad")
+         "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad")
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -594,6 +598,55 @@ def _schedule_scale_sums(sch) -> None:
     sch.bind(tx, "threadIdx.x")
 
 
+def flip_transpose(wl: ElementwiseWorkload) -> tirx.PrimFunc:
+    """``(src, out)``: int8 OIHW ``[O, C, KH, KW]`` -> ``[C, KH, KW, O]``,
+    ``out[c, y, x, o] = src[o, c, KH - 1 - y, KW - 1 - x]`` (one group)."""
+    o, c, kh, kw = wl.shape
+    src = te.placeholder(wl.shape, "int8", name="src")
+    out = te.compute((c, kh, kw, o), lambda i, y, x, j: src[j, i, kh - 1 - y, kw - 1 - x], name="flip_transpose")
+    return te.create_prim_func([src, out]).with_attr({"tvm_qconv.kernel": "train_flip_transpose",
+                                                      "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def flip_transpose_tile(shape) -> int:
+    """Channels of each side a ``flip_transpose`` block takes on CUDA: 32 x 32 channel pairs with
+    all their taps in shared memory (9 KB at 3 x 3), 16 x 16 above 16 taps (7 x 7: 12 KB)."""
+    return 32 if shape[2] * shape[3] <= 16 else 16
+
+
+def flip_transpose_tiles(shape) -> bool:
+    """:func:`flip_transpose` on CUDA takes whole tiles only: ``O`` and ``C`` multiples of
+    :func:`flip_transpose_tile` (VGG16's and ResNet-50's weights but the first conv's and the
+    1000-class layer's)."""
+    t = flip_transpose_tile(shape)
+    return shape[0] % t == 0 and shape[1] % t == 0
+
+
+def _schedule_flip_transpose(sch, shape) -> None:
+    """A block per tile of ``T x T`` (output, input) channels: the source's ``T`` rows of
+    ``T * KH * KW`` contiguous bytes read into shared memory, the output's ``T * KH * KW`` rows of
+    ``T`` bytes (a sector at ``T = 32``) written from it; the shared rows padded by 4 bytes (an odd
+    word stride: the transposed byte reads on distinct banks).  torch's ``flip`` and the strided
+    copy that packs its result read a byte a sector across the weight: VGG16's 4096 x 25088
+    linear layer alone is a 100 MB transpose a step."""
+    t = flip_transpose_tile(shape)
+    taps = shape[2] * shape[3]
+    block = sch.get_sblock("flip_transpose")
+    c, y, x, o = sch.get_loops(block)
+    c0, c1 = sch.split(c, [None, t])
+    o0, o1 = sch.split(o, [None, t])
+    sch.reorder(c0, o0, c1, y, x, o1)
+    bx = sch.fuse(c0, o0)
+    sch.bind(bx, "blockIdx.x")
+    shared = sch.cache_read(block, "src", "shared")
+    sch.compute_at(shared, bx)
+    sch.storage_align(shared, 0, axis=0, factor=t * taps, offset=4)
+    _, tx = sch.split(sch.fuse(*sch.get_loops(shared)[1:]), [None, THREADS])    # [0]: the block's
+    sch.bind(tx, "threadIdx.x")
+    _, tx = sch.split(sch.fuse(c1, y, x, o1), [None, THREADS])
+    sch.bind(tx, "threadIdx.x")
+
+
 POOL = 2    # max_pool's window and stride
 
 
@@ -673,7 +726,7 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
         return rounded[wl.kind](wl, rn=rn)
     return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
             "max_pool": max_pool, "max_pool_grad": max_pool_grad, "bn_grad_sums": bn_grad_sums,
-            "bn_stats": bn_stats}[wl.kind](wl)
+            "bn_stats": bn_stats, "flip_transpose": flip_transpose}[wl.kind](wl)
 
 
 def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool = True) -> tirx.PrimFunc:
@@ -689,6 +742,12 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
         if not scale_sums_tiles(wl.shape):
             raise ValueError(f"scale_sums takes whole {SCALE_TILE} x {SCALE_TILE} tiles (scale_sums_tiles): {wl}")
         _schedule_scale_sums(sch)
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    if wl.kind == "flip_transpose":
+        if not flip_transpose_tiles(wl.shape):
+            raise ValueError(f"flip_transpose takes whole {flip_transpose_tile(wl.shape)}-channel tiles "
+                             f"(flip_transpose_tiles): {wl}")
+        _schedule_flip_transpose(sch, wl.shape)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     # quantize_grad's two outputs are two blocks in one loop nest (the loops below are shared)
     two = (wl.dx and wl.dw) or wl.kind == "max_pool" or (wl.kind == "bn_grad" and wl.addend)

@@ -25,12 +25,13 @@ mask packed the same way (1/8 byte per input element).  Nothing in forward or ba
 value back to the host, so a training step can be captured in a CUDA graph.  The float twin
 (``nn.Conv2d`` + ReLU) keeps the float input and the float output: 4 + 4 bytes per element.
 
-The int8 weight and its scales are *not* kept: backward re-quantizes the float weight, which
-autograd keeps by reference (the parameter, 0 extra bytes; its version counter guarantees it
-is unchanged), and the result is bit-identical to the forward's.  An int8 copy would cost
-1 byte per weight for nothing: in VGG16 at 224x224, batch 2, that is 132 MiB (the classifier has
-123 M weights); with it the quantized model kept 223 MiB for backward against the float twin's
-140 MiB, without it 91 MiB.  Re-quantizing costs one elementwise pass over the weights per backward.
+The int8 weight is *not* kept, only its per-channel scales (4 bytes an output channel): backward
+re-quantizes the float weight, which autograd keeps by reference (the parameter, 0 extra bytes;
+its version counter guarantees it is unchanged), with those scales, and the result is
+bit-identical to the forward's.  An int8 copy would cost 1 byte per weight: in VGG16 at 224x224,
+batch 2, that is 132 MiB (the classifier has 123 M weights); with it the quantized model kept
+223 MiB for backward against the float twin's 140 MiB, without it 91 MiB.  Re-quantizing costs
+one elementwise pass over the weights per backward (the scales' reduction is not repeated).
 
 Where kernels plug in
 ---------------------
@@ -468,11 +469,19 @@ def scale_sums_torch(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.mul(sums, scale.view(-1, 1, 1, 1), out=dw)
 
 
+def flipped_transposed_torch(w_q: torch.Tensor, groups: int) -> torch.Tensor:
+    """OIHW ``[O, C/G, KH, KW]`` -> ``[C, O/G, KH, KW]`` flipped in both taps, per group: the
+    weights of the conv that computes ``dx`` (any strides)."""
+    o, cg, kh, kw = w_q.shape
+    w_t = w_q.view(groups, o // groups, cg, kh, kw).transpose(1, 2).reshape(groups * cg, o // groups, kh, kw)
+    return w_t.flip(2, 3)
+
+
 TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
     "relu_bits": relu_bits_torch, "relu_with_bits": relu_with_bits_torch, "mask": mask_torch,
     "grad_stats": grad_stats_torch,
-    "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch}
+    "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch, "flip_transpose": flipped_transposed_torch}
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
 
@@ -487,11 +496,12 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = 
     return _elementwise(x.device.type, "quantize")(x, scale, mult)
 
 
-def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_weight(w: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_weight`, its rounding through the device's quantizing kernel (the output
     channels as the channel axis of a ``[1, O, I, KH*KW]`` view): the same bits in 4 launches
-    instead of 9, twice a layer a step."""
-    scales = weight_scales(w)
+    instead of 9, twice a layer a step.  ``scales``: :func:`weight_scales` of this very ``w``,
+    computed before (backward passes the forward's: no second reduction over the weight)."""
+    scales = weight_scales(w) if scales is None else scales
     q = _quantize(w.detach().to(torch.float32).reshape(1, w.shape[0], w.shape[1], -1), scales)   # a 4-d view
     return q.view(w.shape), scales
 
@@ -599,11 +609,10 @@ def _spread(g: torch.Tensor, stride) -> torch.Tensor:
 
 
 def _flipped_transposed(w_q: torch.Tensor, groups: int) -> torch.Tensor:
-    """OIHW ``[O, C/G, KH, KW]`` -> ``[C, O/G, KH, KW]`` flipped in both taps, per group: the
-    weights of the conv that computes ``dx``."""
-    o, cg, kh, kw = w_q.shape
-    w_t = w_q.view(groups, o // groups, cg, kh, kw).transpose(1, 2).reshape(groups * cg, o // groups, kh, kw)
-    return w_t.flip(2, 3)
+    """The dispatch point of :func:`flipped_transposed_torch` (on CUDA one transposing kernel,
+    ``elementwise.flip_transpose``, where torch's flip and the packing copy after it read a byte a
+    sector)."""
+    return _elementwise(w_q.device.type, "flip_transpose")(w_q, groups)
 
 
 def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -721,7 +730,7 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
     # layer, and a training step with one cannot be captured in a CUDA graph.
     clip_bits = pack_bits(x.abs() <= amax) if keep_clip_mask else empty
     # The float weight, not w_q: see "ctx keeps" in the module docstring.
-    return y.to(x.dtype), (x_q, weight, x_scale, relu_bits, clip_bits)
+    return y.to(x.dtype), (x_q, weight, x_scale, w_scale, relu_bits, clip_bits)
 
 
 class QuantizedConv2dFunction(torch.autograd.Function):
@@ -747,7 +756,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_q, weight, x_scale, relu_bits, clip_bits = ctx.saved_tensors
+        x_q, weight, x_scale, w_scale_fw, relu_bits, clip_bits = ctx.saved_tensors
         stride, padding, dilation, groups, relu = ctx.conf
         x_shape, w_shape, y_shape = ctx.shapes
         x_dtype, w_dtype, b_dtype = ctx.dtypes
@@ -758,7 +767,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         int8_dw = ctx.needs_input_grad[1] and ctx.weight_grad == "int8"
         w_q = w_scale = g_sum = None
         if ctx.needs_input_grad[0]:
-            w_q, w_scale = _quantize_weight(weight)  # bit-identical to the forward's
+            w_q, w_scale = _quantize_weight(weight, w_scale_fw)  # bit-identical to the forward's
         if int8_dx or int8_dw:
             # one pass for max|g| per channel (both int8 operands' ranges) and the bias gradient,
             # one for both int8 operands

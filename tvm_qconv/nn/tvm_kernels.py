@@ -88,9 +88,9 @@ from ..schedules.tensorcore.mma import InvalidDecisions
 from ..schedules.wgmma import tensormap as _tensormap  # noqa: F401  (the TMA encoder a tabled wgmma conv calls)
 from . import conv_tiles
 from . import max_pool as max_pool2x2
-from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, grad_stats_torch, int8_conv_dequantized_torch,
-                         known_amax, mask_torch, note_amax, quantize_grad_torch, quantize_torch,
-                         register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch,
+from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, flipped_transposed_torch, grad_stats_torch,
+                         int8_conv_dequantized_torch, known_amax, mask_torch, note_amax, quantize_grad_torch,
+                         quantize_torch, register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch,
                          relu_with_bits_torch, scale_sums_torch)
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
@@ -789,6 +789,20 @@ def max_pool_grad(g: torch.Tensor, index: torch.Tensor, input_shape) -> torch.Te
     return dx
 
 
+def flip_transpose(w_q: torch.Tensor, groups: int) -> torch.Tensor:
+    """``functional.flipped_transposed_torch`` in one kernel (``elementwise.flip_transpose``) where
+    there is one group and the shape takes whole tiles (``elementwise.flip_transpose_tiles``);
+    torch otherwise.  The ``[C, O, KH, KW]`` result is a view of the kernel's ``[C, KH, KW, O]``:
+    the layout ``_pack_weight_nhwc32`` reads as it is (no copy where the channels are whole 32s)."""
+    if groups != 1 or w_q.dtype != torch.int8 or not elementwise.flip_transpose_tiles(tuple(w_q.shape)):
+        return flipped_transposed_torch(w_q, groups)
+    o, c, kh, kw = w_q.shape
+    out = torch.empty((c, kh, kw, o), dtype=torch.int8, device=w_q.device)
+    _call("flip_transpose", elementwise.ElementwiseWorkload("flip_transpose", tuple(w_q.shape)), w_q.device,
+          _ready(w_q), out)
+    return out.permute(0, 3, 1, 2)
+
+
 def scale_sums(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``functional.scale_sums_torch`` in one kernel (``elementwise.scale_sums``) where ``sums`` is
     :func:`int8_weight_grad`'s int32 OIHW view of a contiguous ``[C, KH, KW, O]`` and the shape
@@ -864,6 +878,7 @@ def register(device_type: str = "cuda") -> None:
                                         "grad_stats": grad_stats,
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
                                         "max_pool_grad": max_pool_grad, "scale_sums": scale_sums,
+                                        "flip_transpose": flip_transpose,
                                         "bn_stats": bn_stats, "bn_relu": bn_relu,
                                         "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad}
 
