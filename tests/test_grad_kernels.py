@@ -249,7 +249,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("bn_grad_sums", (3, 5, 6, 6), {}),                   # BatchNormReLU's backward: 4 pixels of g and y a load
     ("bn_grad_sums", (2, 3, 7, 7), {}),                   # an element a load
     ("bn_grad", (2, 3, 5, 7), {}),
-    ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient
+    ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient: 8 elements a thread
+    ("bn_grad", (2, 3, 4, 8), {}),                        # 8 elements a thread, 24 threads
+    ("bn_grad", (8, 3, 7, 7), {"addend": True}),          # 49 pixels: a thread's 8 elements span two channels
     ("scale_sums", (32, 32, 3, 3), {}),
     ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
     ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose

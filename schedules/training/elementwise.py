@@ -503,21 +503,24 @@ def bn_grad_sums(wl: ElementwiseWorkload) -> tirx.PrimFunc:
 def bn_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """``(g, bits, y, mean, a, b, c, dy[, dz])``: float32 NCHW ``dz = g`` masked by ``bits`` and
     ``dy = ((dz * a) + ((y - mean) * b)) + c`` per channel, each float32 operation rounded on its
-    own in that order (``batch_norm.grad_apply``'s bits); ``dz`` out with ``addend``."""
+    own in that order (``batch_norm.grad_apply``'s bits); ``dz`` out with ``addend``.  The tensors
+    flat (``[N * C * H * W]``; the channel of element ``k`` is ``k // (H * W) % C``), as ``mask``'s:
+    a CUDA thread takes a byte of bits, 8 elements (:func:`schedule_cuda`)."""
     n, c, h, w = wl.shape
-    g = te.placeholder(wl.shape, "float32", name="g")
-    bits = te.placeholder(((n * c * h * w + 7) // 8,), "uint8", name="bits")
-    y = te.placeholder(wl.shape, "float32", name="y")
+    numel = _numel(wl)
+    g = te.placeholder((numel,), "float32", name="g")
+    bits = te.placeholder(((numel + 7) // 8,), "uint8", name="bits")
+    y = te.placeholder((numel,), "float32", name="y")
     mean, a, b, cc = (te.placeholder((c,), "float32", name=nm) for nm in ("mean", "a", "b", "c"))
 
-    def element(i, ch, yy, xx):
-        flat = ((i * c + ch) * h + yy) * w + xx
-        dz = tirx.if_then_else(_bit(bits, flat), g[i, ch, yy, xx], tirx.const(0.0, "float32"))
-        t = _exact("*", _exact("-", y[i, ch, yy, xx], mean[ch], rn), b[ch], rn)
+    def element(k):
+        ch = k // (h * w) % c
+        dz = tirx.if_then_else(_bit(bits, k), g[k], tirx.const(0.0, "float32"))
+        t = _exact("*", _exact("-", y[k], mean[ch], rn), b[ch], rn)
         dy = _exact("+", _exact("+", _exact("*", dz, a[ch], rn), t, rn), cc[ch], rn)
         return (dy, dz) if wl.addend else dy
 
-    outs = te.compute(wl.shape, element, name="bn_grad")
+    outs = te.compute((numel,), element, name="bn_grad")
     outs = list(outs) if wl.addend else [outs]
     return te.create_prim_func([g, bits, y, mean, a, b, cc] + outs).with_attr(
         {"tvm_qconv.kernel": "train_bn_grad", "tvm_qconv.workload": str(wl.to_dict())})
@@ -778,29 +781,33 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
     # guard in TVM 0.27 and would write past the output (elementwise_int8.block_threads; the CPU
     # twin test of these schedules caught it).  Without one they take the plain path.
     staged = {"mask": _numel(wl) // 8 if _numel(wl) % 8 == 0 else 0,
+              "bn_grad": _numel(wl) // 8 if _numel(wl) % 8 == 0 else 0,
               "max_pool_grad": (n * c * (h // POOL) * (w // (2 * POOL if w % (2 * POOL) == 0 else POOL))
                                 if h % POOL == 0 and w % POOL == 0 else 0),
               "quantize": n * c * h * (w // VEC) if w % VEC == 0 else 0,
               "dequantize": n * (c // _dequantize_vector(c, wl.layout)) * h * w if wl.layout != "nchw" and c % VEC == 0 else 0}
     staged["quantize_grad"] = staged["quantize"]
     threads = block_threads(staged[wl.kind]) if staged.get(wl.kind) else None
-    if wl.kind == "mask" and threads:
-        # a thread per byte of bits: 8 elements, two 16-byte loads and stores (a thread per element
-        # had ResNet-50 b128's 49 masks at ~40 % of the bandwidth: 5.7 ms of the step)
+    if wl.kind in ("mask", "bn_grad") and threads:
+        # a thread per byte of bits: 8 elements, two 16-byte loads of each input and stores of each
+        # output (a thread per element had ResNet-50 b128's 49 masks at ~40 % of the bandwidth:
+        # 5.7 ms of the step; bn_grad at 62 %: 6.7 ms)
         outer, pair, lane = sch.split(sch.get_loops(block)[0], [None, 2, VEC])
         bx, tx = sch.split(outer, [None, threads])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
-        load = sch.cache_read(block, "g", "local")
-        sch.compute_at(load, tx)
-        _unroll_pairs_of_vectors(sch, load)
-        store = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(store, tx)
-        _unroll_pairs_of_vectors(sch, store)
+        for name in ("g", "y") if wl.kind == "bn_grad" else ("g",):
+            load = sch.cache_read(block, name, "local")
+            sch.compute_at(load, tx)
+            _unroll_pairs_of_vectors(sch, load)
+        stores = [sch.cache_write(b_, 0, "local") for b_ in blocks]
+        for store in reversed(stores):
+            sch.reverse_compute_at(store, tx)
+            _unroll_pairs_of_vectors(sch, store)
         sch.unroll(pair)
         sch.unroll(lane)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
-    if wl.kind in ("relu_bits", "mask"):     # flat: one element (one byte of bits) per thread
+    if wl.kind in ("relu_bits", "mask", "bn_grad"):     # flat: one element (one byte of bits) per thread
         bx, tx = sch.split(sch.get_loops(block)[0], [None, THREADS])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")

@@ -748,7 +748,8 @@ def bn_grad(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Te
     wl = elementwise.ElementwiseWorkload("bn_grad", tuple(g.shape), addend=want_dz)
     outs = [torch.empty(g.shape, dtype=torch.float32, device=g.device) for _ in range(1 + want_dz)]
     coeffs = [t.to(torch.float32).contiguous() for t in (mean, a, b, c)]
-    _call("bn_grad", wl, g.device, g, bits, y, *coeffs, *outs, outputs=len(outs))
+    _call("bn_grad", wl, g.device, _ready(g).view(-1), bits, _ready(y).view(-1), *coeffs,
+          *[o.view(-1) for o in outs], outputs=len(outs))     # flat, as the kernel takes them
     return outs[0], (outs[1] if want_dz else None)
 
 
