@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 
 from tvm_qconv.nn import (CompactReLU, QuantizedConv2d, QuantizedLinear, TorchConv2d, TorchLinear,
@@ -97,15 +98,26 @@ def _fused_blocks() -> dict[type, tuple[type, tuple[str, ...]]]:
 
     class FusedBottleneck(Bottleneck):
         def forward(self, x):       # the downsampling last, as torchvision's: its output lives shortest
-            out = self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x)))))
+            h, x = _first_conv(self.conv1, x)
+            out = self.conv3(self.bn2(self.conv2(self.bn1(h))))
             return self.bn3(out, x if self.downsample is None else self.downsample(x))
 
     class FusedBasicBlock(BasicBlock):
         def forward(self, x):
-            out = self.conv2(self.bn1(self.conv1(x)))
+            h, x = _first_conv(self.conv1, x)
+            out = self.conv2(self.bn1(h))
             return self.bn2(out, x if self.downsample is None else self.downsample(x))
 
     return {Bottleneck: (FusedBottleneck, ("bn1", "bn2", "bn3")), BasicBlock: (FusedBasicBlock, ("bn1", "bn2"))}
+
+
+def _first_conv(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's first conv and its input for the identity: an int8 conv hands ``x`` through
+    (``passthrough``), so the identity's gradient joins the conv's input gradient in one kernel
+    instead of autograd's add of the two."""
+    if isinstance(conv, QuantizedConv2d):
+        return conv(x, passthrough=True)
+    return conv(x), x
 
 
 def _batch_norm_relu_like(bn: nn.BatchNorm2d) -> BatchNormReLU:

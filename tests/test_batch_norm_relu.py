@@ -128,6 +128,26 @@ def test_the_int8_resnet50_trains_with_the_fused_op():
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_a_fused_blocks_identity_gradient_joins_its_first_convs_with_autograds_bits(monkeypatch):
+    # the fused blocks take the identity from their first int8 conv (passthrough): its gradient is
+    # added to that conv's input gradient inside backward; every gradient has the bits it has when
+    # autograd adds the two (the first conv called plainly)
+    from tvm_qconv.models import quantized_resnet
+    torch.manual_seed(0)
+    model = quantized_resnet.quantized_resnet50(num_classes=10, input_grad="int8", weight_grad="int8",
+                                                fuse_bn_relu=True)
+    x0 = torch.randn(2, 3, 64, 64)
+    results = []
+    for plain in (False, True):
+        if plain:
+            monkeypatch.setattr(quantized_resnet, "_first_conv", lambda conv, x: (conv(x), x))
+        m = copy.deepcopy(model)
+        x = x0.clone().requires_grad_()
+        nn.functional.cross_entropy(m(x), torch.tensor([1, 2])).backward()
+        results.append([x.grad] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["bn_relu", "bn_add_relu"])
 def test_the_backward_kernels_give_the_definitions_gradients(residual, tmp_path, monkeypatch):
     # tvm_kernels' four kernels (llvm builds of elementwise.bn_stats, bn_relu, bn_grad_sums,

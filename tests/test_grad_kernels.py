@@ -240,6 +240,7 @@ ELEMENTWISE_TWIN_CASES = [
                                    "amax": True}),   # and the range of each 8 (dequantize_amax)
     ("dequantize", (3, 8, 7, 9), {"layout": "nhwc32", "amax": True}),   # no ReLU: |negative| counts
     ("dequantize", (2, 12, 3, 5), {"layout": "nchw4c", "per_channel": True}),
+    ("dequantize", (2, 40, 3, 5), {"layout": "nhwc32", "addend": True}),   # dx with a passthrough's gradient
     ("scale_sums", (64, 32, 1, 1), {}),                  # a linear layer's: 2 x 1 tiles of 32 x 32
     ("bn_stats", (3, 5, 6, 6), {}),                       # BatchNormReLU's statistics: 4 pixels a load
     ("bn_stats", (2, 3, 7, 7), {}),
@@ -861,6 +862,46 @@ def test_dx_weight_flip_and_transpose_kernel_gives_torchs_and_packs_without_a_co
         packed = tvm_kernels._pack_weight_nhwc32(ours)
         assert packed.data_ptr() == ours.data_ptr()      # no copy
         assert torch.equal(packed, tvm_kernels._pack_weight_nhwc32(functional.flipped_transposed_torch(w_q, 1)))
+
+
+@pytest.mark.parametrize("kernel", [(3, 3), (1, 1)], ids=["3x3", "1x1"])
+def test_the_int8_input_gradient_packs_its_flipped_weight_without_a_copy_and_notes_no_range(tensor_cores_on_llvm,
+                                                                                          monkeypatch, kernel):
+    # dx as the tensor cores run it (on llvm): the flipped, transposed weight reaches the weight
+    # pack as flip_transpose's [C, KH, KW, O] (the pack's own layout: no copy), dx's dequantize
+    # writes no range (nothing reads an input gradient's), and dx has the float reference's bits
+    kinds = tensor_cores_on_llvm
+    packed = []
+    pack = tvm_kernels._pack_weight_nhwc32
+    monkeypatch.setattr(tvm_kernels, "_pack_weight_nhwc32", lambda w: packed.append(w) or pack(w))
+    g = torch.Generator().manual_seed(0)
+    kh, kw = kernel
+    pad = (kh // 2,) * 4
+    g_q = torch.randint(-127, 128, (2, 64, 5, 6), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (64, 32, kh, kw), generator=g, dtype=torch.int8)
+    w_scale, s_g = torch.rand(64, generator=g) * 1e-2, torch.tensor(0.01)
+    dx = functional._conv_input_grad_int8(g_q, s_g, w_q, w_scale, (2, 32, 5, 6), (1, 1), pad, (1, 1), 1)
+    assert [k for k, _ in kinds if k == "flip_transpose"] == ["flip_transpose"]
+    assert packed[-1].shape == (32, 64, kh, kw) and packed[-1].permute(0, 2, 3, 1).is_contiguous()
+    assert [wl.amax for k, wl in kinds if k == "dequantize"] == [False]
+    ref = torch.nn.grad.conv2d_input((2, 32, 5, 6), w_q.double(), g_q.double() * s_g.double(), padding=kh // 2)
+    torch.testing.assert_close(dx.double(), ref, rtol=1e-6, atol=1e-9)   # float32 rounding of exact sums
+
+
+def test_a_passthroughs_gradient_is_added_in_dxs_dequantizing_kernel_with_torchs_bits(tensor_cores_on_llvm):
+    # dx + the identity's gradient (a residual block's, QuantizedConv2dFunction's passthrough) in
+    # dx's one dequantize (addend, no range) on the tensor-core path: the bits of dx, then torch's add
+    kinds = tensor_cores_on_llvm
+    g = torch.Generator().manual_seed(0)
+    g_q = torch.randint(-127, 128, (2, 64, 5, 6), generator=g, dtype=torch.int8)
+    w_q = torch.randint(-127, 128, (64, 32, 1, 1), generator=g, dtype=torch.int8)
+    w_scale, s_g = torch.rand(64, generator=g) * 1e-2, torch.tensor(0.01)
+    addend = torch.randn(2, 32, 5, 6, generator=g)
+    args = (g_q, s_g, w_q, w_scale, (2, 32, 5, 6), (1, 1), (0, 0, 0, 0), (1, 1), 1)
+    joined = functional._conv_input_grad_int8(*args, addend=addend)
+    dequantizes = [wl for k, wl in kinds if k == "dequantize"]
+    assert len(dequantizes) == 1 and dequantizes[0].addend and not dequantizes[0].amax
+    assert torch.equal(joined, functional._conv_input_grad_int8(*args) + addend)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

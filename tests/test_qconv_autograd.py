@@ -739,3 +739,40 @@ def test_twins_without_range_records_are_plain_float_layers(monkeypatch):
     assert not calls and not any(b.any() for b in twin.buffers())    # nothing reduced, nothing recorded
     quantized.train()(x)
     assert len(calls) == 2 and quantized.input_amax > 0 and quantized.output_amax > 0
+
+
+# ----------------------------------------------------------------------------- passthrough
+
+@pytest.mark.parametrize("grads, batch_max", [("int8", True), ("int8", False), ("float32", True)],
+                         ids=["int8", "int8_clip_mask", "float32"])
+def test_passthroughs_gradient_joins_dx_with_autograds_bits(grads, batch_max):
+    # quantized_conv2d(..., passthrough=True) returns (y, x); the gradient reaching that x is added
+    # to dx inside backward (in dx's dequantize where nothing comes between them: int8 dx, no clip
+    # mask), with the same bits as autograd's sum when x feeds the conv and an identity branch
+    case = BASE
+    torch.manual_seed(0)
+    layer, _ = case.layers()
+    w, b = layer.weight.detach(), layer.bias.detach()
+    x0 = _input(case, 0)
+    amax = batch_amax(x0) if batch_max else batch_amax(x0) * 0.5      # the second clips: a clip mask
+    gen = torch.Generator().manual_seed(1)
+    out_shape = quantized_conv2d(x0, w, b, amax, padding=case.padding, relu=case.relu).shape
+    gy, gx = torch.randn(out_shape, generator=gen), torch.randn(x0.shape, generator=gen)
+    kw = dict(padding=case.padding, relu=case.relu, amax_is_batch_max=batch_max, input_grad=grads, weight_grad=grads)
+    grads_of = []
+    for passthrough in (True, False):
+        x = x0.clone().requires_grad_()
+        if passthrough:
+            y, xi = quantized_conv2d(x, w, b, amax, passthrough=True, **kw)
+            assert xi.data_ptr() == x.data_ptr() and torch.equal(xi, x)
+        else:
+            y, xi = quantized_conv2d(x, w, b, amax, **kw), x
+        ((y * gy).sum() + (xi * gx).sum()).backward()
+        grads_of.append((y.detach(), x.grad))
+    assert torch.equal(grads_of[0][0], grads_of[1][0]) and torch.equal(grads_of[0][1], grads_of[1][1])
+
+
+def test_without_a_gradient_passthrough_returns_the_input_itself():
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    y, xi = quantized_conv2d(x, w, None, batch_amax(x), padding=1, passthrough=True)
+    assert xi is x and y.shape == (2, 4, 8, 8)

@@ -601,3 +601,24 @@ def test_a_dw_run_at_its_measured_split_count_on_wgmma_gives_the_same_weight_gra
     finally:
         tvm_kernels._measured_splits.cache_clear()
     assert default.abs().sum() > 0 and torch.equal(chosen, default)
+
+
+def test_cuda_passthroughs_gradient_joins_dx_in_its_dequantize_with_autograds_bits():
+    # a residual block's identity taken from its first conv (passthrough): on the tensor cores the
+    # identity's gradient is added in dx's dequantizing kernel (addend), with the bits of dx + it
+    from tvm_qconv.nn import quantized_conv2d
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(16, 64, 14, 14, generator=g).to(CUDA)
+    w = (torch.randn(128, 64, 1, 1, generator=g) * 0.1).to(CUDA)
+    gy, gx = torch.randn(16, 128, 14, 14, generator=g).to(CUDA), torch.randn(x0.shape, generator=g).to(CUDA)
+    kw = dict(amax_is_batch_max=True, input_grad="int8", weight_grad="int8")
+    grads = []
+    for passthrough in (True, False):
+        tvm_kernels.CALLS.clear()
+        x = x0.clone().requires_grad_()
+        y, xi = (quantized_conv2d(x, w, None, batch_amax(x), passthrough=True, **kw) if passthrough
+                 else (quantized_conv2d(x, w, None, batch_amax(x), **kw), x))
+        ((y * gy).sum() + (xi * gx).sum()).backward()
+        grads.append(x.grad)
+        assert any("addend" in d for k, d in tvm_kernels.CALLS if k == "dequantize") == passthrough
+    assert torch.equal(grads[0], grads[1])

@@ -14,7 +14,8 @@ kind               what
                    ``s`` one scale or one per channel (``c``, axis 1)
 ``dequantize``     int32 accumulators (NHWC32 ``[N, H, W, C_p]``, the tensor cores' output; NCHW4c
                    ``[N, ceil(C / 4), H, W, 4]``, dp4a's; or NCHW)
-                   -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU
+                   -> float32 NCHW ``acc * s [+ bias[c]]``, ``s`` one or per channel, optional ReLU,
+                   optionally ``+ addend`` (float32 NCHW) last
 ``relu_bits``      float32 ``y`` -> uint8 ``[ceil(numel / 8)]``: bit ``i`` of byte ``j`` is
                    ``y[8j + i] > 0`` (``functional.pack_bits(y > 0)``: the ReLU mask backward keeps)
 ``relu``           float32 ``x`` -> ``y = relu(x)``, its ``relu_bits`` and its range (``CompactReLU``)
@@ -117,7 +118,8 @@ class ElementwiseWorkload:
         pad_rows: (pack, transposed) the rows ``C`` padded to 32 too (zeros).
         dx: (quantize_grad) the per-tensor quantization for the input gradient (``mult``, one scale).
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
-        addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient.
+        addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient;
+            (dequantize) a float32 NCHW tensor added last (a passthrough's gradient joining dx).
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -248,12 +250,17 @@ def quantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
 
 
 def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
-    """``(acc, scale[, bias], out)``: int32 accumulators -> float32 NCHW."""
+    """``(acc, scale[, bias][, addend], out)``: int32 accumulators -> float32 NCHW
+    ``[relu](acc * scale [+ bias]) [+ addend]`` (``addend`` float32 NCHW: a gradient that joins the
+    conv's input gradient here, ``QuantizedConv2dFunction``'s passthrough)."""
     n, c, h, w = wl.shape
     packed = {"nhwc32": (n, h, w, ceil32(c)), "nchw4c": (n, (c + 3) // 4, h, w, 4), "nchw": wl.shape}[wl.layout]
     acc = te.placeholder(packed, "int32", name="acc")
     s = te.placeholder((c if wl.per_channel else 1,), "float32", name="scale")
     bias = te.placeholder((c,), "float32", name="bias") if wl.bias else None
+    addend = te.placeholder(wl.shape, "float32", name="addend") if wl.addend else None
+    if wl.addend and wl.amax:
+        raise ValueError(f"dequantize writes a range or adds an addend, not both: {wl}")
 
     def element(b, ch, y, xx):
         a = {"nhwc32": lambda: acc[b, y, xx, ch], "nchw4c": lambda: acc[b, ch // 4, y, xx, ch % 4],
@@ -261,10 +268,11 @@ def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
         v = _exact("*", a.astype("float32"), s[ch if wl.per_channel else 0], rn)
         if bias is not None:
             v = _exact("+", v, bias[ch], rn)
-        return tirx.max(v, tirx.const(0.0, "float32")) if wl.relu else v
+        v = tirx.max(v, tirx.const(0.0, "float32")) if wl.relu else v
+        return _exact("+", v, addend[b, ch, y, xx], rn) if addend is not None else v
 
     out = te.compute(wl.shape, element, name="dequantize")
-    params = [acc, s] + ([bias] if bias is not None else []) + [out]
+    params = [acc, s] + ([bias] if bias is not None else []) + ([addend] if addend is not None else []) + [out]
     if wl.amax:     # max |out| over each 8 channels of a pixel, as bits (dequantize_amax)
         k = dequantize_amax.CHANNELS
         lane = te.reduce_axis((0, k), name="lane")

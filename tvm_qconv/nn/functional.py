@@ -50,9 +50,10 @@ The autograd code calls three functions and never a kernel directly:
   the default (:func:`conv_input_grad_torch`, :func:`conv_weight_grad_torch`) is PyTorch's own
   conv gradients on the dequantized tensors (float32), device-generic.
 * :func:`_quantize` ``(x, scale, mult)``, :func:`_int8_conv_dequantized` ``(x_q, w_q, ...,
-  scale, bias, relu)``, :func:`_relu_bits` ``(y)``, :func:`_mask` ``(g, bits)``,
+  scale, bias, relu, note_range)``, :func:`_relu_bits` ``(y)``, :func:`_mask` ``(g, bits)``,
   :func:`_grad_stats` ``(g, bits)`` (both int8 gradients' ranges and the bias gradient in one
-  pass) and :func:`_quantize_grad` (both int8 operands in one pass): the
+  pass), :func:`_quantize_grad` (both int8 operands in one pass) and :func:`_flipped_transposed`
+  ``(w_q, groups)`` (dx's weight): the
   elementwise work around the int8 convs, through ``ELEMENTWISE_KERNELS[device][name]``; the
   defaults (``TORCH_ELEMENTWISE``) are torch operations, which the CUDA kernels (one pass each)
   reproduce bit for bit.
@@ -406,9 +407,13 @@ def _int8_conv_forward(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, 
 
 def int8_conv_dequantized_torch(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding: Padding4, dilation,
                                 groups: int, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                                relu: bool = False) -> torch.Tensor:
-    """float32 NCHW ``[relu](int8_conv(x_q, w_q) * scale [+ bias[o]])``, by torch around the
-    registered int8 conv: ``scale`` 0-d or ``(O,)``, ``bias`` None or float32 ``(O,)``."""
+                                relu: bool = False, note_range: bool = True,
+                                addend: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 NCHW ``[relu](int8_conv(x_q, w_q) * scale [+ bias[o]]) [+ addend]``, by torch around
+    the registered int8 conv: ``scale`` 0-d or ``(O,)``, ``bias`` None or float32 ``(O,)``,
+    ``addend`` None or float32 of the output's shape (a gradient joining dx: one rounding, as
+    autograd's sum of the two).  ``note_range``: a kernel that can write the output's range may
+    (here nothing does)."""
     acc = _int8_conv_forward(x_q, w_q, stride, padding, dilation, groups)
     # copy_ converts int32 -> float32 and the kernel's layout -> contiguous NCHW in one pass; the
     # scale is applied in place: one float temporary fewer per layer.
@@ -417,7 +422,9 @@ def int8_conv_dequantized_torch(x_q: torch.Tensor, w_q: torch.Tensor, stride, pa
     y.mul_(scale.view(1, -1, 1, 1) if scale.dim() else scale)
     if bias is not None:
         y += bias.view(1, -1, 1, 1)
-    return torch.relu_(y) if relu else y
+    if relu:
+        torch.relu_(y)
+    return y if addend is None else y.add_(addend)
 
 
 def relu_bits_torch(y: torch.Tensor) -> torch.Tensor:
@@ -507,10 +514,16 @@ def _quantize_weight(w: torch.Tensor, scales: torch.Tensor | None = None) -> tup
 
 
 def _int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding: Padding4, dilation, groups: int,
-                           scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
-    """The dispatch point of :func:`int8_conv_dequantized_torch`."""
-    return _elementwise(x_q.device.type, "int8_conv_dequantized")(
-        x_q.contiguous(), w_q.contiguous(), tuple(stride), tuple(padding), tuple(dilation), groups, scale, bias, relu)
+                           scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False,
+                           note_range: bool = True, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatch point of :func:`int8_conv_dequantized_torch`.  ``w_q`` keeps its strides: the
+    kernels pack it from any (dx's flipped weight is a ``[C, KH, KW, O]`` tensor seen as OIHW,
+    which the tensor cores' pack reads as it is).  ``note_range=False`` where nothing reads the
+    output's range (an input gradient)."""
+    kernel = _elementwise(x_q.device.type, "int8_conv_dequantized")
+    args = (x_q.contiguous(), w_q, tuple(stride), tuple(padding), tuple(dilation), groups, scale, bias, relu,
+            note_range)
+    return kernel(*args) if addend is None else kernel(*args, addend.to(torch.float32).contiguous())
 
 
 def _relu_bits(y: torch.Tensor) -> torch.Tensor:
@@ -628,7 +641,8 @@ def weight_grad_scales(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_input_grad_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                          input_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+                          input_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int,
+                          addend: torch.Tensor | None = None) -> torch.Tensor:
     """``dx`` from an int8 gradient (``input_grad="int8"``), float32 NCHW.
 
     The weight scale is folded into the gradient, ``g' = g * s_w[o]`` (it sits on dx's reduction
@@ -650,9 +664,10 @@ def _conv_input_grad_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tenso
     pads = transposed_padding(w_q.shape[2:], padding, dilation, stride, input_shape[2:])
     if pads is not None:
         return _int8_conv_dequantized(_spread(g_q, stride), _flipped_transposed(w_q, groups), (1, 1), pads,
-                                      tuple(dilation), groups, s_g)
-    return _conv_input_grad(g_q.to(torch.float32).mul_(s_g), w_q, torch.ones_like(w_scale), input_shape, stride,
-                            padding, dilation, groups)
+                                      tuple(dilation), groups, s_g, note_range=False, addend=addend)
+    dx = _conv_input_grad(g_q.to(torch.float32).mul_(s_g), w_q, torch.ones_like(w_scale), input_shape, stride,
+                          padding, dilation, groups)
+    return dx if addend is None else dx.add_(addend)
 
 
 def _conv_weight_grad(x_q: torch.Tensor, x_scale: torch.Tensor, grad: torch.Tensor, weight_shape: Sequence[int],
@@ -737,14 +752,14 @@ class QuantizedConv2dFunction(torch.autograd.Function):
     """int8 conv (+ bias, + ReLU) with the straight-through estimator; see the module docstring.
 
     ``apply(x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
-    input_grad, weight_grad)``: ``bias`` may be None; ``amax`` is a 0-d tensor (no gradient);
-    ``padding`` is (top, left, bottom, right); ``amax_is_batch_max``, ``input_grad``,
-    ``weight_grad``: see :func:`quantized_conv2d`.
+    input_grad, weight_grad, passthrough)``: ``bias`` may be None; ``amax`` is a 0-d tensor (no
+    gradient); ``padding`` is (top, left, bottom, right); ``amax_is_batch_max``, ``input_grad``,
+    ``weight_grad``, ``passthrough``: see :func:`quantized_conv2d`.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, amax, stride, padding, dilation, groups, relu, amax_is_batch_max,
-                input_grad, weight_grad):
+                input_grad, weight_grad, passthrough=False):
         y, saved = _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, keep_relu_mask=relu,
                             keep_clip_mask=ctx.needs_input_grad[0] and not amax_is_batch_max)
         ctx.save_for_backward(*saved)
@@ -752,10 +767,10 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         ctx.input_grad, ctx.weight_grad = input_grad, weight_grad
         ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return y
+        return (y, x.view_as(x)) if passthrough else y
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, grad_y, grad_passthrough=None):
         x_q, weight, x_scale, w_scale_fw, relu_bits, clip_bits = ctx.saved_tensors
         stride, padding, dilation, groups, relu = ctx.conf
         x_shape, w_shape, y_shape = ctx.shapes
@@ -784,13 +799,19 @@ class QuantizedConv2dFunction(torch.autograd.Function):
 
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
+            # the passthrough's gradient joins dx in dx's own dequantizing kernel where nothing
+            # comes between them (no clip mask, float32 x): the same bits as autograd's sum
+            join = grad_passthrough is not None and int8_dx and not clip_bits.numel() and x_dtype == torch.float32
             if int8_dx:
-                dx = _conv_input_grad_int8(q_dx, s_dx, w_q, w_scale, x_shape, stride, padding, dilation, groups)
+                dx = _conv_input_grad_int8(q_dx, s_dx, w_q, w_scale, x_shape, stride, padding, dilation, groups,
+                                           addend=grad_passthrough if join else None)
             else:
                 dx = _conv_input_grad(g_masked(), w_q, w_scale, x_shape, stride, padding, dilation, groups)
             if clip_bits.numel():
                 dx = dx.masked_fill(~unpack_bits(clip_bits, x_shape), 0.0)
             dx = dx.to(x_dtype)
+            if grad_passthrough is not None and not join:
+                dx = dx + grad_passthrough
         if ctx.needs_input_grad[1]:
             if int8_dw:
                 dw = _conv_weight_grad_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups)
@@ -799,7 +820,7 @@ class QuantizedConv2dFunction(torch.autograd.Function):
             dw = dw.to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             db = (g_masked().sum(dim=(0, 2, 3)) if g_sum is None else g_sum).to(b_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 def _pair(v) -> tuple[int, int]:
@@ -845,7 +866,7 @@ def check_input_grad(input_grad: str, name: str = "input_grad") -> str:
 def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,
                      stride=1, padding=0, dilation=1, groups: int = 1, relu: bool = False, *,
                      amax_is_batch_max: bool = False, input_grad: str = "float32",
-                     weight_grad: str = "float32") -> torch.Tensor:
+                     weight_grad: str = "float32", passthrough: bool = False):
     """int8 conv2d (+ bias, + optional fused ReLU) with STE gradients, ``F.conv2d``'s arguments.
 
     Args:
@@ -865,9 +886,13 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             quantized to int8, on the int8 conv kernels: :func:`_conv_input_grad_int8`).
         weight_grad: ``"float32"`` (dw from the float gradient) or ``"int8"`` (from the gradient
             quantized to int8 per channel, exact int sums: :func:`_conv_weight_grad_int8`).
+        passthrough: also return ``x`` itself (a view), whose gradient backward adds to dx in dx's
+            own dequantizing kernel: a residual block's identity taken from its first conv, instead
+            of autograd adding the two gradients in a pass of their own (ResNet-50 b128: 16 adds
+            of whole activations, ~2 ms a step).
 
     Returns:
-        float NCHW output in ``x``'s dtype.
+        float NCHW output in ``x``'s dtype; with ``passthrough``, ``(output, x)``.
 
     Example:
         >>> x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
@@ -881,11 +906,13 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
         # Inference: no graph, so no masks to build (ctx.needs_input_grad ignores no_grad mode).
-        return _forward(x, weight, bias, amax, _pair(stride), padding4(padding, weight.shape[2:], dilation),
-                        _pair(dilation), int(groups), bool(relu), False, False)[0]
+        y = _forward(x, weight, bias, amax, _pair(stride), padding4(padding, weight.shape[2:], dilation),
+                     _pair(dilation), int(groups), bool(relu), False, False)[0]
+        return (y, x) if passthrough else y
     return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
                                          padding4(padding, weight.shape[2:], dilation), _pair(dilation),
-                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad, weight_grad)
+                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad, weight_grad,
+                                         bool(passthrough))
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,

@@ -120,13 +120,15 @@ class QuantizedConv2d(_RangeTracker, nn.Conv2d):
         self.input_grad = check_input_grad(input_grad)
         self.weight_grad = check_input_grad(weight_grad, "weight_grad")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
-                             self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self._amax_is_batch_max,
-                             input_grad=self.input_grad, weight_grad=self.weight_grad)
+    def forward(self, x: torch.Tensor, passthrough: bool = False):
+        """``passthrough``: ``(y, x)``, ``x``'s gradient joining the conv's input gradient in one
+        kernel (``functional.quantized_conv2d``): a residual block's identity taken from here."""
+        out = quantized_conv2d(x, self.weight, self.bias, self._input_clip(x), self.stride, self.padding,
+                               self.dilation, self.groups, relu=self.relu, amax_is_batch_max=self._amax_is_batch_max,
+                               input_grad=self.input_grad, weight_grad=self.weight_grad, passthrough=passthrough)
         if self.training:
-            self._observe(self.output_amax, y, made_here=True)
-        return y
+            self._observe(self.output_amax, out[0] if passthrough else out, made_here=True)
+        return out
 
 
 class QuantizedConv2dReLU(QuantizedConv2d):

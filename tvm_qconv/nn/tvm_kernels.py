@@ -594,18 +594,21 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = N
 
 
 def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding, dilation, groups: int,
-                          scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+                          scale: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False,
+                          note_range: bool = True, addend: torch.Tensor | None = None) -> torch.Tensor:
     """``functional.int8_conv_dequantized_torch``: the conv's accumulators (NHWC32 on the tensor
     cores, NCHW4c on dp4a) go to float NCHW in one kernel (``elementwise.dequantize``: scale, bias,
     ReLU); linear layers and grouped convs of group widths not a multiple of 4 through torch.
     From NHWC32 in whole 8-channel groups the kernel also writes the output's range, noted for
     ``functional.batch_amax`` (``dequantize_amax``: the layer's output observation, and the next
     layer's input range where the output is its input, without a pass of their own); in eval too,
-    where nothing reads it (half a byte an element written and reduced)."""
+    where nothing reads it (half a byte an element written and reduced); not with ``note_range=False``
+    (an input gradient's: nothing takes its range) or an ``addend`` (added last, in the same kernel)."""
     wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
     n, o = x_q.shape[0], w_q.shape[0]
     if _is_dense(x_q.shape, w_q.shape[2:], stride, padding, dilation, groups) or (groups > 1 and (o // groups) % 4):
-        return int8_conv_dequantized_torch(x_q, w_q, stride, padding, dilation, groups, scale, bias, relu)
+        return int8_conv_dequantized_torch(x_q, w_q, stride, padding, dilation, groups, scale, bias, relu, note_range,
+                                           addend)
     layout = forward_layout(wl, x_q.device)    # the registry's name: the dequantizing kernel's, lowercase
     if layout == TENSORCORE_LAYOUT:
         acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
@@ -615,10 +618,10 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
         _call("forward", wl, x_q.device, _pack_input(x_q, groups), _pack_weight(w_q, groups), acc)
     shape = (n, o, wl.out_height, wl.out_width)
     dq = elementwise.ElementwiseWorkload("dequantize", shape, per_channel=scale.dim() == 1, layout=layout.lower(),
-                                         bias=bias is not None, relu=relu)
-    dq = dataclasses.replace(dq, amax=dequantize_amax.supports(dq))
+                                         bias=bias is not None, relu=relu, addend=addend is not None)
+    dq = dataclasses.replace(dq, amax=note_range and addend is None and dequantize_amax.supports(dq))
     out = torch.empty(shape, dtype=torch.float32, device=x_q.device)
-    extra = [] if bias is None else [bias]
+    extra = ([] if bias is None else [bias]) + ([] if addend is None else [addend])
     part = [torch.empty((n, o // dequantize_amax.CHANNELS) + shape[2:], dtype=torch.int32, device=x_q.device)
             ] if dq.amax else []
     _call("dequantize", dq, x_q.device, acc, scale.to(torch.float32).reshape(-1), *extra, out, *part,
