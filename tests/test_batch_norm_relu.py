@@ -150,9 +150,10 @@ def test_a_fused_blocks_identity_gradient_joins_its_first_convs_with_autograds_b
 
 @pytest.mark.parametrize("residual", [False, True], ids=["bn_relu", "bn_add_relu"])
 def test_the_backward_kernels_give_the_definitions_gradients(residual, tmp_path, monkeypatch):
-    # tvm_kernels' four kernels (llvm builds of elementwise.bn_stats, bn_relu, bn_grad_sums,
-    # bn_grad) in place of the torch definition: the same values (each float32 operation rounded as
-    # the definition's; its float64 sums summed in another order, equal to their last bits)
+    # tvm_kernels' six kernels (llvm builds of elementwise.bn_stats, bn_finish, bn_relu,
+    # bn_grad_sums, bn_coeffs, bn_grad) in place of the torch definition: the same values (each
+    # float32 operation rounded as the definition's; its float64 sums summed in another order, equal
+    # to their last bits)
     from tvm_qconv.nn import functional, tvm_kernels
     monkeypatch.setenv(tvm_kernels.CACHE_ENV, str(tmp_path / "kernels"))
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
@@ -163,8 +164,9 @@ def test_the_backward_kernels_give_the_definitions_gradients(residual, tmp_path,
     add = torch.randn(4, 5, 6, 6, generator=g) if residual else None
     grad = torch.randn(4, 5, 6, 6, generator=g)
     results = []
-    for kernels in ({}, {"bn_stats": tvm_kernels.bn_stats, "bn_relu": tvm_kernels.bn_relu,
-                         "bn_grad_sums": tvm_kernels.bn_grad_sums, "bn_grad": tvm_kernels.bn_grad}):
+    for kernels in ({}, {"bn_train_stats": tvm_kernels.bn_train_stats, "bn_relu": tvm_kernels.bn_relu,
+                         "bn_grad_sums": tvm_kernels.bn_grad_sums, "bn_coeffs": tvm_kernels.bn_coeffs,
+                         "bn_grad": tvm_kernels.bn_grad}):
         monkeypatch.setitem(functional.ELEMENTWISE_KERNELS, "cpu", kernels)
         model = ours if not kernels else twin
         yi = y.clone().requires_grad_()
@@ -182,7 +184,8 @@ def test_the_backward_kernels_give_the_definitions_gradients(residual, tmp_path,
     torch.testing.assert_close(db1, db0, rtol=1e-6, atol=1e-7)
     if residual:
         assert torch.equal(da1[0], da0[0])
-    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_relu", "bn_grad_sums", "bn_grad"}
+    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_finish", "bn_relu", "bn_grad_sums", "bn_coeffs",
+                                                "bn_grad"}
 
 
 @pytest.mark.gpu
@@ -210,7 +213,8 @@ def test_on_cuda_the_kernels_give_the_cpu_definitions_values(residual):
         out.backward(grad.to(dev))
         results.append([t.detach().cpu() for t in [out, model.running_mean, model.running_var, yi.grad,
                                                     model.weight.grad, model.bias.grad] + ([ai.grad] if residual else [])])
-    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_relu", "bn_grad_sums", "bn_grad"}
+    assert {k for k, _ in tvm_kernels.CALLS} >= {"bn_stats", "bn_finish", "bn_relu", "bn_grad_sums", "bn_coeffs",
+                                                "bn_grad"}
     for cpu, gpu in zip(*results):
         torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-6)
 

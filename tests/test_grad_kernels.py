@@ -254,6 +254,8 @@ ELEMENTWISE_TWIN_CASES = [
     ("bn_grad", (2, 3, 4, 8), {}),                        # 8 elements a thread, 24 threads
     ("bn_grad", (8, 3, 7, 7), {"addend": True}),          # 49 pixels: a thread's 8 elements span two channels
     ("scale_sums", (32, 32, 3, 3), {}),
+    ("bn_finish", (4, 200, 7, 7), {"eps": 1e-5, "momentum": 0.1}),   # a thread a channel: 2 blocks of 128
+    ("bn_coeffs", (196, 200, 1, 1), {}),
     ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
     ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose
     ("flip_transpose", (16, 32, 7, 7), {}),              # 49 taps: 16 x 16 tiles
@@ -279,7 +281,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
     n_out = ({"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3, "bn_grad_sums": 2, "bn_stats": 2,
-              "bn_relu": 3}.get(kind, 1)
+              "bn_relu": 3, "bn_finish": 5, "bn_coeffs": 5}.get(kind, 1)
              + flags.get("amax", False) + (kind == "bn_grad" and flags.get("addend", False)))   # bn_relu's is an input
     results = []
     for func in (plain, twin):
@@ -902,6 +904,30 @@ def test_a_passthroughs_gradient_is_added_in_dxs_dequantizing_kernel_with_torchs
     dequantizes = [wl for k, wl in kinds if k == "dequantize"]
     assert len(dequantizes) == 1 and dequantizes[0].addend and not dequantizes[0].amax
     assert torch.equal(joined, functional._conv_input_grad_int8(*args) + addend)
+
+
+def test_batch_norms_channel_kernels_give_the_definitions_values(tvm_on_cpu):
+    # bn_finish and bn_coeffs (llvm here; a thread a channel on CUDA) against batch_norm's torch
+    # definition from the same float64 sums: the statistics, scale and coefficients bit for bit;
+    # the running statistics within a float32 rounding (torch may fuse add_'s alpha product)
+    from tvm_qconv.nn import batch_norm
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(4, 40, 6, 6, generator=g) * 3 + 1
+    gamma = torch.rand(40, generator=g) + 0.5
+    rm, rv = torch.randn(40, generator=g), torch.rand(40, generator=g) + 0.5
+    ref_rm, ref_rv = rm.clone(), rv.clone()
+    ours = tvm_kernels.bn_train_stats(y, gamma, rm, rv, 1e-5, 0.1)
+    ref = batch_norm.train_stats(y, gamma, ref_rm, ref_rv, 1e-5, 0.1)
+    assert {k for k, _ in tvm_kernels.CALLS} == {"bn_stats", "bn_finish"}
+    # mean, invstd, scale: the same bits (the float64 sums' order could move one in a rare tie)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    torch.testing.assert_close(rm, ref_rm, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(rv, ref_rv, rtol=1e-6, atol=1e-7)
+    s1, s2 = torch.randn(40, generator=g, dtype=torch.float64) * 50, torch.randn(40, generator=g, dtype=torch.float64)
+    invstd = ours[1]
+    got = tvm_kernels.bn_coeffs(s1, s2, gamma, invstd, 144)
+    want = batch_norm.grad_coefficients(s1, s2, gamma, invstd, 144)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -47,6 +47,8 @@ kind               what
                    over ``[P, T]`` as ``grad_stats``: ``sum dz`` and ``sum dz * (y - mean)`` (float64)
 ``bn_grad``        pass 2: ``g``, bits, ``y``, ``mean``, ``a``, ``b``, ``c`` (per channel) -> float32
                    ``dy = a * dz + b * (y - mean) + c`` [and, with ``addend``, ``dz``: the residual's]
+``bn_finish``      the statistics from the channel sums, the running ones updated (``bn_channel.py``)
+``bn_coeffs``      backward's per-channel ``a``, ``b``, ``c``, ``dgamma``, ``dbeta`` from its sums
 =================  ===============================================================================
 
 Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
@@ -90,11 +92,13 @@ from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..sched_utils import as_schedule_of
 from ..tensorcore.layout import ceil32
-from . import dequantize_amax, pack_nhwc32, relu_bits_amax
+from . import bn_channel, dequantize_amax, pack_nhwc32, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
-         "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad")
+         "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad",
+         "bn_finish", "bn_coeffs")
+CHANNEL_KINDS = ("bn_finish", "bn_coeffs")     # a thread a channel (bn_channel.py)
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -120,6 +124,7 @@ class ElementwiseWorkload:
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
         addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient;
             (dequantize) a float32 NCHW tensor added last (a passthrough's gradient joining dx).
+        eps, momentum: (bn_finish) the BatchNorm's.
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -140,6 +145,8 @@ class ElementwiseWorkload:
     dw: bool = False
     amax: bool = False
     addend: bool = False
+    eps: float = 0.0
+    momentum: float = 0.0
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
@@ -169,7 +176,8 @@ class ElementwiseWorkload:
         opts = [o for o, on in (("per-channel", self.per_channel), ("mult", self.mult), (self.layout, self.kind ==
                 "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
                 ("rows32", self.pad_rows), ("dx", self.dx),
-                ("dw", self.dw), ("amax", self.amax), ("addend", self.addend)) if on]
+                ("dw", self.dw), ("amax", self.amax), ("addend", self.addend),
+                (f"eps {self.eps:g} momentum {self.momentum:g}", self.kind == "bn_finish")) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -732,7 +740,8 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     """The unscheduled kernel of ``wl``; ``rn``: its float32 operations as CUDA's correctly rounded
     intrinsics (else in float64, rounded once)."""
     rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad,  # float ops
-               "scale_sums": scale_sums, "bn_grad": bn_grad, "bn_relu": bn_relu}
+               "scale_sums": scale_sums, "bn_grad": bn_grad, "bn_relu": bn_relu,
+               "bn_finish": bn_channel.bn_finish, "bn_coeffs": bn_channel.bn_coeffs}
     if wl.kind in rounded:
         return rounded[wl.kind](wl, rn=rn)
     return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
@@ -753,6 +762,12 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
         if not scale_sums_tiles(wl.shape):
             raise ValueError(f"scale_sums takes whole {SCALE_TILE} x {SCALE_TILE} tiles (scale_sums_tiles): {wl}")
         _schedule_scale_sums(sch)
+        return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    if wl.kind in CHANNEL_KINDS:    # a thread a channel, the outputs' blocks sharing its loop
+        loop = sch.get_loops(sch.get_sblock(f"{wl.kind}_v0"))[0]
+        bx, tx = sch.split(loop, [None, 128])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     if wl.kind == "flip_transpose":
         if not flip_transpose_tiles(wl.shape):

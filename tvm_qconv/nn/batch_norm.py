@@ -87,6 +87,18 @@ def _grad_apply(g, bits, y, mean, a, b, c, want_dz: bool = True):
     return dy, (dz if want_dz else None)
 
 
+def train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                eps: float, momentum: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training's ``(mean, invstd, scale = gamma * invstd)`` of NCHW float32 ``y``
+    (:func:`batch_stats`), the running statistics updated in place as ``nn.BatchNorm2d`` does
+    (the unbiased variance)."""
+    mean, var, invstd = batch_stats(y, eps)
+    m = y.numel() // y.shape[1]
+    running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+    running_var.mul_(1 - momentum).add_(var * (m / (m - 1)), alpha=momentum)
+    return mean, invstd, gamma.detach().to(torch.float32) * invstd
+
+
 def coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 2's per-channel ``(a, b, c)`` (module docstring), computed in float64, float32 out."""
@@ -95,14 +107,22 @@ def coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd
     return a.to(torch.float32), (-a * i2 * s2 / m).to(torch.float32), (-a * s1 / m).to(torch.float32)
 
 
+def grad_coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
+                      ) -> tuple[torch.Tensor, ...]:
+    """Backward's per-channel ``(a, b, c, dgamma, dbeta)`` from pass 1's float64 sums: :func:`coefficients`,
+    ``dgamma = s2 * invstd`` and ``dbeta = s1`` (float64, in ``gamma``'s dtype out)."""
+    a, b, c = coefficients(s1, s2, gamma, invstd, m)
+    return a, b, c, (s2 * invstd.to(torch.float64)).to(gamma.dtype), s1.to(gamma.dtype)
+
+
 class BatchNormReLUFunction(torch.autograd.Function):
-    """``apply(y, gamma, beta, addend, mean, invstd, batch)``: the op with given statistics (the
-    caller computed and recorded them); ``addend`` may be None; ``batch``: the statistics are the
-    batch's own (training: their gradient flows), else constants (eval: ``dy = a * dz``)."""
+    """``apply(y, gamma, beta, addend, mean, invstd, scale, batch)``: the op with given statistics
+    (the caller computed and recorded them; ``scale = gamma * invstd``); ``addend`` may be None;
+    ``batch``: the statistics are the batch's own (training: their gradient flows), else constants
+    (eval: ``dy = a * dz``)."""
 
     @staticmethod
-    def forward(ctx, y, gamma, beta, addend, mean, invstd, batch):
-        scale = gamma.detach().to(torch.float32) * invstd
+    def forward(ctx, y, gamma, beta, addend, mean, invstd, scale, batch):
         # on CUDA one TVM kernel (tvm_kernels.bn_relu), which also notes the output's range
         out, bits = _elementwise(y.device.type, "bn_relu", normalize_relu)(
             y, mean, scale, beta.detach().to(torch.float32), addend)
@@ -118,17 +138,18 @@ class BatchNormReLUFunction(torch.autograd.Function):
         device = g.device.type      # on CUDA one TVM kernel a pass (tvm_kernels.bn_grad_sums, bn_grad)
         s1, s2 = _elementwise(device, "bn_grad_sums", grad_sums)(g, bits, y, mean)
         m = y.numel() // y.shape[1]
+        # the per-channel arithmetic in one kernel on CUDA (tvm_kernels.bn_coeffs)
+        a, b, c, dgamma, dbeta = _elementwise(device, "bn_coeffs", grad_coefficients)(s1, s2, gamma.detach(),
+                                                                                    invstd, m)
         dy = dz = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[3]:
-            a, b, c = coefficients(s1, s2, gamma.detach(), invstd, m)
             if ctx.batch:
                 dy, dz = _elementwise(device, "bn_grad", _grad_apply)(g, bits, y, mean, a, b, c, ctx.has_addend)
             else:   # constant statistics (eval): no gradient through them, y not read (an inf there stays out)
                 dz = mask_torch(g, bits)
                 dy = dz * a.view(1, -1, 1, 1)
-        dgamma = (s2 * invstd.to(torch.float64)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
-        dbeta = s1.to(gamma.dtype) if ctx.needs_input_grad[2] else None
-        return dy, dgamma, dbeta, (dz if ctx.has_addend else None), None, None, None
+        return (dy, dgamma if ctx.needs_input_grad[1] else None, dbeta if ctx.needs_input_grad[2] else None,
+                dz if ctx.has_addend else None, None, None, None, None)
 
 
 class BatchNormReLU(nn.BatchNorm2d):
@@ -149,14 +170,12 @@ class BatchNormReLU(nn.BatchNorm2d):
             if y.numel() == y.shape[1]:
                 raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                                  f"{list(y.shape)}")
-            with torch.no_grad():
-                mean, var, invstd = _elementwise(y.device.type, "bn_stats", batch_stats)(y, self.eps)
-                m = y.numel() // y.shape[1]
-                unbiased = var * (m / (m - 1))
-                self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
-                self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+            with torch.no_grad():   # on CUDA a pass over y and one kernel a channel (tvm_kernels.bn_train_stats)
+                mean, invstd, scale = _elementwise(y.device.type, "bn_train_stats", train_stats)(
+                    y, self.weight, self.running_mean, self.running_var, self.eps, self.momentum)
                 self.num_batches_tracked.add_(1)
         else:
             mean = self.running_mean.to(torch.float32)
             invstd = torch.rsqrt(self.running_var.to(torch.float32) + self.eps)
-        return BatchNormReLUFunction.apply(y, self.weight, self.bias, addend, mean, invstd, self.training)
+            scale = self.weight.detach().to(torch.float32) * invstd
+        return BatchNormReLUFunction.apply(y, self.weight, self.bias, addend, mean, invstd, scale, self.training)

@@ -698,12 +698,51 @@ def bn_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, t
     from .batch_norm import batch_stats, finish_stats
     if y.dim() != 4 or y.dtype != torch.float32:
         return batch_stats(y, eps)
+    return finish_stats(*_bn_sums(y), y.numel() // y.shape[1], eps)
+
+
+def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 ``sum y`` and ``sum y * y`` a channel of float32 NCHW ``y``: the ``bn_stats`` kernel's
+    partials, added by torch."""
     wl = elementwise.ElementwiseWorkload("bn_stats", tuple(y.shape))
     blocks, threads, _ = elementwise.stats_grid(y.shape)
     s1 = torch.empty((y.shape[1], blocks, threads), dtype=torch.float64, device=y.device)
     s2 = torch.empty_like(s1)
     _call("bn_stats", wl, y.device, _ready(y.reshape(-1) if elementwise.quads(y.shape) else y), s1, s2, outputs=2)
-    return finish_stats(s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2)), y.numel() // y.shape[1], eps)
+    return s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2))
+
+
+def _channel_vectors(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous() for t in tensors)
+
+
+def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
+                   eps: float, momentum: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch_norm.train_stats``: the sums in one pass over ``y`` (``bn_stats``), then the statistics,
+    ``gamma * invstd`` and the running statistics (written in place) in one kernel a channel
+    (``elementwise.bn_finish``) instead of ~20 torch launches of one-channel vectors."""
+    from .batch_norm import train_stats
+    if y.dim() != 4 or y.dtype != torch.float32 or not _channel_vectors(gamma, running_mean, running_var):
+        return train_stats(y, gamma, running_mean, running_var, eps, momentum)
+    s1, s2 = _bn_sums(y)
+    wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum))
+    mean, invstd, scale = (torch.empty_like(running_mean) for _ in range(3))
+    _call("bn_finish", wl, y.device, s1, s2, gamma.detach(), running_mean, running_var,
+          mean, invstd, scale, running_mean, running_var, outputs=5)
+    return mean, invstd, scale
+
+
+def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
+              ) -> tuple[torch.Tensor, ...]:
+    """``batch_norm.grad_coefficients`` in one kernel a channel (``elementwise.bn_coeffs``)."""
+    from .batch_norm import grad_coefficients
+    if s1.dtype != torch.float64 or s2.dtype != torch.float64 or not _channel_vectors(gamma, invstd):
+        return grad_coefficients(s1, s2, gamma, invstd, m)
+    c = gamma.shape[0]
+    wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1))    # M elements a channel, as N x 1 x 1
+    outs = [torch.empty_like(invstd) for _ in range(5)]
+    _call("bn_coeffs", wl, s1.device, s1.contiguous(), s2.contiguous(), gamma, invstd, *outs, outputs=5)
+    return tuple(outs)
 
 
 def bn_relu(y: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor,
@@ -883,7 +922,8 @@ def register(device_type: str = "cuda") -> None:
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
                                         "max_pool_grad": max_pool_grad, "scale_sums": scale_sums,
                                         "flip_transpose": flip_transpose,
-                                        "bn_stats": bn_stats, "bn_relu": bn_relu,
+                                        "bn_stats": bn_stats, "bn_train_stats": bn_train_stats,
+                                        "bn_coeffs": bn_coeffs, "bn_relu": bn_relu,
                                         "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad}
 
 

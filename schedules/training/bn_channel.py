@@ -1,0 +1,93 @@
+"""``BatchNormReLU``'s per-channel arithmetic, one kernel a pass: its statistics finished (forward)
+and its gradient's coefficients (backward) from the float64 channel sums.
+
+In torch each is a dozen and more launches of one-channel-vector operations (``s1 / m``, ``mean *
+mean``, a clamp, ``rsqrt``, casts, the running statistics' ``mul_`` and ``add_``; backward's ``a``,
+``b``, ``c``, ``dgamma``, ``dbeta``): ~40 launches a layer, 1,900 of ResNet-50's step at batch 128,
+each ~1 us of GPU time plus its gap in a CUDA graph and ~10 us of host time eagerly
+(``docs/history.md``).  Here a thread a channel does them in the same order, each float64
+operation rounded on its own (CUDA's ``__d*_rn``: ``--use_fast_math`` would contract ``a * b + c``),
+each float32 one as ``elementwise._exact``: torch's float64 then float32 values of
+``batch_norm.train_stats`` and ``batch_norm.grad_coefficients``, except the running statistics,
+whose ``add_(x, alpha=momentum)`` torch may contract into one rounding on some devices (they are
+compared with a tolerance).
+
+Workload: ``elementwise.ElementwiseWorkload`` of kind ``bn_finish`` (with ``eps`` and ``momentum``)
+or ``bn_coeffs``, ``shape`` the BatchNorm input's NCHW (``M = N * H * W`` its elements a channel).
+"""
+from __future__ import annotations
+
+from tvm import te, tirx
+
+_RN64 = {"*": "__dmul_rn", "/": "__ddiv_rn", "+": "__dadd_rn", "-": "__dsub_rn"}
+_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q, "-": lambda p, q: p - q}
+
+
+def _f64(op: str, a, b, rn: bool):
+    """float64 ``a op b`` rounded once (CUDA: its ``__d*_rn`` intrinsic; elsewhere IEEE as it is)."""
+    if rn:
+        return tirx.call_pure_extern("float64", _RN64[op], a, b)
+    return _OPS[op](a, b)
+
+
+def _f32(op: str, a, b, rn: bool):
+    from .elementwise import _exact
+    return _exact(op, a, b, rn)
+
+
+def _rsqrt64(v, rn: bool):
+    """torch's float64 ``rsqrt``: CUDA's ``rsqrt`` there, ``1 / sqrt`` (two roundings) elsewhere."""
+    return tirx.rsqrt(v) if rn else tirx.const(1.0, "float64") / tirx.sqrt(v)
+
+
+def bn_finish(wl, rn: bool = False) -> tirx.PrimFunc:
+    """``(s1, s2, gamma, running_mean, running_var, mean, invstd, scale, new_mean, new_var)``: from
+    the float64 sums of ``y`` and ``y * y`` a channel, ``mean = s1 / M``, the biased ``var = max(s2 /
+    M - mean^2, 0)`` (float64, float32 out), ``invstd = rsqrt(var + eps)``, ``scale = gamma * invstd``
+    and the running statistics ``r * (1 - momentum) + momentum * x`` (``x``: the mean, and the
+    unbiased ``var * M / (M - 1)``).  The last two outputs may be the running tensors themselves (a
+    thread reads its channel's before it writes it)."""
+    n, c, h, w = wl.shape
+    m = n * h * w
+    s1, s2 = (te.placeholder((c,), "float64", name=nm) for nm in ("s1", "s2"))
+    gamma, rmean, rvar = (te.placeholder((c,), "float32", name=nm) for nm in ("gamma", "running_mean", "running_var"))
+    f64, f32 = (lambda v: tirx.const(v, "float64")), (lambda v: tirx.const(v, "float32"))
+
+    def element(ch):
+        mean64 = _f64("/", s1[ch], f64(m), rn)
+        var64 = tirx.max(_f64("-", _f64("/", s2[ch], f64(m), rn), _f64("*", mean64, mean64, rn), rn), f64(0.0))
+        mean, var = mean64.astype("float32"), var64.astype("float32")
+        invstd = _rsqrt64(_f64("+", var64, f64(wl.eps), rn), rn).astype("float32")
+        unbiased = _f32("*", var, f32(m / (m - 1)), rn)
+        keep, take = f32(1.0 - wl.momentum), f32(wl.momentum)
+        new_mean = _f32("+", _f32("*", rmean[ch], keep, rn), _f32("*", take, mean, rn), rn)
+        new_var = _f32("+", _f32("*", rvar[ch], keep, rn), _f32("*", take, unbiased, rn), rn)
+        return mean, invstd, _f32("*", gamma[ch], invstd, rn), new_mean, new_var
+
+    outs = te.compute((c,), element, name="bn_finish")
+    return te.create_prim_func([s1, s2, gamma, rmean, rvar] + list(outs)).with_attr(
+        {"tvm_qconv.kernel": "train_bn_finish", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def bn_coeffs(wl, rn: bool = False) -> tirx.PrimFunc:
+    """``(s1, s2, gamma, invstd, a, b, c, dgamma, dbeta)``: from backward's float64 sums ``s1 = sum
+    dz``, ``s2 = sum dz * (y - mean)`` a channel, ``a = gamma * invstd``, ``b = -a * invstd^2 * s2 /
+    M``, ``c = -a * s1 / M`` (float64, float32 out), ``dgamma = s2 * invstd``, ``dbeta = s1``."""
+    n, ch_count, h, w = wl.shape
+    m = n * h * w
+    s1, s2 = (te.placeholder((ch_count,), "float64", name=nm) for nm in ("s1", "s2"))
+    gamma, invstd = (te.placeholder((ch_count,), "float32", name=nm) for nm in ("gamma", "invstd"))
+
+    def element(ch):
+        i64 = invstd[ch].astype("float64")
+        a64 = _f64("*", gamma[ch].astype("float64"), i64, rn)
+        i2 = _f64("*", i64, i64, rn)
+        neg = _f64("*", a64, tirx.const(-1.0, "float64"), rn)      # -a: exact
+        b = _f64("/", _f64("*", _f64("*", neg, i2, rn), s2[ch], rn), tirx.const(m, "float64"), rn)
+        c = _f64("/", _f64("*", neg, s1[ch], rn), tirx.const(m, "float64"), rn)
+        return (a64.astype("float32"), b.astype("float32"), c.astype("float32"),
+                _f64("*", s2[ch], i64, rn).astype("float32"), s1[ch].astype("float32"))
+
+    outs = te.compute((ch_count,), element, name="bn_coeffs")
+    return te.create_prim_func([s1, s2, gamma, invstd] + list(outs)).with_attr(
+        {"tvm_qconv.kernel": "train_bn_coeffs", "tvm_qconv.workload": str(wl.to_dict())})
