@@ -133,6 +133,11 @@ def test_a_fused_blocks_identity_gradient_joins_its_first_convs_with_autograds_b
     # added to that conv's input gradient inside backward; every gradient has the bits it has when
     # autograd adds the two (the first conv called plainly)
     from tvm_qconv.models import quantized_resnet
+    from tvm_qconv.nn import functional
+    joined = []
+    dequantized = functional._int8_conv_dequantized
+    monkeypatch.setattr(functional, "_int8_conv_dequantized",
+                        lambda *a, **k: joined.append(k.get("addend") is not None) or dequantized(*a, **k))
     torch.manual_seed(0)
     model = quantized_resnet.quantized_resnet50(num_classes=10, input_grad="int8", weight_grad="int8",
                                                 fuse_bn_relu=True)
@@ -143,8 +148,10 @@ def test_a_fused_blocks_identity_gradient_joins_its_first_convs_with_autograds_b
             monkeypatch.setattr(quantized_resnet, "_first_conv", lambda conv, x: (conv(x), x))
         m = copy.deepcopy(model)
         x = x0.clone().requires_grad_()
+        joined.clear()
         nn.functional.cross_entropy(m(x), torch.tensor([1, 2])).backward()
         results.append([x.grad] + [p.grad for p in m.parameters()])
+        assert sum(joined) == (0 if plain else 16)      # each of the 16 blocks' first conv
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 

@@ -250,8 +250,9 @@ ELEMENTWISE_TWIN_CASES = [
     ("bn_grad_sums", (3, 5, 6, 6), {}),                   # BatchNormReLU's backward: 4 pixels of g and y a load
     ("bn_grad_sums", (2, 3, 7, 7), {}),                   # an element a load
     ("bn_grad", (2, 3, 5, 7), {}),
-    ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient: 8 elements a thread
-    ("bn_grad", (2, 3, 4, 8), {}),                        # 8 elements a thread, 24 threads
+    ("bn_grad", (2, 3, 4, 4), {"addend": True}),          # and dz, the residual's gradient (12 threads: plain)
+    ("bn_grad", (2, 4, 8, 8), {}),                        # 8 elements a thread, 64 threads
+    ("bn_grad", (2, 4, 8, 8), {"addend": True}),          # the same with dz
     ("bn_grad", (8, 3, 7, 7), {"addend": True}),          # 49 pixels: a thread's 8 elements span two channels
     ("scale_sums", (32, 32, 3, 3), {}),
     ("bn_finish", (4, 200, 7, 7), {"eps": 1e-5, "momentum": 0.1}),   # a thread a channel: 2 blocks of 128

@@ -745,10 +745,15 @@ def test_twins_without_range_records_are_plain_float_layers(monkeypatch):
 
 @pytest.mark.parametrize("grads, batch_max", [("int8", True), ("int8", False), ("float32", True)],
                          ids=["int8", "int8_clip_mask", "float32"])
-def test_passthroughs_gradient_joins_dx_with_autograds_bits(grads, batch_max):
+def test_passthroughs_gradient_joins_dx_with_autograds_bits(grads, batch_max, monkeypatch):
     # quantized_conv2d(..., passthrough=True) returns (y, x); the gradient reaching that x is added
     # to dx inside backward (in dx's dequantize where nothing comes between them: int8 dx, no clip
     # mask), with the same bits as autograd's sum when x feeds the conv and an identity branch
+    from tvm_qconv.nn import functional
+    joined = []
+    dequantized = functional._int8_conv_dequantized
+    monkeypatch.setattr(functional, "_int8_conv_dequantized",
+                        lambda *a, **k: joined.append(k.get("addend") is not None) or dequantized(*a, **k))
     case = BASE
     torch.manual_seed(0)
     layer, _ = case.layers()
@@ -767,9 +772,21 @@ def test_passthroughs_gradient_joins_dx_with_autograds_bits(grads, batch_max):
             assert xi.data_ptr() == x.data_ptr() and torch.equal(xi, x)
         else:
             y, xi = quantized_conv2d(x, w, b, amax, **kw), x
+        joined.clear()
         ((y * gy).sum() + (xi * gx).sum()).backward()
         grads_of.append((y.detach(), x.grad))
+        # in dx's dequantize only on the int8 path without a clip mask; else added after it
+        assert any(joined) == (passthrough and grads == "int8" and batch_max)
     assert torch.equal(grads_of[0][0], grads_of[1][0]) and torch.equal(grads_of[0][1], grads_of[1][1])
+
+
+def test_passthrough_carries_the_inputs_noted_range_and_no_gradient_where_x_needs_none():
+    from tvm_qconv.nn.functional import known_amax, note_amax
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3, requires_grad=True)
+    note_amax(x, batch_amax(x))
+    _, xi = quantized_conv2d(x, w, None, batch_amax(x), padding=1, passthrough=True)
+    assert xi is not x and torch.equal(known_amax(xi), known_amax(x))     # the next conv reduces nothing
+    assert not xi.requires_grad
 
 
 def test_without_a_gradient_passthrough_returns_the_input_itself():

@@ -55,7 +55,8 @@ def bn_finish(wl, rn: bool = False) -> tirx.PrimFunc:
 
     def element(ch):
         mean64 = _f64("/", s1[ch], f64(m), rn)
-        var64 = tirx.max(_f64("-", _f64("/", s2[ch], f64(m), rn), _f64("*", mean64, mean64, rn), rn), f64(0.0))
+        d = _f64("-", _f64("/", s2[ch], f64(m), rn), _f64("*", mean64, mean64, rn), rn)
+        var64 = tirx.if_then_else(d < f64(0.0), f64(0.0), d)      # clamp_min: a NaN stays NaN (max would drop it)
         mean, var = mean64.astype("float32"), var64.astype("float32")
         invstd = _rsqrt64(_f64("+", var64, f64(wl.eps), rn), rn).astype("float32")
         unbiased = _f32("*", var, f32(m / (m - 1)), rn)

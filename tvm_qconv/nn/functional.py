@@ -767,7 +767,12 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         ctx.input_grad, ctx.weight_grad = input_grad, weight_grad
         ctx.shapes = (tuple(x.shape), tuple(weight.shape), tuple(y.shape))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return (y, x.view_as(x)) if passthrough else y
+        if not passthrough:
+            return y
+        xi = x.view_as(x)
+        if not ctx.needs_input_grad[0]:
+            ctx.mark_non_differentiable(xi)
+        return y, xi
 
     @staticmethod
     def backward(ctx, grad_y, grad_passthrough=None):
@@ -889,7 +894,10 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         passthrough: also return ``x`` itself (a view), whose gradient backward adds to dx in dx's
             own dequantizing kernel: a residual block's identity taken from its first conv, instead
             of autograd adding the two gradients in a pass of their own (ResNet-50 b128: 16 adds
-            of whole activations, ~2 ms a step).
+            of whole activations, ~2 ms a step).  The view carries ``x``'s noted range; like any
+            output of a custom autograd op that is a view of its input, it cannot be changed in
+            place.  On CUDA the sum's float32 rounding is ``__fadd_rn``'s, which flushes a
+            subnormal result (below 1.2e-38) to 0.
 
     Returns:
         float NCHW output in ``x``'s dtype; with ``passthrough``, ``(output, x)``.
@@ -909,10 +917,13 @@ def quantized_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         y = _forward(x, weight, bias, amax, _pair(stride), padding4(padding, weight.shape[2:], dilation),
                      _pair(dilation), int(groups), bool(relu), False, False)[0]
         return (y, x) if passthrough else y
-    return QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
-                                         padding4(padding, weight.shape[2:], dilation), _pair(dilation),
-                                         int(groups), bool(relu), bool(amax_is_batch_max), input_grad, weight_grad,
-                                         bool(passthrough))
+    out = QuantizedConv2dFunction.apply(x, weight, bias, amax, _pair(stride),
+                                        padding4(padding, weight.shape[2:], dilation), _pair(dilation),
+                                        int(groups), bool(relu), bool(amax_is_batch_max), input_grad, weight_grad,
+                                        bool(passthrough))
+    if passthrough and (known := known_amax(x)) is not None:
+        note_amax(out[1], known)    # the view is another tensor object: the next conv finds x's range
+    return out
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, amax: torch.Tensor,

@@ -727,6 +727,7 @@ def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Ten
     s1, s2 = _bn_sums(y)
     wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum))
     mean, invstd, scale = (torch.empty_like(running_mean) for _ in range(3))
+    # the running statistics are inputs and outputs both: a thread reads its channel's, then writes it
     _call("bn_finish", wl, y.device, s1, s2, gamma.detach(), running_mean, running_var,
           mean, invstd, scale, running_mean, running_var, outputs=5)
     return mean, invstd, scale
