@@ -603,17 +603,25 @@ def _schedule_scale_sums(sch) -> None:
     transpose read 4 bytes a sector, took 1.0 ms a step (H200, b32: 16 launches)."""
     block = sch.get_sblock("scale_sums")
     i, j = sch.get_loops(block)
-    i0, i1 = sch.split(i, [None, SCALE_TILE])
-    j0, j1 = sch.split(j, [None, SCALE_TILE])
-    sch.reorder(i0, j0, i1, j1)
-    bx = sch.fuse(i0, j0)
+    _transpose_through_shared(sch, block, "sums", i, (), j, SCALE_TILE, row_stride=(SCALE_TILE, 1))
+
+
+def _transpose_through_shared(sch, block, source: str, row, between, col, tile: int, row_stride) -> None:
+    """A block per ``tile x tile`` tile of ``block``'s ``(row, col)`` loops (the ``between`` loops
+    whole inside it): the tile's ``source`` read into shared memory (each thread loop fused and
+    split into ``THREADS``), the output written from it; the shared rows padded to
+    ``row_stride = (factor, offset)`` (``storage_align``: off the banks the transposed reads hit)."""
+    r0, r1 = sch.split(row, [None, tile])
+    c0, c1 = sch.split(col, [None, tile])
+    sch.reorder(r0, c0, r1, *between, c1)
+    bx = sch.fuse(r0, c0)
     sch.bind(bx, "blockIdx.x")
-    shared = sch.cache_read(block, "sums", "shared")
+    shared = sch.cache_read(block, source, "shared")
     sch.compute_at(shared, bx)
-    sch.storage_align(shared, 0, axis=0, factor=SCALE_TILE, offset=1)
-    _, tx = sch.split(sch.fuse(*sch.get_loops(shared)[-2:]), [None, THREADS])
+    sch.storage_align(shared, 0, axis=0, factor=row_stride[0], offset=row_stride[1])
+    _, tx = sch.split(sch.fuse(*sch.get_loops(shared)[1:]), [None, THREADS])    # [0]: the block's
     sch.bind(tx, "threadIdx.x")
-    _, tx = sch.split(sch.fuse(i1, j1), [None, THREADS])
+    _, tx = sch.split(sch.fuse(r1, *between, c1), [None, THREADS])
     sch.bind(tx, "threadIdx.x")
 
 
@@ -652,18 +660,7 @@ def _schedule_flip_transpose(sch, shape) -> None:
     taps = shape[2] * shape[3]
     block = sch.get_sblock("flip_transpose")
     c, y, x, o = sch.get_loops(block)
-    c0, c1 = sch.split(c, [None, t])
-    o0, o1 = sch.split(o, [None, t])
-    sch.reorder(c0, o0, c1, y, x, o1)
-    bx = sch.fuse(c0, o0)
-    sch.bind(bx, "blockIdx.x")
-    shared = sch.cache_read(block, "src", "shared")
-    sch.compute_at(shared, bx)
-    sch.storage_align(shared, 0, axis=0, factor=t * taps, offset=4)
-    _, tx = sch.split(sch.fuse(*sch.get_loops(shared)[1:]), [None, THREADS])    # [0]: the block's
-    sch.bind(tx, "threadIdx.x")
-    _, tx = sch.split(sch.fuse(c1, y, x, o1), [None, THREADS])
-    sch.bind(tx, "threadIdx.x")
+    _transpose_through_shared(sch, block, "src", c, (y, x), o, t, row_stride=(t * taps, 4))
 
 
 POOL = 2    # max_pool's window and stride

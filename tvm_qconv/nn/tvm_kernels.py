@@ -692,15 +692,6 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
 
 
-def bn_stats(y: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batch_norm.batch_stats`` from one pass over ``y`` (``elementwise.bn_stats``: float64 partial
-    sums of ``y`` and ``y * y``, finished here as the definition finishes its own)."""
-    from .batch_norm import batch_stats, finish_stats
-    if y.dim() != 4 or y.dtype != torch.float32:
-        return batch_stats(y, eps)
-    return finish_stats(*_bn_sums(y), y.numel() // y.shape[1], eps)
-
-
 def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 ``sum y`` and ``sum y * y`` a channel of float32 NCHW ``y``: the ``bn_stats`` kernel's
     partials, added by torch."""
@@ -923,7 +914,7 @@ def register(device_type: str = "cuda") -> None:
                                         "quantize_grad": quantize_grad, "max_pool": max_pool,
                                         "max_pool_grad": max_pool_grad, "scale_sums": scale_sums,
                                         "flip_transpose": flip_transpose,
-                                        "bn_stats": bn_stats, "bn_train_stats": bn_train_stats,
+                                        "bn_train_stats": bn_train_stats,
                                         "bn_coeffs": bn_coeffs, "bn_relu": bn_relu,
                                         "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad}
 
