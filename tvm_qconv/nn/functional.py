@@ -520,10 +520,9 @@ def _int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding
     kernels pack it from any (dx's flipped weight is a ``[C, KH, KW, O]`` tensor seen as OIHW,
     which the tensor cores' pack reads as it is).  ``note_range=False`` where nothing reads the
     output's range (an input gradient)."""
-    kernel = _elementwise(x_q.device.type, "int8_conv_dequantized")
-    args = (x_q.contiguous(), w_q, tuple(stride), tuple(padding), tuple(dilation), groups, scale, bias, relu,
-            note_range)
-    return kernel(*args) if addend is None else kernel(*args, addend.to(torch.float32).contiguous())
+    return _elementwise(x_q.device.type, "int8_conv_dequantized")(
+        x_q.contiguous(), w_q, tuple(stride), tuple(padding), tuple(dilation), groups, scale, bias, relu, note_range,
+        None if addend is None else addend.to(torch.float32).contiguous())
 
 
 def _relu_bits(y: torch.Tensor) -> torch.Tensor:
