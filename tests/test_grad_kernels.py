@@ -257,6 +257,8 @@ ELEMENTWISE_TWIN_CASES = [
     ("scale_sums", (32, 32, 3, 3), {}),
     ("bn_finish", (4, 200, 7, 7), {"eps": 1e-5, "momentum": 0.1}),   # a thread a channel: 2 blocks of 128
     ("bn_coeffs", (196, 200, 1, 1), {}),
+    ("range_ema", (1, 1, 1, 1), {"momentum": 0.1}),       # one thread of a 128-thread block
+    ("conv_scales", (1, 200, 1, 1), {}),                  # a thread a channel: 2 blocks of 128
     ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
     ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose
     ("flip_transpose", (16, 32, 7, 7), {}),              # 49 taps: 16 x 16 tiles
@@ -282,7 +284,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
     n_out = ({"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3, "bn_grad_sums": 2, "bn_stats": 2,
-              "bn_relu": 3, "bn_finish": 5, "bn_coeffs": 5}.get(kind, 1)
+              "bn_relu": 3, "bn_finish": 5, "bn_coeffs": 5, "conv_scales": 3}.get(kind, 1)
              + flags.get("amax", False) + (kind == "bn_grad" and flags.get("addend", False)))   # bn_relu's is an input
     results = []
     for func in (plain, twin):
@@ -308,7 +310,8 @@ def tvm_on_cpu(tmp_path, monkeypatch):
         "relu_bits": tvm_kernels.relu_bits, "relu_with_bits": tvm_kernels.relu_with_bits, "mask": tvm_kernels.mask,
         "grad_stats": tvm_kernels.grad_stats,
         "quantize_grad": tvm_kernels.quantize_grad, "scale_sums": tvm_kernels.scale_sums,
-        "flip_transpose": tvm_kernels.flip_transpose})
+        "flip_transpose": tvm_kernels.flip_transpose, "update_range": tvm_kernels.update_range,
+        "conv_scales": tvm_kernels.conv_scales})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
     monkeypatch.setattr(tvm_kernels, "CALLS", tvm_kernels.collections.Counter())
     return tmp_path / "kernels"
@@ -347,10 +350,12 @@ def test_layer_through_tvm_kernels_matches_exact_reference(tvm_on_cpu, case):
         else:
             assert_matches_reference(getattr(ours, name), getattr(ref, name))
     kinds = {k for k, _ in tvm_kernels.CALLS}
-    # the ReLU's mask kernels where the case has a ReLU; the accumulators dequantized by a kernel
-    # unless the groups are narrower than dp4a's 4-channel blocks (torch then)
+    # the layer's scales and range records; the ReLU's mask kernels where the case has a ReLU; the
+    # accumulators dequantized by a kernel unless the groups are narrower than dp4a's 4-channel
+    # blocks (torch then)
     dequantized = case.groups == 1 or (case.cout // case.groups) % 4 == 0
-    assert kinds == ({"quantize", "forward", "grad_input", "grad_weight"} | ({"dequantize"} if dequantized else set())
+    assert kinds == ({"range_ema", "conv_scales", "quantize", "forward", "grad_input", "grad_weight"}
+                     | ({"dequantize"} if dequantized else set())
                      | ({"relu_bits", "mask"} if case.relu else set()))
 
 
@@ -521,7 +526,8 @@ def test_linear_layer_runs_as_one_wide_image_and_matches_reference(tvm_on_cpu):
     assert_matches_reference(x.grad, g.double() @ (w_q.double() * s_w.double()[:, None]))
     assert_matches_reference(layer.weight.grad, g.double().T @ (x_q.double() * s_x.double()))
     # batch 5 became the width of one image: "70->9 1x1 s1 @1x5 b1"
-    assert {d for k, d in tvm_kernels.CALLS if k != "quantize"} == {"70->9 1x1 s1 @1x5 b1 pad(0, 0, 0, 0)"}
+    assert {d for k, d in tvm_kernels.CALLS if k not in ("quantize", "conv_scales", "range_ema")} == {
+        "70->9 1x1 s1 @1x5 b1 pad(0, 0, 0, 0)"}
 
 
 def test_linear_layer_at_batch_1_matches_reference(tvm_on_cpu):
@@ -929,6 +935,32 @@ def test_batch_norms_channel_kernels_give_the_definitions_values(tvm_on_cpu):
     got = tvm_kernels.bn_coeffs(s1, s2, gamma, invstd, 144)
     want = batch_norm.grad_coefficients(s1, s2, gamma, invstd, 144)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_range_records_update_in_one_kernel_with_torchs_bits(tvm_on_cpu):
+    # range_ema (llvm here; one thread on CUDA) against update_range_torch: the EMA's bits where a
+    # range was recorded, the batch's own where none was (0), in place; NaN stays NaN as in torch
+    cases = [(0.0, 3.5), (2.0, 3.0), (3.0, 2.0), (1e-3, 7.25e4), (5.5, 5.5), (1.0, float("nan")),
+             (float("inf"), 1.0)]
+    for momentum in (0.1, 0.01, 1.0):
+        for before, m in cases:
+            ours, ref = torch.tensor(before), torch.tensor(before)
+            tvm_kernels.update_range(ours, torch.tensor(m), momentum)
+            functional.update_range_torch(ref, torch.tensor(m), momentum)
+            assert torch.equal(ours, ref) or (ours.isnan() and ref.isnan()), (momentum, before, m, ours, ref)
+    assert {k for k, _ in tvm_kernels.CALLS} == {"range_ema"}
+
+
+def test_a_convs_scales_come_from_one_kernel_with_torchs_bits(tvm_on_cpu):
+    # conv_scales (llvm here; a thread a channel on CUDA) against conv_scales_torch: s_x, s_w and
+    # their product bit for bit, an all-zero input or weight channel clamped to the minimum scale
+    g = torch.Generator().manual_seed(0)
+    w_amax = torch.rand(200, generator=g) * torch.logspace(-6, 3, 200)
+    w_amax[7] = 0.0
+    for amax in (torch.tensor(0.0), torch.tensor(1e-35), torch.tensor(6.123), torch.tensor(3.0e4)):
+        ours, ref = tvm_kernels.conv_scales(amax, w_amax), functional.conv_scales_torch(amax, w_amax)
+        assert ours[0].dim() == 0 and all(torch.equal(a, b) for a, b in zip(ours, ref)), amax
+    assert {k for k, _ in tvm_kernels.CALLS} == {"conv_scales"}
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

@@ -23,7 +23,8 @@ from tvm_qconv.nn import tvm_kernels
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")]
 CUDA = torch.device("cuda")
 KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
-         "quantize_grad", "scale_sums", "flip_transpose", "max_pool", "max_pool_grad"}  # all kinds
+         "quantize_grad", "scale_sums", "flip_transpose", "max_pool", "max_pool_grad",
+         "conv_scales", "range_ema"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -351,6 +352,29 @@ def test_scales_on_cuda_are_the_cpus_and_numpys_bit_for_bit():
     assert torch.equal(functional.weight_scales(w), expected)
     g = amax.view(1, -1, 1, 1)
     assert torch.equal(functional.quantize_per_channel(g.to(CUDA))[1].cpu(), expected)
+
+
+def test_cuda_scale_and_range_kernels_give_the_cpus_torch_bits():
+    # conv_scales (a thread a channel) and range_ema (one thread) on CUDA against their torch
+    # definitions on the CPU: every scale and every updated range bit for bit, over 100k ranges
+    # from 1e-6 to 1e4 (the correctly rounded __fdiv_rn / __fmul_rn; --use_fast_math's would not)
+    g = torch.Generator().manual_seed(0)
+    w_amax = torch.rand(4096, generator=g) * torch.logspace(-6, 4, 4096)
+    w_amax[:3] = torch.tensor([0.0, 1e-35, float("inf")])
+    for amax in (0.0, 1e-35, 0.731, 6.123, 3.0e4):
+        ours = tvm_kernels.conv_scales(torch.tensor(amax, device=CUDA), w_amax.to(CUDA))
+        ref = functional.conv_scales_torch(torch.tensor(amax), w_amax)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(ours, ref)), amax
+    bufs = torch.rand(20_000, generator=g) * torch.logspace(-6, 4, 20_000)
+    bufs[::7] = 0.0     # nothing recorded yet: the batch's own range
+    ms = torch.rand(20_000, generator=g) * torch.logspace(4, -6, 20_000)
+    for momentum in (0.1, 0.01):
+        for i in range(0, 20_000, 997):
+            ours, ref = bufs[i].to(CUDA), bufs[i].clone()
+            tvm_kernels.update_range(ours, ms[i].to(CUDA), momentum)
+            functional.update_range_torch(ref, ms[i], momentum)
+            assert torch.equal(ours.cpu(), ref), (momentum, bufs[i], ms[i])
+    assert {k for k, _ in tvm_kernels.CALLS} >= {"conv_scales", "range_ema"}
 
 
 @pytest.mark.parametrize("shape", [(32, 64, 224, 224), (3, 5, 7, 9)], ids=["vgg_pool1_b32", "odd"])

@@ -49,6 +49,8 @@ kind               what
                    ``dy = a * dz + b * (y - mean) + c`` [and, with ``addend``, ``dz``: the residual's]
 ``bn_finish``      the statistics from the channel sums, the running ones updated (``bn_channel.py``)
 ``bn_coeffs``      backward's per-channel ``a``, ``b``, ``c``, ``dgamma``, ``dbeta`` from its sums
+``range_ema``      a layer's range record updated with a batch's ``max|t|`` (``quant_scales.py``)
+``conv_scales``    a conv's input, weight and dequantizing scales from the ranges (``quant_scales.py``)
 =================  ===============================================================================
 
 Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
@@ -92,13 +94,14 @@ from ..channels_last_conversions import _schedule as schedule_pixels_by_vectors
 from ..elementwise_int8 import block_threads
 from ..sched_utils import as_schedule_of
 from ..tensorcore.layout import ceil32
-from . import bn_channel, dequantize_amax, pack_nhwc32, relu_bits_amax
+from . import bn_channel, dequantize_amax, pack_nhwc32, quant_scales, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad",
-         "bn_finish", "bn_coeffs")
-CHANNEL_KINDS = ("bn_finish", "bn_coeffs")     # a thread a channel (bn_channel.py)
+         "bn_finish", "bn_coeffs", "range_ema", "conv_scales")
+CHANNEL_KINDS = ("bn_finish", "bn_coeffs", "range_ema", "conv_scales")  # a thread a channel (bn_channel.py,
+#                                                                         quant_scales.py)
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -124,7 +127,7 @@ class ElementwiseWorkload:
         dw: (quantize_grad) the per-channel quantization for the weight gradient.
         addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient;
             (dequantize) a float32 NCHW tensor added last (a passthrough's gradient joining dx).
-        eps, momentum: (bn_finish) the BatchNorm's.
+        eps, momentum: (bn_finish) the BatchNorm's; momentum: (range_ema) the range record's.
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -177,7 +180,8 @@ class ElementwiseWorkload:
                 "dequantize"), ("bias", self.bias), ("relu", self.relu), ("transposed", self.transpose),
                 ("rows32", self.pad_rows), ("dx", self.dx),
                 ("dw", self.dw), ("amax", self.amax), ("addend", self.addend),
-                (f"eps {self.eps:g} momentum {self.momentum:g}", self.kind == "bn_finish")) if on]
+                (f"eps {self.eps:g} momentum {self.momentum:g}", self.kind == "bn_finish"),
+                (f"momentum {self.momentum:g}", self.kind == "range_ema")) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -738,7 +742,8 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     intrinsics (else in float64, rounded once)."""
     rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad,  # float ops
                "scale_sums": scale_sums, "bn_grad": bn_grad, "bn_relu": bn_relu,
-               "bn_finish": bn_channel.bn_finish, "bn_coeffs": bn_channel.bn_coeffs}
+               "bn_finish": bn_channel.bn_finish, "bn_coeffs": bn_channel.bn_coeffs,
+               "range_ema": quant_scales.range_ema, "conv_scales": quant_scales.conv_scales}
     if wl.kind in rounded:
         return rounded[wl.kind](wl, rn=rn)
     return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
@@ -761,7 +766,7 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
         _schedule_scale_sums(sch)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
     if wl.kind in CHANNEL_KINDS:    # a thread a channel, the outputs' blocks sharing its loop
-        loop = sch.get_loops(sch.get_sblock(f"{wl.kind}_v0"))[0]
+        loop = sch.get_loops(sch.get_sblock(wl.kind if wl.kind == "range_ema" else f"{wl.kind}_v0"))[0]
         bx, tx = sch.split(loop, [None, 128])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")

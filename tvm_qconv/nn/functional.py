@@ -196,8 +196,12 @@ def weight_scales(w: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of shape ``(O,)``.
     """
-    amax = torch.linalg.vector_norm(w.detach().reshape(w.shape[0], -1), float("inf"), dim=1).to(torch.float32)
-    return torch.clamp(_div_qmax(amax), min=MIN_WEIGHT_SCALE)
+    return torch.clamp(_div_qmax(weight_amax(w)), min=MIN_WEIGHT_SCALE)
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """``max|w[o]|`` per output channel (axis 0), float32 ``(O,)``: one reduction."""
+    return torch.linalg.vector_norm(w.detach().reshape(w.shape[0], -1), float("inf"), dim=1).to(torch.float32)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -476,6 +480,22 @@ def scale_sums_torch(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.mul(sums, scale.view(-1, 1, 1, 1), out=dw)
 
 
+def conv_scales_torch(amax: torch.Tensor, w_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A conv's forward scales from its input's range ``amax`` (0-d) and its weight's
+    ``w_amax`` (:func:`weight_amax`): ``(s_x, s_w, s_x * s_w)`` (:func:`input_scale`,
+    :func:`weight_scales`, the dequantizing scale)."""
+    s_x = input_scale(amax)
+    s_w = torch.clamp(_div_qmax(w_amax), min=MIN_WEIGHT_SCALE)
+    return s_x, s_w, s_x * s_w
+
+
+def update_range_torch(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
+    """A range record (0-d ``buf``) updated in place with a batch's range ``m``: its EMA,
+    ``buf + momentum * (m - buf)``, or ``m`` itself where nothing was recorded yet (``buf == 0``:
+    an EMA from 0 would under-estimate for ~1/momentum steps)."""
+    buf.copy_(torch.where(buf > 0, buf + momentum * (m - buf), m))
+
+
 def flipped_transposed_torch(w_q: torch.Tensor, groups: int) -> torch.Tensor:
     """OIHW ``[O, C/G, KH, KW]`` -> ``[C, O/G, KH, KW]`` flipped in both taps, per group: the
     weights of the conv that computes ``dx`` (any strides)."""
@@ -488,7 +508,8 @@ TORCH_ELEMENTWISE: dict[str, Callable[..., torch.Tensor]] = {
     "quantize": quantize_torch, "int8_conv_dequantized": int8_conv_dequantized_torch,
     "relu_bits": relu_bits_torch, "relu_with_bits": relu_with_bits_torch, "mask": mask_torch,
     "grad_stats": grad_stats_torch,
-    "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch, "flip_transpose": flipped_transposed_torch}
+    "quantize_grad": quantize_grad_torch, "scale_sums": scale_sums_torch, "flip_transpose": flipped_transposed_torch,
+    "conv_scales": conv_scales_torch, "update_range": update_range_torch}
 ELEMENTWISE_KERNELS: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
 
 
@@ -496,6 +517,11 @@ def _elementwise(device_type: str, name: str, default: Callable | None = None) -
     """``device_type``'s kernel ``name``, else ``default`` (else ``TORCH_ELEMENTWISE[name]``)."""
     _load_lazy_kernels(device_type)
     return ELEMENTWISE_KERNELS.get(device_type, {}).get(name, default or TORCH_ELEMENTWISE[name])
+
+
+def update_range(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
+    """The dispatch point of :func:`update_range_torch` (on CUDA one kernel for its six launches)."""
+    _elementwise(buf.device.type, "update_range")(buf, m, momentum)
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, mult: torch.Tensor | None = None) -> torch.Tensor:
@@ -731,11 +757,12 @@ def _forward(x, weight, bias, amax, stride, padding, dilation, groups, relu, kee
     # Compact NCHW for the kernels (TVM's DLPack import rejects channels_last, transposed
     # and sliced views); the copy is transient, only its int8 version is kept.
     x = x.contiguous()
-    x_scale = input_scale(amax)
+    # the scales in one kernel on CUDA (five one-element launches in torch)
+    x_scale, w_scale, scale = _elementwise(x.device.type, "conv_scales")(amax, weight_amax(weight))
     x_q = _quantize(x, x_scale)
-    w_q, w_scale = _quantize_weight(weight)
+    w_q, _ = _quantize_weight(weight, w_scale)
     # Dequantized once per accumulator (== dequantizing every product, the sum is exact).
-    y = _int8_conv_dequantized(x_q, w_q, stride, padding, dilation, groups, x_scale * w_scale,
+    y = _int8_conv_dequantized(x_q, w_q, stride, padding, dilation, groups, scale,
                                None if bias is None else bias.detach().to(torch.float32), relu)
     empty = torch.empty(0, dtype=torch.uint8, device=x.device)
     relu_bits = _relu_bits(y) if keep_relu_mask else empty

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import batch_amax, check_input_grad, note_amax, quantized_conv2d, quantized_linear
+from .functional import (batch_amax, check_input_grad, known_amax, note_amax, quantized_conv2d, quantized_linear,
+                         update_range)
 
 AMAX_BUFFERS = {"input_amax": "in0", "output_amax": "out"}  # buffer -> calibration-point suffix
 DEFAULT_AMAX_MOMENTUM = 0.1
@@ -52,12 +53,13 @@ class _RangeTracker:
     def _observe(self, buf: torch.Tensor, t: torch.Tensor, made_here: bool = False) -> torch.Tensor:
         """Fold this batch's max|t| into ``buf``; return the batch max.  Training only.
         ``made_here``: ``t`` is this layer's output, whose max the next layer reuses (``note_amax``)."""
-        m = batch_amax(t)
-        if made_here:
-            note_amax(t, m)
+        m = known_amax(t)     # the range a layer noted for its output: read, not copied
+        if m is None:
+            m = batch_amax(t)
+            if made_here:
+                note_amax(t, m)
         m = m.to(buf.device)
-        # The first batch initializes (an EMA from 0 would under-estimate for ~1/momentum steps).
-        buf.copy_(torch.where(buf > 0, buf + self.amax_momentum * (m - buf), m))
+        update_range(buf, m, self.amax_momentum)     # on CUDA one kernel
         return m
 
     input_range = "batch"   # INPUT_RANGES; set_input_range sets it on every layer of a model

@@ -737,6 +737,35 @@ def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: t
     return tuple(outs)
 
 
+def _scalar(t: torch.Tensor, device: torch.device) -> bool:
+    return t.dtype == torch.float32 and t.dim() == 0 and t.device == device
+
+
+def update_range(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
+    """``functional.update_range_torch`` in one kernel (``elementwise.range_ema``), ``buf`` written
+    in place."""
+    from .functional import update_range_torch
+    if not (_scalar(buf, buf.device) and _scalar(m, buf.device) and buf.is_contiguous()):
+        return update_range_torch(buf, m, momentum)
+    wl = elementwise.ElementwiseWorkload("range_ema", (1, 1, 1, 1), momentum=float(momentum))
+    # buf is an input and the output both: the one thread reads it, then writes it
+    _call("range_ema", wl, buf.device, buf.view(1), m.contiguous().view(1), buf.view(1))
+
+
+def conv_scales(amax: torch.Tensor, w_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``functional.conv_scales_torch`` in one kernel (``elementwise.conv_scales``): ``s_x`` (0-d,
+    a view of one of the kernel's ``[O]`` copies), ``s_w`` and ``s_x * s_w``."""
+    from .functional import conv_scales_torch
+    device = w_amax.device
+    if not (_scalar(amax, device) and _channel_vectors(w_amax)):
+        return conv_scales_torch(amax, w_amax)
+    o = w_amax.shape[0]
+    wl = elementwise.ElementwiseWorkload("conv_scales", (1, o, 1, 1))
+    outs = [torch.empty_like(w_amax) for _ in range(3)]
+    _call("conv_scales", wl, device, amax.detach().contiguous().view(1), w_amax, *outs, outputs=3)
+    return outs[0][0], outs[1], outs[2]
+
+
 def bn_relu(y: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, beta: torch.Tensor,
             addend: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_norm.normalize_relu`` in one kernel (``elementwise.bn_relu``: the output, its bits
@@ -916,7 +945,8 @@ def register(device_type: str = "cuda") -> None:
                                         "flip_transpose": flip_transpose,
                                         "bn_train_stats": bn_train_stats,
                                         "bn_coeffs": bn_coeffs, "bn_relu": bn_relu,
-                                        "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad}
+                                        "bn_grad_sums": bn_grad_sums, "bn_grad": bn_grad,
+                                        "update_range": update_range, "conv_scales": conv_scales}
 
 
 def report() -> list[dict]:

@@ -1,0 +1,66 @@
+"""The quantizers' scalar arithmetic around a training conv, one kernel each instead of a chain of
+one-element torch launches.
+
+* ``range_ema``: a layer's range record, ``buf = where(buf > 0, buf + momentum * (m - buf), m)``
+  (``nn.modules._RangeTracker``: the EMA of each batch's ``max|t|``, the batch's own the first
+  time).  In torch that is six launches (``gt``, ``sub``, ``mul``, ``add``, ``where``, ``copy_``),
+  twice a conv a step.
+* ``conv_scales``: a conv's forward scales from its input range and its weight's per-channel
+  ranges: ``s_x = max(amax / 127, MIN)``, ``s_w[o] = max(w_amax[o] / 127, MIN)`` and the
+  dequantizing scale ``s_x * s_w[o]`` (``functional.input_scale``, ``weight_scales`` and their
+  product: five launches).
+
+ResNet-50's training step at batch 32 ran ~1,600 such launches, each ~1 us of GPU time in a CUDA
+graph (H200, 2026-11-29; ``docs/history.md``).  A thread a channel (``elementwise.CHANNEL_KINDS``),
+each float32 operation rounded on its own as ``elementwise._exact`` (CUDA's ``__f*_rn``): torch's
+bits.  ``max(v, MIN)`` is torch's ``clamp(min=)``: a NaN stays NaN.
+
+Workloads (``elementwise.ElementwiseWorkload``): ``range_ema`` of shape ``(1, 1, 1, 1)`` with the
+layer's ``momentum``; ``conv_scales`` of shape ``(1, O, 1, 1)``.
+"""
+from __future__ import annotations
+
+from tvm import te, tirx
+
+QMAX = 127.0
+MIN_SCALE = 1e-30   # functional.MIN_INPUT_SCALE == observers.MIN_WEIGHT_SCALE
+
+
+def _clamp_min(v, low):
+    return tirx.if_then_else(v < low, low, v)
+
+
+def range_ema(wl, rn: bool = False) -> tirx.PrimFunc:
+    """``(buf, m, new)``: float32 ``[1]`` each, ``new = where(buf > 0, buf + momentum * (m - buf),
+    m)``; ``new`` may be ``buf`` itself (the one thread reads it before it writes it)."""
+    from .elementwise import _exact
+    buf, m = (te.placeholder((1,), "float32", name=nm) for nm in ("buf", "m"))
+    zero, mom = tirx.const(0.0, "float32"), tirx.const(wl.momentum, "float32")
+
+    def element(i):
+        moved = _exact("+", buf[i], _exact("*", _exact("-", m[i], buf[i], rn), mom, rn), rn)
+        return tirx.if_then_else(buf[i] > zero, moved, m[i])
+
+    new = te.compute((1,), element, name="range_ema")
+    return te.create_prim_func([buf, m, new]).with_attr(
+        {"tvm_qconv.kernel": "train_range_ema", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def conv_scales(wl, rn: bool = False) -> tirx.PrimFunc:
+    """``(amax, w_amax, s_x, s_w, scale)``: from the input's range ``amax`` (float32 ``[1]``) and
+    the weight's per-output-channel ``w_amax`` (``[O]``), ``s_x`` (``[O]``, every element the same:
+    the caller takes one), ``s_w`` and ``scale = s_x * s_w`` (``[O]``)."""
+    from .elementwise import _exact
+    o = wl.shape[1]
+    amax = te.placeholder((1,), "float32", name="amax")
+    w_amax = te.placeholder((o,), "float32", name="w_amax")
+    qmax, low = tirx.const(QMAX, "float32"), tirx.const(MIN_SCALE, "float32")
+
+    def element(ch):
+        s_x = _clamp_min(_exact("/", amax[0], qmax, rn), low)
+        s_w = _clamp_min(_exact("/", w_amax[ch], qmax, rn), low)
+        return s_x, s_w, _exact("*", s_x, s_w, rn)
+
+    outs = te.compute((o,), element, name="conv_scales")
+    return te.create_prim_func([amax, w_amax] + list(outs)).with_attr(
+        {"tvm_qconv.kernel": "train_conv_scales", "tvm_qconv.workload": str(wl.to_dict())})
