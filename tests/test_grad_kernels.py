@@ -259,6 +259,7 @@ ELEMENTWISE_TWIN_CASES = [
     ("bn_coeffs", (196, 200, 1, 1), {}),
     ("range_ema", (1, 1, 1, 1), {"momentum": 0.1}),       # one thread of a 128-thread block
     ("conv_scales", (1, 200, 1, 1), {}),                  # a thread a channel: 2 blocks of 128
+    ("conv_scales", (1, 200, 1, 1), {"mult": True}),      # backward's: dw's scale from the forward's s_x
     ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
     ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose
     ("flip_transpose", (16, 32, 7, 7), {}),              # 49 taps: 16 x 16 tiles
@@ -958,8 +959,15 @@ def test_a_convs_scales_come_from_one_kernel_with_torchs_bits(tvm_on_cpu):
     w_amax = torch.rand(200, generator=g) * torch.logspace(-6, 3, 200)
     w_amax[7] = 0.0
     for amax in (torch.tensor(0.0), torch.tensor(1e-35), torch.tensor(6.123), torch.tensor(3.0e4)):
-        ours, ref = tvm_kernels.conv_scales(amax, w_amax), functional.conv_scales_torch(amax, w_amax)
-        assert ours[0].dim() == 0 and all(torch.equal(a, b) for a, b in zip(ours, ref)), amax
+        for times in (None, torch.tensor(0.0173)):     # backward's: dw's scale from the forward's s_x
+            ours = tvm_kernels.conv_scales(amax, w_amax, times)
+            ref = functional.conv_scales_torch(amax, w_amax, times)
+            assert ours[0].dim() == 0 and all(torch.equal(a, b) for a, b in zip(ours, ref)), (amax, times)
+    # backward's three as the functions they stand for
+    g_amax, w_scale, x_scale = w_amax.flip(0), torch.rand(200, generator=g) * 1e-2, torch.tensor(0.0173)
+    s_dx, s_dw, dw_scale = functional._grad_scales(g_amax, w_scale, x_scale)
+    assert torch.equal(s_dx, functional.input_grad_scale(g_amax, w_scale))
+    assert torch.equal(s_dw, functional.weight_grad_scales(g_amax)) and torch.equal(dw_scale, x_scale * s_dw)
     assert {k for k, _ in tvm_kernels.CALLS} == {"conv_scales"}
 
 

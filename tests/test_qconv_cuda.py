@@ -362,9 +362,11 @@ def test_cuda_scale_and_range_kernels_give_the_cpus_torch_bits():
     w_amax = torch.rand(4096, generator=g) * torch.logspace(-6, 4, 4096)
     w_amax[:3] = torch.tensor([0.0, 1e-35, float("inf")])
     for amax in (0.0, 1e-35, 0.731, 6.123, 3.0e4):
-        ours = tvm_kernels.conv_scales(torch.tensor(amax, device=CUDA), w_amax.to(CUDA))
-        ref = functional.conv_scales_torch(torch.tensor(amax), w_amax)
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(ours, ref)), amax
+        for times in (None, 0.0173):    # backward's: dw's scale from the forward's s_x
+            ours = tvm_kernels.conv_scales(torch.tensor(amax, device=CUDA), w_amax.to(CUDA),
+                                           None if times is None else torch.tensor(times, device=CUDA))
+            ref = functional.conv_scales_torch(torch.tensor(amax), w_amax, None if times is None else torch.tensor(times))
+            assert all(torch.equal(a.cpu(), b) for a, b in zip(ours, ref)), (amax, times)
     bufs = torch.rand(20_000, generator=g) * torch.logspace(-6, 4, 20_000)
     bufs[::7] = 0.0     # nothing recorded yet: the batch's own range
     ms = torch.rand(20_000, generator=g) * torch.logspace(4, -6, 20_000)

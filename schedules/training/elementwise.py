@@ -117,7 +117,8 @@ class ElementwiseWorkload:
         shape: the float side's NCHW shape (N, C, H, W).
         per_channel: the scale is ``[C]`` (else ``[1]``).
         mult: (quantize) ``x`` is multiplied by a ``[C]`` factor first (the weight scales folded
-            into the output gradient of the int8 input gradient).
+            into the output gradient of the int8 input gradient); (conv_scales) the product's
+            first factor is an input (backward's ``dw`` scale).
         layout: (dequantize) the accumulators' layout: ``nchw``, ``nhwc32`` or ``nchw4c`` (one group).
         bias: (dequantize) a ``[C]`` bias is added after the scale.
         relu: (dequantize) ReLU last; (grad_stats, quantize_grad) ``g`` masked by the ReLU's bits.

@@ -8,7 +8,10 @@ one-element torch launches.
 * ``conv_scales``: a conv's forward scales from its input range and its weight's per-channel
   ranges: ``s_x = max(amax / 127, MIN)``, ``s_w[o] = max(w_amax[o] / 127, MIN)`` and the
   dequantizing scale ``s_x * s_w[o]`` (``functional.input_scale``, ``weight_scales`` and their
-  product: five launches).
+  product: five launches).  With ``mult``, backward's: the int8 gradients' scales from
+  ``max_o(max|g[o]| * s_w[o])`` and ``max|g[o]|`` (``functional.input_grad_scale``,
+  ``weight_grad_scales``) and ``dw``'s scale ``s_x * s_g[o]`` with the forward's ``s_x`` as an
+  input (``times``): five launches too.
 
 ResNet-50's training step at batch 32 ran ~1,600 such launches, each ~1 us of GPU time in a CUDA
 graph (H200, 2026-11-29; ``docs/history.md``).  A thread a channel (``elementwise.CHANNEL_KINDS``),
@@ -16,7 +19,7 @@ each float32 operation rounded on its own as ``elementwise._exact`` (CUDA's ``__
 bits.  ``max(v, MIN)`` is torch's ``clamp(min=)``: a NaN stays NaN.
 
 Workloads (``elementwise.ElementwiseWorkload``): ``range_ema`` of shape ``(1, 1, 1, 1)`` with the
-layer's ``momentum``; ``conv_scales`` of shape ``(1, O, 1, 1)``.
+layer's ``momentum``; ``conv_scales`` of shape ``(1, O, 1, 1)`` [with ``mult``].
 """
 from __future__ import annotations
 
@@ -47,20 +50,22 @@ def range_ema(wl, rn: bool = False) -> tirx.PrimFunc:
 
 
 def conv_scales(wl, rn: bool = False) -> tirx.PrimFunc:
-    """``(amax, w_amax, s_x, s_w, scale)``: from the input's range ``amax`` (float32 ``[1]``) and
-    the weight's per-output-channel ``w_amax`` (``[O]``), ``s_x`` (``[O]``, every element the same:
-    the caller takes one), ``s_w`` and ``scale = s_x * s_w`` (``[O]``)."""
+    """``(amax, w_amax[, times], s_x, s_w, scale)``: from the input's range ``amax`` (float32
+    ``[1]``) and the weight's per-output-channel ``w_amax`` (``[O]``), ``s_x`` (``[O]``, every
+    element the same: the caller takes one), ``s_w`` and ``scale = s_x * s_w`` (``[O]``), or ``times
+    * s_w`` with ``wl.mult`` (``times``: ``[1]``)."""
     from .elementwise import _exact
     o = wl.shape[1]
     amax = te.placeholder((1,), "float32", name="amax")
     w_amax = te.placeholder((o,), "float32", name="w_amax")
+    times = te.placeholder((1,), "float32", name="times") if wl.mult else None
     qmax, low = tirx.const(QMAX, "float32"), tirx.const(MIN_SCALE, "float32")
 
     def element(ch):
         s_x = _clamp_min(_exact("/", amax[0], qmax, rn), low)
         s_w = _clamp_min(_exact("/", w_amax[ch], qmax, rn), low)
-        return s_x, s_w, _exact("*", s_x, s_w, rn)
+        return s_x, s_w, _exact("*", s_x if times is None else times[0], s_w, rn)
 
     outs = te.compute((o,), element, name="conv_scales")
-    return te.create_prim_func([amax, w_amax] + list(outs)).with_attr(
+    return te.create_prim_func([amax, w_amax] + ([times] if times is not None else []) + list(outs)).with_attr(
         {"tvm_qconv.kernel": "train_conv_scales", "tvm_qconv.workload": str(wl.to_dict())})

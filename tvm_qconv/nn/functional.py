@@ -480,13 +480,15 @@ def scale_sums_torch(sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.mul(sums, scale.view(-1, 1, 1, 1), out=dw)
 
 
-def conv_scales_torch(amax: torch.Tensor, w_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def conv_scales_torch(amax: torch.Tensor, w_amax: torch.Tensor, times: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A conv's forward scales from its input's range ``amax`` (0-d) and its weight's
     ``w_amax`` (:func:`weight_amax`): ``(s_x, s_w, s_x * s_w)`` (:func:`input_scale`,
-    :func:`weight_scales`, the dequantizing scale)."""
+    :func:`weight_scales`, the dequantizing scale); ``times * s_w`` last where ``times`` (0-d) is
+    given.  Backward's int8 gradient scales are the same arithmetic (:func:`_grad_scales`)."""
     s_x = input_scale(amax)
     s_w = torch.clamp(_div_qmax(w_amax), min=MIN_WEIGHT_SCALE)
-    return s_x, s_w, s_x * s_w
+    return s_x, s_w, (s_x if times is None else times) * s_w
 
 
 def update_range_torch(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
@@ -653,6 +655,14 @@ def _flipped_transposed(w_q: torch.Tensor, groups: int) -> torch.Tensor:
     return _elementwise(w_q.device.type, "flip_transpose")(w_q, groups)
 
 
+def _grad_scales(amax: torch.Tensor, w_scale: torch.Tensor, x_scale: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both int8 gradients' scales from ``amax = max|g[o]|``: ``(s_dx, s_dw, x_scale * s_dw)``
+    (:func:`input_grad_scale`, :func:`weight_grad_scales` and ``dw``'s scale), the last three
+    through ``conv_scales`` (one kernel on CUDA; ``MIN_INPUT_SCALE == MIN_WEIGHT_SCALE``)."""
+    return _elementwise(amax.device.type, "conv_scales")((amax * w_scale).max(), amax, x_scale)
+
+
 def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """The one scale of the int8 input gradient's operand ``g * s_w[o]`` from ``amax = max|g[o]|``
     (:func:`_conv_input_grad_int8`)."""
@@ -721,7 +731,8 @@ _FALLBACK_NOTED: set = set()
 
 
 def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.Tensor, s_g: torch.Tensor,
-                           weight_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int) -> torch.Tensor:
+                           weight_shape: Sequence[int], stride, padding: Padding4, dilation, groups: int,
+                           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``dw`` from an int8 gradient (``weight_grad="int8"``), float32 OIHW.
 
     The gradient is quantized per output channel, ``g ~ g_q[o] * s_g[o]`` (``s_g`` of
@@ -730,7 +741,7 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.
     tensor cores (a split-K conv, ``schedules/training/grad_weight_mma.py``), so bit-equal to the
     CPU's.  A conv those kernels cannot take (groups, a batch under 16) runs the float kernel on
     the dequantized ``g_q * s_g``, the same values up to float32 rounding, with a one-line note
-    the first time.
+    the first time.  ``scale``: ``x_scale * s_g``, where the caller has it (:func:`_grad_scales`).
     """
     _load_lazy_kernels(g_q.device.type)
     kernel = INT8_WEIGHT_GRAD_KERNELS.get(g_q.device.type)
@@ -744,7 +755,7 @@ def _conv_weight_grad_int8(x_q: torch.Tensor, x_scale: torch.Tensor, g_q: torch.
                           "it runs the float32 kernel on the quantized gradient")
         g_deq = g_q.to(torch.float32).mul_(s_g.view(1, -1, 1, 1))
         return _conv_weight_grad(x_q, x_scale, g_deq, weight_shape, stride, padding, dilation, groups)
-    scale = x_scale * s_g
+    scale = x_scale * s_g if scale is None else scale
     if acc.is_floating_point():     # float64 sums: rounded to float32 first, then scaled (two roundings)
         return torch.empty(acc.shape, dtype=torch.float32, device=acc.device).copy_(acc).mul_(scale.view(-1, 1, 1, 1))
     return _elementwise(acc.device.type, "scale_sums")(acc, scale)
@@ -811,15 +822,18 @@ class QuantizedConv2dFunction(torch.autograd.Function):
         bits = relu_bits if relu else None      # g is read through the ReLU's mask, never masked in memory
         int8_dx = ctx.needs_input_grad[0] and ctx.input_grad == "int8"
         int8_dw = ctx.needs_input_grad[1] and ctx.weight_grad == "int8"
-        w_q = w_scale = g_sum = None
+        w_q = w_scale = g_sum = dw_scale = None
         if ctx.needs_input_grad[0]:
             w_q, w_scale = _quantize_weight(weight, w_scale_fw)  # bit-identical to the forward's
         if int8_dx or int8_dw:
             # one pass for max|g| per channel (both int8 operands' ranges) and the bias gradient,
             # one for both int8 operands
             amax, g_sum = _grad_stats(g, bits)
-            s_dx = input_grad_scale(amax, w_scale) if int8_dx else None
-            s_dw = weight_grad_scales(amax) if int8_dw else None
+            if int8_dx and int8_dw:     # one kernel on CUDA for the three scales
+                s_dx, s_dw, dw_scale = _grad_scales(amax, w_scale, x_scale)
+            else:
+                s_dx = input_grad_scale(amax, w_scale) if int8_dx else None
+                s_dw = weight_grad_scales(amax) if int8_dw else None
             q_dx, q_dw = _quantize_grad(g, bits, s_dx, w_scale if int8_dx else None, s_dw)
         masked = []     # the masked float gradient, made once if a float kernel needs it
 
@@ -845,7 +859,8 @@ class QuantizedConv2dFunction(torch.autograd.Function):
                 dx = dx + grad_passthrough
         if ctx.needs_input_grad[1]:
             if int8_dw:
-                dw = _conv_weight_grad_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups)
+                dw = _conv_weight_grad_int8(x_q, x_scale, q_dw, s_dw, w_shape, stride, padding, dilation, groups,
+                                            dw_scale)
             else:
                 dw = _conv_weight_grad(x_q, x_scale, g_masked(), w_shape, stride, padding, dilation, groups)
             dw = dw.to(w_dtype)

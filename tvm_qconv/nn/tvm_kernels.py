@@ -752,17 +752,19 @@ def update_range(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
     _call("range_ema", wl, buf.device, buf.view(1), m.contiguous().view(1), buf.view(1))
 
 
-def conv_scales(amax: torch.Tensor, w_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def conv_scales(amax: torch.Tensor, w_amax: torch.Tensor, times: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``functional.conv_scales_torch`` in one kernel (``elementwise.conv_scales``): ``s_x`` (0-d,
-    a view of one of the kernel's ``[O]`` copies), ``s_w`` and ``s_x * s_w``."""
+    a view of one of the kernel's ``[O]`` copies), ``s_w`` and ``s_x * s_w`` (``times * s_w``)."""
     from .functional import conv_scales_torch
     device = w_amax.device
-    if not (_scalar(amax, device) and _channel_vectors(w_amax)):
-        return conv_scales_torch(amax, w_amax)
+    if not (_scalar(amax, device) and _channel_vectors(w_amax) and (times is None or _scalar(times, device))):
+        return conv_scales_torch(amax, w_amax, times)
     o = w_amax.shape[0]
-    wl = elementwise.ElementwiseWorkload("conv_scales", (1, o, 1, 1))
+    wl = elementwise.ElementwiseWorkload("conv_scales", (1, o, 1, 1), mult=times is not None)
     outs = [torch.empty_like(w_amax) for _ in range(3)]
-    _call("conv_scales", wl, device, amax.detach().contiguous().view(1), w_amax, *outs, outputs=3)
+    extra = [] if times is None else [times.detach().contiguous().view(1)]
+    _call("conv_scales", wl, device, amax.detach().contiguous().view(1), w_amax.detach(), *extra, *outs, outputs=3)
     return outs[0][0], outs[1], outs[2]
 
 
