@@ -196,7 +196,9 @@ def _profile(step) -> dict:
              if a.device_type == torch.autograd.DeviceType.CPU and a.self_device_time_total > 0]
     kernels, ops = {}, set()
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        # a user annotation's span on the GPU (``Optimizer.step#SGD.step``) is not a kernel: it
+        # covers the optimizer's kernels, which would count twice in the busy time
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
             n, us = kernels.get(e.name, (0, 0.0))
             kernels[e.name] = (n + 1, us + e.time_range.elapsed_us())
         elif e.name in TORCH_MATMULS:
