@@ -257,6 +257,8 @@ ELEMENTWISE_TWIN_CASES = [
     ("scale_sums", (32, 32, 3, 3), {}),
     ("bn_finish", (4, 200, 7, 7), {"eps": 1e-5, "momentum": 0.1}),   # a thread a channel: 2 blocks of 128
     ("bn_coeffs", (196, 200, 1, 1), {}),
+    ("bn_finish", (4, 200, 7, 7), {"eps": 1e-5, "momentum": 0.1, "partials": 600}),   # a block a channel adds
+    ("bn_coeffs", (196, 200, 1, 1), {"partials": 37}),    # the partials: whole and partial 256-thread rounds
     ("range_ema", (1, 1, 1, 1), {"momentum": 0.1}),       # one thread of a 128-thread block
     ("conv_scales", (1, 200, 1, 1), {}),                  # a thread a channel: 2 blocks of 128
     ("conv_scales", (1, 200, 1, 1), {"mult": True}),      # backward's: dw's scale from the forward's s_x
@@ -936,6 +938,14 @@ def test_batch_norms_channel_kernels_give_the_definitions_values(tvm_on_cpu):
     got = tvm_kernels.bn_coeffs(s1, s2, gamma, invstd, 144)
     want = batch_norm.grad_coefficients(s1, s2, gamma, invstd, 144)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the same from [C, K] partials (bn_grad_sums' on CUDA), added in the kernel: multiples of
+    # 2^-20 well inside float64's 53 bits, so the sums are exact in any order and the bits comparable
+    p1 = torch.randint(-2**20, 2**20, (40, 300), generator=g).to(torch.float64) / 2**20
+    p2 = torch.randint(-2**20, 2**20, (40, 300), generator=g).to(torch.float64) / 2**20
+    got = tvm_kernels.bn_coeffs(p1, p2, gamma, invstd, 144)
+    want = batch_norm.grad_coefficients(p1.sum(1), p2.sum(1), gamma, invstd, 144)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert any("partials 300" in d for k, d in tvm_kernels.CALLS if k == "bn_coeffs")
 
 
 def test_range_records_update_in_one_kernel_with_torchs_bits(tvm_on_cpu):

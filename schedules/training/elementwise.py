@@ -129,6 +129,8 @@ class ElementwiseWorkload:
         addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient;
             (dequantize) a float32 NCHW tensor added last (a passthrough's gradient joining dx).
         eps, momentum: (bn_finish) the BatchNorm's; momentum: (range_ema) the range record's.
+        partials: (bn_finish, bn_coeffs) the two float64 sums arrive as ``[C, partials]``
+            per-thread partials of the statistics kernels, added in the kernel (``bn_channel``).
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -151,10 +153,13 @@ class ElementwiseWorkload:
     addend: bool = False
     eps: float = 0.0
     momentum: float = 0.0
+    partials: int = 1
 
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
+        if self.partials < 1 or (self.partials > 1 and self.kind not in ("bn_finish", "bn_coeffs")):
+            raise ValueError(f"partials (at least 1) are bn_finish's and bn_coeffs': {self}")
         if self.largest_tensor() >= INDEX_LIMIT:
             raise ValueError(f"{self.describe()}: a tensor of {self.largest_tensor()} elements; the training kernels "
                              f"index in int32 (under {INDEX_LIMIT}): use a smaller batch")
@@ -182,7 +187,8 @@ class ElementwiseWorkload:
                 ("rows32", self.pad_rows), ("dx", self.dx),
                 ("dw", self.dw), ("amax", self.amax), ("addend", self.addend),
                 (f"eps {self.eps:g} momentum {self.momentum:g}", self.kind == "bn_finish"),
-                (f"momentum {self.momentum:g}", self.kind == "range_ema")) if on]
+                (f"momentum {self.momentum:g}", self.kind == "range_ema"),
+                (f"partials {self.partials}", self.partials > 1)) if on]
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
@@ -766,6 +772,8 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
             raise ValueError(f"scale_sums takes whole {SCALE_TILE} x {SCALE_TILE} tiles (scale_sums_tiles): {wl}")
         _schedule_scale_sums(sch)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    if wl.kind in ("bn_finish", "bn_coeffs"):
+        return bn_channel.schedule_cuda(func, wl)
     if wl.kind in CHANNEL_KINDS:    # a thread a channel, the outputs' blocks sharing its loop
         loop = sch.get_loops(sch.get_sblock(wl.kind if wl.kind == "range_ema" else f"{wl.kind}_v0"))[0]
         bx, tx = sch.split(loop, [None, 128])

@@ -136,6 +136,7 @@ class BatchNormReLUFunction(torch.autograd.Function):
         y, bits, gamma, mean, invstd = ctx.saved_tensors
         g = g.to(torch.float32).contiguous()
         device = g.device.type      # on CUDA one TVM kernel a pass (tvm_kernels.bn_grad_sums, bn_grad)
+        # the float64 sums; on CUDA as the kernel's per-thread partials, which bn_coeffs adds
         s1, s2 = _elementwise(device, "bn_grad_sums", grad_sums)(g, bits, y, mean)
         m = y.numel() // y.shape[1]
         # the per-channel arithmetic in one kernel on CUDA (tvm_kernels.bn_coeffs)

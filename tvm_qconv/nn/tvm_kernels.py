@@ -693,14 +693,15 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
 
 
 def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float64 ``sum y`` and ``sum y * y`` a channel of float32 NCHW ``y``: the ``bn_stats`` kernel's
-    partials, added by torch."""
+    """Float64 ``sum y`` and ``sum y * y`` a channel of float32 NCHW ``y`` as the ``bn_stats``
+    kernel's ``[C, K]`` per-thread partials (``bn_finish`` adds them)."""
     wl = elementwise.ElementwiseWorkload("bn_stats", tuple(y.shape))
     blocks, threads, _ = elementwise.stats_grid(y.shape)
-    s1 = torch.empty((y.shape[1], blocks, threads), dtype=torch.float64, device=y.device)
+    s1 = torch.empty((y.shape[1], blocks * threads), dtype=torch.float64, device=y.device)
     s2 = torch.empty_like(s1)
-    _call("bn_stats", wl, y.device, _ready(y.reshape(-1) if elementwise.quads(y.shape) else y), s1, s2, outputs=2)
-    return s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2))
+    _call("bn_stats", wl, y.device, _ready(y.reshape(-1) if elementwise.quads(y.shape) else y),
+          s1.view(-1, blocks, threads), s2.view(-1, blocks, threads), outputs=2)
+    return s1, s2
 
 
 def _channel_vectors(*tensors: torch.Tensor) -> bool:
@@ -709,16 +710,18 @@ def _channel_vectors(*tensors: torch.Tensor) -> bool:
 
 def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Tensor, running_var: torch.Tensor,
                    eps: float, momentum: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``batch_norm.train_stats``: the sums in one pass over ``y`` (``bn_stats``), then the statistics,
-    ``gamma * invstd`` and the running statistics (written in place) in one kernel a channel
-    (``elementwise.bn_finish``) instead of ~20 torch launches of one-channel vectors."""
+    """``batch_norm.train_stats``: the sums' partials in one pass over ``y`` (``bn_stats``), then in
+    one kernel a block a channel the sums, the statistics, ``gamma * invstd`` and the running
+    statistics (written in place; ``elementwise.bn_finish``) instead of two torch reductions and
+    ~20 torch launches of one-channel vectors."""
     from .batch_norm import train_stats
     if y.dim() != 4 or y.dtype != torch.float32 or not _channel_vectors(gamma, running_mean, running_var):
         return train_stats(y, gamma, running_mean, running_var, eps, momentum)
     s1, s2 = _bn_sums(y)
-    wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum))
+    wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum),
+                                         partials=s1.shape[1])
     mean, invstd, scale = (torch.empty_like(running_mean) for _ in range(3))
-    # the running statistics are inputs and outputs both: a thread reads its channel's, then writes it
+    # the running statistics are inputs and outputs both: one thread reads its channel's, then writes it
     _call("bn_finish", wl, y.device, s1, s2, gamma.detach(), running_mean, running_var,
           mean, invstd, scale, running_mean, running_var, outputs=5)
     return mean, invstd, scale
@@ -726,12 +729,17 @@ def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Ten
 
 def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
               ) -> tuple[torch.Tensor, ...]:
-    """``batch_norm.grad_coefficients`` in one kernel a channel (``elementwise.bn_coeffs``)."""
+    """``batch_norm.grad_coefficients`` in one kernel a channel (``elementwise.bn_coeffs``); ``s1``,
+    ``s2`` the float64 sums ``[C]`` or, from :func:`bn_grad_sums`, their ``[C, K]`` partials, which
+    the kernel adds (a block a channel)."""
     from .batch_norm import grad_coefficients
     if s1.dtype != torch.float64 or s2.dtype != torch.float64 or not _channel_vectors(gamma, invstd):
+        if s1.dim() == 2:
+            s1, s2 = s1.sum(dim=1), s2.sum(dim=1)
         return grad_coefficients(s1, s2, gamma, invstd, m)
     c = gamma.shape[0]
-    wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1))    # M elements a channel, as N x 1 x 1
+    wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1),     # M elements a channel, as N x 1 x 1
+                                         partials=s1.shape[1] if s1.dim() == 2 else 1)
     outs = [torch.empty_like(invstd) for _ in range(5)]
     _call("bn_coeffs", wl, s1.device, s1.contiguous(), s2.contiguous(), gamma, invstd, *outs, outputs=5)
     return tuple(outs)
@@ -788,19 +796,20 @@ def bn_relu(y: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, beta: torc
 
 def bn_grad_sums(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_norm.grad_sums`` in one pass over ``g``, its bits and ``y`` (``elementwise.bn_grad_sums``;
-    the float64 partials finished here)."""
+    """``batch_norm.grad_sums`` in one pass over ``g``, its bits and ``y`` (``elementwise.bn_grad_sums``),
+    as ``[C, K]`` float64 per-thread partials, which :func:`bn_coeffs` adds (``batch_norm``'s
+    backward hands them over as they are)."""
     from .batch_norm import grad_sums
     if g.dim() != 4 or g.dtype != torch.float32 or y.dtype != torch.float32:
         return grad_sums(g, bits, y, mean)
     wl = elementwise.ElementwiseWorkload("bn_grad_sums", tuple(g.shape))
     blocks, threads, _ = elementwise.stats_grid(g.shape)
-    s1 = torch.empty((g.shape[1], blocks, threads), dtype=torch.float64, device=g.device)
+    s1 = torch.empty((g.shape[1], blocks * threads), dtype=torch.float64, device=g.device)
     s2 = torch.empty_like(s1)
     four = elementwise.quads(g.shape)
     _call("bn_grad_sums", wl, g.device, _ready(g.reshape(-1) if four else g), _ready(y.reshape(-1) if four else y),
-          bits, mean.to(torch.float32), s1, s2, outputs=2)
-    return s1.sum(dim=(1, 2)), s2.sum(dim=(1, 2))
+          bits, mean.to(torch.float32), s1.view(-1, blocks, threads), s2.view(-1, blocks, threads), outputs=2)
+    return s1, s2
 
 
 def bn_grad(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, a: torch.Tensor,

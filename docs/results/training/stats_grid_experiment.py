@@ -1,6 +1,8 @@
 """Experiment (device, not in the project): the statistics kernels' grid, blocks a channel capped,
 against the current one; each timed with its torch reduction of the partials, 20 calls in a CUDA
-graph.  Decides whether fewer, longer threads (smaller partials) beat the current grid."""
+graph.  Decides whether fewer, longer threads (smaller partials) beat the current grid.  Run at
+tree 4d4d7d1, where ``_bn_sums`` and ``bn_grad_sums`` still added the partials by torch (since
+then ``bn_finish`` / ``bn_coeffs`` add them, and these two return the partials)."""
 import json, os, sys, tempfile
 sys.path.insert(0, os.getcwd())
 import torch
