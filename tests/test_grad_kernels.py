@@ -946,6 +946,8 @@ def test_batch_norms_channel_kernels_give_the_definitions_values(tvm_on_cpu):
     want = batch_norm.grad_coefficients(p1.sum(1), p2.sum(1), gamma, invstd, 144)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert any("partials 300" in d for k, d in tvm_kernels.CALLS if k == "bn_coeffs")
+    # the torch definition takes the partials too (a kernel's bn_grad_sums with torch's coefficients)
+    assert all(torch.equal(a, b) for a, b in zip(batch_norm.grad_coefficients(p1, p2, gamma, invstd, 144), want))
 
 
 def test_range_records_update_in_one_kernel_with_torchs_bits(tvm_on_cpu):
@@ -979,6 +981,26 @@ def test_a_convs_scales_come_from_one_kernel_with_torchs_bits(tvm_on_cpu):
     assert torch.equal(s_dx, functional.input_grad_scale(g_amax, w_scale))
     assert torch.equal(s_dw, functional.weight_grad_scales(g_amax)) and torch.equal(dw_scale, x_scale * s_dw)
     assert {k for k, _ in tvm_kernels.CALLS} == {"conv_scales"}
+
+
+def test_batch_norm_partials_over_the_cap_are_added_by_torch_first(tvm_on_cpu, monkeypatch):
+    # K partials a channel above bn_channel.MAX_PARTIALS (ResNet-50 b128's stem: 50,176) reach
+    # bn_finish as [C] sums (a block a channel would read them alone); under it, as partials
+    from tvm_qconv.nn import batch_norm
+    from tvm_qconv.schedules.training import bn_channel, elementwise
+    g = torch.Generator().manual_seed(0)
+    y, gamma = torch.randn(4, 8, 16, 16, generator=g), torch.rand(8, generator=g) + 0.5
+    k = elementwise.stats_grid(y.shape)[0] * elementwise.stats_grid(y.shape)[1]
+    results = []
+    for cap in (k, k - 1):
+        monkeypatch.setattr(bn_channel, "MAX_PARTIALS", cap)
+        tvm_kernels.CALLS.clear()
+        results.append(tvm_kernels.bn_train_stats(y, gamma, torch.zeros(8), torch.ones(8), 1e-5, 0.1))
+        finish = [d for kind, d in tvm_kernels.CALLS if kind == "bn_finish"]
+        assert len(finish) == 1 and (f"partials {k}" in finish[0]) == (cap == k), finish
+    want = batch_norm.train_stats(y, gamma, torch.zeros(8), torch.ones(8), 1e-5, 0.1)
+    for got in results:     # the statistics either way (the float64 sums' order could move a rare tie)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])

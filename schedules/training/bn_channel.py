@@ -49,6 +49,10 @@ def _rsqrt64(v, rn: bool):
 
 THREADS = 256      # a channel's block, where the partials are added in the kernel
 UNROLL = 8          # partials a thread has in flight
+# Above this many partials a channel torch adds them first (tvm_kernels): a block a channel reads
+# 16 bytes a partial alone, and at ResNet-50 b128's stem (64 channels, K = 50,176: 800 KB a block,
+# 64 blocks on 132 SMs) that is likely slower than torch's two reductions (a guess, to be timed)
+MAX_PARTIALS = 16384
 
 
 def _sums(wl, names: tuple[str, str]) -> tuple[list, list]:

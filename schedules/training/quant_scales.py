@@ -16,9 +16,10 @@ one-element torch launches.
 ResNet-50's training step at batch 32 ran ~1,600 such launches, each ~1 us of GPU time in a CUDA
 graph (H200, 2026-11-29; ``docs/history.md``).  A thread a channel (``elementwise.CHANNEL_KINDS``),
 each float32 operation rounded on its own as ``elementwise._exact`` (CUDA's ``__f*_rn``): torch's
-bits, except that CUDA's intrinsics flush a subnormal result to 0 under TVM's ``--use_fast_math``
-(as every kernel here): only a product ``s_x * s_w`` below 1.2e-38, i.e. an input range under
-~1e-28 times a weight channel's under ~1.5e-6.  ``max(v, MIN)`` is torch's ``clamp(min=)``: a NaN
+bits, except that CUDA flushes subnormals to 0 under TVM's ``--use_fast_math`` (as in every kernel
+here): a product ``s_x * s_w`` below 1.2e-38 (an input range under ~1e-28 times a weight channel's
+under ~1.5e-6), and in ``range_ema`` a range record or batch range below 1.2e-38, which compares
+as 0 and is replaced or flushed.  ``max(v, MIN)`` is torch's ``clamp(min=)``: a NaN
 stays NaN.
 
 Workloads (``elementwise.ElementwiseWorkload``): ``range_ema`` of shape ``(1, 1, 1, 1)`` with the

@@ -110,7 +110,10 @@ def coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd
 def grad_coefficients(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, m: int
                       ) -> tuple[torch.Tensor, ...]:
     """Backward's per-channel ``(a, b, c, dgamma, dbeta)`` from pass 1's float64 sums: :func:`coefficients`,
-    ``dgamma = s2 * invstd`` and ``dbeta = s1`` (float64, in ``gamma``'s dtype out)."""
+    ``dgamma = s2 * invstd`` and ``dbeta = s1`` (float64, in ``gamma``'s dtype out).  ``s1``, ``s2``:
+    ``[C]``, or ``[C, K]`` partials (a kernel's ``bn_grad_sums``), added here."""
+    if s1.dim() == 2:
+        s1, s2 = s1.sum(dim=1), s2.sum(dim=1)
     a, b, c = coefficients(s1, s2, gamma, invstd, m)
     return a, b, c, (s2 * invstd.to(torch.float64)).to(gamma.dtype), s1.to(gamma.dtype)
 

@@ -78,7 +78,7 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
-from ..schedules.training import dequantize_amax, elementwise, grad_weight_mma, relu_bits_amax
+from ..schedules.training import bn_channel, dequantize_amax, elementwise, grad_weight_mma, relu_bits_amax
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
 from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
@@ -704,6 +704,15 @@ def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s1, s2
 
 
+def _partials_for_kernel(s: torch.Tensor) -> torch.Tensor:
+    """float64 sums ``[C]`` or partials ``[C, K]`` as ``bn_finish`` / ``bn_coeffs`` take them: added
+    by torch first where ``K`` is over ``bn_channel.MAX_PARTIALS`` (a block a channel would read
+    them alone: ResNet-50 b128's stem, 64 blocks of 800 KB), a ``[C, 1]`` as ``[C]``."""
+    if s.dim() == 2 and (s.shape[1] == 1 or s.shape[1] > bn_channel.MAX_PARTIALS):
+        return s.sum(dim=1)
+    return s
+
+
 def _channel_vectors(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.dim() == 1 and t.is_contiguous() for t in tensors)
 
@@ -717,9 +726,9 @@ def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Ten
     from .batch_norm import train_stats
     if y.dim() != 4 or y.dtype != torch.float32 or not _channel_vectors(gamma, running_mean, running_var):
         return train_stats(y, gamma, running_mean, running_var, eps, momentum)
-    s1, s2 = _bn_sums(y)
+    s1, s2 = (_partials_for_kernel(s) for s in _bn_sums(y))
     wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum),
-                                         partials=s1.shape[1])
+                                         partials=s1.shape[1] if s1.dim() == 2 else 1)
     mean, invstd, scale = (torch.empty_like(running_mean) for _ in range(3))
     # the running statistics are inputs and outputs both: one thread reads its channel's, then writes it
     _call("bn_finish", wl, y.device, s1, s2, gamma.detach(), running_mean, running_var,
@@ -734,9 +743,8 @@ def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: t
     the kernel adds (a block a channel)."""
     from .batch_norm import grad_coefficients
     if s1.dtype != torch.float64 or s2.dtype != torch.float64 or not _channel_vectors(gamma, invstd):
-        if s1.dim() == 2:
-            s1, s2 = s1.sum(dim=1), s2.sum(dim=1)
-        return grad_coefficients(s1, s2, gamma, invstd, m)
+        return grad_coefficients(s1, s2, gamma, invstd, m)     # adds partials itself
+    s1, s2 = _partials_for_kernel(s1), _partials_for_kernel(s2)
     c = gamma.shape[0]
     wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1),     # M elements a channel, as N x 1 x 1
                                          partials=s1.shape[1] if s1.dim() == 2 else 1)
@@ -751,9 +759,10 @@ def _scalar(t: torch.Tensor, device: torch.device) -> bool:
 
 def update_range(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
     """``functional.update_range_torch`` in one kernel (``elementwise.range_ema``), ``buf`` written
-    in place."""
+    in place (by the kernel: ``buf._version`` does not move, which nothing reads for a range
+    buffer, never saved for backward)."""
     from .functional import update_range_torch
-    if not (_scalar(buf, buf.device) and _scalar(m, buf.device) and buf.is_contiguous()):
+    if not (_scalar(buf, buf.device) and _scalar(m, buf.device) and _ready(buf) is buf):
         return update_range_torch(buf, m, momentum)
     wl = elementwise.ElementwiseWorkload("range_ema", (1, 1, 1, 1), momentum=float(momentum))
     # buf is an input and the output both: the one thread reads it, then writes it
