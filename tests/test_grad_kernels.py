@@ -262,6 +262,7 @@ ELEMENTWISE_TWIN_CASES = [
     ("range_ema", (1, 1, 1, 1), {"momentum": 0.1}),       # one thread of a 128-thread block
     ("conv_scales", (1, 200, 1, 1), {}),                  # a thread a channel: 2 blocks of 128
     ("conv_scales", (1, 200, 1, 1), {"mult": True}),      # backward's: dw's scale from the forward's s_x
+    ("grad_finish", (4, 200, 7, 7), {"partials": 300}),   # grad_stats' partials: max and sum, a block a channel
     ("flip_transpose", (64, 32, 3, 3), {}),              # dx's weight: 2 x 1 tiles of 32 x 32 channels, 9 taps
     ("flip_transpose", (32, 64, 1, 1), {}),              # a linear layer's: the plain transpose
     ("flip_transpose", (16, 32, 7, 7), {}),              # 49 taps: 16 x 16 tiles
@@ -287,7 +288,7 @@ def test_elementwise_cuda_schedules_on_the_cpu_twin_give_the_computes_bits(kind,
             info = np.iinfo(dtype)
             arrays.append(rng.integers(info.min, int(info.max) + 1, shp).astype(dtype))
     n_out = ({"grad_stats": 2, "max_pool": 2, "quantize_grad": 2, "relu": 3, "bn_grad_sums": 2, "bn_stats": 2,
-              "bn_relu": 3, "bn_finish": 5, "bn_coeffs": 5, "conv_scales": 3}.get(kind, 1)
+              "bn_relu": 3, "bn_finish": 5, "bn_coeffs": 5, "conv_scales": 3, "grad_finish": 2}.get(kind, 1)
              + flags.get("amax", False) + (kind == "bn_grad" and flags.get("addend", False)))   # bn_relu's is an input
     results = []
     for func in (plain, twin):
@@ -771,6 +772,8 @@ def test_the_gradient_stats_kernel_gives_torchs_max_and_the_sum_in_float64(tvm_o
     # over <= 10**4 terms is ~1e-12 relative, far below float32's 6e-8)
     assert torch.allclose(total.double(), exact, rtol=6e-8, atol=1e-12)
     assert torch.allclose(total, ref_total, rtol=1e-5, atol=1e-5)   # torch's float32 sum order
+    # the partials finished by a kernel (grad_finish), not by torch's reductions
+    assert [k for k, _ in tvm_kernels.CALLS] == ["grad_stats", "grad_finish"]
 
 
 @pytest.mark.parametrize("shape, masked", GRAD_SHAPES)

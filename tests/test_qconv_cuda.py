@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Using padding=
 CUDA = torch.device("cuda")
 KINDS = {"quantize", "pack", "forward", "dequantize", "relu_bits", "mask", "grad_input", "grad_weight", "grad_stats",
          "quantize_grad", "scale_sums", "flip_transpose", "max_pool", "max_pool_grad",
-         "conv_scales", "range_ema"}  # all kinds
+         "conv_scales", "range_ema", "grad_finish"}  # all kinds
 TORCH_CONVS = {"aten::conv2d", "aten::convolution", "aten::_convolution", "aten::cudnn_convolution",
                "aten::convolution_backward", "aten::cudnn_convolution_backward", "aten::linear", "aten::mm",
                "aten::addmm"}
@@ -177,7 +177,7 @@ def test_kernels_run_on_torchs_current_stream():
 # NHWC32 accumulators dequantized by TVM); int8 ones at batch 16: dx and dw are int8 convs on the
 # forward's kernels too, so no float gradient kernel runs
 @pytest.mark.parametrize("grads, batch, kinds", [
-    ("float32", 8, KINDS - {"grad_stats", "quantize_grad", "scale_sums", "flip_transpose"}),
+    ("float32", 8, KINDS - {"grad_stats", "grad_finish", "quantize_grad", "scale_sums", "flip_transpose"}),
     ("int8", 16, KINDS - {"grad_input", "grad_weight", "mask"})])
 def test_a_training_step_runs_tvm_kernels_and_no_torch_conv(grads, batch, kinds):
     torch.manual_seed(0)

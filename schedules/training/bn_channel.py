@@ -66,9 +66,14 @@ def _sums(wl, names: tuple[str, str]) -> tuple[list, list]:
     return parts, [_total(part, k, nm) for part, nm in zip(parts, names)]
 
 
-def _total(part: te.Tensor, k: int, name: str) -> te.Tensor:
+def _total(part: te.Tensor, k: int, name: str, reduce=te.sum) -> te.Tensor:
+    """``reduce`` (``te.sum``, ``te.max``) of each channel's ``k`` partials: block ``{name}_total``."""
     r = te.reduce_axis((0, k), f"{name}_k")
-    return te.compute((part.shape[0],), lambda ch: te.sum(part[ch, r], axis=r), name=f"{name}_total")
+    return te.compute((part.shape[0],), lambda ch: reduce(part[ch, r], axis=r), name=f"{name}_total")
+
+
+TOTALS = {"bn_finish": ("s2_total", "s1_total"), "bn_coeffs": ("s2_total", "s1_total"),
+          "grad_finish": ("sum_total", "amax_total")}     # the reduction blocks of each kind, last first
 
 
 def schedule_cuda(func: tirx.PrimFunc, wl) -> tirx.PrimFunc:
@@ -86,7 +91,7 @@ def schedule_cuda(func: tirx.PrimFunc, wl) -> tirx.PrimFunc:
     sch.bind(loop, "blockIdx.x")
     _, tx = sch.split(sch.add_unit_loop(sch.get_sblock(f"{wl.kind}_v0")), [None, THREADS])
     sch.bind(tx, "threadIdx.x")
-    for name in ("s2_total", "s1_total"):
+    for name in TOTALS[wl.kind]:
         block = sch.get_sblock(name)
         sch.set_scope(block, 0, "shared")
         sch.compute_at(block, loop, preserve_unit_loops=True)

@@ -51,6 +51,7 @@ kind               what
 ``bn_coeffs``      backward's per-channel ``a``, ``b``, ``c``, ``dgamma``, ``dbeta`` from its sums
 ``range_ema``      a layer's range record updated with a batch's ``max|t|`` (``quant_scales.py``)
 ``conv_scales``    a conv's input, weight and dequantizing scales from the ranges (``quant_scales.py``)
+``grad_finish``    ``grad_stats``' partials finished: ``max|g|`` and ``sum g`` a channel (``quant_scales.py``)
 =================  ===============================================================================
 
 Bit for bit the torch operations they replace, on every target, although TVM compiles CUDA
@@ -99,9 +100,10 @@ from .elementwise_bits import abs_bits, relu_passes, relu_value
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad",
-         "bn_finish", "bn_coeffs", "range_ema", "conv_scales")
-CHANNEL_KINDS = ("bn_finish", "bn_coeffs", "range_ema", "conv_scales")  # a thread a channel (bn_channel.py,
-#                                                                         quant_scales.py)
+         "bn_finish", "bn_coeffs", "range_ema", "conv_scales", "grad_finish")
+CHANNEL_KINDS = ("bn_finish", "bn_coeffs", "range_ema", "conv_scales", "grad_finish")  # a thread or a block a
+#                                                                      channel (bn_channel.py, quant_scales.py)
+PARTIALS_KINDS = ("bn_finish", "bn_coeffs", "grad_finish")   # may take [C, K] partials (bn_channel.schedule_cuda)
 LAYOUTS = ("nchw", "nhwc32", "nchw4c")
 THREADS = 256
 VEC = 4     # int32 channels a dequantize thread reads at once from NHWC32: 16 bytes
@@ -129,8 +131,9 @@ class ElementwiseWorkload:
         addend: (bn_relu) a residual added before the ReLU; (bn_grad) also ``dz``, its gradient;
             (dequantize) a float32 NCHW tensor added last (a passthrough's gradient joining dx).
         eps, momentum: (bn_finish) the BatchNorm's; momentum: (range_ema) the range record's.
-        partials: (bn_finish, bn_coeffs) the two float64 sums arrive as ``[C, partials]``
-            per-thread partials of the statistics kernels, added in the kernel (``bn_channel``).
+        partials: (bn_finish, bn_coeffs, grad_finish) the two float64 sums (``grad_finish``: the
+            max and the sum) arrive as ``[C, partials]`` per-thread partials of the statistics
+            kernels, reduced in the kernel (``bn_channel``).
         amax: also ``part`` (int32), whose max is the bits (:func:`abs_bits`) of the range
             ``max |.|`` of a tensor the kernel writes or reads whole: (dequantize, NHWC32, C a
             multiple of 8) ``[N, C / 8, H, W]``, over each 8 channels of a pixel
@@ -158,8 +161,9 @@ class ElementwiseWorkload:
     def __post_init__(self):
         if self.kind not in KINDS or self.layout not in LAYOUTS or len(self.shape) != 4 or min(self.shape) < 1:
             raise ValueError(f"not an elementwise training kernel: {self}")
-        if self.partials < 1 or (self.partials > 1 and self.kind not in ("bn_finish", "bn_coeffs")):
-            raise ValueError(f"partials (at least 1) are bn_finish's and bn_coeffs': {self}")
+        if (self.partials < 1 or (self.partials > 1 and self.kind not in PARTIALS_KINDS)
+                or (self.kind == "grad_finish" and self.partials == 1)):
+            raise ValueError(f"partials (at least 1; more than 1 for grad_finish) are {PARTIALS_KINDS}': {self}")
         if self.largest_tensor() >= INDEX_LIMIT:
             raise ValueError(f"{self.describe()}: a tensor of {self.largest_tensor()} elements; the training kernels "
                              f"index in int32 (under {INDEX_LIMIT}): use a smaller batch")
@@ -750,7 +754,8 @@ def compute(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     rounded = {"quantize": quantize, "dequantize": dequantize, "quantize_grad": quantize_grad,  # float ops
                "scale_sums": scale_sums, "bn_grad": bn_grad, "bn_relu": bn_relu,
                "bn_finish": bn_channel.bn_finish, "bn_coeffs": bn_channel.bn_coeffs,
-               "range_ema": quant_scales.range_ema, "conv_scales": quant_scales.conv_scales}
+               "range_ema": quant_scales.range_ema, "conv_scales": quant_scales.conv_scales,
+               "grad_finish": quant_scales.grad_finish}
     if wl.kind in rounded:
         return rounded[wl.kind](wl, rn=rn)
     return {"relu_bits": relu_bits, "relu": relu, "mask": mask, "pack": pack, "grad_stats": grad_stats,
@@ -772,7 +777,7 @@ def schedule_cuda(func: tirx.PrimFunc, wl: ElementwiseWorkload, target, rn: bool
             raise ValueError(f"scale_sums takes whole {SCALE_TILE} x {SCALE_TILE} tiles (scale_sums_tiles): {wl}")
         _schedule_scale_sums(sch)
         return sch.mod["main"].with_attr("tir.is_scheduled", True)
-    if wl.kind in ("bn_finish", "bn_coeffs"):
+    if wl.kind in PARTIALS_KINDS:
         return bn_channel.schedule_cuda(func, wl)
     if wl.kind in CHANNEL_KINDS:    # a thread a channel, the outputs' blocks sharing its loop
         loop = sch.get_loops(sch.get_sblock(wl.kind if wl.kind == "range_ema" else f"{wl.kind}_v0"))[0]

@@ -22,8 +22,13 @@ under ~1.5e-6), and in ``range_ema`` a range record or batch range below 1.2e-38
 as 0 and is replaced or flushed.  ``max(v, MIN)`` is torch's ``clamp(min=)``: a NaN
 stays NaN.
 
+* ``grad_finish``: ``grad_stats``' ``[C, K]`` per-thread partials finished: ``max|g|`` a channel
+  (the int8 gradients' ranges) and ``sum g`` (float64, float32 out: the bias gradient), a block a
+  channel as ``bn_channel``'s partials (in torch: two reductions and a cast).
+
 Workloads (``elementwise.ElementwiseWorkload``): ``range_ema`` of shape ``(1, 1, 1, 1)`` with the
-layer's ``momentum``; ``conv_scales`` of shape ``(1, O, 1, 1)`` [with ``mult``].
+layer's ``momentum``; ``conv_scales`` of shape ``(1, O, 1, 1)`` [with ``mult``]; ``grad_finish`` of
+``g``'s shape with ``partials``.
 """
 from __future__ import annotations
 
@@ -51,6 +56,22 @@ def range_ema(wl, rn: bool = False) -> tirx.PrimFunc:
     new = te.compute((1,), element, name="range_ema")
     return te.create_prim_func([buf, m, new]).with_attr(
         {"tvm_qconv.kernel": "train_range_ema", "tvm_qconv.workload": str(wl.to_dict())})
+
+
+def grad_finish(wl, rn: bool = False) -> tirx.PrimFunc:
+    """``(amax, total, g_amax, g_sum)``: from ``grad_stats``' partials ``amax`` (float32 ``[C, K]``)
+    and ``total`` (float64), ``g_amax[c] = max_k amax[c, k]`` (exact in any order) and ``g_sum[c] =
+    float32(sum_k total[c, k])`` (the float64 sum in the block's order: its last bit may differ
+    from torch's).  ``grad_stats``' own max already drops a NaN (a float max under
+    ``--use_fast_math``), so the max here sees none that torch's would."""
+    from .bn_channel import _total
+    c, k = wl.shape[1], wl.partials
+    amax = te.placeholder((c, k), "float32", name="amax")
+    total = te.placeholder((c, k), "float64", name="total")
+    g_amax, g_sum = _total(amax, k, "amax", te.max), _total(total, k, "sum")
+    outs = te.compute((c,), lambda ch: (g_amax[ch], g_sum[ch].astype("float32")), name="grad_finish")
+    return te.create_prim_func([amax, total] + list(outs)).with_attr(
+        {"tvm_qconv.kernel": "train_grad_finish", "tvm_qconv.workload": str(wl.to_dict())})
 
 
 def conv_scales(wl, rn: bool = False) -> tirx.PrimFunc:

@@ -679,8 +679,9 @@ def mask(g: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``functional.grad_stats_torch`` in one pass over ``g`` (``elementwise.grad_stats``; the
-    partials finished here): ``max|g|`` bit-identical, ``sum g`` accumulated in float64."""
+    """``functional.grad_stats_torch`` in one pass over ``g`` (``elementwise.grad_stats``), its
+    partials finished in one more kernel (``elementwise.grad_finish``; by torch above
+    ``bn_channel.MAX_PARTIALS`` a channel): ``max|g|`` bit-identical, ``sum g`` accumulated in float64."""
     if g.dim() != 4 or g.dtype != torch.float32:
         return grad_stats_torch(g, bits)
     wl = elementwise.ElementwiseWorkload("grad_stats", tuple(g.shape), relu=bits is not None)
@@ -689,7 +690,13 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     total = torch.empty(amax.shape, dtype=torch.float64, device=g.device)
     flat = g.reshape(-1) if elementwise.quads(g.shape) else g    # the kernel's g (elementwise.grad_stats)
     _call("grad_stats", wl, g.device, _ready(flat), *([] if bits is None else [bits]), amax, total, outputs=2)
-    return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
+    c, k = g.shape[1], blocks * threads
+    if not 1 < k <= bn_channel.MAX_PARTIALS:
+        return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
+    g_amax, g_sum = (torch.empty((c,), dtype=torch.float32, device=g.device) for _ in range(2))
+    _call("grad_finish", elementwise.ElementwiseWorkload("grad_finish", tuple(g.shape), partials=k), g.device,
+          amax.view(c, k), total.view(c, k), g_amax, g_sum, outputs=2)
+    return g_amax, g_sum
 
 
 def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
