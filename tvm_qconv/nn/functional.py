@@ -117,6 +117,13 @@ def _div_qmax(t: torch.Tensor) -> torch.Tensor:
     return t / d
 
 
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The symmetric int8 scale of a range, ``max(amax / 127, MIN_INPUT_SCALE)``, elementwise (a
+    true division: :func:`_div_qmax`).  Every scale here is one (``MIN_INPUT_SCALE`` is
+    ``MIN_WEIGHT_SCALE``); ``tvm_kernels.conv_scales`` is its CUDA twin."""
+    return torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
+
+
 def input_scale(amax: torch.Tensor) -> torch.Tensor:
     """Symmetric per-tensor int8 scale ``amax / 127`` (at least ``MIN_INPUT_SCALE``).
 
@@ -126,7 +133,7 @@ def input_scale(amax: torch.Tensor) -> torch.Tensor:
     Returns:
         0-d float32 tensor on ``amax``'s device.
     """
-    return torch.clamp(_div_qmax(amax.detach().to(torch.float32)), min=MIN_INPUT_SCALE)
+    return scale_of(amax.detach().to(torch.float32))
 
 
 def quantize_per_tensor(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +172,7 @@ def quantize_per_channel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(x_q, scale)``: int8 ``x_q`` of ``x``'s shape and the float32 ``(C,)`` scales.
     """
-    scale = torch.clamp(_div_qmax(channel_amax(x)), min=MIN_INPUT_SCALE)
+    scale = scale_of(channel_amax(x))
     return quantize_torch(x, scale), scale
 
 
@@ -196,7 +203,7 @@ def weight_scales(w: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 tensor of shape ``(O,)``.
     """
-    return torch.clamp(_div_qmax(weight_amax(w)), min=MIN_WEIGHT_SCALE)
+    return scale_of(weight_amax(w))
 
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
@@ -486,8 +493,7 @@ def conv_scales_torch(amax: torch.Tensor, w_amax: torch.Tensor, times: torch.Ten
     ``w_amax`` (:func:`weight_amax`): ``(s_x, s_w, s_x * s_w)`` (:func:`input_scale`,
     :func:`weight_scales`, the dequantizing scale); ``times * s_w`` last where ``times`` (0-d) is
     given.  Backward's int8 gradient scales are the same arithmetic (:func:`_grad_scales`)."""
-    s_x = input_scale(amax)
-    s_w = torch.clamp(_div_qmax(w_amax), min=MIN_WEIGHT_SCALE)
+    s_x, s_w = input_scale(amax), scale_of(w_amax)
     return s_x, s_w, (s_x if times is None else times) * s_w
 
 
@@ -672,7 +678,7 @@ def input_grad_scale(amax: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 def weight_grad_scales(amax: torch.Tensor) -> torch.Tensor:
     """The per-channel scales of the int8 weight gradient's operand from ``amax = max|g[o]|``
     (:func:`_conv_weight_grad_int8`)."""
-    return torch.clamp(_div_qmax(amax), min=MIN_INPUT_SCALE)
+    return scale_of(amax)
 
 
 def _conv_input_grad_int8(g_q: torch.Tensor, s_g: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
