@@ -55,6 +55,11 @@ UNROLL = 8          # partials a thread has in flight
 MAX_PARTIALS = 16384
 
 
+def adds_in_kernel(k: int) -> bool:
+    """Whether ``k`` partials a channel go to the kernel as they are (else torch adds them first)."""
+    return 1 < k <= MAX_PARTIALS
+
+
 def _sums(wl, names: tuple[str, str]) -> tuple[list, list]:
     """The placeholders of the two float64 sums (``[C]``, or ``[C, K]`` partials) and their ``[C]``
     values (the placeholders themselves, or a reduction of each)."""

@@ -691,7 +691,7 @@ def grad_stats(g: torch.Tensor, bits: torch.Tensor | None = None) -> tuple[torch
     flat = g.reshape(-1) if elementwise.quads(g.shape) else g    # the kernel's g (elementwise.grad_stats)
     _call("grad_stats", wl, g.device, _ready(flat), *([] if bits is None else [bits]), amax, total, outputs=2)
     c, k = g.shape[1], blocks * threads
-    if not 1 < k <= bn_channel.MAX_PARTIALS:
+    if not bn_channel.adds_in_kernel(k):
         return amax.amax(dim=(1, 2)), total.sum(dim=(1, 2)).to(torch.float32)
     g_amax, g_sum = (torch.empty((c,), dtype=torch.float32, device=g.device) for _ in range(2))
     _call("grad_finish", elementwise.ElementwiseWorkload("grad_finish", tuple(g.shape), partials=k), g.device,
@@ -711,13 +711,15 @@ def _bn_sums(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s1, s2
 
 
-def _partials_for_kernel(s: torch.Tensor) -> torch.Tensor:
-    """float64 sums ``[C]`` or partials ``[C, K]`` as ``bn_finish`` / ``bn_coeffs`` take them: added
-    by torch first where ``K`` is over ``bn_channel.MAX_PARTIALS`` (a block a channel would read
-    them alone: ResNet-50 b128's stem, 64 blocks of 800 KB), a ``[C, 1]`` as ``[C]``."""
-    if s.dim() == 2 and (s.shape[1] == 1 or s.shape[1] > bn_channel.MAX_PARTIALS):
-        return s.sum(dim=1)
-    return s
+def _partials_for_kernel(s1: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """float64 sums ``[C]`` or partials ``[C, K]`` as ``bn_finish`` / ``bn_coeffs`` take them, with
+    their workload's ``partials``: added by torch first unless ``bn_channel.adds_in_kernel(K)`` (a
+    block a channel would read them alone: ResNet-50 b128's stem, 64 blocks of 800 KB)."""
+    if s1.dim() == 1:
+        return s1, s2, 1
+    if not bn_channel.adds_in_kernel(s1.shape[1]):
+        return s1.sum(dim=1), s2.sum(dim=1), 1
+    return s1, s2, s1.shape[1]
 
 
 def _channel_vectors(*tensors: torch.Tensor) -> bool:
@@ -733,9 +735,9 @@ def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Ten
     from .batch_norm import train_stats
     if y.dim() != 4 or y.dtype != torch.float32 or not _channel_vectors(gamma, running_mean, running_var):
         return train_stats(y, gamma, running_mean, running_var, eps, momentum)
-    s1, s2 = (_partials_for_kernel(s) for s in _bn_sums(y))
+    s1, s2, k = _partials_for_kernel(*_bn_sums(y))
     wl = elementwise.ElementwiseWorkload("bn_finish", tuple(y.shape), eps=float(eps), momentum=float(momentum),
-                                         partials=s1.shape[1] if s1.dim() == 2 else 1)
+                                         partials=k)
     mean, invstd, scale = (torch.empty_like(running_mean) for _ in range(3))
     # the running statistics are inputs and outputs both: one thread reads its channel's, then writes it
     _call("bn_finish", wl, y.device, s1, s2, gamma.detach(), running_mean, running_var,
@@ -751,10 +753,9 @@ def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: t
     from .batch_norm import grad_coefficients
     if s1.dtype != torch.float64 or s2.dtype != torch.float64 or not _channel_vectors(gamma, invstd):
         return grad_coefficients(s1, s2, gamma, invstd, m)     # adds partials itself
-    s1, s2 = _partials_for_kernel(s1), _partials_for_kernel(s2)
+    s1, s2, k = _partials_for_kernel(s1, s2)
     c = gamma.shape[0]
-    wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1),     # M elements a channel, as N x 1 x 1
-                                         partials=s1.shape[1] if s1.dim() == 2 else 1)
+    wl = elementwise.ElementwiseWorkload("bn_coeffs", (m, c, 1, 1), partials=k)   # M a channel, as N x 1 x 1
     outs = [torch.empty_like(invstd) for _ in range(5)]
     _call("bn_coeffs", wl, s1.device, s1.contiguous(), s2.contiguous(), gamma, invstd, *outs, outputs=5)
     return tuple(outs)
