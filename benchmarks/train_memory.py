@@ -219,7 +219,7 @@ def run_child(variant: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--child-out", out, "--model", args.model,
            "--input-grad", args.input_grad, "--weight-grad", args.weight_grad,
            *(["--cuda-graph"] if args.cuda_graph and variant != "ours_compile" else []),
-           *(["--fuse-bn-relu"] if args.fuse_bn_relu else []),
+           "--fuse-bn-relu" if args.fuse_bn_relu else "--no-fuse-bn-relu",
            "--batch", str(args.batch), "--image-size", str(args.image_size), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--num-classes", str(args.num_classes)]
     print(f"[{variant}] {args.model} batch {args.batch} ...", flush=True)
@@ -299,7 +299,7 @@ def _write_report(path: str, args, command: str, results: dict, compile_run: dic
               "model": args.model, "input_grad": args.input_grad,
               "weight_grad": args.weight_grad, "batch": args.batch, "image_size": args.image_size,
               "steps": args.steps, "warmup": args.warmup, "twin_range_records": False,
-              "fuse_bn_relu": args.fuse_bn_relu,
+              "fuse_bn_relu": args.fuse_bn_relu and args.model == "resnet50",
               "complete": rows is not None, "table": rows,
               "variants": results}
     if compile_run is not None:
@@ -325,9 +325,9 @@ def main(argv=None) -> int:
                    help="ours: weight gradients in float32 or from the int8-quantized gradient (QuantizedConv2d)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each variant's step captured in a CUDA graph and replayed")
-    p.add_argument("--fuse-bn-relu", action="store_true",
+    p.add_argument("--fuse-bn-relu", action=argparse.BooleanOptionalAction, default=True,
                    help="(resnet50) ours with BatchNorm, the residual add and the ReLU as one op (BatchNormReLU, "
-                        "tvm_qconv/nn/batch_norm.py); the twins keep torch's modules")
+                        "tvm_qconv/nn/batch_norm.py; the default); the twins keep torch's modules")
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (32: activations dominate)")
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps")
@@ -347,7 +347,8 @@ def main(argv=None) -> int:
     print(f"{args.model} training step, batch {args.batch}, {args.image_size}x{args.image_size}, "
           f"{args.warmup} warm-up + {args.steps} timed steps, each variant in a fresh process")
     tag = "".join(f"_{value}_{name}" for name, value in (("dx", args.input_grad), ("dw", args.weight_grad))
-                  if value != "float32") + ("_graph" if args.cuda_graph else "") + ("_bnrelu" if args.fuse_bn_relu else "")
+                  if value != "float32") + ("_graph" if args.cuda_graph else "") \
+        + ("_unfused" if args.model == "resnet50" and not args.fuse_bn_relu else "")
     path = os.path.join(args.out, f"train_memory_{args.model}_b{args.batch}{tag}.json")
     command = " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
     compile_run = run_child("ours_compile", args) if "ours" in args.variants else None

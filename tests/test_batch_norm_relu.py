@@ -235,6 +235,15 @@ def test_the_training_benchmark_fuses_ours_only():
     assert not any(isinstance(m, BatchNormReLU) for m in twin.modules())
 
 
+def test_the_int8_resnet50_fuses_by_default_and_its_float_twin_does_not():
+    # fuse_bn_relu=None (the default): fused exactly when quantized; an explicit False keeps torch's
+    from tvm_qconv.models import quantized_resnet50
+    has_op = lambda m: any(isinstance(c, BatchNormReLU) for c in m.modules())   # noqa: E731
+    assert has_op(quantized_resnet50(num_classes=10))
+    assert not has_op(quantized_resnet50(num_classes=10, quantized=False))
+    assert not has_op(quantized_resnet50(num_classes=10, fuse_bn_relu=False))
+
+
 def test_eval_statistics_are_constants_and_an_inf_elsewhere_stays_out_of_a_gradient():
     # eval: the running statistics (made non-trivial here), no gradient through them, and dy of an
     # element only from its own gradient (a y of inf next to it does not leak NaN into it)
