@@ -45,7 +45,8 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     """The model-side flags `build` and `export-onnx` share: the model or checkpoint, its weights,
     the input shape and the quantization scheme."""
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="torchvision classifier name (vgg16, resnet50, ...) or your own model as "
+    src.add_argument("--model", help="torchvision classifier name (vgg16, resnet50, ...), a float ONNX file "
+                     "(model.onnx: its weights and image size come from the file) or your own model as "
                                       "path/to/file.py:factory (a function or class returning the nn.Module)")
     src.add_argument("--checkpoint", metavar="CKPT",
                      help="a checkpoint written by `train.py --qat --out CKPT`: its architecture, weights and "
@@ -295,7 +296,8 @@ def load_cli_model(args):
 
     from tvm_qconv.frontend import load_model
     torch.manual_seed(args.seed)
-    weights = args.weights or ("the model file's" if ".py:" in args.model else None)
+    weights = args.weights or ("the model file's" if ".py:" in args.model or args.model.lower().endswith(".onnx")
+                               else None)
     return load_model(args.model, args.weights, args.num_classes), weights or f"random init (seed {args.seed})"
 
 
@@ -327,9 +329,15 @@ def cmd_build(args) -> int:
         res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg,
                                  progress=not args.quiet)
     else:
-        size = args.image_size or 224
-        options = build_options(size)  # its checks (the tuning log's target) before the model loads
-        model, weights = load_cli_model(args)
+        onnx_file = args.model.lower().endswith(".onnx")
+        if onnx_file:   # the file may fix its image size: loaded first (a second or so)
+            model, weights = load_cli_model(args)
+            size = model.image_size(args.image_size)
+        else:
+            size = args.image_size or 224
+        options = build_options(size)  # its checks (the tuning log's target) before a torch model loads
+        if not onnx_file:
+            model, weights = load_cli_model(args)
         print(f"[build] {args.model} -> {args.output}: {target} size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = compile_model(model, args.output, options=options, config=cfg, name=args.model,
@@ -375,9 +383,9 @@ def cmd_export_onnx(args) -> int:
         res = export_checkpoint(args.checkpoint, args.output, image_size=args.image_size, batch=args.batch,
                                 config=cfg, dynamic_batch=dynamic, opset=args.opset, progress=not args.quiet)
     else:
-        size = args.image_size or 224
         check_output_file(args.output, "ONNX file")
         model, weights = load_cli_model(args)
+        size = model.image_size(args.image_size) if hasattr(model, "image_size") else args.image_size or 224
         print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,

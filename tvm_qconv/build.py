@@ -22,7 +22,8 @@ from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import ExportedModel, load_model, weights_digest
+from .onnx_import import OnnxModel
+from .frontend import ExportedModel, exported_model, load_model, weights_digest
 from .progress import as_phases
 from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
@@ -131,7 +132,8 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
 
     Args:
         model: a torchvision classifier name (``vgg16``, random init; see
-            :func:`tvm_qconv.frontend.load_model` for weights) or a float ``torch.nn.Module``.
+            :func:`tvm_qconv.frontend.load_model` for weights and ``.onnx`` files), a float
+            ``torch.nn.Module`` or ``onnx_import.OnnxModel``.
             Its ``forward`` may return a tuple / list / dict: the library computes its first
             tensor, and the report says so.
         out_path: the ``.so`` to write; ``<stem>.params.npz`` and ``<stem>.json`` go beside it.
@@ -155,16 +157,18 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     tgt = make_target(options.target, options.arch)
     if isinstance(model, str):
         name, model = name or model, load_model(model)
-    name = name or type(model).__name__.lower()
+    onnx_file = isinstance(model, OnnxModel)
+    name = name or (os.path.basename(model.path) if onnx_file else type(model).__name__.lower())
     probe = model_check.probe(model, options.input_shape, name)
     model_check.check_memory(probe, options.input_shape, name,
                              host_batch=None if options.target == "llvm" else verify_mod.IMAGES)
     with model_check.single_output(model, probe):
-        exported = ExportedModel(model, options.input_shape)   # the one torch.export of this build
+        exported = exported_model(model, options.input_shape)   # the one torch.export (or ONNX import) of this build
         q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases, exported)
         report = dict(q.report, schedules=applied, tuned=tuned)
-        if model_check.output_note(probe):
-            report["output"] = model_check.output_note(probe)
+        note = model.output_note if onnx_file else model_check.output_note(probe)
+        if note:
+            report["output"] = note
         if options.verify:
             with phases("verify", "run the library against the float model"):
                 report["verify"] = _verify(exported, tgt, options, config, q, ex, params)

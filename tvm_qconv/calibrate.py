@@ -64,7 +64,10 @@ def instrument(graph: Graph) -> tuple[tvm.IRModule, list[str]]:
                 vmap[b.var] = bb.emit(offload_to_torch(substitute(b.value, vmap), b.var.ty), name_hint=b.var.name)
             out = bb.emit_output(relax.Tuple([vmap.get(v, v) for v, _ in points]))
         bb.emit_func_output(out)
-    return bb.get(), [name for _, name in points]
+    mod = bb.get()
+    for gv, f in graph.kernels.items():     # the call_tir kernels main calls (an ONNX import's)
+        mod[gv] = f
+    return mod, [name for _, name in points]
 
 
 class FloatPoints:

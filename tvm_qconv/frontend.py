@@ -75,11 +75,19 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
 
     Args:
         name: torchvision model name, e.g. ``vgg16``; or ``path/to/file.py:factory``, a user's own
-            ``nn.Module`` (:func:`load_user_model`).
+            ``nn.Module`` (:func:`load_user_model`); or ``path/to/model.onnx``, a float ONNX file
+            (``onnx_import.OnnxModel``, which a build takes where it takes a module).
         weights: None (random init), a path to a state-dict / checkpoint file, or a torchvision
             weight name such as ``DEFAULT`` or ``IMAGENET1K_V1``.
         num_classes: classifier width for random init (default: torchvision's, 1000).
     """
+    from .onnx_import import OnnxModel, is_onnx_path
+
+    if is_onnx_path(name):
+        if weights is not None or num_classes is not None:
+            raise InputError(f"--model {name}: an ONNX file holds its weights and classifier; drop "
+                             f"{'--weights' if weights is not None else '--num-classes'}")
+        return OnnxModel(name)
     if ".py:" in name:
         if num_classes is not None:
             raise InputError(f"--num-classes sets the width of a torchvision classifier; {name} builds its own model")
@@ -189,6 +197,8 @@ def weights_digest(model: torch.nn.Module) -> str:
     """A short hash of a model's parameters and buffers (names, dtypes, shapes, values): a built
     library records it, so a comparison can tell whether a library holds the weights of the float
     model it is compared with (two random inits of one architecture do not)."""
+    if hasattr(model, "digest"):    # an ONNX file (onnx_import.OnnxModel): its initializers
+        return model.digest()
     digest = hashlib.blake2b(digest_size=10)
     for name, tensor in model.state_dict().items():
         t = tensor.detach().cpu().contiguous().reshape(-1)
@@ -208,6 +218,16 @@ def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, in
     model = model.eval()
     ep = _export(model, torch.zeros(input_shape), None, f"input shape {tuple(input_shape)}")
     return _import(ep), _layer_names(ep)
+
+
+def exported_model(model, input_shape) -> "ExportedModel":
+    """The build's one export of ``model``: a torch module's :class:`ExportedModel`, an ONNX file's
+    ``onnx_import.OnnxExported`` (the same interface)."""
+    from .onnx_import import OnnxExported, OnnxModel
+
+    if isinstance(model, OnnxModel):
+        return OnnxExported(model, input_shape)
+    return ExportedModel(model, input_shape)
 
 
 class ExportedModel:
@@ -265,7 +285,9 @@ class ExportedModel:
             imported, names = self.imported(batch)
             mod, names = channels_first(simplify(imported), names)
             mod = drop_identity_reshapes(mod)
-            self._at[batch] = FloatGraph(imported, mod, names, analyze(mod["main"], names))
+            graph = analyze(mod["main"], names)
+            graph.kernels = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
+            self._at[batch] = FloatGraph(imported, mod, names, graph)
         return self._at[batch]
 
     def _timed(self, export):

@@ -96,6 +96,8 @@ class Graph:
     consumed: set = field(default_factory=set)         # vars bound inside some pattern
     lazy: set = field(default_factory=set)             # consumed vars emitted in float only if a float reader needs them
     points: dict = field(default_factory=dict)         # relax.Var -> point name
+    kernels: dict = field(default_factory=dict)        # the module's other functions (GlobalVar -> function:
+    #                                                    an ONNX import's call_tir kernels), for modules made from func
 
 
 

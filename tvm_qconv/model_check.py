@@ -71,9 +71,13 @@ def _describe(out) -> str:
 def probe(model: torch.nn.Module, input_shape: tuple, name: str = "the model") -> Probe:
     """Run ``model`` on a fake input of ``input_shape``.
 
+    An ONNX file (``onnx_import.OnnxModel``) answers from its imported graph instead.
+
     Raises:
         InputError: the model cannot take this shape, or returns no tensor.
     """
+    if not isinstance(model, torch.nn.Module) and hasattr(model, "probe"):
+        return model.probe(input_shape, name)
     largest = [0, ""]
     paths = {m: p for p, m in model.named_modules()}
 
@@ -140,8 +144,9 @@ def _size(n: float) -> str:
 @contextlib.contextmanager
 def single_output(model: torch.nn.Module, p: Probe) -> Iterator[None]:
     """While inside, ``model`` returns the first tensor of what its ``forward`` returns (a forward
-    hook, removed afterwards; module paths, and so layer names, stay as they are)."""
-    if p.output_path == ():
+    hook, removed afterwards; module paths, and so layer names, stay as they are).  An ONNX file
+    keeps its first output at load (``onnx_import.OnnxModel``): nothing to do."""
+    if p.output_path == () or not isinstance(model, torch.nn.Module):
         yield
         return
 

@@ -107,7 +107,7 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         raise InputError(f"opset {opset}: the exporter writes opsets {MIN_OPSET} to {MAX_OPSET}; choose one of them")
     if isinstance(model, str):
         name, model = name or model, load_model(model)
-    name = name or type(model).__name__.lower()
+    name = name or getattr(model, "path", None) or type(model).__name__.lower()
     input_shape = tuple(int(d) for d in input_shape)
     probe = model_check.probe(model, input_shape, name)
     model_check.check_memory(probe, input_shape, name)

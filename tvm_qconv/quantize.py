@@ -15,11 +15,12 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import tvm
 
 from .config import QuantConfig
 from .errors import InputError
-from .frontend import ExportedModel
+from .frontend import ExportedModel, exported_model
 from .graph import Graph
 from .lowering import LowerToRelax
 from .observers import quantize_weight_per_channel
@@ -92,7 +93,7 @@ def check_skip(graph: Graph, config: QuantConfig, require_int8: bool = False) ->
 
 def float_graph(model, input_shape: tuple) -> Graph:
     """The analysis of ``model``'s float graph at ``input_shape`` (exported, BatchNorms folded)."""
-    return ExportedModel(model, input_shape).at(input_shape[0]).graph
+    return exported_model(model, input_shape).at(input_shape[0]).graph
 
 
 def check_rounded(graph: Graph, integers: dict) -> None:
@@ -121,7 +122,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     """The int8 Relax module of ``model`` for ``target``.
 
     Args:
-        model: a float ``torch.nn.Module`` (eval mode is set).
+        model: a float ``torch.nn.Module`` (eval mode is set) or ``onnx_import.OnnxModel``.
         input_shape: the static (N, C, H, W) to build for.
         target: which kernels exist (``TargetInfo.from_target``).
         config: the scheme.
@@ -138,9 +139,10 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
             (a build shares one between its library, its verification and the per-layer twin).
     """
     phases = as_phases(progress)
-    exported = exported if exported is not None else ExportedModel(model, input_shape)
+    exported = exported if exported is not None else exported_model(model, input_shape)
     batch = int(input_shape[0])
-    with phases("export", f"torch.export at {tuple(input_shape)} -> Relax"):
+    source = "TVM's ONNX frontend" if hasattr(model, "proto") else "torch.export"
+    with phases("export", f"{source} at {tuple(input_shape)} -> Relax"):
         dump_ir(debug_dump, "01_imported", exported.imported(batch)[0])
     with phases("simplify", "fold batch norms and constants, find the layers"):
         fg = exported.at(batch)
@@ -158,6 +160,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                          "bias correction off")
     rounding = None
     if config.weight_rounding == "gptq":
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"GPTQ weight rounding rounds a torch model's layers; {getattr(model, 'path', model)} is "
+                             "not one: round to nearest (drop --weight-rounding gptq)")
         if ctx.images is None:
             raise InputError(f"GPTQ weight rounding needs calibration images; these ranges come from "
                              f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or round "

@@ -90,7 +90,10 @@ def _logits_module(graph: Graph, fake_quant: bool, int8_weights: bool = False) -
                 out = bb.emit(relax.TupleGetItem(out, 0))
             out = bb.emit_output(out)
         bb.emit_func_output(out)
-    return bb.get(), len(scales)
+    mod = bb.get()
+    for gv, f in graph.kernels.items():     # the call_tir kernels main calls (an ONNX import's)
+        mod[gv] = f
+    return mod, len(scales)
 
 
 class FakeQuantModel:

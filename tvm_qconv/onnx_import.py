@@ -1,0 +1,304 @@
+"""ONNX classifiers in: a float ``.onnx`` file as the build's model, through TVM's Relax ONNX frontend.
+
+    model.onnx --onnx.load + checks--> OnnxModel --relax.frontend.onnx.from_onnx at the build's
+      shape--> Relax (float) --the same pipeline as a torch model's (frontend.ExportedModel.at:
+      fold, channels first, analysis)--> calibration, plan, kernels, verification, report
+
+:class:`OnnxModel` stands where a ``torch.nn.Module`` stands in a build: ``compile_model``,
+``quantize_module`` and the verification take it as they take a module.  What the build asks of
+a torch model it answers from the file:
+
+- its float graph at a batch (:class:`OnnxExported`, ``frontend.ExportedModel``'s interface:
+  ``imported(batch)``, ``at(batch)``), imported with the batch bound where the file leaves it
+  symbolic;
+- the float logits the library is verified against (``__call__``): ONNX Runtime's CPU result, the
+  file's own runtime, not TVM's reading of it;
+- the probe before any long work (:meth:`OnnxModel.probe`: the output, the largest activation,
+  from the imported graph) and a digest of its weights.
+
+Layer names are the ONNX nodes' (``/layer1/layer1.0/conv1/Conv``), in the order the frontend
+emits the convs and matrix products, which is the file's node order.
+
+Bad input gets one line (:class:`~tvm_qconv.errors.InputError`): a file that is not an ONNX model,
+one larger than the memory that is free, an op the frontend has no converter for (named, with
+its nodes), an input that is not one float32 NCHW image tensor, a static shape other than the
+build's.  Not here yet (issue 36's next steps): Q/DQ files (QuantizeLinear / DequantizeLinear)
+are refused by name.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import psutil
+import torch
+
+from .errors import InputError
+from .frontend import ExportedModel, _first_line
+from .model_check import Probe
+
+# ONNX's TensorProto.FLOAT
+_FLOAT = 1
+# ops of a quantized (Q/DQ) file: their own import is issue 36's part 2
+_QDQ_OPS = {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger"}
+# A file loads into memory once as protobuf, once as the Relax constants: refuse one whose size
+# times this does not fit the memory that is free.
+_LOAD_COPIES = 3
+
+
+def is_onnx_path(name: str) -> bool:
+    """Whether a ``--model`` names an ONNX file (by its extension)."""
+    return isinstance(name, str) and name.lower().endswith(".onnx")
+
+
+class OnnxModel:
+    """A float ONNX classifier: one float32 NCHW image input, logits out (the first output).
+
+    Attributes:
+        path: the file.
+        proto: the loaded ``onnx.ModelProto`` (its outputs cut to the first).
+        input_name: the image input's name.
+        input_dims: the file's input dimensions, ints where static, names where symbolic.
+        output_note: the report's line when the file has several outputs (None: one).
+    """
+
+    def __init__(self, path: str):
+        import onnx
+
+        self.path = path
+        if not os.path.isfile(path):
+            raise InputError(f"--model {path}: no such file")
+        size = _file_bytes(path)
+        free = psutil.virtual_memory().available
+        if size * _LOAD_COPIES > free:
+            raise InputError(f"--model {path}: the file holds {size / 1e9:.1f} GB of weights; loading and importing it "
+                             f"needs about {size * _LOAD_COPIES / 1e9:.1f} GB, this machine has {free / 1e9:.1f} GB free")
+        try:
+            proto = onnx.load(path)
+        except Exception as err:
+            raise InputError(f"--model {path} is not an ONNX model: {type(err).__name__}: {_first_line(err)}") from None
+        if not proto.graph.node:
+            raise InputError(f"--model {path} is not an ONNX model with a graph (it has no nodes)")
+        self.proto = proto
+        self._check_ops()
+        self.input_name, self.input_dims = self._image_input()
+        outputs = list(proto.graph.output)
+        self.output_note = None
+        if len(outputs) > 1:
+            self.output_note = (f"the file has {len(outputs)} outputs ({', '.join(o.name for o in outputs[:4])}"
+                                f"{' ...' if len(outputs) > 4 else ''}): the library computes the first, "
+                                f"{outputs[0].name}; the rest is dropped")
+            del proto.graph.output[1:]
+        self._imported: dict = {}   # input shape -> Relax module as imported
+        self._session = None
+
+    # -- what the build asks of a model ---------------------------------------------------------
+
+    def eval(self) -> "OnnxModel":
+        """Itself (a torch module's ``eval()``, which the pipeline calls)."""
+        return self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The float logits of ``x`` (NCHW float32), by ONNX Runtime on the CPU."""
+        if self._session is None:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.log_severity_level = 3      # its warnings about unused initializers are not the user's
+            self._session = ort.InferenceSession(self.proto.SerializeToString(), options,
+                                                 providers=["CPUExecutionProvider"])
+        arr = np.ascontiguousarray(x.detach().cpu().numpy(), np.float32)
+        fixed = self.input_dims[0] if isinstance(self.input_dims[0], int) and self.input_dims[0] > 0 else len(arr)
+        outs = []
+        for start in range(0, len(arr), fixed):     # a file that fixes its batch runs in batches of that size
+            part = arr[start:start + fixed]
+            pad = fixed - len(part)
+            if pad:
+                part = np.concatenate([part, np.zeros((pad, *part.shape[1:]), np.float32)])
+            outs.append(self._session.run(None, {self.input_name: part})[0][:fixed - pad])
+        return torch.from_numpy(np.concatenate(outs))
+
+    def digest(self) -> str:
+        """A short hash of the file's weights (names, types, shapes, bytes): ``frontend.weights_digest``."""
+        from onnx import numpy_helper
+
+        h = hashlib.blake2b(digest_size=10)
+        for init in self.proto.graph.initializer:
+            a = numpy_helper.to_array(init)
+            h.update(f"{init.name}:{a.dtype}:{a.shape};".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()
+
+    def image_size(self, requested: int | None) -> int:
+        """The build's input height = width: the file's where it fixes them, else ``requested``
+        (default 224, what ImageNet classifiers are made for).
+
+        Raises:
+            InputError: a requested size the file's static one contradicts, or a non-square input.
+        """
+        h, w = self.input_dims[2:]
+        if isinstance(h, int) and isinstance(w, int):
+            if h != w:
+                raise InputError(f"{self.path}: input {self.input_name} is {h}x{w}; builds take square images "
+                                 f"(height = width)")
+            if requested is not None and requested != h:
+                raise InputError(f"{self.path} fixes its input at {h}x{w}; drop --image-size {requested} or give "
+                                 f"--image-size {h} (or export the model with a dynamic height and width)")
+            return h
+        return requested or 224
+
+    def shape_at(self, input_shape) -> tuple[int, int, int, int]:
+        """``input_shape`` checked against the file's static dimensions.
+
+        Raises:
+            InputError: a dimension the file fixes to another value, naming it and what to do.
+        """
+        shape = tuple(int(d) for d in input_shape)
+        for axis, (want, have) in enumerate(zip(shape, self.input_dims)):
+            if isinstance(have, int) and have != want:
+                what = ("batch", "channels", "height", "width")[axis]
+                fix = (f"build with --batch {have}, or export the model with a dynamic batch" if axis == 0
+                       else f"give --image-size {have}" if axis >= 2 else "the calibration images are RGB")
+                raise InputError(f"{self.path} fixes its input's {what} at {have}, the build asks for {want}: {fix}")
+        return shape
+
+    def relax(self, input_shape):
+        """The float Relax module at ``input_shape`` (TVM's ONNX frontend, weights as constants), made once a shape."""
+        from tvm import relax
+        from tvm.relax.frontend.onnx import from_onnx
+
+        from .transform.clips import clips_from_min_max
+
+        shape = self.shape_at(input_shape)
+        if shape not in self._imported:
+            try:
+                mod = from_onnx(self.proto, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
+            except Exception as err:
+                # The frontend wants some inputs constant (Pad's pads, Reshape's shape) that an
+                # exporter may leave as a small computation on constants (torch's opset-13 Pad):
+                # once more with the graph's constants folded by ONNX Runtime
+                folded = self._folded()
+                try:
+                    mod = from_onnx(folded, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
+                except Exception:
+                    raise InputError(f"TVM's ONNX frontend cannot import {self.path} at input {shape}: "
+                                     f"{type(err).__name__}: {_first_line(err)}") from None
+            # Clip's bounds folded to constants, then read as the clip it is (transform/clips.py)
+            self._imported[shape] = clips_from_min_max(relax.transform.FoldConstant()(mod))
+        return self._imported[shape]
+
+    def _folded(self):
+        """The model with its constant subgraphs folded (ONNX Runtime's basic graph optimizations:
+        constant folding and redundant nodes; the same values)."""
+        import tempfile
+
+        import onnx
+        import onnxruntime as ort
+
+        with tempfile.TemporaryDirectory() as tmp:
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            options.optimized_model_filepath = os.path.join(tmp, "folded.onnx")
+            ort.InferenceSession(self.proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            return onnx.load(options.optimized_model_filepath)
+
+    def layer_names(self) -> dict:
+        """``{"conv2d": [...], "dense": [...]}``: the conv and matrix-product nodes' names in file order."""
+        kinds = {"Conv": "conv2d", "Gemm": "dense", "MatMul": "dense"}
+        names: dict = {"conv2d": [], "dense": []}
+        for node in self.proto.graph.node:
+            kind = kinds.get(node.op_type)
+            if kind is not None:
+                names[kind].append(node.name or f"{kind}_{len(names[kind])}")
+        return names
+
+    def probe(self, input_shape, name: str = "the model") -> Probe:
+        """``model_check.probe``'s facts from the imported graph: the output and the largest activation."""
+        from .graph import static_shape
+
+        mod = self.relax(input_shape)
+        largest = [0, ""]
+        for block in mod["main"].body.blocks:
+            for b in block.bindings:
+                shape = static_shape(b.var.ty)
+                if shape is not None and int(np.prod(shape)) * 4 > largest[0]:
+                    largest[:] = [int(np.prod(shape)) * 4, str(b.var.name)]
+        ret = static_shape(mod["main"].body.body.ty)
+        if ret is None:
+            raise InputError(f"{name}'s first output is not one tensor of a static shape: the build needs the "
+                             "logits as a tensor")
+        out = f"a tensor {ret}"
+        return Probe(out, (), largest[0], largest[1])
+
+    # -- checks at load ---------------------------------------------------------------------------
+
+    def _check_ops(self) -> None:
+        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+        nodes: dict = {}
+        for node in self.proto.graph.node:
+            nodes.setdefault(node.op_type, []).append(node.name or "(unnamed)")
+        qdq = sorted(set(nodes) & _QDQ_OPS)
+        if qdq:
+            raise InputError(f"{self.path} is a quantized ONNX model ({', '.join(qdq)}: e.g. node "
+                             f"{nodes[qdq[0]][0]}); importing Q/DQ files with their scales is not built yet: "
+                             "give the float model")
+        known = _get_convert_map()
+        missing = sorted(op for op in nodes if op not in known)
+        if missing:
+            listed = "; ".join(f"{op} ({', '.join(nodes[op][:2])}{' ...' if len(nodes[op]) > 2 else ''})"
+                               for op in missing[:5])
+            raise InputError(f"{self.path} uses ops TVM's ONNX frontend has no converter for: {listed}; replace them "
+                             "in the model (or export it at another opset)")
+
+    def _image_input(self) -> tuple[str, list]:
+        graph = self.proto.graph
+        weights = {i.name for i in graph.initializer}
+        inputs = [i for i in graph.input if i.name not in weights]
+        if len(inputs) != 1:
+            raise InputError(f"{self.path} takes {len(inputs)} inputs ({', '.join(i.name for i in inputs)}); a classifier "
+                             "build takes one image tensor")
+        (inp,) = inputs
+        ttype = inp.type.tensor_type
+        if ttype.elem_type != _FLOAT:
+            import onnx
+
+            raise InputError(f"{self.path}: input {inp.name} is {onnx.TensorProto.DataType.Name(ttype.elem_type)}; "
+                             "builds take a float32 image (export the float32 model)")
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in ttype.shape.dim]
+        if len(dims) != 4:
+            raise InputError(f"{self.path}: input {inp.name} has shape {dims}; builds take one NCHW image batch "
+                             "(4 dimensions)")
+        if dims[1] not in (3, "?") and not isinstance(dims[1], str):
+            raise InputError(f"{self.path}: input {inp.name} has {dims[1]} channels; the calibration images are RGB "
+                             "(3 channels, NCHW): a channels-last (NHWC) input must be transposed in the model")
+        return inp.name, dims
+
+
+class OnnxExported(ExportedModel):
+    """``frontend.ExportedModel`` of an :class:`OnnxModel`: each batch imported by TVM's ONNX frontend."""
+
+    def __init__(self, model: OnnxModel, input_shape):
+        super().__init__(model, input_shape)
+        self.dynamic = False
+
+    def imported(self, batch: int):
+        batch = int(batch)
+        if batch not in self._imported:
+            shape = (batch, *self.sample_shape)
+            mod = self._timed(lambda: self.model.relax(shape))
+            self._imported[batch] = (mod, self.model.layer_names())
+        return self._imported[batch]
+
+
+def _file_bytes(path: str) -> int:
+    """The file's size plus its external data's (the ``.data`` files beside it), roughly."""
+    size = os.path.getsize(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    for entry in os.listdir(folder):
+        if entry != os.path.basename(path) and entry.startswith(stem) and entry.endswith((".data", ".bin")):
+            size += os.path.getsize(os.path.join(folder, entry))
+    return size
