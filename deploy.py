@@ -241,11 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--repeat", type=_positive, default=100, help="timed runs (default 100; p99 wants >= 100)")
     rp.add_argument("--timeout", type=float, default=60.0,
                     help="seconds to wait for a free server of the tracker (default 60)")
-    e = sub.add_parser("eval", help="accuracy of a built library on a test split",
-                       description="Top-1 accuracy of a built library on the digits test split (the split "
-                                   "train.py reports), beside the accuracies its checkpoint recorded.")
-    e.add_argument("--lib", required=True, help="the .so written by `deploy.py build --checkpoint ...`")
-    e.add_argument("--dataset", choices=["digits"], default="digits", help="test split (default digits)")
+    e = sub.add_parser("eval", help="accuracy of a built library on a labelled image folder or a test split",
+                       description="Top-1 / top-5 of a built library on a labelled image folder (--data: one folder "
+                                   "per class, or a flat folder with --labels), beside the float model's on the same "
+                                   "images (--model), their top-1 agreement and the logits' SQNR; or, without --data, "
+                                   "top-1 on the digits test split (the split train.py reports).")
+    e.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
+    e.add_argument("--data", default=None, metavar="DIR",
+                   help="a labelled image folder: DIR/<class>/<image> (class = index, ImageNet WordNet id, the model's "
+                        "category name, or --classes), or flat with --labels")
+    e.add_argument("--labels", default=None, metavar="FILE", help="(--data) '<file> <label>' per line for a flat folder")
+    e.add_argument("--classes", default=None, metavar="FILE",
+                   help="(--data) the class folders' indices: one name per line in index order, 'name index' lines "
+                        "or a JSON object")
+    e.add_argument("--model", default=None,
+                   help="(--data) the float model the library was built from (torchvision name with --weights, "
+                        "path/to/file.py:factory or model.onnx): its accuracy, agreement and logits SQNR beside")
+    e.add_argument("--weights", default=None, help="(--model) its state-dict file or torchvision weight name")
+    e.add_argument("--limit", type=_positive, default=None, help="(--data) the first N images only")
+    e.add_argument("--json", default=None, metavar="FILE", help="(--data) also write the result as JSON")
+    e.add_argument("--dataset", choices=["digits"], default="digits", help="without --data: test split (default digits)")
     e.add_argument("--seed", type=int, default=None, help="split seed (default: the checkpoint's)")
     e.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     return p
@@ -436,12 +451,52 @@ def describe_ranges(ranges: dict) -> str:
 
 
 def cmd_eval(args) -> int:
+    if args.data is not None:
+        return _eval_folder(args)
+    given = [flag for flag, v in (("--labels", args.labels), ("--classes", args.classes), ("--model", args.model),
+                                  ("--limit", args.limit), ("--json", args.json)) if v is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} go with --data DIR (a labelled image folder); the digits split takes none")
     from tvm_qconv.evaluate import evaluate_library  # per command
     res = evaluate_library(args.lib, seed=args.seed, device=args.device)
     print(f"{args.dataset} test split (seed {res['seed']}, {res['total']} images): compiled int8 "
           f"{res['accuracy']:.2f}% ({res['correct']}/{res['total']}) on {res['device']}")
     if res["recorded"]:
         print("recorded in its checkpoint (PyTorch): " + ", ".join(f"{k} {v:.2f}%" for k, v in res["recorded"].items()))
+    return 0
+
+
+def _eval_folder(args) -> int:
+    import json
+
+    from tvm_qconv.artifact import read_meta
+    from tvm_qconv.evaluate import evaluate_folder
+    from tvm_qconv.fileio import check_output_file
+    from tvm_qconv.frontend import load_model, weights_digest
+    if args.json is not None:
+        check_output_file(args.json, "JSON result")
+    model = None
+    if args.model is not None:
+        model = load_model(args.model, args.weights)
+        built_from = read_meta(args.lib).get("float_weights")
+        if built_from is not None and built_from != weights_digest(model):
+            print(f"warning: {args.model} does not hold the weights {args.lib} was built from (their digests differ): "
+                  "its accuracy is another model's, and agreement and SQNR compare two models", file=sys.stderr)
+    res = evaluate_folder(args.lib, args.data, labels=args.labels, classes=args.classes, float_model=model,
+                          device=args.device, limit=args.limit)
+    print(f"{args.data}: {res['images']} images ({res['layout']}) on {res['device']}")
+    if res["skipped"]:
+        print(f"skipped {len(res['skipped'])} unreadable: " + "; ".join(f"{p}: {why}" for p, why in res["skipped"][:5]))
+    print(f"int8 library:  top-1 {res['int8']['top1']:.2f} %  top-5 {res['int8']['top5']:.2f} %")
+    if res["float"] is not None:
+        print(f"float model:   top-1 {res['float']['top1']:.2f} %  top-5 {res['float']['top5']:.2f} %")
+        print(f"top-1 agreement {res['top1_agreement']:.2f} %, logits SQNR {res['logits_sqnr_db']:.2f} dB")
+    if res["images"] < 1000:
+        print(f"({res['images']} images: a smoke test, not an accuracy figure)")
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 

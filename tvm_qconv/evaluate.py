@@ -85,3 +85,79 @@ def evaluate_library(lib_path: str, seed: int | None = None, device: str | None 
     correct = int((np.concatenate(pred) == y).sum())
     return {"accuracy": 100.0 * correct / len(y), "correct": correct, "total": len(y), "seed": seed,
             "device": str(lib.dev), "recorded": dict((lib.meta.get("checkpoint") or {}).get("accuracy") or {})}
+
+
+def _topk_hits(logits: np.ndarray, labels: np.ndarray, k: int) -> int:
+    top = np.argsort(-logits, axis=1)[:, :k]
+    return int((top == labels[:, None]).any(axis=1).sum())
+
+
+def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, classes: str | None = None,
+                    float_model=None, device: str | None = None, limit: int | None = None,
+                    progress: bool = True) -> dict:
+    """Top-1 / top-5 of a built library on a labelled image folder (``labelled_images``), and of
+    the float model on the same images where one is given, with their top-1 agreement and the
+    int8 logits' SQNR against the float ones.
+
+    Args:
+        lib_path: a classifier library (``deploy.py build``).
+        data, labels, classes: the folder and how its labels read (:func:`labelled_images.labelled_images`).
+        float_model: the float model the library was built from (a ``torch.nn.Module`` or
+            ``onnx_import.OnnxModel``), or None.
+        device: ``llvm`` / ``cuda``; default: the library's target.
+        limit: at most this many images (the first, in file order).
+        progress: a progress bar on a terminal.
+
+    Returns:
+        ``{"images", "skipped": [(file, why)], "layout", "int8": {"top1", "top5"}, "float": {...} or
+        None, "top1_agreement", "logits_sqnr_db", "device"}``, accuracies in percent.
+
+    Raises:
+        InputError: as :func:`labelled_images.labelled_images`; no image readable.
+    """
+    import torch
+
+    from .labelled_images import labelled_images, read_batch
+    from .progress import bar
+
+    meta = read_meta(lib_path)
+    lib = CompiledModel(lib_path, device)
+    n, _, size, _ = lib.input_shape
+    categories = meta.get("categories")
+    images = labelled_images(data, labels, classes, categories, None)
+    if limit is not None:
+        images.paths, images.labels = images.paths[:limit], images.labels[:limit]
+    outs = {"int8": [], "float": []}
+    truth = []
+    for start in bar(range(0, len(images.paths), n), progress, desc="eval", unit="batch"):
+        x, y = read_batch(images, start, n, size)
+        if not len(x):
+            continue
+        real = len(x)
+        xb = np.concatenate([x, np.repeat(x[-1:], n - real, axis=0)]) if real < n else x
+        logits = lib(xb)[:real]
+        if logits.shape[-1] <= int(y.max()):
+            raise InputError(f"--data {data}: labels go up to class {int(y.max())}, the library has {logits.shape[-1]} "
+                             "outputs: labels are class indices from 0")
+        outs["int8"].append(logits)
+        if float_model is not None:
+            with torch.no_grad():
+                outs["float"].append(np.asarray(float_model.eval()(torch.from_numpy(x)), np.float32))
+        truth.append(y)
+    if not truth:
+        raise InputError(f"--data {data}: none of its {len(images.paths)} images could be read "
+                         f"(first: {images.skipped[0][0]}: {images.skipped[0][1]})")
+    y = np.concatenate(truth)
+    q = np.concatenate(outs["int8"])
+
+    def acc(logits):
+        return {"top1": 100.0 * _topk_hits(logits, y, 1) / len(y), "top5": 100.0 * _topk_hits(logits, y, 5) / len(y)}
+
+    result = {"images": int(len(y)), "skipped": images.skipped, "layout": images.layout, "int8": acc(q),
+              "float": None, "top1_agreement": None, "logits_sqnr_db": None, "device": str(lib.dev),
+              "library": lib_path, "data": data}
+    if outs["float"]:
+        f = np.concatenate(outs["float"])
+        result.update(float=acc(f), top1_agreement=100.0 * float((f.argmax(1) == q.argmax(1)).mean()),
+                      logits_sqnr_db=sqnr_db(f, q))
+    return result
