@@ -158,7 +158,7 @@ def test_conv_bias_is_float_and_the_input_scale_the_builds(small):
     conv = next(n for n in model.graph.node if n.op_type == "Conv" and n.output[0].startswith("stem"))
     assert conv.input[2] in init and init[conv.input[2]].dtype == np.float32
     np.testing.assert_array_equal(init[conv.input[2]], small["model"].stem.bias.detach().numpy())
-    s_x = max(small["res"].amax["stem.in0"], AMAX_FLOOR) / 127.0  # float64, as emit_conv2d's
+    s_x = max(small["res"].amax["stem.in0"], AMAX_FLOOR) / 127.0  # rounded to float32, as the plan's
     assert init[made[conv.input[0]].input[1]] == np.float32(s_x)  # the input's DequantizeLinear(q, s_x, 0)
 
 

@@ -68,13 +68,15 @@ def test_build_takes_every_activation_scale_from_the_checkpoint(qat_lib):
     assert ranges["source"] == "checkpoint" and ranges["calibrated"] is False and ranges["checkpoint"] == ckpt
     assert all(meta["amax"][point] == learned[key] for point, key in ranges["points"].items())
     rows = {r["layer"]: r for r in meta["report"]["layers"]}
-    # Exactly learned_amax / 127: the scale QAT quantized this layer's input with.
-    assert rows["features.0"]["in_scale"] == learned["features.0.in0"] / 127
+    # Exactly learned_amax / 127 in float32: the scale QAT quantized this layer's input with.
+    def f32(v):
+        return float(np.float32(v))
+    assert rows["features.0"]["in_scale"] == f32(learned["features.0.in0"] / 127)
     # A conv's output is requantized to the scale the *next* layer's input quantizer learned (QAT
     # quantizes where a tensor is consumed), carried through the max-pool unchanged.
-    assert rows["features.0"]["out_scale"] == learned["features.3.in0"] / 127
-    assert rows["features.3"]["in_scale"] == learned["features.3.in0"] / 127
-    assert rows["classifier.1"]["in_scale"] == learned["classifier.1.in0"] / 127
+    assert rows["features.0"]["out_scale"] == f32(learned["features.3.in0"] / 127)
+    assert rows["features.3"]["in_scale"] == f32(learned["features.3.in0"] / 127)
+    assert rows["classifier.1"]["in_scale"] == f32(learned["classifier.1.in0"] / 127)
     assert meta["dataset"] == {"name": "digits", "seed": QAT_CONFIG.seed, "image_size": QAT_CONFIG.image_size}
 
 

@@ -15,6 +15,7 @@ from tvm.relax.frontend.torch import from_exported_program
 from .errors import InputError
 from .graph import Graph, analyze
 from .transform.channels_first import channels_first
+from .transform.fold_pads import fold_pads_into_convs
 from .transform.global_means import keep_global_mean_dims
 from .transform.identity_reshapes import drop_identity_reshapes
 
@@ -366,10 +367,11 @@ def _layer_names(ep) -> dict:
 
 def simplify(mod):
     """Fold batch norm into convs, fold constants (bias reshapes, weight transposes), drop dead code;
-    a spatial mean that drops its axes as the global pool it is (``transform/global_means.py``)."""
+    a spatial mean that drops its axes as the global pool it is (``transform/global_means.py``); an
+    explicit zero pad before a conv as the conv's padding (``transform/fold_pads.py``)."""
     seq = [relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
            relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(["main"])]
     for p in seq:
         mod = p(mod)
-    return keep_global_mean_dims(mod)
+    return fold_pads_into_convs(keep_global_mean_dims(mod))
 

@@ -71,6 +71,8 @@ class Layer:
     relu: bool = False
     clip: tuple[float, float] | None = None  # the activation's (lo, hi): relu (0, inf), ReLU6 (0, 6)
     weight: np.ndarray | None = None   # conv: OIHW float; dense: [O, K] float; layer_norm: gamma [C]
+    given_weight: tuple | None = None  # conv / dense: (int8 q, float32 scales [O]) a Q/DQ file gives
+    #                                    (onnx_qdq.py): the layer quantizes with them, weight == q * scales
     bias: np.ndarray | None = None     # [O] float; layer_norm: beta [C]
     reason_float: str | None = None    # set when the pattern cannot run in int8
     # avg_pool2d: (pool, stride, padding) -- of the pool call, or the whole map for a global mean

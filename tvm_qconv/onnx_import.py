@@ -22,12 +22,14 @@ emits the convs and matrix products, which is the file's node order.
 Bad input gets one line (:class:`~tvm_qconv.errors.InputError`): a file that is not an ONNX model,
 one larger than the memory that is free, an op the frontend has no converter for (named, with
 its nodes), an input that is not one float32 NCHW image tensor, a static shape other than the
-build's.  Not here yet (issue 36's next steps): Q/DQ files (QuantizeLinear / DequantizeLinear)
-are refused by name.
+build's, a file in ONNX's QOperator format (``QLinearConv``...).  A Q/DQ file (``QuantizeLinear`` /
+``DequantizeLinear``) is built with its own scales: ``onnx_qdq.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 
 import numpy as np
@@ -37,11 +39,12 @@ import torch
 from .errors import InputError
 from .frontend import ExportedModel, _first_line
 from .model_check import Probe
+from .onnx_qdq import is_qdq, strip_qdq
 
 # ONNX's TensorProto.FLOAT
 _FLOAT = 1
-# ops of a quantized (Q/DQ) file: their own import is issue 36's part 2
-_QDQ_OPS = {"QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger"}
+# ops of ONNX's other quantized format (QOperator): integer ops with their scales inside
+_QOPERATOR_OPS = {"QLinearConv", "QLinearMatMul", "ConvInteger", "MatMulInteger", "QLinearAdd", "QGemm"}
 # A file loads into memory once as protobuf, once as the Relax constants: refuse one whose size
 # times this does not fit the memory that is free.
 _LOAD_COPIES = 3
@@ -81,6 +84,9 @@ class OnnxModel:
         if not proto.graph.node:
             raise InputError(f"--model {path} is not an ONNX model with a graph (it has no nodes)")
         self.proto = proto
+        self.qdq = None     # a Q/DQ file: its float graph's scales (onnx_qdq.StrippedQdq)
+        if is_qdq(proto):
+            self.qdq = strip_qdq(proto)
         self._check_ops()
         self.input_name, self.input_dims = self._image_input()
         outputs = list(proto.graph.output)
@@ -173,14 +179,17 @@ class OnnxModel:
         shape = self.shape_at(input_shape)
         if shape not in self._imported:
             try:
-                mod = from_onnx(self.proto, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
+                # the frontend prints a failing op's inputs before it raises: the error below says it in a line
+                with contextlib.redirect_stdout(io.StringIO()):
+                    mod = from_onnx(self.proto, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
             except Exception as err:
                 # The frontend wants some inputs constant (Pad's pads, Reshape's shape) that an
                 # exporter may leave as a small computation on constants (torch's opset-13 Pad):
                 # once more with the graph's constants folded by ONNX Runtime
                 folded = self._folded()
                 try:
-                    mod = from_onnx(folded, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        mod = from_onnx(folded, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
                 except Exception:
                     raise InputError(f"TVM's ONNX frontend cannot import {self.path} at input {shape}: "
                                      f"{type(err).__name__}: {_first_line(err)}") from None
@@ -240,11 +249,11 @@ class OnnxModel:
         nodes: dict = {}
         for node in self.proto.graph.node:
             nodes.setdefault(node.op_type, []).append(node.name or "(unnamed)")
-        qdq = sorted(set(nodes) & _QDQ_OPS)
-        if qdq:
-            raise InputError(f"{self.path} is a quantized ONNX model ({', '.join(qdq)}: e.g. node "
-                             f"{nodes[qdq[0]][0]}); importing Q/DQ files with their scales is not built yet: "
-                             "give the float model")
+        qop = sorted(set(nodes) & _QOPERATOR_OPS)
+        if qop:
+            raise InputError(f"{self.path} is quantized in ONNX's QOperator format ({', '.join(qop)}: e.g. node "
+                             f"{nodes[qop[0]][0]}); builds take float files and Q/DQ files (QuantizeLinear / "
+                             "DequantizeLinear): export it in QDQ format (quantize_static(..., quant_format=QDQ))")
         known = _get_convert_map()
         missing = sorted(op for op in nodes if op not in known)
         if missing:
@@ -291,6 +300,25 @@ class OnnxExported(ExportedModel):
             mod = self._timed(lambda: self.model.relax(shape))
             self._imported[batch] = (mod, self.model.layer_names())
         return self._imported[batch]
+
+    def at(self, batch: int):
+        """``ExportedModel.at``, and in a Q/DQ file's graph each conv and linear layer the file
+        gives integers for takes them (``graph.Layer.given_weight``) where its float weight is
+        exactly theirs (a transform between, e.g. a folded scale, would make it another weight)."""
+        fresh = int(batch) not in self._at
+        fg = super().at(batch)
+        qdq = self.model.qdq
+        if fresh and qdq is not None:
+            for ly in fg.graph.layers:
+                given = qdq.weights.get(ly.name)
+                if given is None or ly.weight is None:
+                    continue
+                q, s = given
+                q2 = q.reshape(q.shape[0], -1)
+                if ly.weight.shape[0] == q.shape[0] and ly.weight.size == q.size and np.array_equal(
+                        ly.weight.reshape(q.shape[0], -1), (q2 * s[:, None]).astype(np.float32)):
+                    ly.given_weight = (q.reshape(ly.weight.shape).astype(np.int8), s)
+        return fg
 
 
 def _file_bytes(path: str) -> int:

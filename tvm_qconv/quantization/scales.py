@@ -15,11 +15,16 @@ AMAX_FLOOR = 1e-30
 def activation_scale(amax: float, unsigned: bool = False) -> float:
     """The int8 scale of an activation of range ``amax``: ``amax / 127`` (symmetric), or
     ``amax / 255`` for an unsigned tensor (``zero_points.py``), floored at ``AMAX_FLOOR``; a dead
-    (all-zero or NaN) tensor gets 1/127, as any positive scale holds it."""
+    (all-zero or NaN) tensor gets 1/127, as any positive scale holds it.
+
+    Rounded to float32: the scale a Q/DQ ONNX file, TensorRT or the QAT layers (torch float32) hold,
+    so that an exported file carries the library's scale exactly and a library built from that
+    file is the same library (``onnx_qdq.py``: a file's ``127 * s`` divided by 127 gives ``s``
+    back, exactly)."""
     amax = float(amax)
     if not (np.isfinite(amax) and amax > 0):
         amax = 1.0
-    return max(amax, AMAX_FLOOR) / (255.0 if unsigned else 127.0)
+    return float(np.float32(max(amax, AMAX_FLOOR) / (255.0 if unsigned else 127.0)))
 
 
 def int8_clamp(ly, s_y: float, zero: int = 0) -> tuple[str, int, int]:

@@ -1,0 +1,295 @@
+"""Q/DQ ONNX models in: explicit quantization with the scales the file carries, no calibration.
+
+A quantized ONNX file (this project's ``deploy.py export-onnx``, ONNX Runtime's ``quantize_static``
+in QDQ format, NVIDIA ModelOpt, a QAT export) is its float graph with ``QuantizeLinear`` /
+``DequantizeLinear`` (Q/DQ) nodes that say where each tensor is int8 and at which scale.  Here the
+file becomes what the pipeline takes from a calibrated float model:
+
+1. :func:`strip_qdq`: the float graph with the Q/DQ nodes taken out, and what they said.
+   - a weight ``DequantizeLinear`` (an int8 initializer, a per-output-channel or per-tensor scale,
+     zero point 0) becomes the float initializer ``q * s`` (exact in float32), its integers and
+     scales kept by the node that reads it (``weights``: the library quantizes with them, not
+     with scales of its own: ``graph.Layer.given_weight``);
+   - a ``QuantizeLinear -> DequantizeLinear`` pair on an activation is bypassed, its tensor's
+     range kept (``ranges``: ``127 * s`` for zero point 0, ``255 * s`` for an unsigned tensor at
+     zero point 128 (uint8) or -128 (int8));
+   - an int32 bias ``DequantizeLinear`` (``quantize_static``'s) becomes its float bias.
+2. :func:`point_ranges`: the pipeline's calibration points (``graph.points``) matched to the
+   file's tensors by value -- the float graph and ONNX Runtime run on one image, each point takes
+   the range of the tensor that holds its values -- so no naming convention of any exporter is
+   assumed.  A point the file gives no range for keeps the layers that read it float, by name.
+
+What the project's scheme cannot honour is reported by node name with what was done instead
+(``notes``), never changed silently: an asymmetric weight (zero point not 0: dequantized, then
+requantized symmetric per channel by the library), a per-channel activation scale or an
+asymmetric activation zero point (its range taken over all channels / both ends: requantized to
+the symmetric per-tensor scheme), a Q/DQ pattern of another shape (kept float, as the file's
+float computation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InputError
+
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclass
+class StrippedQdq:
+    """The float model of a Q/DQ file and what its Q/DQ nodes said (module docstring)."""
+
+    proto: object                                   # onnx.ModelProto, float, no Q/DQ node
+    ranges: dict = field(default_factory=dict)      # activation tensor name -> amax
+    unsigned: set = field(default_factory=set)      # activation tensors the file keeps unsigned
+    weights: dict = field(default_factory=dict)     # weight-reading node name -> (int8 q, float32 scales)
+    notes: list = field(default_factory=list)       # what could not be honoured, by node name
+    qdq_nodes: int = 0
+
+
+def is_qdq(proto) -> bool:
+    return any(n.op_type in _QDQ for n in proto.graph.node)
+
+
+def _const(name: str, inits: dict, consts: dict):
+    if name in inits:
+        from onnx import numpy_helper
+
+        return numpy_helper.to_array(inits[name])
+    return consts.get(name)
+
+
+def _non_negative(node, inits: dict, consts: dict) -> bool:
+    """Whether ``node``'s output is never negative by construction (a Relu, a Clip with min >= 0)."""
+    if node is None:
+        return False
+    if node.op_type == "Relu":
+        return True
+    if node.op_type == "Clip" and len(node.input) > 1 and node.input[1]:
+        lo = _const(node.input[1], inits, consts)
+        return lo is not None and float(np.asarray(lo).reshape(-1)[0]) >= 0
+    return False
+
+
+def strip_qdq(proto) -> StrippedQdq:
+    """The float graph of ``proto`` (a Q/DQ model, changed in place) and its scales.
+
+    Raises:
+        InputError: a Q/DQ node whose scale is not a constant.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    inits = {i.name: i for i in graph.initializer}
+    consts = {}
+    for n in graph.node:        # Constant nodes: scales and zero points may be written as them
+        value = next((a for a in n.attribute if a.name == "value"), None) if n.op_type == "Constant" else None
+        if value is not None and value.type == onnx.AttributeProto.TENSOR:
+            consts[n.output[0]] = numpy_helper.to_array(value.t)
+    readers: dict = {}
+    for n in graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    out = StrippedQdq(proto)
+    producer = {o: n for n in graph.node for o in n.output}
+    inserted: dict = {}         # a Q node -> the Relu that keeps its clamp at 0
+    rename: dict = {}           # a DQ's output -> the float tensor it stands for
+    drop = set()
+    new_inits = []
+
+    def scale_zero(node):
+        s = _const(node.input[1], inits, consts)
+        if s is None:
+            raise InputError(f"node {node.name} ({node.op_type}): its scale {node.input[1]} is not a constant; "
+                             "a Q/DQ file's scales must be constants")
+        z = _const(node.input[2], inits, consts) if len(node.input) > 2 and node.input[2] else None
+        zdtype = None if z is None else z.dtype
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        return np.asarray(s, np.float32), (np.zeros_like(s, np.int64) if z is None else np.asarray(z, np.int64)), \
+            zdtype, axis
+
+    for node in graph.node:
+        if node.op_type == "DequantizeLinear" and node.input[0] in inits:     # a weight or a bias
+            q = numpy_helper.to_array(inits[node.input[0]])
+            s, z, _, axis = scale_zero(node)
+            shape = [1] * q.ndim
+            if s.size > 1:
+                shape[axis % q.ndim] = s.size
+            w = ((q.astype(np.int64) - z.reshape(shape if z.size > 1 else [])) * s.reshape(shape if s.size > 1 else
+                                                                                             [])).astype(np.float32)
+            name = node.output[0]
+            new_inits.append(numpy_helper.from_array(w, name + "_float"))
+            rename[name] = name + "_float"
+            drop.add(node.name or id(node))
+            out.qdq_nodes += 1
+            users = readers.get(name, [])
+            if q.dtype == np.int8 and q.ndim >= 2 and all(u.op_type in ("Conv", "Gemm", "MatMul") and
+                                                          list(u.input).index(name) == 1 for u in users):
+                if np.any(z != 0):
+                    out.notes.append(f"{node.name}: asymmetric weight (zero point not 0) dequantized; the library "
+                                     "requantizes it symmetric per output channel")
+                elif (s.size > 1 and axis % q.ndim != 0) or any(u.op_type == "MatMul" for u in users):
+                    out.notes.append(f"{node.name}: weight scales not per output channel (axis {axis}); the library "
+                                     "requantizes it per output channel")
+                else:
+                    for u in users:
+                        out.weights[u.name] = (q, np.broadcast_to(s.reshape(-1), (q.shape[0],)).astype(np.float32))
+        elif node.op_type == "QuantizeLinear":
+            dqs = readers.get(node.output[0], [])
+            if not dqs or any(d.op_type != "DequantizeLinear" for d in dqs):
+                continue    # not a Q -> DQ pair: left as it is (a note below)
+            s, z, zdtype, axis = scale_zero(node)
+            s = s.astype(np.float64)    # 127 * s exact (float32 would round it: a scale 1 ulp off)
+            x = node.input[0]
+            if s.size > 1:
+                out.notes.append(f"{node.name}: per-channel activation scales; requantized to one scale per tensor "
+                                 "(their largest range)")
+            lo, hi = (-128, 127) if zdtype != np.uint8 else (0, 255)
+            if np.all(z == lo):                     # unsigned: [0, 255 s] (uint8 at 0, int8 at -128)
+                amax = float(np.max(255.0 * s))
+                out.unsigned.add(x)
+            elif np.all(z == 0) or (zdtype == np.uint8 and np.all(z == 128)):
+                amax = float(np.max(127.0 * s))
+            else:
+                amax = float(np.max(np.maximum(np.abs((lo - z) * s), np.abs((hi - z) * s))))
+                out.notes.append(f"{node.name}: asymmetric activation (zero point {z.reshape(-1)[0]}); requantized "
+                                 "symmetric over its range")
+            if x in out.unsigned and not _non_negative(producer.get(x), inits, consts):
+                # the pair clamps at 0 (ONNX Runtime folds a ReLU into it this way): the float graph
+                # keeps that clamp as the ReLU it stands for, which the conv before absorbs
+                relu = helper.make_node("Relu", [x], [x + "_qdq_relu"], name=(node.name or x) + "_relu")
+                inserted[node.name or id(node)] = relu
+                out.unsigned.add(relu.output[0])
+                x = relu.output[0]
+            out.ranges[x] = max(out.ranges.get(x, 0.0), amax)
+            drop.add(node.name or id(node))
+            out.qdq_nodes += 1
+            for d in dqs:
+                rename[d.output[0]] = x
+                drop.add(d.name or id(d))
+                out.qdq_nodes += 1
+    leftover = [n for n in graph.node if n.op_type in _QDQ and (n.name or id(n)) not in drop]
+    for n in leftover:
+        out.notes.append(f"{n.name}: a {n.op_type} of another pattern; kept as the file's float computation")
+    keep = []
+    for n in graph.node:
+        key = n.name or id(n)
+        if key in inserted:
+            keep.append(inserted[key])
+        elif key not in drop:
+            keep.append(n)
+    for n in keep:
+        for i, x in enumerate(n.input):
+            if x in rename:
+                n.input[i] = rename[x]
+    for o in graph.output:
+        if o.name in rename:    # an output that was a DQ: the float tensor, under the output's name
+            keep.append(helper.make_node("Identity", [rename[o.name]], [o.name], name=f"{o.name}_identity"))
+    used = {x for n in keep for x in n.input}
+    del graph.node[:]
+    graph.node.extend(keep)
+    kept_inits = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_inits + [i for i in new_inits if i.name in used])
+    return out
+
+
+# A point matches a file tensor when their values agree to this, relative to the tensor's largest
+# magnitude: two runs of one float computation (ONNX Runtime's kernels against the graph's on
+# llvm) differ by float32 rounding, ~1e-6; two different tensors of one shape differ by O(1).
+MATCH_REL = 1e-3
+
+
+def point_ranges(graph, model, stripped: StrippedQdq, image: np.ndarray) -> tuple[dict, dict]:
+    """The file's range for every calibration point of ``graph`` (the float graph at batch 1) that
+    holds the values of a tensor the file quantizes (module docstring, step 2).
+
+    Returns:
+        ``({point: amax}, {point: file tensor})`` for the points matched; the others are missing.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    from .calibrate import FloatPoints
+
+    _, values = next(FloatPoints(graph)(image[None].astype(np.float32)))
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.proto)
+    have = {o.name for o in proto.graph.output}
+    names = [t for t in stripped.ranges if t not in have and t != model.input_name]
+    proto.graph.output.extend(helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in names)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL   # every tensor as the file has it
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outs = session.run(None, {model.input_name: image[None].astype(np.float32)})
+    tensors = {o.name: v for o, v in zip(session.get_outputs(), outs) if o.name in stripped.ranges}
+    if model.input_name in stripped.ranges:
+        tensors[model.input_name] = image[None].astype(np.float32)
+    amax, source = {}, {}
+    for point, v in values.items():
+        v = np.asarray(v, np.float32).reshape(-1)
+        best, err = None, np.inf
+        for name, u in tensors.items():
+            u = np.asarray(u, np.float32).reshape(-1)
+            if u.size != v.size:
+                continue
+            e = float(np.max(np.abs(u - v)) / max(float(np.max(np.abs(u))), 1e-12))
+            if e < err:
+                best, err = name, e
+        if best is not None and err <= MATCH_REL:
+            amax[point], source[point] = stripped.ranges[best], best
+    return amax, source
+
+
+@dataclass(frozen=True)
+class FileScales:
+    """A range source (``ranges.RangeSource``): the ranges a Q/DQ file gives, by point."""
+
+    amax: dict = field(compare=False)
+    report: dict = field(compare=False)
+
+    def resolve(self, ctx) -> tuple[dict, dict]:
+        from .data import skimage_photos
+        from .verify import IMAGES
+
+        # nothing is calibrated; the build's verification runs on a few photos
+        ctx.images = skimage_photos(int(ctx.input_shape[-1]))[:IMAGES]
+        return dict(self.amax), dict(self.report)
+
+    def describe(self) -> str:
+        return f"the Q/DQ file's scales ({len(self.amax)} points, no calibration)"
+
+
+def file_scales(model, exported, config):
+    """``(FileScales, config)`` of a Q/DQ ``model`` (``onnx_import.OnnxModel``): its ranges by point
+    (:func:`point_ranges`, on one of scikit-image's photos at the model's size), and ``config``
+    with the layers that read or make a point the file gives no range for kept float (its
+    ``skip``), each named in the report."""
+    import dataclasses
+
+    from .data import skimage_photos
+
+    graph = exported.at(1).graph
+    size = int(exported.sample_shape[-1])
+    amax, source = point_ranges(graph, model, model.qdq, skimage_photos(size)[0])
+    missing = {var: name for var, name in graph.points.items() if name not in amax}
+    skip = []
+    for ly in graph.layers:
+        if ly.kind in ("conv2d", "dense") and (ly.output in missing or any(x in missing for x in ly.inputs)):
+            skip.append(ly.name)
+    notes = list(model.qdq.notes)
+    if missing:
+        notes.append(f"{len(missing)} point(s) the file gives no scale for ({', '.join(sorted(missing.values())[:4])}"
+                     f"{' ...' if len(missing) > 4 else ''}): kept float" +
+                     (f", with the layers {', '.join(skip[:4])}{' ...' if len(skip) > 4 else ''}" if skip else ""))
+    given = sum(1 for ly in graph.layers if ly.given_weight is not None)
+    report = dict(source="file", file=model.path, points=len(amax), qdq_nodes=model.qdq.qdq_nodes,
+                  given_weights=given, kept_float=skip, notes=notes, calibrated=False)
+    if skip:
+        config = dataclasses.replace(config, skip=tuple(config.skip) + tuple(s for s in skip if s not in config.skip))
+    return FileScales(amax, report), config
