@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "real photos.  A baseline that cannot run is a row saying why.  Writes "
                                    "<out>/compare_<model>.json, .md and .png.  Rows (--baselines): "
                                    + ", ".join(BASELINE_KEYS) + ".")
-    c.add_argument("--model", required=True, help="torchvision classifier name or path/to/file.py:factory")
+    c.add_argument("--model", required=True, help="torchvision classifier name, path/to/file.py:factory or a "
+                   "model.onnx (then the reference is ONNX Runtime's fp32 and the PyTorch rows are skipped)")
     c.add_argument("--weights", default=None, help="state-dict file or torchvision weight name; default: random "
                                                    "init seeded by --seed")
     c.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init")
@@ -207,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--agreement-floor", type=float, default=10.0, metavar="DB",
                    help="a row whose logits' SQNR against fp32 PyTorch is under DB is marked wrong and left out of "
                         "the speed-ups and the chart (default 10)")
+    c.add_argument("--data", default=None, metavar="DIR",
+                   help="a labelled image folder (as `eval --data`): each row's top-1 / top-5 on it beside the float "
+                        "model's")
+    c.add_argument("--labels", default=None, metavar="FILE", help="(--data) '<file> <label>' per line, a flat folder")
+    c.add_argument("--classes", default=None, metavar="FILE", help="(--data) the class folders' indices")
     c.add_argument("--seed", type=int, default=0, help="torch seed of a random init (default 0)")
     c.add_argument("--work-dir", default="/tmp/tvm_qconv_compare", help="where the libraries and the ONNX model go")
     c.add_argument("--out", default="results", help="folder for compare_<model>.json / .md / .png (default results)")
@@ -348,6 +354,9 @@ def cmd_build(args) -> int:
         if onnx_file:   # the file may fix its image size: loaded first (a second or so)
             model, weights = load_cli_model(args)
             size = model.image_size(args.image_size)
+            if isinstance(model.input_dims[0], str):
+                print(f"[build] {args.model} has a dynamic batch ({model.input_dims[0]}): the library is built for "
+                      f"batch {args.batch} (--batch sets it)", flush=True)
         else:
             size = args.image_size or 224
         options = build_options(size)  # its checks (the tuning log's target) before a torch model loads
@@ -426,8 +435,8 @@ def cmd_compare(args) -> int:
                              libs=tuple(args.lib), tuning_log=args.tuning_log, baselines=args.baselines,
                              config=PRESETS[args.scheme], calib_dir=args.calib_dir, input_sets=args.input_sets,
                              budget_s=args.budget, jobs=args.jobs, agreement_floor_db=args.agreement_floor,
-                             seed=args.seed, out_dir=args.out,
-                             work_dir=args.work_dir)
+                             seed=args.seed, out_dir=args.out, data=args.data, labels=args.labels,
+                             classes=args.classes, work_dir=args.work_dir)
     results = compare(options, progress=(lambda line: None) if args.quiet else (lambda line: print(line, flush=True)))
     if args.quiet:
         print("\n".join(report.summary_lines(results["summary"])))

@@ -296,3 +296,41 @@ def test_a_replay_is_checked_against_eager_and_an_overflowing_model_is_named():
         model.weight.fill_(1e38)
         with pytest.raises(baselines_mod.NonFiniteOutput, match=r"not finite \(6 of 6 values\).*float32"):
             baselines_mod.check_replay(lambda v: out.copy_(model(v)), out, model, x)
+
+
+def test_an_onnx_file_compares_against_onnx_runtimes_fp32_with_accuracy_columns(tmp_path):
+    # a float ONNX file: its int8 library and ONNX Runtime's rows run, the PyTorch rows say why they
+    # cannot; with --data every comparable row also has its top-1 / top-5 on the labelled folder
+    from PIL import Image
+    path = str(tmp_path / "small.onnx")
+    torch.onnx.export(small_net(), (torch.randn(1, 3, SIZE, SIZE),), path, opset_version=17, dynamo=False,
+                      input_names=["image"], output_names=["logits"], dynamic_axes={"image": {0: "N"}})
+    data = tmp_path / "data"
+    for i in range(4):
+        (data / str(i % 2)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((40, 40, 3), 60 * i, np.uint8)).save(data / str(i % 2) / f"{i}.png")
+    options = _options(tmp_path, model=path, batches=(1,), baselines=("int8", "torch-fp32", "ort-cpu"),
+                       data=str(data))
+    results = compare(options, progress=lambda line: None)
+    assert results["reference"] == "fp32 ONNX Runtime (CPU)"
+    torch_row, int8 = _row(results, "torch-fp32", 1), _row(results, "int8", 1)
+    assert torch_row["status"] == "skipped" and "ONNX file" in torch_row["reason"]
+    assert int8["status"] == "ok" and int8["sqnr_db"] > 15      # against ONNX Runtime's fp32 logits
+    assert 0 <= int8["top1"] <= int8["top5"] <= 100
+    reference = results["labelled"]["reference"]
+    assert results["labelled"]["images"] == 4 and 0 <= reference["top1"] <= reference["top5"] <= 100
+    table = open(os.path.join(options.out_dir, f"compare_{options.tag}.md")).read()
+    assert options.tag == "small" and "top-1 % | top-5 %" in table and "a smoke test" in table
+
+
+def test_a_qdq_file_compares_with_its_own_scales_and_onnx_runtime_runs_the_file(tmp_path):
+    from tvm_qconv.onnx_export import export_onnx
+    path = str(tmp_path / "small_qdq.onnx")
+    export_onnx(small_net(), path, input_shape=(1, 3, SIZE, SIZE), progress=False)
+    options = _options(tmp_path, model=path, batches=(1,), baselines=("int8", "ort-cpu"))
+    results = compare(options, progress=lambda line: None)
+    int8, ort_row = _row(results, "int8", 1), _row(results, "ort-cpu", 1)
+    assert int8["status"] == "ok" and ort_row["status"] == "ok"
+    # the library is built from the file's scales and ONNX Runtime runs the file itself: the two int8
+    # results differ only in rounding (ONNX's half to even, in float) and agree far above int8's noise
+    assert ort_row["sqnr_db"] > 15 and int8["sqnr_db"] > 15

@@ -181,6 +181,7 @@ def test_deploy_build_takes_an_onnx_file_and_its_image_size(tmp_path):
                           str(tmp_path / "k.so"), "--quiet"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"size={SIZE}" in out.stdout and "weights=the model file's" in out.stdout
+    assert "dynamic batch" not in out.stdout       # this file fixes its batch at 1
     assert CompiledModel(str(tmp_path / "k.so")).input_shape == (1, 3, SIZE, SIZE)
 
 
@@ -196,3 +197,10 @@ def test_relu6_as_onnx_clip_is_read_as_a_clip_the_conv_absorbs(tmp_path):
     assert "R.clip(" in mod["main"].script()
     first = analyze(mod["main"], model.layer_names()).layers[0]
     assert first.kind == "conv2d" and first.clip == (0.0, 6.0)
+
+
+def test_an_onnx_files_tuning_folder_is_named_after_its_stem():
+    from tvm_qconv.tuning.job import default_work_dir
+    assert default_work_dir("/data/models/resnet18.onnx", 8, "sm_90a") == "tuning_logs/resnet18-b8-sm_90a"
+    assert default_work_dir("models/efficientnet_lite.py:lite0", 1, "llvm") == "tuning_logs/efficientnet_lite-lite0-b1-llvm"
+    assert default_work_dir("vgg16", 64, "sm_90a") == "tuning_logs/vgg16-b64-sm_90a"

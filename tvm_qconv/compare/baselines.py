@@ -103,6 +103,9 @@ def _torch_model(ctx, precision: str):
     """The float model in ``precision`` on the comparison's device, channels_last, cuDNN's
     algorithm search on: how a PyTorch user runs it fastest in eager mode."""
     import torch  # row-time import: see the note at the top
+    if not isinstance(ctx.model, torch.nn.Module):
+        raise Unavailable("--model is an ONNX file: there is no PyTorch module to run (ONNX Runtime's rows run "
+                          "the model)")
     dtype = getattr(torch, _TORCH_DTYPES[precision])
     set_tf32(precision == "tf32")
     torch.backends.cudnn.benchmark = True

@@ -53,9 +53,10 @@ def _build(job: BuildJob, model, name: str, amax: dict, config: QuantConfig) -> 
 
 def _build_in_worker(job: BuildJob, spec: dict, amax: dict, config: QuantConfig) -> Built:
     """A worker process's build: the model from ``spec`` (``name``, ``num_classes``, the saved
-    ``state`` file), then :func:`_build`."""
+    ``state`` file, None for an ONNX file), then :func:`_build`."""
     model = load_model(spec["name"], num_classes=spec["num_classes"])
-    model.load_state_dict(torch.load(spec["state"], map_location="cpu", weights_only=True))
+    if spec["state"] is not None:     # (an ONNX file holds its weights: no state)
+        model.load_state_dict(torch.load(spec["state"], map_location="cpu", weights_only=True))
     return _build(job, model.eval(), spec["name"], amax, config)
 
 

@@ -151,10 +151,10 @@ def agreement(reference: np.ndarray, logits: np.ndarray) -> dict:
                 sqnr_db=sqnr_db(reference, logits))
 
 
-def mark_wrong(row: dict, floor_db: float) -> None:
-    """Mark a measured row whose logits disagree with fp32 PyTorch (SQNR under ``floor_db``) as
-    ``wrong``: a latency of something that does not compute the model is no baseline."""
+def mark_wrong(row: dict, floor_db: float, reference: str = "fp32 PyTorch") -> None:
+    """Mark a measured row whose logits disagree with the reference (fp32 PyTorch; SQNR under
+    ``floor_db``) as ``wrong``: a latency of something that does not compute the model is no baseline."""
     sqnr = row.get("sqnr_db")
     if row["status"] == "ok" and sqnr is not None and float(sqnr) < floor_db:
-        row.update(status="wrong", reason=f"its logits are not the model's: SQNR {float(sqnr):.1f} dB against fp32 "
-                                          f"PyTorch (floor {floor_db:g}), top-1 {row['top1_agree']:.0%}")
+        row.update(status="wrong", reason=f"its logits are not the model's: SQNR {float(sqnr):.1f} dB against "
+                                          f"{reference} (floor {floor_db:g}), top-1 {row['top1_agree']:.0%}")

@@ -173,22 +173,32 @@ def markdown(results: dict) -> str:
              f"- **Method:** median and p99 of CUDA-event latencies per forward (wall time on the CPU), cycling "
              f"over {results['input_sets']} input sets, up to {results['budget_s']} s per row after warm-up; "
              "memory is the device memory a row holds after its runs (cudaMemGetInfo delta); agreement is "
-             "against fp32 PyTorch (TF32 off) on the same real photos; a row under "
+             f"against {results.get('reference', 'fp32 PyTorch (TF32 off)')} on the same real photos; a row under "
              f"{results.get('agreement_floor_db', 10):g} dB is marked wrong and left out of the speed-ups and the "
              "chart.", ""]
     end = results.get("gpu_at_end") or {}
     if end:
         lines.insert(-2, f"- **GPU at the end of the run:** SM clock {end.get('clocks_sm')}, memory clock "
                          f"{end.get('clocks_mem')}, {end.get('temperature_gpu')} C")
+    labelled = results.get("labelled")
+    if labelled:
+        ref = labelled["reference"]
+        lines.insert(-1, f"- **Accuracy:** top-1 / top-5 on {labelled['images']} labelled images of "
+                         f"`{labelled['data']}` ({labelled['layout']}); {results.get('reference', 'fp32 PyTorch')}: "
+                         f"{ref['top1']:.1f} / {ref['top5']:.1f} %"
+                         + (" (fewer than 1,000 images: a smoke test, not an accuracy figure)"
+                            if labelled["images"] < 1000 else ""))
+    acc_head, acc_rule = (" top-1 % | top-5 % |", "---|---|") if labelled else ("", "")
     for batch in results["batches"]:
         lines += [f"## Batch {batch}", "",
-                  "| baseline | median ms | p99 ms | images/s | peak MiB | build s | top-1 agree | SQNR dB | "
-                  "tvm_qconv speed-up | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| baseline | median ms | p99 ms | images/s | peak MiB | build s | top-1 agree | SQNR dB |"
+                  + acc_head + " tvm_qconv speed-up | note |", "|---|---|---|---|---|---|---|---|" + acc_rule + "---|---|"]
         best_ours = min((r["median_ms"] for r in results["rows"] if r["batch"] == batch and r["status"] == "ok"
                          and r["family"] == "tvm_qconv"), default=None)
         for r in (r for r in results["rows"] if r["batch"] == batch):
             if r["status"] not in ("ok", "wrong"):
-                lines.append(f"| {r['name']} | {r['status']}: {r['reason']} | | | | | | | | |")
+                lines.append(f"| {r['name']} | {r['status']}: {r['reason']} | | | | | | | |" + (" | |" if labelled else "")
+                             + " |")
                 continue
             up = r["median_ms"] / best_ours if best_ours and r["family"] != "tvm_qconv" and r["status"] == "ok" \
                 else None
@@ -196,7 +206,9 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['name']} | {r['median_ms']:.3f} | {_fmt(r.get('p99_ms'), '.3f')} | "
                          f"{_fmt(r.get('images_per_s'), '.0f')} | {_fmt(r.get('peak_mem_mib'), '.0f')} | "
                          f"{_fmt(r.get('build_s'), '.1f')} | {_fmt(r.get('top1_agree'), '.0%')} | "
-                         f"{_fmt(_num(r.get('sqnr_db')), '.1f')} | {_fmt(up, '.2f', 'x')} | {note.strip()} |")
+                         f"{_fmt(_num(r.get('sqnr_db')), '.1f')} |"
+                         + (f" {_fmt(r.get('top1'), '.1f')} | {_fmt(r.get('top5'), '.1f')} |" if labelled else "")
+                         + f" {_fmt(up, '.2f', 'x')} | {note.strip()} |")
         lines.append("")
     return "\n".join(lines)
 

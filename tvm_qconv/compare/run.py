@@ -10,7 +10,6 @@ real photos, and is compared with fp32 PyTorch (TF32 off) on those photos.
 from __future__ import annotations
 
 import os
-import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from ..onnx_export import export_onnx
 from ..quantize import quantize_module
 from ..ranges import Calibrate, GivenRanges
 from ..target import TargetInfo, device_arch, make_target
+from ..tuning.job import model_stem
 from . import report
 from .baselines import BASELINE_KEYS, Baseline, Forward, Unavailable, baselines, set_tf32
 from .builds import Built, BuildJob, build_libraries
@@ -46,7 +46,9 @@ class CompareOptions:
     """What ``deploy.py compare`` runs.
 
     Attributes:
-        model: a torchvision classifier name or ``path/to/file.py:factory``.
+        model: a torchvision classifier name, ``path/to/file.py:factory`` or an ONNX file (float: the
+            PyTorch rows are skipped and the reference is ONNX Runtime's fp32; Q/DQ: built with its
+            scales, and ONNX Runtime's rows run the file itself).
         weights: a state-dict file or torchvision weight name; None: random init seeded by ``seed``.
         num_classes: classifier width for random init.
         batches: the batch sizes, each a table.
@@ -66,6 +68,8 @@ class CompareOptions:
         agreement_floor_db: a row whose logits' SQNR against fp32 PyTorch is under this is marked
             ``wrong``: timed, shown, but left out of the summary and the chart (its outputs are
             not the model's).  int8 rows of random-init zoo models reach 16-33 dB, float rows 40+.
+        data, labels, classes: a labelled image folder (``labelled_images``): every comparable row
+            also gets its top-1 / top-5 on it, and so does the reference.
         seed: torch's seed before a random init.
         out_dir: where the JSON, markdown and PNG go; work_dir: libraries and the ONNX model.
     """
@@ -86,6 +90,9 @@ class CompareOptions:
     budget_s: float = 3.0
     jobs: int = 1
     agreement_floor_db: float = 10.0
+    data: str | None = None
+    labels: str | None = None
+    classes: str | None = None
     seed: int = 0
     out_dir: str = "results"
     work_dir: str = "/tmp/tvm_qconv_compare"
@@ -108,15 +115,19 @@ class CompareOptions:
         for lib in self.libs:
             if not os.path.isfile(lib):
                 raise InputError(f"--lib {lib} does not exist: build it with `python deploy.py build ... -o {lib}`")
+        if (self.labels or self.classes) and self.data is None:
+            raise InputError("--labels and --classes go with --data DIR (a labelled image folder)")
+        if self.data is not None and not os.path.isdir(self.data):
+            raise InputError(f"--data {self.data}: no such folder")
         if self.tuning_log and not os.path.isdir(self.tuning_log):
             raise InputError(f"--tuning-log {self.tuning_log} is not a folder: give a database folder written by "
                              "tune.py, or tuning_logs/")
 
     @property
     def tag(self) -> str:
-        """The model's name in file names (``vgg16``; ``file_factory`` for a user's model)."""
-        base = self.model.replace(".py:", "_").rsplit("/", 1)[-1]
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", base)
+        """The model's name in file names (``vgg16``; ``file-factory`` for a user's model, the file's
+        stem for an ONNX file: ``tuning.job.model_stem``)."""
+        return model_stem(self.model)
 
 
 def resolve_device(requested: str | None) -> str:
@@ -142,7 +153,7 @@ def tuning_log_for(folder: str | None, model: str, batch: int, arch: str | None)
         return folder
     base = (arch or "").rstrip("a")
     for a in dict.fromkeys([arch, base, base + "a" if base == "sm_90" else None]):
-        path = os.path.join(folder, f"{model}-b{batch}-{a}")
+        path = os.path.join(folder, f"{model_stem(model)}-b{batch}-{a}")
         if a and os.path.isdir(path):
             return path
     return None
@@ -181,6 +192,18 @@ class Context:
         """Photos, reference, ranges; then the libraries and the ONNX model the rows ``names`` need."""
         self.photos = skimage_photos(self.options.image_size)
         self.reference = self._reference()
+        self.labelled = None
+        if self.options.data is not None:   # the labelled folder: every comparable row's top-1 / top-5 on it
+            from ..labelled_images import labelled_images, read_batch
+            images = labelled_images(self.options.data, self.options.labels, self.options.classes)
+            x, y = read_batch(images, 0, len(images.paths), self.options.image_size)
+            if not len(x):
+                raise InputError(f"--data {self.options.data}: none of its images could be read")
+            self.labelled = (x, y, images)
+            self.reference_accuracy = accuracy(self._reference(x), y)
+            self.progress(f"[compare] {len(y)} labelled images of {self.options.data} ({images.layout}; "
+                          f"{len(images.skipped)} unreadable); {self.reference_name}: top-1 "
+                          f"{self.reference_accuracy['top1']:.1f} %")
         t = time.perf_counter()
         self.amax, self.convs = self._calibrate()
         self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
@@ -200,31 +223,47 @@ class Context:
             sets.append(np.ascontiguousarray(x[..., ::-1] if k % 2 else x))
         return sets
 
-    def run_photos(self, forward: Forward, batch: int) -> np.ndarray:
-        """The logits of every photo through ``forward``, ``batch`` at a time (the last batch
-        filled with repeats)."""
-        n = len(self.photos)
+    def run_photos(self, forward: Forward, batch: int, photos: np.ndarray | None = None) -> np.ndarray:
+        """The logits of every photo (default: the calibration photos) through ``forward``,
+        ``batch`` at a time (the last batch filled with repeats)."""
+        photos = self.photos if photos is None else photos
+        n = len(photos)
         out = []
         for start in range(0, n, batch):
-            x = self.photos[(np.arange(batch) + start) % n]
+            x = photos[(np.arange(batch) + start) % n]
             out.append(np.asarray(forward.get(forward.call(forward.put(np.ascontiguousarray(x)))), np.float32))
         return np.concatenate(out)[:n]
 
-    def _reference(self) -> np.ndarray:
-        """fp32 PyTorch's logits of the photos on this device, TF32 off."""
+    @property
+    def onnx_file(self) -> bool:
+        return not isinstance(self.model, torch.nn.Module)
+
+    @property
+    def reference_name(self) -> str:
+        return "fp32 ONNX Runtime (CPU)" if self.onnx_file else "fp32 PyTorch (TF32 off)"
+
+    def _reference(self, photos: np.ndarray | None = None) -> np.ndarray:
+        """fp32 PyTorch's logits of the photos on this device, TF32 off (an ONNX file's: ONNX
+        Runtime's on the CPU)."""
+        photos = self.photos if photos is None else photos
+        if self.onnx_file:
+            return np.concatenate([np.asarray(self.model(torch.from_numpy(photos[i:i + 16])), np.float32)
+                                   for i in range(0, len(photos), 16)])
         set_tf32(False)
         model = self.model.to(self.device)
         with torch.no_grad():
-            ref = model(torch.from_numpy(self.photos).to(self.device)).float().cpu().numpy()
+            ref = np.concatenate([model(torch.from_numpy(photos[i:i + 16]).to(self.device)).float().cpu().numpy()
+                                  for i in range(0, len(photos), 16)])
         self.model = model.cpu()
         return ref
 
     def _calibrate(self) -> tuple[dict, list]:
         """The ranges (calibrated once, at batch 1, on the CPU) and the model's convs (for cuDNN)."""
         images = None if self.options.calib_dir else self.photos
+        # a Q/DQ file's ranges are its own (ranges=None: onnx_qdq.file_scales)
+        ranges = None if getattr(self.model, "qdq", None) is not None else Calibrate(images, self.options.calib_dir)
         q = quantize_module(self.model, self.input_shape, TargetInfo.from_target(make_target("llvm")),
-                            config=self.options.config, ranges=Calibrate(images, self.options.calib_dir),
-                            progress=False)
+                            config=self.options.config, ranges=ranges, progress=False)
         convs = []
         for ly in q.graph.layers:
             if ly.kind != "conv2d" or ly.weight is None:
@@ -269,7 +308,9 @@ class Context:
             return
         os.makedirs(opts.work_dir, exist_ok=True)
         spec = None
-        if not self.given_model:  # a worker rebuilds the model from its name and this state
+        if self.onnx_file:  # a worker loads the file
+            spec = dict(name=self.model.path, num_classes=None, state=None)
+        elif not self.given_model:  # a worker rebuilds the model from its name and this state
             spec = dict(name=opts.model, num_classes=opts.num_classes, state=os.path.join(opts.work_dir, "state.pt"))
             torch.save(self.model.state_dict(), spec["state"])
         self.progress(f"[compare] building {len(jobs)} int8 libraries ({opts.jobs} at a time)")
@@ -288,6 +329,8 @@ class Context:
     def onnx_model(self) -> tuple[str, float]:
         """(path, export seconds) of the Q/DQ ONNX model with this comparison's ranges (exported
         once, any batch size)."""
+        if self._onnx is None and getattr(self.model, "qdq", None) is not None:
+            self._onnx = (self.model.path, 0.0)     # a Q/DQ file: ONNX Runtime and TensorRT run it as it is
         if self._onnx is None:
             path = os.path.join(self.options.work_dir, f"{self.options.tag}.onnx")
             t = time.perf_counter()
@@ -300,6 +343,13 @@ class Context:
         if isinstance(self._onnx, Exception):
             raise self._onnx
         return self._onnx
+
+
+def accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
+    """Top-1 and top-5 (percent) of ``logits`` [images, classes] against class indices ``labels``."""
+    top = np.argsort(-logits, axis=1)[:, :5]
+    return dict(top1=100.0 * float((top[:, 0] == labels).mean()),
+                top5=100.0 * float((top == labels[:, None]).any(axis=1).mean()))
 
 
 def _reason(err: BaseException) -> str:
@@ -330,7 +380,11 @@ def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
                        on_cpu=forward.cpu or ctx.device == "cpu")
             if forward.comparable:
                 row.update(agreement(ctx.reference, ctx.run_photos(forward, batch)))
-                mark_wrong(row, ctx.options.agreement_floor_db)
+                mark_wrong(row, ctx.options.agreement_floor_db, ctx.reference_name)
+                if ctx.labelled is not None:
+                    x, y, _ = ctx.labelled
+                    acc = accuracy(ctx.run_photos(forward, batch, x), y)
+                    row.update(top1=acc["top1"], top5=acc["top5"])
     except Unavailable as err:
         row.update(status="skipped", reason=_reason(err))
     except KeyboardInterrupt:
@@ -371,13 +425,17 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
                    f"random init (seed {options.seed})", image_size=options.image_size, arch=ctx.arch,
                    device=ctx.device, batches=list(options.batches), rows=[],
                    config=options.config.to_dict(), input_sets=options.input_sets, budget_s=options.budget_s,
-                   agreement_floor_db=options.agreement_floor_db)
+                   agreement_floor_db=options.agreement_floor_db, reference=ctx.reference_name)
     paths = report.paths(options.out_dir, options.tag)
     progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "
              f"batches {', '.join(map(str, options.batches))}, {len(rows)} baselines -> {paths['json']}")
     with torch.no_grad(), model_check.single_output(ctx.model, ctx.probe):
         ctx.prepare([b.key for b in rows])
         results["times"] = ctx.times
+        if ctx.labelled is not None:
+            x, y, images = ctx.labelled
+            results["labelled"] = dict(data=options.data, images=int(len(y)), layout=images.layout,
+                                       skipped=images.skipped, reference=ctx.reference_accuracy)
         for batch in options.batches:
             for baseline in rows:
                 row = run_row(ctx, baseline, batch)

@@ -7,6 +7,7 @@ are measured, where the results go -- validated when it is made.
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -16,9 +17,19 @@ from .. import registry
 from ..errors import InputError
 
 
+def model_stem(model_name: str) -> str:
+    """A model's name as one path component: a torchvision name as it is; a file's stem for an
+    ONNX file (``path/to/resnet18.onnx`` -> ``resnet18``) and ``<file stem>-<factory>`` for a user
+    model (``models/efficientnet_lite.py:lite0`` -> ``efficientnet_lite-lite0``)."""
+    path, _, factory = model_name.rpartition(":") if ".py:" in model_name else (model_name, "", "")
+    stem = os.path.splitext(os.path.basename(path))[0] if (os.sep in path or path.endswith((".onnx", ".py"))) else path
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem + (f"-{factory}" if factory else ""))
+
+
 def default_work_dir(model_name: str, batch: int, arch: str) -> str:
-    """``tuning_logs/<model>-b<batch>-<arch or llvm>``: where a tuning run's database goes."""
-    return os.path.join("tuning_logs", f"{model_name}-b{batch}-{arch}")
+    """``tuning_logs/<model>-b<batch>-<arch or llvm>``: where a tuning run's database goes
+    (``<model>``: :func:`model_stem`)."""
+    return os.path.join("tuning_logs", f"{model_stem(model_name)}-b{batch}-{arch}")
 
 
 @dataclass(frozen=True)
