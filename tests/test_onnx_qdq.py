@@ -165,3 +165,19 @@ def test_a_qoperator_file_is_refused_with_what_to_export(tmp_path):
                                 opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "q.onnx"))
     with pytest.raises(InputError, match=r"QOperator format \(QLinearConv: e.g. node qconv\).*quant_format=QDQ"):
         OnnxModel(str(tmp_path / "q.onnx"))
+
+
+def test_a_layer_the_library_keeps_float_where_the_file_quantizes_is_named(tmp_path):
+    # the file quantizes layer1.0.conv1's input; a build that keeps that conv float (here the user's
+    # skip, as it would an op no int8 kernel takes) says so by the file's tensor and the layer
+    import dataclasses
+
+    from tvm_qconv.config import QuantConfig
+    torch.manual_seed(0)
+    export_onnx(torchvision.models.resnet18().eval(), str(tmp_path / "q.onnx"), input_shape=(1, 3, SIZE, SIZE),
+                progress=False)
+    config = dataclasses.replace(QuantConfig(), skip=("Conv_layer1.0.conv1",))
+    res = compile_model(str(tmp_path / "q.onnx"), str(tmp_path / "q.so"), options=dataclasses.replace(OPTIONS,
+                        verify=False), config=config, progress=False)
+    notes = [n for n in res.report["ranges"]["notes"] if "Conv_layer1.0.conv1, which the library keeps float" in n]
+    assert len(notes) == 1 and notes[0].split(":")[0]          # the file tensor's name first

@@ -252,6 +252,7 @@ class FileScales:
 
     amax: dict = field(compare=False)
     report: dict = field(compare=False)
+    tensors: dict = field(default_factory=dict, compare=False)    # point -> the file tensor it matched
 
     def resolve(self, ctx) -> tuple[dict, dict]:
         from .data import skimage_photos
@@ -263,6 +264,20 @@ class FileScales:
 
     def describe(self) -> str:
         return f"the Q/DQ file's scales ({len(self.amax)} points, no calibration)"
+
+    def plan_notes(self, plan, graph) -> list[str]:
+        """One note per layer the plan keeps float although the file quantizes its input: the
+        file's tensor, the layer, and why (an op the kernels cannot take in int8, a skip)."""
+        notes = []
+        for lp in plan.layers:
+            if not lp.why_float or getattr(lp, "fused_into", None) is not None:
+                continue
+            quantized = [self.tensors[graph.points[x]] for x in lp.layer.inputs
+                         if x in graph.points and graph.points[x] in self.tensors]
+            if quantized:
+                notes.append(f"{', '.join(quantized)}: quantized in the file for {lp.layer.name}, which the library "
+                             f"keeps float ({lp.why_float})")
+        return notes
 
 
 def file_scales(model, exported, config):
@@ -292,4 +307,4 @@ def file_scales(model, exported, config):
                   given_weights=given, kept_float=skip, notes=notes, calibrated=False)
     if skip:
         config = dataclasses.replace(config, skip=tuple(config.skip) + tuple(s for s in skip if s not in config.skip))
-    return FileScales(amax, report), config
+    return FileScales(amax, report, source), config

@@ -189,6 +189,8 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         qmod = lower(mod)
     dump_ir(debug_dump, "03_quantized", qmod)
     planned = lowered.report()
+    if hasattr(ranges, "plan_notes"):     # a Q/DQ file: where the library keeps float what the file quantizes
+        ranges_report = dict(ranges_report, notes=list(ranges_report.get("notes", [])) + ranges.plan_notes(plan, graph))
     report = dict(layers=planned["layers"], float_ops=lower.report["float_ops"],
                   float_op_details=lower.report["float_op_details"],
                   conversions=lower.report["conversions"], relayouts=lower.report["relayouts"],
