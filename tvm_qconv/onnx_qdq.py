@@ -106,7 +106,7 @@ def strip_qdq(proto) -> StrippedQdq:
             raise InputError(f"node {node.name} ({node.op_type}): its scale {node.input[1]} is not a constant; "
                              "a Q/DQ file's scales must be constants")
         z = _const(node.input[2], inits, consts) if len(node.input) > 2 and node.input[2] else None
-        zdtype = None if z is None else z.dtype
+        zdtype = np.dtype(np.uint8) if z is None else z.dtype     # ONNX: no zero point is uint8 at 0
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         return np.asarray(s, np.float32), (np.zeros_like(s, np.int64) if z is None else np.asarray(z, np.int64)), \
             zdtype, axis
@@ -131,7 +131,10 @@ def strip_qdq(proto) -> StrippedQdq:
                 if np.any(z != 0):
                     out.notes.append(f"{node.name}: asymmetric weight (zero point not 0) dequantized; the library "
                                      "requantizes it symmetric per output channel")
-                elif (s.size > 1 and axis % q.ndim != 0) or any(u.op_type == "MatMul" for u in users):
+                elif any(u.op_type == "MatMul" for u in users):
+                    out.notes.append(f"{node.name}: a MatMul's weight ([K, O]); the library requantizes it per output "
+                                     "channel")
+                elif s.size > 1 and axis % q.ndim != 0:
                     out.notes.append(f"{node.name}: weight scales not per output channel (axis {axis}); the library "
                                      "requantizes it per output channel")
                 else:
