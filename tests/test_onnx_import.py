@@ -202,5 +202,5 @@ def test_relu6_as_onnx_clip_is_read_as_a_clip_the_conv_absorbs(tmp_path):
 def test_an_onnx_files_tuning_folder_is_named_after_its_stem():
     from tvm_qconv.tuning.job import default_work_dir
     assert default_work_dir("/data/models/resnet18.onnx", 8, "sm_90a") == "tuning_logs/resnet18-b8-sm_90a"
-    assert default_work_dir("models/efficientnet_lite.py:lite0", 1, "llvm") == "tuning_logs/efficientnet_lite-lite0-b1-llvm"
+    assert default_work_dir("models/efficientnet_lite.py:lite0", 1, "llvm") == "tuning_logs/efficientnet_lite_lite0-b1-llvm"
     assert default_work_dir("vgg16", 64, "sm_90a") == "tuning_logs/vgg16-b64-sm_90a"

@@ -125,7 +125,7 @@ class CompareOptions:
 
     @property
     def tag(self) -> str:
-        """The model's name in file names (``vgg16``; ``file-factory`` for a user's model, the file's
+        """The model's name in file names (``vgg16``; ``file_factory`` for a user's model, the file's
         stem for an ONNX file: ``tuning.job.model_stem``)."""
         return model_stem(self.model)
 

@@ -19,11 +19,11 @@ from ..errors import InputError
 
 def model_stem(model_name: str) -> str:
     """A model's name as one path component: a torchvision name as it is; a file's stem for an
-    ONNX file (``path/to/resnet18.onnx`` -> ``resnet18``) and ``<file stem>-<factory>`` for a user
-    model (``models/efficientnet_lite.py:lite0`` -> ``efficientnet_lite-lite0``)."""
+    ONNX file (``path/to/resnet18.onnx`` -> ``resnet18``) and ``<file stem>_<factory>`` for a user
+    model (``models/efficientnet_lite.py:lite0`` -> ``efficientnet_lite_lite0``, compare's file names)."""
     path, _, factory = model_name.rpartition(":") if ".py:" in model_name else (model_name, "", "")
     stem = os.path.splitext(os.path.basename(path))[0] if (os.sep in path or path.endswith((".onnx", ".py"))) else path
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem + (f"-{factory}" if factory else ""))
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem + (f"_{factory}" if factory else ""))
 
 
 def default_work_dir(model_name: str, batch: int, arch: str) -> str:
