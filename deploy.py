@@ -317,13 +317,14 @@ def load_cli_model(args):
 
     from tvm_qconv.frontend import load_model
     torch.manual_seed(args.seed)
-    weights = args.weights or ("the model file's" if ".py:" in args.model or args.model.lower().endswith(".onnx")
-                               else None)
+    from tvm_qconv.onnx_import import is_onnx_path
+    weights = args.weights or ("the model file's" if ".py:" in args.model or is_onnx_path(args.model) else None)
     return load_model(args.model, args.weights, args.num_classes), weights or f"random init (seed {args.seed})"
 
 
 def cmd_build(args) -> int:
     from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model  # per command
+    from tvm_qconv.onnx_import import is_onnx_path
     from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
     check_output_file(args.output, "library")
@@ -350,7 +351,7 @@ def cmd_build(args) -> int:
         res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg,
                                  progress=not args.quiet)
     else:
-        onnx_file = args.model.lower().endswith(".onnx")
+        onnx_file = is_onnx_path(args.model)
         if onnx_file:   # the file may fix its image size: loaded first (a second or so)
             model, weights = load_cli_model(args)
             size = model.image_size(args.image_size)
@@ -394,6 +395,7 @@ def cmd_accept(args) -> int:
 
 def cmd_export_onnx(args) -> int:
     from tvm_qconv.onnx_export import export_checkpoint, export_onnx  # per command
+    from tvm_qconv.onnx_import import is_onnx_path
     from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
     if cfg.bias_correction:
@@ -409,7 +411,7 @@ def cmd_export_onnx(args) -> int:
     else:
         check_output_file(args.output, "ONNX file")
         model, weights = load_cli_model(args)
-        size = model.image_size(args.image_size) if hasattr(model, "image_size") else args.image_size or 224
+        size = model.image_size(args.image_size) if is_onnx_path(args.model) else args.image_size or 224
         print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
@@ -476,11 +478,9 @@ def cmd_eval(args) -> int:
 
 
 def _eval_folder(args) -> int:
-    import json
-
     from tvm_qconv.artifact import read_meta
     from tvm_qconv.evaluate import evaluate_folder
-    from tvm_qconv.fileio import check_output_file
+    from tvm_qconv.fileio import check_output_file, write_json
     from tvm_qconv.frontend import load_model, weights_digest
     if args.json is not None:
         check_output_file(args.json, "JSON result")
@@ -503,8 +503,7 @@ def _eval_folder(args) -> int:
     if res["images"] < 1000:
         print(f"({res['images']} images: a smoke test, not an accuracy figure)")
     if args.json is not None:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.json, res, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -181,3 +181,78 @@ def test_a_layer_the_library_keeps_float_where_the_file_quantizes_is_named(tmp_p
                         verify=False), config=config, progress=False)
     notes = [n for n in res.report["ranges"]["notes"] if "Conv_layer1.0.conv1, which the library keeps float" in n]
     assert len(notes) == 1 and notes[0].split(":")[0]          # the file tensor's name first
+
+
+def _qdq_graph(path, build) -> str:
+    # a tiny NCHW graph around one float tensor y = x + 1: build(y) returns (nodes, output name)
+    from onnx import TensorProto, helper
+    one = numpy_helper.from_array(np.ones((1, 3, 1, 1), np.float32), "one")
+    s = numpy_helper.from_array(np.array(0.05, np.float32), "s")
+    zu8 = numpy_helper.from_array(np.array(0, np.uint8), "zu8")
+    nodes, out = build("y")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "one"], ["y"], name="add")] + nodes, "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], initializer=[one, s, zu8])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return str(path)
+
+
+def _runs(model: OnnxModel) -> np.ndarray:
+    return model(torch.ones(1, 3, 8, 8)).numpy()
+
+
+def test_a_chain_of_two_qdq_pairs_strips_to_one_tensor_and_one_range(tmp_path):
+    from onnx import helper
+
+    def chain(y):
+        return [helper.make_node("QuantizeLinear", [y, "s", "zu8"], ["q1"], name="q1"),
+                helper.make_node("DequantizeLinear", ["q1", "s", "zu8"], ["d1"], name="d1"),
+                helper.make_node("QuantizeLinear", ["d1", "s", "zu8"], ["q2"], name="q2"),
+                helper.make_node("DequantizeLinear", ["q2", "s", "zu8"], ["d2"], name="d2"),
+                helper.make_node("Sigmoid", ["d2"], ["out"], name="sig")], "out"
+    model = OnnxModel(_qdq_graph(tmp_path / "chain.onnx", chain))
+    ops = [n.op_type for n in model.proto.graph.node]
+    # both pairs clamp y at 0 (uint8 at zero point 0): one ReLU stands for them, one range for it
+    assert ops == ["Add", "Relu", "Sigmoid"] and list(model.qdq.ranges) == ["y_qdq_relu"]
+    assert model.qdq.ranges["y_qdq_relu"] == pytest.approx(255 * 0.05)
+    np.testing.assert_allclose(_runs(model), 1 / (1 + np.exp(-2.0)) * np.ones((1, 3, 8, 8)), rtol=1e-6)
+
+
+def test_two_qdq_pairs_on_one_unsigned_tensor_make_one_relu(tmp_path):
+    from onnx import helper
+
+    def two(y):
+        return [helper.make_node("QuantizeLinear", [y, "s", "zu8"], ["qa"], name="qa"),
+                helper.make_node("DequantizeLinear", ["qa", "s", "zu8"], ["da"], name="da"),
+                helper.make_node("QuantizeLinear", [y, "s", "zu8"], ["qb"], name="qb"),
+                helper.make_node("DequantizeLinear", ["qb", "s", "zu8"], ["db"], name="db"),
+                helper.make_node("Mul", ["da", "db"], ["out"], name="mul")], "out"
+    model = OnnxModel(_qdq_graph(tmp_path / "two.onnx", two))
+    ops = [n.op_type for n in model.proto.graph.node]
+    assert ops.count("Relu") == 1 and ops == ["Add", "Relu", "Mul"]
+    np.testing.assert_allclose(_runs(model), 4.0 * np.ones((1, 3, 8, 8)), rtol=1e-6)   # relu(2) * relu(2)
+
+
+def test_a_tensor_the_file_leaves_float_keeps_its_layers_float_and_the_build_goes_on(tmp_path):
+    # the project's export with one activation's Q/DQ pair taken out: the points holding that
+    # tensor have no range in the file; every layer that makes or reads one is kept float, named
+    torch.manual_seed(0)
+    export_onnx(torchvision.models.resnet18().eval(), str(tmp_path / "q.onnx"), input_shape=(1, 3, SIZE, SIZE),
+                progress=False)
+
+    def drop_one_pair(model):
+        q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and "layer2.0.conv1" in n.input[0])
+        dqs = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == q.output[0]]
+        for d in dqs:
+            for n in model.graph.node:
+                n.input[:] = [q.input[0] if x == d.output[0] else x for x in n.input]
+        for n in [q] + dqs:
+            model.graph.node.remove(n)
+        model.graph.doc_string = q.input[0]
+
+    edited = _edit(str(tmp_path / "q.onnx"), str(tmp_path / "hole.onnx"), drop_one_pair)
+    res = compile_model(edited, str(tmp_path / "h.so"), options=OPTIONS, progress=False)
+    kept = res.report["ranges"]["kept_float"]
+    assert any("layer2.0.conv1" in k for k in kept) and any("layer2.0.conv2" in k for k in kept)
+    assert any("the file gives no scale for" in n for n in res.report["ranges"]["notes"])
+    assert res.report["verify"]["status"] == "ok"

@@ -87,9 +87,11 @@ def evaluate_library(lib_path: str, seed: int | None = None, device: str | None 
             "device": str(lib.dev), "recorded": dict((lib.meta.get("checkpoint") or {}).get("accuracy") or {})}
 
 
-def _topk_hits(logits: np.ndarray, labels: np.ndarray, k: int) -> int:
-    top = np.argsort(-logits, axis=1)[:, :k]
-    return int((top == labels[:, None]).any(axis=1).sum())
+def topk_accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
+    """Top-1 and top-5 (percent) of ``logits`` [images, classes] against class indices ``labels``."""
+    top = np.argsort(-logits, axis=1)[:, :5]
+    return {"top1": 100.0 * float((top[:, 0] == labels).mean()),
+            "top5": 100.0 * float((top == labels[:, None]).any(axis=1).mean())}
 
 
 def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, classes: str | None = None,
@@ -126,6 +128,8 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     categories = meta.get("categories")
     images = labelled_images(data, labels, classes, categories, None)
     if limit is not None:
+        if limit < 1:
+            raise InputError(f"limit must be >= 1, got {limit}")
         images.paths, images.labels = images.paths[:limit], images.labels[:limit]
     outs = {"int8": [], "float": []}
     truth = []
@@ -133,8 +137,7 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
         x, y = read_batch(images, start, n, size)
         if not len(x):
             continue
-        real = len(x)
-        xb = np.concatenate([x, np.repeat(x[-1:], n - real, axis=0)]) if real < n else x
+        (real, xb), = static_batches(x, n)      # a short last batch padded with its own images
         logits = lib(xb)[:real]
         if logits.shape[-1] <= int(y.max()):
             raise InputError(f"--data {data}: labels go up to class {int(y.max())}, the library has {logits.shape[-1]} "
@@ -150,14 +153,11 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     y = np.concatenate(truth)
     q = np.concatenate(outs["int8"])
 
-    def acc(logits):
-        return {"top1": 100.0 * _topk_hits(logits, y, 1) / len(y), "top5": 100.0 * _topk_hits(logits, y, 5) / len(y)}
-
-    result = {"images": int(len(y)), "skipped": images.skipped, "layout": images.layout, "int8": acc(q),
+    result = {"images": int(len(y)), "skipped": images.skipped, "layout": images.layout, "int8": topk_accuracy(q, y),
               "float": None, "top1_agreement": None, "logits_sqnr_db": None, "device": str(lib.dev),
               "library": lib_path, "data": data}
     if outs["float"]:
         f = np.concatenate(outs["float"])
-        result.update(float=acc(f), top1_agreement=100.0 * float((f.argmax(1) == q.argmax(1)).mean()),
+        result.update(float=topk_accuracy(f, y), top1_agreement=100.0 * float((f.argmax(1) == q.argmax(1)).mean()),
                       logits_sqnr_db=sqnr_db(f, q))
     return result

@@ -198,7 +198,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     """A short hash of a model's parameters and buffers (names, dtypes, shapes, values): a built
     library records it, so a comparison can tell whether a library holds the weights of the float
     model it is compared with (two random inits of one architecture do not)."""
-    if hasattr(model, "digest"):    # an ONNX file (onnx_import.OnnxModel): its initializers
+    if not isinstance(model, torch.nn.Module):  # an ONNX file (onnx_import.OnnxModel): its initializers
         return model.digest()
     digest = hashlib.blake2b(digest_size=10)
     for name, tensor in model.state_dict().items():

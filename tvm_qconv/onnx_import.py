@@ -83,8 +83,10 @@ class OnnxModel:
             raise InputError(f"--model {path} is not an ONNX model: {type(err).__name__}: {_first_line(err)}") from None
         if not proto.graph.node:
             raise InputError(f"--model {path} is not an ONNX model with a graph (it has no nodes)")
+        _name_nodes(proto)
         self.proto = proto
         self.qdq = None     # a Q/DQ file: its float graph's scales (onnx_qdq.StrippedQdq)
+        self._file_scales = None    # onnx_qdq.file_scales's match, once
         if is_qdq(proto):
             self.qdq = strip_qdq(proto)
         self._check_ops()
@@ -98,6 +100,8 @@ class OnnxModel:
             del proto.graph.output[1:]
         self._imported: dict = {}   # input shape -> Relax module as imported
         self._session = None
+        self._folded_proto = None   # the graph with its constants folded, where the plain one did not import
+        self._names_from = self.proto   # the graph the imported modules came from (names its layers)
 
     # -- what the build asks of a model ---------------------------------------------------------
 
@@ -115,6 +119,8 @@ class OnnxModel:
             self._session = ort.InferenceSession(self.proto.SerializeToString(), options,
                                                  providers=["CPUExecutionProvider"])
         arr = np.ascontiguousarray(x.detach().cpu().numpy(), np.float32)
+        if not len(arr):
+            raise ValueError("no images to run")
         fixed = self.input_dims[0] if isinstance(self.input_dims[0], int) and self.input_dims[0] > 0 else len(arr)
         outs = []
         for start in range(0, len(arr), fixed):     # a file that fixes its batch runs in batches of that size
@@ -186,10 +192,13 @@ class OnnxModel:
                 # The frontend wants some inputs constant (Pad's pads, Reshape's shape) that an
                 # exporter may leave as a small computation on constants (torch's opset-13 Pad):
                 # once more with the graph's constants folded by ONNX Runtime
-                folded = self._folded()
+                if self._folded_proto is None:
+                    self._folded_proto = self._folded()
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):
-                        mod = from_onnx(folded, shape_dict={self.input_name: list(shape)}, keep_params_in_input=False)
+                        mod = from_onnx(self._folded_proto, shape_dict={self.input_name: list(shape)},
+                                        keep_params_in_input=False)
+                    self._names_from = self._folded_proto
                 except Exception:
                     raise InputError(f"TVM's ONNX frontend cannot import {self.path} at input {shape}: "
                                      f"{type(err).__name__}: {_first_line(err)}") from None
@@ -211,16 +220,24 @@ class OnnxModel:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             options.optimized_model_filepath = os.path.join(tmp, "folded.onnx")
             ort.InferenceSession(self.proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            return onnx.load(options.optimized_model_filepath)
+            folded = onnx.load(options.optimized_model_filepath)
+        _name_nodes(folded)
+        return folded
 
     def layer_names(self) -> dict:
-        """``{"conv2d": [...], "dense": [...]}``: the conv and matrix-product nodes' names in file order."""
-        kinds = {"Conv": "conv2d", "Gemm": "dense", "MatMul": "dense"}
+        """``{"conv2d": [...], "dense": [...]}``: the conv and matrix-product nodes' names in the order
+        of the graph the modules were imported from; a matrix product counts where its weight is
+        a constant, as ``graph.py``'s dense layers (the convs' weights may be computed, their ops
+        are layers all the same)."""
+        graph = self._names_from.graph
+        weights = {i.name for i in graph.initializer} | {o for n in graph.node if n.op_type == "Constant"
+                                                          for o in n.output}
         names: dict = {"conv2d": [], "dense": []}
-        for node in self.proto.graph.node:
-            kind = kinds.get(node.op_type)
-            if kind is not None:
-                names[kind].append(node.name or f"{kind}_{len(names[kind])}")
+        for node in graph.node:
+            if node.op_type == "Conv":
+                names["conv2d"].append(node.name)
+            elif node.op_type in ("Gemm", "MatMul") and len(node.input) > 1 and node.input[1] in weights:
+                names["dense"].append(node.name)
         return names
 
     def probe(self, input_shape, name: str = "the model") -> Probe:
@@ -280,7 +297,7 @@ class OnnxModel:
         if len(dims) != 4:
             raise InputError(f"{self.path}: input {inp.name} has shape {dims}; builds take one NCHW image batch "
                              "(4 dimensions)")
-        if dims[1] not in (3, "?") and not isinstance(dims[1], str):
+        if isinstance(dims[1], int) and dims[1] != 3:
             raise InputError(f"{self.path}: input {inp.name} has {dims[1]} channels; the calibration images are RGB "
                              "(3 channels, NCHW): a channels-last (NHWC) input must be transposed in the model")
         return inp.name, dims
@@ -321,12 +338,21 @@ class OnnxExported(ExportedModel):
         return fg
 
 
+def _name_nodes(proto) -> None:
+    """Give every node a unique name (``<op>_<index>`` where it has none or shares one): layers,
+    notes and the Q/DQ bookkeeping are by node name."""
+    seen = set()
+    for i, node in enumerate(proto.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{i}"
+        seen.add(node.name)
+
+
 def _file_bytes(path: str) -> int:
-    """The file's size plus its external data's (the ``.data`` files beside it), roughly."""
+    """The file's size plus its external data's where it is kept as the exporters name it
+    (``model.onnx.data``, ``model.data`` beside ``model.onnx``): checked before anything is loaded."""
     size = os.path.getsize(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    stem = os.path.splitext(os.path.basename(path))[0]
-    for entry in os.listdir(folder):
-        if entry != os.path.basename(path) and entry.startswith(stem) and entry.endswith((".data", ".bin")):
-            size += os.path.getsize(os.path.join(folder, entry))
+    for data in (path + ".data", os.path.splitext(path)[0] + ".data"):
+        if os.path.isfile(data):
+            size += os.path.getsize(data)
     return size

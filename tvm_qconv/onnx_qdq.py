@@ -11,8 +11,9 @@ file becomes what the pipeline takes from a calibrated float model:
      scales kept by the node that reads it (``weights``: the library quantizes with them, not
      with scales of its own: ``graph.Layer.given_weight``);
    - a ``QuantizeLinear -> DequantizeLinear`` pair on an activation is bypassed, its tensor's
-     range kept (``ranges``: ``127 * s`` for zero point 0, ``255 * s`` for an unsigned tensor at
-     zero point 128 (uint8) or -128 (int8));
+     range kept (``ranges``: ``127 * s`` for int8 at zero point 0 or uint8 at 128, ``255 * s`` for
+     an unsigned tensor: uint8 at 0, int8 at -128, which also clamps at 0: a ReLU where nothing
+     before it is one);
    - an int32 bias ``DequantizeLinear`` (``quantize_static``'s) becomes its float bias.
 2. :func:`point_ranges`: the pipeline's calibration points (``graph.points``) matched to the
    file's tensors by value -- the float graph and ONNX Runtime run on one image, each point takes
@@ -74,7 +75,8 @@ def _non_negative(node, inits: dict, consts: dict) -> bool:
 
 
 def strip_qdq(proto) -> StrippedQdq:
-    """The float graph of ``proto`` (a Q/DQ model, changed in place) and its scales.
+    """The float graph of ``proto`` (a Q/DQ model whose nodes have unique names:
+    ``onnx_import.OnnxModel`` names them; changed in place) and its scales.
 
     Raises:
         InputError: a Q/DQ node whose scale is not a constant.
@@ -96,7 +98,13 @@ def strip_qdq(proto) -> StrippedQdq:
     out = StrippedQdq(proto)
     producer = {o: n for n in graph.node for o in n.output}
     inserted: dict = {}         # a Q node -> the Relu that keeps its clamp at 0
+    relus: dict = {}            # a tensor -> that Relu
     rename: dict = {}           # a DQ's output -> the float tensor it stands for
+
+    def resolve(name: str) -> str:
+        while name in rename:
+            name = rename[name]
+        return name
     drop = set()
     new_inits = []
 
@@ -123,7 +131,7 @@ def strip_qdq(proto) -> StrippedQdq:
             name = node.output[0]
             new_inits.append(numpy_helper.from_array(w, name + "_float"))
             rename[name] = name + "_float"
-            drop.add(node.name or id(node))
+            drop.add(node.name)
             out.qdq_nodes += 1
             users = readers.get(name, [])
             if q.dtype == np.int8 and q.ndim >= 2 and all(u.op_type in ("Conv", "Gemm", "MatMul") and
@@ -146,7 +154,7 @@ def strip_qdq(proto) -> StrippedQdq:
                 continue    # not a Q -> DQ pair: left as it is (a note below)
             s, z, zdtype, axis = scale_zero(node)
             s = s.astype(np.float64)    # 127 * s exact (float32 would round it: a scale 1 ulp off)
-            x = node.input[0]
+            x = resolve(node.input[0])   # (a Q of a DQ's output: the tensor that DQ stands for)
             if s.size > 1:
                 out.notes.append(f"{node.name}: per-channel activation scales; requantized to one scale per tensor "
                                  "(their largest range)")
@@ -160,37 +168,39 @@ def strip_qdq(proto) -> StrippedQdq:
                 amax = float(np.max(np.maximum(np.abs((lo - z) * s), np.abs((hi - z) * s))))
                 out.notes.append(f"{node.name}: asymmetric activation (zero point {z.reshape(-1)[0]}); requantized "
                                  "symmetric over its range")
-            if x in out.unsigned and not _non_negative(producer.get(x), inits, consts):
+            clamped = {r.output[0] for r in relus.values()}    # (a pair after a pair: already a ReLU's output)
+            if x in out.unsigned and x not in clamped and not _non_negative(producer.get(x), inits, consts):
                 # the pair clamps at 0 (ONNX Runtime folds a ReLU into it this way): the float graph
-                # keeps that clamp as the ReLU it stands for, which the conv before absorbs
-                relu = helper.make_node("Relu", [x], [x + "_qdq_relu"], name=(node.name or x) + "_relu")
-                inserted[node.name or id(node)] = relu
-                out.unsigned.add(relu.output[0])
-                x = relu.output[0]
+                # keeps that clamp as the ReLU it stands for, which the conv before absorbs (one
+                # ReLU a tensor, however many pairs read it)
+                if x not in relus:
+                    relus[x] = helper.make_node("Relu", [x], [x + "_qdq_relu"], name=f"{node.name}_relu")
+                    inserted[node.name] = relus[x]
+                    out.unsigned.add(relus[x].output[0])
+                x = relus[x].output[0]
             out.ranges[x] = max(out.ranges.get(x, 0.0), amax)
-            drop.add(node.name or id(node))
+            drop.add(node.name)
             out.qdq_nodes += 1
             for d in dqs:
                 rename[d.output[0]] = x
-                drop.add(d.name or id(d))
+                drop.add(d.name)
                 out.qdq_nodes += 1
-    leftover = [n for n in graph.node if n.op_type in _QDQ and (n.name or id(n)) not in drop]
+    leftover = [n for n in graph.node if n.op_type in _QDQ and n.name not in drop]
     for n in leftover:
         out.notes.append(f"{n.name}: a {n.op_type} of another pattern; kept as the file's float computation")
     keep = []
     for n in graph.node:
-        key = n.name or id(n)
-        if key in inserted:
-            keep.append(inserted[key])
-        elif key not in drop:
+        if n.name in inserted:
+            keep.append(inserted[n.name])
+        elif n.name not in drop:
             keep.append(n)
     for n in keep:
         for i, x in enumerate(n.input):
             if x in rename:
-                n.input[i] = rename[x]
+                n.input[i] = resolve(x)
     for o in graph.output:
         if o.name in rename:    # an output that was a DQ: the float tensor, under the output's name
-            keep.append(helper.make_node("Identity", [rename[o.name]], [o.name], name=f"{o.name}_identity"))
+            keep.append(helper.make_node("Identity", [resolve(o.name)], [o.name], name=f"{o.name}_identity"))
     used = {x for n in keep for x in n.input}
     del graph.node[:]
     graph.node.extend(keep)
@@ -199,6 +209,10 @@ def strip_qdq(proto) -> StrippedQdq:
     graph.initializer.extend(kept_inits + [i for i in new_inits if i.name in used])
     return out
 
+
+# The range of a point the file gives none for: a placeholder the plan requires and no kernel
+# reads (file_scales keeps every layer that makes or reads such a point float).
+UNUSED_RANGE = 1.0
 
 # A point matches a file tensor when their values agree to this, relative to the tensor's largest
 # magnitude: two runs of one float computation (ONNX Runtime's kernels against the graph's on
@@ -233,15 +247,16 @@ def point_ranges(graph, model, stripped: StrippedQdq, image: np.ndarray) -> tupl
     tensors = {o.name: v for o, v in zip(session.get_outputs(), outs) if o.name in stripped.ranges}
     if model.input_name in stripped.ranges:
         tensors[model.input_name] = image[None].astype(np.float32)
+    flat = {name: np.asarray(u, np.float32).reshape(-1) for name, u in tensors.items()}
+    peak = {name: max(float(np.max(np.abs(u))) if u.size else 0.0, 1e-12) for name, u in flat.items()}
     amax, source = {}, {}
     for point, v in values.items():
         v = np.asarray(v, np.float32).reshape(-1)
         best, err = None, np.inf
-        for name, u in tensors.items():
-            u = np.asarray(u, np.float32).reshape(-1)
+        for name, u in flat.items():
             if u.size != v.size:
                 continue
-            e = float(np.max(np.abs(u - v)) / max(float(np.max(np.abs(u))), 1e-12))
+            e = float(np.max(np.abs(u - v)) / peak[name])
             if e < err:
                 best, err = name, e
         if best is not None and err <= MATCH_REL:
@@ -292,21 +307,24 @@ def file_scales(model, exported, config):
 
     from .data import skimage_photos
 
+    if model._file_scales is None:      # once a process: the match runs two float graphs
+        graph = exported.at(1).graph
+        size = int(exported.sample_shape[-1])
+        model._file_scales = point_ranges(graph, model, model.qdq, skimage_photos(size)[0])
+    amax, source = (dict(x) for x in model._file_scales)
     graph = exported.at(1).graph
-    size = int(exported.sample_shape[-1])
-    amax, source = point_ranges(graph, model, model.qdq, skimage_photos(size)[0])
     missing = {var: name for var, name in graph.points.items() if name not in amax}
-    skip = []
-    for ly in graph.layers:
-        if ly.kind in ("conv2d", "dense") and (ly.output in missing or any(x in missing for x in ly.inputs)):
-            skip.append(ly.name)
+    skip = [ly.name for ly in graph.layers
+            if ly.output in missing or any(x in missing for x in ly.inputs)]
+    for name in missing.values():   # never read: every layer that makes or reads it is kept float
+        amax[name] = UNUSED_RANGE
     notes = list(model.qdq.notes)
     if missing:
         notes.append(f"{len(missing)} point(s) the file gives no scale for ({', '.join(sorted(missing.values())[:4])}"
                      f"{' ...' if len(missing) > 4 else ''}): kept float" +
                      (f", with the layers {', '.join(skip[:4])}{' ...' if len(skip) > 4 else ''}" if skip else ""))
     given = sum(1 for ly in graph.layers if ly.given_weight is not None)
-    report = dict(source="file", file=model.path, points=len(amax), qdq_nodes=model.qdq.qdq_nodes,
+    report = dict(source="file", file=model.path, points=len(amax) - len(missing), qdq_nodes=model.qdq.qdq_nodes,
                   given_weights=given, kept_float=skip, notes=notes, calibrated=False)
     if skip:
         config = dataclasses.replace(config, skip=tuple(config.skip) + tuple(s for s in skip if s not in config.skip))

@@ -23,6 +23,7 @@ import sys
 import zipfile
 
 from .errors import InputError
+from .fileio import atomic_path
 
 FOOLBOX = "foolbox==3.3.4"
 EFFICIENTNET_LITE = "efficientnet-lite-pytorch==0.1.0"
@@ -66,11 +67,8 @@ def extract(requirement: str, pattern: str) -> list[str]:
         for n in names:
             dest = os.path.join(root, n)
             if not os.path.exists(dest):    # written beside, then renamed: an interrupted run leaves no half file
-                os.makedirs(os.path.dirname(dest), exist_ok=True)
-                tmp = f"{dest}.{os.getpid()}.tmp"
-                with z.open(n) as src, open(tmp, "wb") as out:
+                with atomic_path(dest) as tmp, z.open(n) as src, open(tmp, "wb") as out:
                     out.write(src.read())
-                os.replace(tmp, dest)
     return [os.path.join(root, n) for n in names]
 
 
@@ -82,10 +80,8 @@ def foolbox_imagenet() -> tuple[str, str]:
     if not os.path.exists(labels):
         label = re.compile(r"_(\d+)\.jpg$")
         lines = [f"{os.path.basename(p)} {label.search(p).group(1)}" for p in paths]
-        tmp = labels + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with atomic_path(labels) as tmp, open(tmp, "w") as f:
             f.write("\n".join(lines) + "\n")
-        os.replace(tmp, labels)
     return folder, labels
 
 

@@ -141,7 +141,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     phases = as_phases(progress)
     exported = exported if exported is not None else exported_model(model, input_shape)
     batch = int(input_shape[0])
-    source = "TVM's ONNX frontend" if hasattr(model, "proto") else "torch.export"
+    source = "torch.export" if isinstance(model, torch.nn.Module) else "TVM's ONNX frontend"
     with phases("export", f"{source} at {tuple(input_shape)} -> Relax"):
         dump_ir(debug_dump, "01_imported", exported.imported(batch)[0])
     with phases("simplify", "fold batch norms and constants, find the layers"):
@@ -150,9 +150,10 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     dump_ir(debug_dump, "02_simplified", mod)
     check_skip(graph, config, require_int8)
 
-    if getattr(model, "qdq", None) is not None and ranges is None:   # a Q/DQ ONNX file: its own scales
-        from .onnx_qdq import file_scales
-        ranges, config = file_scales(model, exported, config)
+    if getattr(model, "qdq", None) is not None:   # a Q/DQ ONNX file: its own scales (unless given), and
+        from .onnx_qdq import file_scales         # the layers it leaves float kept float in every rebuild
+        file_ranges, config = file_scales(model, exported, config)
+        ranges = file_ranges if ranges is None else ranges
     ranges = ranges if ranges is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, lambda: exported.at(1).graph, phases.enabled)
     with phases("ranges", describe_ranges(ranges, config)):

@@ -25,6 +25,7 @@ from ..cli import first_line
 from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
+from ..evaluate import topk_accuracy
 from ..fileio import check_output_folder
 from ..frontend import load_model, weights_digest
 from ..graph import static_shape
@@ -200,7 +201,7 @@ class Context:
             if not len(x):
                 raise InputError(f"--data {self.options.data}: none of its images could be read")
             self.labelled = (x, y, images)
-            self.reference_accuracy = accuracy(self._reference(x), y)
+            self.reference_accuracy = topk_accuracy(self._reference(x), y)
             self.progress(f"[compare] {len(y)} labelled images of {self.options.data} ({images.layout}; "
                           f"{len(images.skipped)} unreadable); {self.reference_name}: top-1 "
                           f"{self.reference_accuracy['top1']:.1f} %")
@@ -345,13 +346,6 @@ class Context:
         return self._onnx
 
 
-def accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
-    """Top-1 and top-5 (percent) of ``logits`` [images, classes] against class indices ``labels``."""
-    top = np.argsort(-logits, axis=1)[:, :5]
-    return dict(top1=100.0 * float((top[:, 0] == labels).mean()),
-                top5=100.0 * float((top == labels[:, None]).any(axis=1).mean()))
-
-
 def _reason(err: BaseException) -> str:
     return str(err).strip()[:300] if isinstance(err, Unavailable) else first_line(err)
 
@@ -383,7 +377,7 @@ def run_row(ctx: Context, baseline: Baseline, batch: int) -> dict:
                 mark_wrong(row, ctx.options.agreement_floor_db, ctx.reference_name)
                 if ctx.labelled is not None:
                     x, y, _ = ctx.labelled
-                    acc = accuracy(ctx.run_photos(forward, batch, x), y)
+                    acc = topk_accuracy(ctx.run_photos(forward, batch, x), y)
                     row.update(top1=acc["top1"], top5=acc["top5"])
     except Unavailable as err:
         row.update(status="skipped", reason=_reason(err))

@@ -21,7 +21,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_utils import bindings_of, emit_like, rebuild_main, substitute
+from ..relax_utils import bindings_of, emit_like, free_vars, rebuild_main, substitute
 
 _KINDS = ("maximum", "minimum")
 
@@ -55,7 +55,7 @@ def clips_from_min_max(mod: tvm.IRModule) -> tvm.IRModule:
         return mod
     readers: dict = {}
     for b in binds:
-        for arg in _args(b.value):
+        for arg in free_vars(b.value):
             readers.setdefault(arg, []).append(b.var)
     # a maximum whose one reader is a minimum of it: the pair is one clip, emitted at the minimum
     pairs = {}
@@ -85,14 +85,3 @@ def clips_from_min_max(mod: tvm.IRModule) -> tvm.IRModule:
     out = rebuild_main(mod, rewrite)
     return relax.transform.DeadCodeElimination(["main"])(out)
 
-
-def _args(expr) -> list:
-    if isinstance(expr, relax.Call):
-        found = []
-        for a in expr.args:
-            found += [a] if isinstance(a, relax.Var) else _args(a)
-        return found
-    if isinstance(expr, relax.Tuple):
-        return [f for f in expr.fields if isinstance(f, relax.Var)] + \
-            [v for f in expr.fields if not isinstance(f, relax.Var) for v in _args(f)]
-    return []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..relax_utils import bindings_of, emit_like, rebuild_main, substitute
+from ..relax_utils import bindings_of, emit_like, free_vars, rebuild_main, substitute
 
 
 def _spatial_zero_pad(call) -> tuple[int, int, int, int] | None:
@@ -37,9 +37,8 @@ def fold_pads_into_convs(mod: tvm.IRModule) -> tvm.IRModule:
         return mod
     readers: dict = {}
     for b in binds:
-        for arg in getattr(b.value, "args", ()):
-            if isinstance(arg, relax.Var):
-                readers.setdefault(arg, []).append(b.value)
+        for arg in free_vars(b.value):      # (inside tuples too: a concat's, a call_tir's)
+            readers.setdefault(arg, []).append(b.value)
     returned = set()
     body = mod["main"].body.body
     if isinstance(body, relax.Var):

@@ -22,7 +22,8 @@ def model_stem(model_name: str) -> str:
     ONNX file (``path/to/resnet18.onnx`` -> ``resnet18``) and ``<file stem>_<factory>`` for a user
     model (``models/efficientnet_lite.py:lite0`` -> ``efficientnet_lite_lite0``, compare's file names)."""
     path, _, factory = model_name.rpartition(":") if ".py:" in model_name else (model_name, "", "")
-    stem = os.path.splitext(os.path.basename(path))[0] if (os.sep in path or path.endswith((".onnx", ".py"))) else path
+    stem = os.path.splitext(os.path.basename(path))[0] if (os.sep in path or path.lower().endswith((".onnx", ".py"))) \
+        else path
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem + (f"_{factory}" if factory else ""))
 
 
