@@ -3,6 +3,8 @@ NumPy on llvm, the template's CUDA code (mma.sync, ldmatrix, cp.async), the NHWC
 kernels, the search space.  On the GPU: the same kernels bit-exact (marked ``gpu``)."""
 import itertools
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -41,6 +43,18 @@ WORKLOADS = [
 IDS = ["20to40_7x7_b2", "40to64_asym_pad_norelu", "s2_b2", "1x1_40out", "dilation2", "5x5_b3", "clip_0_80",
        "u8_asym_pad_s2"]
 
+# Taps that read the padding at every output pixel: the pipeline's prologue, unrolled at a constant
+# k, then stores the padding value as one int8x16 constant, which TVM prints as a make_int4 of 16
+# bytes (pipeline.printable_int8_vectors).  A 3x3 conv (padding 1) on a 1-pixel-high map;
+# deeplabv3's ASPP 3x3 at dilation >= the map (36 on its 32x32 map at 512 px, 8 on 8x8 here); an
+# unsigned input, whose padding is -128.
+ALL_PADDING_TAPS = [
+    conv_wl(1, 32, 1, 1, 32),
+    conv_wl(1, 64, 8, 8, 40, dilation=(8, 8), padding=(8, 8, 8, 8)),
+    ConvWorkload.with_activation("relu", batch=2, in_channels=32, height=1, width=5, out_channels=32, in_zero=-128),
+]
+ALL_PADDING_IDS = ["3x3_on_1x1", "aspp_d8_on_8x8", "u8_3x3_on_1x5"]
+
 
 def args_of(wl, seed=0):
     x, w, bias, mult, shift = random_conv_args(wl, seed)
@@ -69,7 +83,7 @@ def test_the_gather_of_an_unsigned_input_fills_its_padding_with_minus_128():
     assert all(c.rstrip(");").endswith(" 0") for c in re.findall(r"qconv_cp_async_ca_pred_16\(buf[^;]*;", symmetric))
 
 
-@pytest.mark.parametrize("wl", WORKLOADS, ids=IDS)
+@pytest.mark.parametrize("wl", WORKLOADS + ALL_PADDING_TAPS, ids=IDS + ALL_PADDING_IDS)
 def test_compute_definition_is_bit_exact_against_numpy(wl):
     args = args_of(wl)
     ref = IMPL.reference(wl, *args)
@@ -95,6 +109,48 @@ def _cuda(func) -> str:
     options = pipeline.compile_options()
     with SM90, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         return cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=SM90, tir_pipeline=options["tir_pipeline"]))
+
+
+def _nvcc_errors(src: str, tmp_path) -> str | None:
+    """nvcc's errors on ``src`` for sm_90 (None: it compiles); skips where nvcc is missing."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found: CUDA source built, not compiled")
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", str(tmp_path / "k.cubin"), str(cu),
+                           "-diag-suppress", "177"], capture_output=True, text=True)
+    return None if done.returncode == 0 else done.stderr[-2000:]
+
+
+def test_8_bit_vector_constants_are_stored_as_32_bit_words(tmp_path):
+    # TVM prints an 8-bit broadcast of 8 or 16 lanes as make_int2 / make_int4 (make_uint4) of one
+    # argument per byte; the pipeline's last pass repeats the byte in words instead, for any value
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def fill(a: T.Buffer((64,), "int8"), b: T.Buffer((64,), "uint8"), x: T.int8):
+        for t in T.thread_binding(2, thread="threadIdx.x"):
+            a[t * 32:t * 32 + 16] = T.Broadcast(T.int8(-128), 16)
+            a[t * 32 + 16:t * 32 + 24] = T.Broadcast(x, 8)
+            b[t * 32:t * 32 + 16] = T.Broadcast(T.uint8(200), 16)
+
+    src = _cuda(fill)
+    assert "qconv_splat_int8x16(-128)" in src and "qconv_splat_uint8x16(200)" in src
+    assert re.search(r"qconv_splat_int8x8\(\(\(int\)x\)\)", src)
+    assert not re.search(r"make_u?int[24]\(\((signed char|uchar)\)", src)
+    assert _nvcc_errors(src, tmp_path) is None
+
+
+@pytest.mark.parametrize("wl", ALL_PADDING_TAPS, ids=ALL_PADDING_IDS)
+def test_a_gather_wholly_in_the_padding_compiles_with_nvcc(wl, tmp_path):
+    src = cuda_source(registry.compile_kernel(IMPL, wl, SM90))
+    # the prologue's folded copies store the padding byte through the splat helper ...
+    fill = re.findall(r"= qconv_splat_int8x16\((-?\d+)\);", src)
+    assert fill and set(fill) == {str(wl.in_zero)}
+    # ... and no 8-bit vector constant is left as make_int2 / make_int4 of one argument per byte
+    assert not re.search(r"make_u?int[24]\(\((signed char|uchar)\)", src)
+    assert _nvcc_errors(src, tmp_path) is None
 
 
 def _assert_tensor_core_code(src: str) -> None:
@@ -206,8 +262,8 @@ def test_nhwc32_add_matches_reference():
 
 
 def test_tensor_core_build_compiles_with_the_pipeline_and_leaves_dp4a_kernels_alone():
-    # the two extra passes rewrite async copies and warp buffers only: a dp4a kernel compiled
-    # with them is the same CUDA as with TVM's default pipeline
+    # the extra passes rewrite async copies, warp buffers and 8-bit vector constants only: a dp4a
+    # kernel compiled with them is the same CUDA as with TVM's default pipeline
     from tvm_qconv.schedules.nchw4c.conv2d import conv2d_nchw4c_int8
     from tvm_qconv.schedules.nchw4c.dp4a import schedule_dp4a
     func = schedule_dp4a(conv2d_nchw4c_int8(conv_wl(1, 64, 28, 28, 64)), SM90)
@@ -246,8 +302,9 @@ def test_dense_on_the_conv_template_equals_numpy(wl):
 
 # ----------------------------------------------------------------------------- on the GPU
 
-GPU_LAYERS = WORKLOADS + [conv_wl(1, 64, 224, 224, 64), conv_wl(4, 512, 14, 14, 512), conv_wl(8, 512, 7, 7, 512)]
-GPU_IDS = IDS + ["vgg_64@224", "512@14_b4", "512@7_b8_m392"]
+GPU_LAYERS = WORKLOADS + ALL_PADDING_TAPS + [conv_wl(1, 64, 224, 224, 64), conv_wl(4, 512, 14, 14, 512),
+                                             conv_wl(8, 512, 7, 7, 512)]
+GPU_IDS = IDS + ALL_PADDING_IDS + ["vgg_64@224", "512@14_b4", "512@7_b8_m392"]
 
 
 def gpu_build(impl, wl):

@@ -1,7 +1,7 @@
-"""Compiling the tensor-core kernels: TVM's own S-TIR pipeline with two passes spliced in.
+"""Compiling the tensor-core kernels: TVM's own S-TIR pipeline with four passes spliced in.
 
-Two work around TVM 0.27 behaviour the mma kernels hit (found building them; the exact error
-messages are in ``docs/tensorcore.md``):
+Three work around TVM 0.27 behaviour the mma kernels hit (found building them; the exact error
+messages are in ``docs/tensorcore.md`` and beside each pass):
 
 * ``qconv.PredicatedInt8AsyncCopy`` -- TVM turns ``shared = if_then_else(p, global, 0)`` into a
   predicated ``cp.async`` (zero-fill) only when the 0 is a float; the int8 im2col gather is the
@@ -9,6 +9,9 @@ messages are in ``docs/tensorcore.md``):
 * ``qconv.FixWarpMemory`` -- ``LowerWarpMemory`` lowers only the first "warp" buffer of a
   statement sequence (the ldmatrix fragments would stay thread-indexed arrays in local memory),
   and leaves truncdiv register indices and self-shuffles in the epilogue.
+* ``qconv.PrintableInt8Vectors`` -- the CUDA codegen prints an int8 vector constant of 8 or 16
+  lanes as a ``make_int4`` of one argument per byte, which nvcc rejects; the im2col gather stores
+  one where a tap lies in the padding at every output pixel.
 
 and one that is not a workaround: ``qconv.GatherThroughL1`` prints the im2col gather as
 ``cp.async.ca`` (TVM prints every 16-byte cp.async as ``.cg``, bypassing L1).
@@ -21,8 +24,8 @@ pipeline takes every function of the module.
 
 :func:`compile_options` is what a build of a module holding these kernels passes to
 ``tvm.compile``: the registered pipeline and ``tirx.use_async_copy``.  The passes touch only
-async-scope shared stores and "warp" buffers, so the other kernels of the module compile as
-with TVM's default pipeline.
+async-scope shared stores, "warp" buffers and 8-bit vector constants (which nvcc would reject),
+so the other kernels of the module compile as with TVM's default pipeline.
 """
 from __future__ import annotations
 
@@ -319,6 +322,53 @@ def gather_through_l1(func, mod, ctx):
     return func.with_body(tvm_ffi.structural_mutate(func.body, [(tvm.ir.Call, on_call)]))
 
 
+# 8-bit vector constants nvcc can compile
+#
+# TVM 0.27's CUDA codegen (CodeGenCUDA::VisitExpr_(BroadcastNode)) packs an 8-bit broadcast of 4
+# lanes into one 32-bit word, but prints one of 8 or 16 lanes as ``make_int2`` / ``make_int4``
+# (``make_uint2`` / ``make_uint4``) with one argument per byte, which nvcc rejects ("error: too
+# many arguments in function call").  The im2col gather stores such a constant wherever the
+# simplifier proves that a whole 16-byte copy reads the padding: the software pipeline's prologue
+# unrolls its first k-steps with a constant k, so a tap that lies in the padding for every output
+# pixel (dilation >= the feature map, as deeplabv3's ASPP 3x3 at dilation 36 on a 32x32 map; or
+# a 3x3 conv, padding 1, on a 1-pixel-high map) folds ``if_then_else(p, data, zero)`` into a
+# broadcast of the padding value (0, or -128 for an unsigned input).  The pass below, last of the
+# device passes, prints every such broadcast as a call of a helper that repeats the byte in
+# 32-bit words: the same bytes, whatever made the constant.
+
+# (dtype, lanes) -> (the CUDA vector type TVM stores it as, its 32-bit words)
+_SPLAT_TYPES = {("int8", 8): ("int2", 2), ("int8", 16): ("int4", 4),
+                ("uint8", 8): ("uint2", 2), ("uint8", 16): ("uint4", 4)}
+
+
+def _splat(dtype: str, lanes: int, value):
+    """``value`` (an 8-bit scalar expression) repeated over ``lanes`` bytes, as a helper call."""
+    ctype, words = _SPLAT_TYPES[(dtype, lanes)]
+    name = f"qconv_splat_{dtype}x{lanes}"
+    word = "(int)w" if ctype.startswith("int") else "w"
+    source = f"""
+__forceinline__ __device__ {ctype} {name}(int byte) {{
+  unsigned int w = ((unsigned int)byte & 0xFFu) * 0x01010101u;
+  return make_{ctype}({", ".join([word] * words)});
+}}
+"""
+    return cuda_func_call(name, value.astype("int32"), source_code=source, return_type=f"{dtype}x{lanes}")
+
+
+@tvm.tirx.transform.prim_func_pass(opt_level=0, name="qconv.PrintableInt8Vectors")
+def printable_int8_vectors(func, mod, ctx):
+    target = func.attrs.get("target") if func.attrs is not None else None
+    if target is None or target.kind.name != "cuda":
+        return func
+
+    def on_broadcast(node, mutator):
+        node = mutator.default_mutate(node)
+        key = (str(node.value.ty), int(node.lanes))
+        return _splat(*key, node.value) if key in _SPLAT_TYPES else node
+
+    return func.with_body(tvm_ffi.structural_mutate(func.body, [(tvm.tirx.Broadcast, on_broadcast)]))
+
+
 @tvm.transform.module_pass(opt_level=0, name="qconv.LowerTIRxKernels")
 def lower_tirx_kernels(mod, ctx):
     """Lower the TIRx constructs of the functions marked ``tvm_qconv.tirx``; the others as they are."""
@@ -339,6 +389,7 @@ _EXTRA_PASSES = [
     ("s_tir.InjectPTXAsyncCopy", predicated_int8_async_copy, "before"),
     ("tirx.LowerWarpMemory", fix_warp_memory, "after"),
     ("tirx.LowerWarpMemory", gather_through_l1, "after"),
+    ("tirx.LowerIntrin", printable_int8_vectors, "after"),   # last: no pass after it folds a new constant
 ]
 
 
