@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -20,11 +21,11 @@ import numpy as np
 
 from tvm_qconv import cli
 from tvm_qconv.artifact import accept_unverified, remove_unverified
-from tvm_qconv.cli_args import positive_float, positive_int as _positive
+from tvm_qconv.cli_args import Parser, positive_float, positive_int as _positive
 from tvm_qconv.compare.baselines import BASELINE_KEYS
 from tvm_qconv.config import ACCURACY_TARGET_DB, CALIBRATIONS, PRESETS, WEIGHT_ROUNDINGS
 from tvm_qconv.errors import InputError
-from tvm_qconv.fileio import check_output_file
+from tvm_qconv.fileio import check_output_file, check_output_folder
 from tvm_qconv.report import format_report
 
 EXIT_UNVERIFIED = 3  # built, but its outputs disagree with the float model's (2: bad input)
@@ -67,7 +68,7 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--skip", action="append", default=[], metavar="LAYER",
                    help="keep this layer in float: a torch module path (classifier.6) or a pattern "
                         "(classifier.*); repeatable")
-    b.add_argument("--calib-dir", default=None, help="folder of JPEG/PNG calibration images "
+    b.add_argument("--calib-dir", default=None, help="folder of calibration images (JPEG, PNG, BMP, WebP, GIF, TIFF) "
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
     b.add_argument("--bias-correction", action="store_const", const=True, default=None,
@@ -98,6 +99,74 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
                    help="print no progress (phases, bars), only the results and errors: for scripts")
 
 
+def _add_force(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--force", action="store_true",
+                   help=f"replace {what} (refused without it; the command's own inputs are never replaced)")
+
+
+def command_inputs(args) -> dict:
+    """``{flag: path}`` of the files and folders a command reads: its output may name none of them."""
+    inputs = {}
+    model = getattr(args, "model", None)
+    if model:   # a model file (m.onnx, m.py:factory); a torchvision name is none
+        path = model.rsplit(":", 1)[0] if ".py:" in model else model
+        if os.path.exists(path):
+            inputs["--model"] = path
+    for key in ("weights", "checkpoint", "lib", "labels", "classes", "tuning_log", "calib_dir", "data"):
+        value = getattr(args, key, None)
+        if isinstance(value, str) and os.path.exists(value):
+            inputs["--" + key.replace("_", "-")] = value
+    if "--lib" in inputs:
+        from tvm_qconv.artifact import artifact_paths
+        params, meta = artifact_paths(inputs["--lib"])
+        inputs.update({"--lib's params": params, "--lib's record": meta})
+    return inputs
+
+
+def check_build_flags(args) -> None:
+    """Refuse flags `build` would otherwise ignore in silence: CUDA-only flags on a CPU build, a
+    percentile without the percentile observer, a class count beside named weights, a debug
+    folder that cannot be written.  (Sets --arch's default for CUDA.)"""
+    if args.target != "cuda":
+        given = [flag for flag, v in (("--arch", args.arch), ("--cuda-graph", args.cuda_graph)) if v]
+        if given:
+            raise InputError(f"{' and '.join(given)} {'are' if len(given) > 1 else 'is'} for --target cuda; this "
+                             f"build is for {args.target}: drop {'them' if len(given) > 1 else 'it'}, or build with "
+                             "--target cuda")
+    elif args.arch is None:
+        args.arch = "sm_90"
+    if args.percentile is not None and quant_config(args).calibration != "percentile":
+        raise InputError(f"--percentile sets the percentile observer's cut; this build calibrates with "
+                         f"{quant_config(args).calibration}: drop --percentile, or add --calibration percentile")
+    named = args.weights is not None and not (os.path.exists(args.weights) or os.sep in args.weights
+                                              or args.weights.endswith((".pt", ".pth")))
+    if args.num_classes is not None and named:
+        raise InputError(f"--num-classes sets the classifier's width; torchvision's --weights {args.weights} come with "
+                         "their own (1000 ImageNet classes): drop --num-classes")
+    if args.debug_dump is not None:
+        check_output_folder(args.debug_dump, "--debug-dump folder")
+
+
+def unused_families(args, report: dict) -> list[str]:
+    """The --family names no layer of the build runs (on this target none of them can, or a
+    layer prefers another), for one warning line."""
+    from tvm_qconv import registry
+    ran = {registry.get(row["kernel"]).family for row in report.get("layers", [])
+           if row.get("kernel") in {impl.name for impl in registry.IMPLEMENTATIONS}}
+    return [f for f in args.family or () if f not in ran]
+
+
+def check_library_output(path: str, args) -> None:
+    """Refuse, before any work, a library path (``build -o``, ``accept -o``) that cannot take the
+    library: the checks of ``check_output_file``, for the ``.so`` and the two files beside it."""
+    from tvm_qconv.artifact import artifact_paths, not_a_library
+    inputs = command_inputs(args)
+    check_output_file(path, "library", inputs=inputs, ours=not_a_library, force=args.force)
+    params, meta = artifact_paths(path)
+    check_output_file(params, "the library's params", inputs=inputs)
+    check_output_file(meta, "the library's record", inputs=inputs)
+
+
 def _batches(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -118,8 +187,8 @@ def _baseline_keys(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     b = sub.add_parser("build", help="quantize, compile and export a model",
                        description="Import a torchvision classifier (or your own nn.Module), calibrate it on real "
                                    "images, quantize it to int8 (each conv + bias + activation one kernel of the "
@@ -131,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "checkpoint was trained as, with its learned ranges instead of calibration.")
     _add_model_flags(b, batch_help="static batch size of the library (default 1)")
     b.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="CPU (llvm) or NVIDIA GPU (cuda)")
-    b.add_argument("--arch", default="sm_90",
+    b.add_argument("--arch", default=None,
                    help="CUDA arch for --target cuda (default sm_90; sm_90a adds the wgmma family, fastest on "
                         "H100 / H200, and its library runs on sm_90 GPUs only)")
     b.add_argument("--tuning-log", default=None, help="MetaSchedule database folder (tuning_logs/...) to apply")
@@ -156,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
+    _add_force(b, "a file at -o (or its .params.npz / .json) that is not a library of this project")
     _add_quiet(b)
     x = sub.add_parser("export-onnx", help="write the calibrated int8 model as ONNX (Quantize/DequantizeLinear)",
                        description="Import a model, calibrate it on real images exactly as `build` does and write it "
@@ -170,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--opset", type=int, choices=range(17, 22), default=17, metavar="{17..21}",
                    help="ONNX opset (default 17)")
     x.add_argument("-o", "--output", required=True, help="the .onnx file to write")
+    _add_force(x, "a file at -o that is not an ONNX file this project wrote")
     _add_quiet(x)
     c = sub.add_parser("compare", help="time the int8 library against every baseline on this machine's GPU",
                        description="Build the model's int8 library (calibrated once) for each batch size and time "
@@ -189,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "init seeded by --seed")
     c.add_argument("--num-classes", type=_positive, default=None, help="classifier width for random init")
     c.add_argument("--batch", type=_batches, default=(1, 16, 64), help="batch sizes, comma-separated (default 1,16,64)")
-    c.add_argument("--image-size", type=_positive, default=224, help="input height = width (default 224)")
+    c.add_argument("--image-size", type=_positive, default=None,
+                   help="input height = width (default: an ONNX file's own where it fixes one, else 224)")
     c.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is a GPU")
     c.add_argument("--arch", default=None, help="CUDA arch of the int8 builds (default: the GPU's, sm_90a on H100)")
     c.add_argument("--lib", action="append", default=[], metavar="SO",
@@ -221,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load a built library with the TVM runtime only, classify images, print the "
                                    "top-5 classes and the latency.")
     r.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
-    r.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
+    r.add_argument("--image", nargs="+", required=True,
+                   help="image file(s) (JPEG, PNG, BMP, WebP, GIF, TIFF; skimage:NAME for scikit-image's "
+                        "photos); one batch of the library's size")
     r.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
     r.add_argument("--repeat", type=_positive, default=5, help="timing repeats (median is printed)")
     _add_quiet(r)
@@ -232,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "verification: every load of it warns.")
     a.add_argument("lib", help="the <stem>.unverified.so that `deploy.py build` wrote")
     a.add_argument("-o", "--output", default=None, help="where it goes (default: <stem>.so)")
+    _add_force(a, "a file at -o (or its .params.npz / .json) that is not a library of this project")
     rp = sub.add_parser("rpc", help="run a built library on a remote device through TVM RPC",
                         description="Upload a built library and its params to a TVM RPC server (python -m "
                                     "tvm_qconv.rpc_server on the GPU machine), classify images there, print the "
@@ -239,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and its name.  TVM RPC has no authentication: reach a remote server through "
                                     "an ssh tunnel (README: Remote GPUs).")
     rp.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
-    rp.add_argument("--image", nargs="+", required=True, help="JPEG/PNG file(s); one batch of the library's size")
+    rp.add_argument("--image", nargs="+", required=True,
+                    help="image file(s) (JPEG, PNG, BMP, WebP, GIF, TIFF; skimage:NAME for scikit-image's "
+                         "photos); one batch of the library's size")
     rp.add_argument("--host", default=None, help="the RPC server's address (with --port)")
     rp.add_argument("--port", type=int, default=None, help="the RPC server's port")
     rp.add_argument("--tracker", default=None, metavar="HOST:PORT", help="an RPC tracker (with --key), instead")
@@ -266,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--weights", default=None, help="(--model) its state-dict file or torchvision weight name")
     e.add_argument("--limit", type=_positive, default=None, help="(--data) the first N images only")
     e.add_argument("--json", default=None, metavar="FILE", help="(--data) also write the result as JSON")
+    _add_force(e, "a file at --json that is not an `eval` result")
     e.add_argument("--dataset", choices=["digits"], default="digits", help="without --data: test split (default digits)")
     e.add_argument("--seed", type=int, default=None, help="split seed (default: the checkpoint's)")
     e.add_argument("--device", choices=["llvm", "cuda"], default=None, help="default: the library's target")
@@ -278,6 +356,9 @@ _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile
                       "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes",
                       "bias_correction": "--bias-correction", "unsigned_activations": "--unsigned-activations",
                       "weight_rounding": "--weight-rounding"}
+# Flags that only steer calibration: a Q/DQ file carries its scales (cli_ranges).
+_CALIBRATION_FLAGS = {key: flag for key, flag in _MODEL_ONLY_FLAGS.items()
+                      if key in ("calibration", "percentile", "calib_dir", "num_calib", "bias_correction")}
 
 
 def quant_config(args):
@@ -296,6 +377,21 @@ def quant_config(args):
         return dataclasses.replace(cfg, **over)
     except ValueError as err:   # flags that contradict each other (--bias-correction with --weight-rounding gptq)
         raise InputError(str(err)) from None
+
+
+def cli_ranges(args, model):
+    """Where `build` / `export-onnx` take the activation ranges from: a Q/DQ ONNX file's own
+    scales (None: ``quantize_module`` reads them from the file), else calibration on --calib-dir.
+    A Q/DQ file is calibrated by nobody, so the calibration flags are refused rather than ignored."""
+    from tvm_qconv.ranges import Calibrate  # per command
+    if getattr(model, "qdq", None) is None:
+        return Calibrate(calib_dir=args.calib_dir)
+    given = [flag for key, flag in _CALIBRATION_FLAGS.items() if getattr(args, key, None) is not None]
+    if given:
+        raise InputError(f"{', '.join(given)} cannot be used with {args.model}: it is a quantized (Q/DQ) file, whose "
+                         "scales the library keeps (nothing is calibrated); drop them, or give the float model to "
+                         "calibrate it here")
+    return None
 
 
 def refuse_model_only_flags(args) -> None:
@@ -325,12 +421,11 @@ def load_cli_model(args):
 def cmd_build(args) -> int:
     from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model  # per command
     from tvm_qconv.onnx_import import is_onnx_path
-    from tvm_qconv.ranges import Calibrate
     cfg = quant_config(args)
-    check_output_file(args.output, "library")
+    check_library_output(args.output, args)
 
     def build_options(image_size: int | None) -> BuildOptions:
-        return BuildOptions(target=args.target, arch=args.arch if args.target == "cuda" else None, batch=args.batch,
+        return BuildOptions(target=args.target, arch=args.arch, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, ignore_stale=args.ignore_stale,
                             cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
@@ -343,6 +438,7 @@ def cmd_build(args) -> int:
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")
+    check_build_flags(args)
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
     if args.checkpoint:
         refuse_model_only_flags(args)
@@ -358,6 +454,9 @@ def cmd_build(args) -> int:
             if isinstance(model.input_dims[0], str):
                 print(f"[build] {args.model} has a dynamic batch ({model.input_dims[0]}): the library is built for "
                       f"batch {args.batch} (--batch sets it)", flush=True)
+            if any(isinstance(d, str) for d in model.input_dims[2:]):
+                print(f"[build] {args.model} has a dynamic height and width: the library is built at {size} x {size} "
+                      "(--image-size sets it)", flush=True)
         else:
             size = args.image_size or 224
         options = build_options(size)  # its checks (the tuning log's target) before a torch model loads
@@ -366,10 +465,15 @@ def cmd_build(args) -> int:
         print(f"[build] {args.model} -> {args.output}: {target} size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = compile_model(model, args.output, options=options, config=cfg, name=args.model,
-                            ranges=Calibrate(calib_dir=args.calib_dir), progress=not args.quiet,
-                            extra_meta=dict(weights=weights))
+                            ranges=cli_ranges(args, model), progress=not args.quiet,
+                            extra_meta=dict(weights=weights, seed=args.seed))
     print(format_report(res.meta))
     print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
+    unused = unused_families(args, res.meta["report"])
+    if unused:
+        print(f"warning: --family {', '.join(unused)}: no layer of this build runs {'them' if len(unused) > 1 else 'it'} "
+              f"(none of its kernels takes these layers on {target.split(' batch')[0].removeprefix('target=')}); "
+              "the layers have the registry's choice", file=sys.stderr)
     if res.meta.get("weights", "").startswith("random init"):
         print(f"weights: {res.meta['weights']}: {RANDOM_NOTE}")
     if res.meta["report"].get("verify", {}).get("status") == "failed":
@@ -387,7 +491,7 @@ def cmd_build(args) -> int:
 
 def cmd_accept(args) -> int:
     if args.output is not None:
-        check_output_file(args.output, "library")
+        check_library_output(args.output, args)
     path = accept_unverified(args.lib, args.output)
     print(f"{args.lib} is now {path} (+ .params.npz, .json); it stays marked as failed: every load warns")
     return 0
@@ -396,7 +500,8 @@ def cmd_accept(args) -> int:
 def cmd_export_onnx(args) -> int:
     from tvm_qconv.onnx_export import export_checkpoint, export_onnx  # per command
     from tvm_qconv.onnx_import import is_onnx_path
-    from tvm_qconv.ranges import Calibrate
+    from tvm_qconv.onnx_export import not_our_onnx
+    check_output_file(args.output, "ONNX file", inputs=command_inputs(args), ours=not_our_onnx, force=args.force)
     cfg = quant_config(args)
     if cfg.bias_correction:
         raise InputError("export-onnx does not write bias-corrected biases yet: the ONNX file would not be the "
@@ -409,13 +514,12 @@ def cmd_export_onnx(args) -> int:
         res = export_checkpoint(args.checkpoint, args.output, image_size=args.image_size, batch=args.batch,
                                 config=cfg, dynamic_batch=dynamic, opset=args.opset, progress=not args.quiet)
     else:
-        check_output_file(args.output, "ONNX file")
         model, weights = load_cli_model(args)
         size = model.image_size(args.image_size) if is_onnx_path(args.model) else args.image_size or 224
         print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
-                          ranges=Calibrate(calib_dir=args.calib_dir), name=args.model, dynamic_batch=dynamic,
+                          ranges=cli_ranges(args, model), name=args.model, dynamic_batch=dynamic,
                           opset=args.opset, progress=not args.quiet, require_int8=True)
     s = res.summary
     print(f"wrote {res.path} (ONNX opset {s['opset']}, {s['nodes']} nodes)")
@@ -458,6 +562,10 @@ def describe_ranges(ranges: dict) -> str:
                      + (f"{ranges['held_out']} more held out to verify on)" if ranges["held_out"] else
                         f"{ranges['available']} were there, none left to hold out for the verification)"))
         return line
+    if ranges.get("source") == "file":
+        notes = ranges.get("notes", [])
+        return (f"the Q/DQ file's own scales, from {ranges['file']} ({ranges['points']} points, {ranges['qdq_nodes']} "
+                "Q/DQ nodes, no calibration)" + (f"; {len(notes)} note(s): " + " | ".join(notes) if notes else ""))
     return "given by the caller (amax=...)"
 
 
@@ -477,16 +585,55 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _float_model_of(args, meta: dict):
+    """The float model `eval --model` compares the library with: a random init seeded and sized as
+    the library's build made it (its record's seed and class count), checked against the
+    library's input before any image is read.
+
+    Raises:
+        InputError: the model cannot take the library's input (another image size).
+    """
+    import torch
+
+    from tvm_qconv import model_check
+    from tvm_qconv.frontend import load_model
+    from tvm_qconv.onnx_import import is_onnx_path
+    torch.manual_seed(meta.get("seed", 0))  # libraries from before the record: the build's default seed
+    shape = meta.get("output_shape")
+    named = not is_onnx_path(args.model) and ".py:" not in args.model
+    classes = shape[1] if named and shape is not None and len(shape) == 2 else None
+    model = load_model(args.model, args.weights, classes)
+    shape = tuple(meta["input_shape"])
+    fixed = getattr(model, "input_dims", None)   # an ONNX file's static dimensions
+    if fixed is not None and any(isinstance(f, int) and f != d for f, d in zip(fixed[1:], shape[1:])):
+        raise InputError(f"--model {args.model} takes inputs {tuple(fixed)}, {args.lib} takes {shape}: it is not "
+                         "the model the library was built from; give that model, or leave --model out")
+    model_check.probe(model, shape, f"--model {args.model}")
+    return model
+
+
+def _not_an_eval_result(path: str) -> str | None:
+    """Why the file at ``path`` is not a result ``eval --json`` wrote (None: it is one)."""
+    import json
+    try:
+        with open(path) as f:
+            res = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "not a JSON file"
+    return None if isinstance(res, dict) and {"int8", "images", "layout"} <= set(res) else "not an `eval` result"
+
+
 def _eval_folder(args) -> int:
     from tvm_qconv.artifact import read_meta
     from tvm_qconv.evaluate import evaluate_folder
     from tvm_qconv.fileio import check_output_file, write_json
-    from tvm_qconv.frontend import load_model, weights_digest
+    from tvm_qconv.frontend import weights_digest
     if args.json is not None:
-        check_output_file(args.json, "JSON result")
+        check_output_file(args.json, "JSON result", inputs=command_inputs(args), ours=_not_an_eval_result,
+                          force=args.force)
     model = None
     if args.model is not None:
-        model = load_model(args.model, args.weights)
+        model = _float_model_of(args, read_meta(args.lib))
         built_from = read_meta(args.lib).get("float_weights")
         if built_from is not None and built_from != weights_digest(model):
             print(f"warning: {args.model} does not hold the weights {args.lib} was built from (their digests differ): "
@@ -530,6 +677,21 @@ def _print_top5(paths: list[str], logits, labels) -> None:
             print(f"  {prob[k]:6.3f}  {k:4d}  {name}")
 
 
+def _print_output(paths: list[str], out: np.ndarray, batch: int, labels) -> None:
+    """The top-5 of class scores; for any other output (a feature map, a segmentation map), its
+    shape and a summary per image."""
+    from tvm_qconv.runtime import class_scores, summarize
+    if class_scores(out.shape, batch):
+        _print_top5(paths, out, labels)
+        return
+    print(f"output: {tuple(out.shape)} {out.dtype}, not class scores [batch, classes]: no top-5; a summary instead")
+    per_image = out.ndim >= 2 and out.shape[0] == batch
+    for i, path in enumerate(paths if per_image else ["the whole batch"]):
+        print(f"{path}:")
+        for line in summarize(out[i] if per_image else out):
+            print("  " + line)
+
+
 def cmd_run(args) -> int:
     from tvm_qconv.runtime import CompiledModel  # per command
     model = CompiledModel(args.lib, args.device)
@@ -538,7 +700,7 @@ def cmd_run(args) -> int:
     t = time.time()
     logits = model(x)
     first_ms = (time.time() - t) * 1e3
-    _print_top5(args.image, logits, model.meta.get("categories"))
+    _print_output(args.image, logits, n, model.meta.get("categories"))
     if model.meta.get("weights", "").startswith("random init"):
         print(f"(built from a {model.meta['weights']}: {RANDOM_NOTE})")
     # calls per timed repeat: ~0.2 s of them (10 at most), so a slow CPU library times in seconds
@@ -560,7 +722,7 @@ def cmd_rpc(args) -> int:
     with RemoteModel(args.lib, remote) as model:
         print(f"[rpc] uploaded and loaded on {model.device_name} in {time.time() - t:.1f} s", flush=True)
         x = _load_batch(args.image, model.input_shape)
-        _print_top5(args.image, model(x), model.meta.get("categories"))
+        _print_output(args.image, model(x), model.input_shape[0], model.meta.get("categories"))
         lat = model.latency(x, repeat=args.repeat)
     print(f"latency on {model.device_name} (remote, {lat['runs']} runs): {lat['median_ms']:.3f} ms median, "
           f"p90 {lat['p90_ms']:.3f}, p99 {lat['p99_ms']:.3f}, min {lat['min_ms']:.3f} for batch "
@@ -586,6 +748,7 @@ def main(argv=None) -> int:
             _kept_output(args.output, "file") if args.cmd == "export-onnx" else
             f"the rows measured so far are in {args.out}/compare_*.partial.json; the results of an earlier "
             f"comparison there are unchanged" if args.cmd == "compare" else
+            f"nothing was written; {args.json}, if it was there, is unchanged" if getattr(args, "json", None) else
             "nothing was written")
     commands = {"build": cmd_build, "run": cmd_run, "eval": cmd_eval, "rpc": cmd_rpc, "export-onnx": cmd_export_onnx,
                 "compare": cmd_compare, "accept": cmd_accept}

@@ -16,15 +16,17 @@ import sys
 
 from tvm_qconv import cli
 from tvm_qconv.cli_args import positive_float as _positive_float
-from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.cli_args import Parser, positive_int as _positive
+from tvm_qconv.fileio import check_output_file
 from tvm_qconv.nn.functional import INPUT_GRADS
 from tvm_qconv.nn.modules import INPUT_RANGES
 from tvm_qconv.training import MODELS, TrainConfig, run_training
+from tvm_qconv.training.checkpoint import not_a_checkpoint
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default=d.model, help=f"model (default {d.model})")
     p.add_argument("--epochs", type=_positive, default=d.epochs, help=f"training epochs (default {d.epochs})")
     p.add_argument("--batch-size", type=_positive, default=d.batch_size, help=f"batch size (default {d.batch_size})")
@@ -43,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"initialization, batch order, data split (default {d.seed})")
     p.add_argument("--out", default=None, help="checkpoint file to write (default: none)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a file at --out that is not a train.py checkpoint (refused without it)")
     return p
 
 
@@ -60,6 +64,8 @@ def main(argv=None) -> int:
                          weight_grad=args.weight_grad, input_range=args.input_range)
     print("config:", config.to_dict(), "| baseline:", args.baseline and args.qat, "| out:", args.out)
     def train() -> int:
+        if args.out:   # before any work: a file there that is not a checkpoint is the user's
+            check_output_file(args.out, "checkpoint", ours=not_a_checkpoint, force=args.force)
         run_training(config, out=args.out, baseline=args.baseline, report=print)
         return 0
     code = cli.run(train, f"{args.out} was not written (a checkpoint there before is unchanged)" if args.out

@@ -42,7 +42,7 @@ import os
 import sys
 
 from tvm_qconv import cli
-from tvm_qconv.cli_args import positive_int as _positive
+from tvm_qconv.cli_args import Parser, positive_int as _positive
 from tvm_qconv.errors import InputError
 
 # TVM, torch and the tuning package (~4 s to import) are imported in main, after the arguments are
@@ -66,7 +66,7 @@ def _arch(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="torchvision classifier name, e.g. vgg16, resnet50")
     p.add_argument("--batch", type=_positive, default=1, help="batch size to tune for (default 1)")
     p.add_argument("--target", choices=["cuda", "llvm"], default="cuda",

@@ -334,3 +334,24 @@ def test_a_qdq_file_compares_with_its_own_scales_and_onnx_runtime_runs_the_file(
     # the library is built from the file's scales and ONNX Runtime runs the file itself: the two int8
     # results differ only in rounding (ONNX's half to even, in float) and agree far above int8's noise
     assert ort_row["sqnr_db"] > 15 and int8["sqnr_db"] > 15
+
+
+def test_compare_data_takes_the_class_name_folders_eval_data_takes(tmp_path, capsys):
+    # folders named by the model's ImageNet category names (resolved as `eval --data` resolves
+    # them, from the names its library records) and by a WordNet id: refused by compare until
+    # issue 56, which passed it no category names
+    from PIL import Image
+    data = tmp_path / "data"
+    for i, folder in enumerate(["tench", "Great_White_Shark", "n01443537"]):
+        (data / folder).mkdir(parents=True)
+        for j in range(2):
+            Image.fromarray(np.full((40, 40, 3), 40 * i + 20 * j, np.uint8)).save(data / folder / f"{j}.png")
+    out = tmp_path / "out"
+    argv = ["compare", "--model", "squeezenet1_1", "--image-size", str(SIZE), "--batch", "1", "--device", "cpu",
+            "--baselines", "torch-fp32", "--budget", "0.1", "--input-sets", "1", "--data", str(data),
+            "--out", str(out), "--work-dir", str(tmp_path / "work"), "--quiet"]
+    assert deploy.main(argv) == 0, capsys.readouterr().err
+    labelled = json.loads((out / "compare_squeezenet1_1.json").read_text())["labelled"]
+    assert labelled["images"] == 6 and labelled["layout"].startswith("3 class folders")
+    row = json.loads((out / "compare_squeezenet1_1.json").read_text())["rows"][0]
+    assert row["key"] == "torch-fp32" and 0 <= row["top1"] <= row["top5"] <= 100

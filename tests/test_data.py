@@ -2,8 +2,10 @@
 import numpy as np
 import pytest
 import skimage.io
+from PIL import Image
 
 from tvm_qconv.data import (
+    IMAGE_SUFFIXES,
     IMAGENET_MEAN,
     IMAGENET_STD,
     SKIMAGE_PHOTOS,
@@ -79,7 +81,7 @@ def test_load_image_matches_preprocess(tmp_path):
 def test_unreadable_image_raises_input_error(tmp_path):
     bad = tmp_path / "x.jpg"
     bad.write_bytes(b"this is not a jpeg \x00\x01\x02")
-    expected = r"(?s)cannot read image .*x\.jpg: .*; give a JPEG or PNG file"
+    expected = r"(?s)cannot read image .*x\.jpg: .*; give an image file \(JPEG, PNG, BMP, WebP, GIF, TIFF\)"
     with pytest.raises(InputError, match=expected):
         load_image(bad, 32)
 
@@ -109,7 +111,8 @@ def test_calibration_folder_limit(tmp_path):
 
 def test_empty_calibration_folder(tmp_path):
     (tmp_path / "readme.txt").write_text("no images here")
-    with pytest.raises(InputError, match="no JPEG/PNG images in calibration folder"):
+    with pytest.raises(InputError,
+                       match=r"no images \(.jpg, .jpeg, .png, .bmp, .webp, .gif, .tif, .tiff\) in calibration"):
         load_calibration_images(tmp_path, 16)
 
 
@@ -165,3 +168,55 @@ def test_digits_dataset_upsampling_is_block_copy_for_multiples_of_8():
     (x8, _), _ = digits_dataset(size=8, seed=1)
     np.testing.assert_array_equal(x16[:, :, ::2, ::2], x8)
     np.testing.assert_array_equal(x16[:, :, 1::2, 1::2], x8)
+
+
+# ---- --calib-dir reads what `eval --data` reads (issue 56) --------------------------------------------------
+
+CALIB_FORMATS = (".bmp", ".webp", ".gif", ".tif", ".tiff", ".JPG", ".png")
+TINY_MODEL = '''
+import torch
+from torch import nn
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 5))
+'''
+
+
+def test_calibration_reads_every_format_eval_reads(tmp_path):
+    from tvm_qconv.labelled_images import SUFFIXES
+    assert SUFFIXES == IMAGE_SUFFIXES and all(s.lower() in IMAGE_SUFFIXES for s in CALIB_FORMATS)
+    for i, suffix in enumerate(CALIB_FORMATS):
+        Image.fromarray(np.full((20, 30, 3), 30 * i, np.uint8)).save(tmp_path / f"{i}{suffix}")
+    x = load_calibration_images(tmp_path, 16)
+    # one image per format, in name order: the brightness rises with the name
+    assert x.shape == (len(CALIB_FORMATS), 3, 16, 16) and (np.diff(x.mean(axis=(1, 2, 3))) > 0).all()
+
+
+def test_an_unreadable_calibration_file_is_left_out_and_named_from_the_cli(tmp_path, capsys):
+    # a folder of BMP / WebP / TIFF photos (left out by --calib-dir until issue 56) and one broken
+    # JPEG: the build calibrates on the three that read, and a warning names the broken one
+    import deploy   # (TVM and torch: only this test of the file needs them)
+    from tvm_qconv.artifact import read_meta
+    (tmp_path / "models.py").write_text(TINY_MODEL)
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i, suffix in enumerate((".bmp", ".webp", ".tif")):
+        Image.fromarray(RNG.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(calib / f"{i}{suffix}")
+    (calib / "3_broken.jpg").write_bytes(b"\xff\xd8 cut short")
+    lib = tmp_path / "m.so"
+    argv = ["build", "--model", f"{tmp_path / 'models.py'}:make", "--image-size", "16", "--calib-dir", str(calib),
+            "--no-verify", "-o", str(lib), "--quiet"]
+    assert deploy.main(argv) == 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("warning: calibration folder") and "3_broken.jpg" in err
+    ranges = read_meta(str(lib))["report"]["ranges"]
+    assert ranges["images"] == 3 and [s["file"] for s in ranges["skipped"]] == [str(calib / "3_broken.jpg")]
+
+
+def test_a_calibration_folder_of_no_readable_image_is_one_line(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(InputError, match=r"none of the 1 image files of calibration folder .*: cannot read image"):
+        load_calibration_images(tmp_path, 16)

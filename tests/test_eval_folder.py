@@ -17,6 +17,7 @@ import torch
 import torchvision
 from PIL import Image
 
+import deploy
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.errors import InputError
 from tvm_qconv.evaluate import evaluate_folder
@@ -149,3 +150,116 @@ def test_trained_mobilenet_v2_int8_on_foolboxs_20_photos_from_the_cli(trained_mo
     assert got["images"] == 20 and not got["skipped"]
     assert got["float"]["top1"] >= 85.0
     assert got["int8"]["top1"] >= got["float"]["top1"] - 15.0 and got["top1_agreement"] >= 80.0
+
+
+# ---- `deploy.py eval --data DIR --labels FILE` from the command line (issue 56) ---------------------------
+
+TINY_CLASSES = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_lib(tmp_path_factory):
+    """A 5-class library at 16 px, built in seconds: what the command-line tests evaluate."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(4, TINY_CLASSES)).eval()
+    path = tmp_path_factory.mktemp("tiny") / "tiny.so"
+    compile_model(model, str(path), options=BuildOptions(target="llvm", image_size=16, verify=False), progress=False)
+    return str(path)
+
+
+def _flat_folder(tmp_path, labels: str | bytes, names=("a.jpg", "b.jpg", "c.jpg")):
+    (tmp_path / "flat").mkdir()
+    for i, name in enumerate(names):   # PNG whatever the name says: a file may be called 'image'
+        Image.fromarray(np.full((20, 24, 3), 60 * i, np.uint8)).save(tmp_path / "flat" / name, format="PNG")
+    path = tmp_path / "labels.txt"
+    path.write_bytes(labels if isinstance(labels, bytes) else labels.encode())
+    return tmp_path / "flat", path
+
+
+def _eval(capsys, lib, data, labels, *extra):
+    """``deploy.py eval``'s exit code, stdout and stderr."""
+    code = deploy.main(["eval", "--lib", lib, "--data", str(data), "--labels", str(labels), *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+HEADERS = ["file,label", "filename label", "Image,Class", "path,class_id", "image_name,category"]
+
+
+@pytest.mark.parametrize("header", HEADERS, ids=[h.replace(",", "_").replace(" ", "_") for h in HEADERS])
+def test_a_header_naming_its_columns_is_skipped(tmp_path, capsys, tiny_lib, header):
+    data, labels = _flat_folder(tmp_path, f"{header}\na.jpg 1\nb.jpg 2\nc.jpg 3\n")
+    code, out, err = _eval(capsys, tiny_lib, data, labels, "--json", str(tmp_path / "r.json"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "r.json").read_text())["images"] == 3
+
+
+def test_a_label_typo_on_line_1_is_an_error_naming_the_line_not_a_dropped_header(tmp_path, capsys, tiny_lib):
+    # '1O' (a letter O): read as a header until issue 56, and the image silently left out
+    data, labels = _flat_folder(tmp_path, "a.jpg 1O\nb.jpg 2\nc.jpg 3\n")
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "\n" not in err
+    assert "line 1: label '1O' is not a class index" in err and "e.g. 'file,label'" in err
+
+
+def test_a_first_line_naming_a_file_of_the_folder_is_data_even_with_header_words(tmp_path, capsys, tiny_lib):
+    # a folder whose images are called 'image' and 'file': 'image label' names a file, so it is data
+    data, labels = _flat_folder(tmp_path, "image label\nfile 2\n", names=("image", "file"))
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "line 1: label 'label' is not a class index" in err
+
+
+def test_an_image_listed_twice_is_refused_naming_both_lines(tmp_path, capsys, tiny_lib):
+    data, labels = _flat_folder(tmp_path, "a.jpg 1\nb.jpg 2\n./a.jpg 1\nc.jpg 3\n")
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "\n" not in err
+    assert "lists ./a.jpg twice, on lines 1 and 3" in err
+
+
+BINARY_LABELS = {
+    "png": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x10",
+    "gzip": b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03",
+    "latin1": "b.jpg 2\ncaf\xe9.jpg 1\n".encode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("content", BINARY_LABELS.values(), ids=BINARY_LABELS.keys())
+def test_a_binary_labels_file_is_bad_input_saying_the_format(tmp_path, capsys, tiny_lib, content):
+    data, labels = _flat_folder(tmp_path, content)
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "\n" not in err     # was exit 1, an internal UnicodeDecodeError
+    assert "is not a text labels file" in err and "'<file> <label>' or '<file>,<label>' per line" in err
+
+
+def test_line_numbers_are_the_files_own_after_blank_lines(tmp_path, capsys, tiny_lib):
+    data, labels = _flat_folder(tmp_path, "\na.jpg 1\n\n\nb.jpg banana\nc.jpg 3\n")
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "line 5: label 'banana'" in err
+
+
+def test_a_missing_file_is_named_with_its_line(tmp_path, capsys, tiny_lib):
+    data, labels = _flat_folder(tmp_path, "a.jpg 1\n\ngone.jpg 2\n")
+    code, out, err = _eval(capsys, tiny_lib, data, labels)
+    assert code == 2 and "names 1 file(s) not in" in err and "gone.jpg (line 3)" in err
+
+
+def test_a_decompression_bomb_in_the_folder_is_skipped_and_named(tmp_path, capsys, tiny_lib, monkeypatch):
+    # Pillow refuses over twice MAX_IMAGE_PIXELS (179 MP by default; 2000 px here to keep it small)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    data, labels = _flat_folder(tmp_path, "a.jpg 1\nb.jpg 2\nbomb.png 3\n", names=("a.jpg", "b.jpg"))
+    Image.new("RGB", (64, 64)).save(data / "bomb.png")
+    code, out, err = _eval(capsys, tiny_lib, data, labels, "--json", str(tmp_path / "r.json"))
+    assert code == 0 and not err
+    assert "skipped 1 unreadable" in out and "bomb.png is 4096 pixels, over the limit of 2000 pixels" in out
+    assert json.loads((tmp_path / "r.json").read_text())["images"] == 2
+
+
+def test_a_binary_classes_file_is_bad_input_saying_the_format(tmp_path, capsys, tiny_lib):
+    _image(tmp_path / "data" / "cat" / "a.jpg")
+    (tmp_path / "classes.txt").write_bytes(BINARY_LABELS["png"])
+    code = deploy.main(["eval", "--lib", tiny_lib, "--data", str(tmp_path / "data"), "--classes",
+                        str(tmp_path / "classes.txt")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err     # was exit 1, an internal UnicodeDecodeError
+    assert "is not a text classes file" in err and "one class name per line" in err

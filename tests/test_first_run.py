@@ -164,7 +164,8 @@ def test_a_verified_build_removes_the_failed_one_it_supersedes(tmp_path, capsys,
     unverified = tmp_path / "m.unverified.so"
     assert unverified.exists()
     assert deploy.main(["accept", str(unverified), "-o", str(unverified)]) == 2
-    assert "is the library being accepted" in capsys.readouterr().err and unverified.exists()
+    assert f"library {unverified} is the --lib {unverified} of this command: writing there would destroy it" in \
+        capsys.readouterr().err and unverified.exists()
     out = _build(tmp_path, capsys, model=f"{models}:make").out
     assert f"removed {unverified} (+ .params.npz, .json): an earlier build of {tmp_path / 'm.so'} that failed" in out
     assert sorted(os.listdir(tmp_path)) == ["m.json", "m.params.npz", "m.so"]

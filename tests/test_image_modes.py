@@ -1,13 +1,24 @@
 """Facts about reading image files of every Pillow mode (``tvm_qconv.data.load_image``): each
 becomes the RGB image a viewer shows, then the same tensor ``preprocess`` makes of that RGB array."""
 import struct
+import warnings
 import zlib
 
 import numpy as np
 import pytest
+import skimage.data
 from PIL import Image
 
-from tvm_qconv.data import IMAGENET_MEAN, IMAGENET_STD, load_image, preprocess
+from tvm_qconv.data import (
+    FULL_DECODE_RATIO,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    REDUCED_RATIO,
+    load_image,
+    preprocess,
+    read_rgb,
+    resize_short_side,
+)
 from tvm_qconv.errors import InputError
 
 SIZE = 8
@@ -238,7 +249,7 @@ def test_an_unreadable_file_is_one_line(tmp_path, name, data):
         path.write_bytes(path.read_bytes()[:200])
     else:
         path.write_bytes(data)
-    with pytest.raises(InputError, match=r"cannot read image .*; give a JPEG or PNG file") as err:
+    with pytest.raises(InputError, match=r"cannot read image .*; give an image file \(JPEG, PNG") as err:
         load_image(path, SIZE)
     assert "\n" not in str(err.value)
 
@@ -250,3 +261,83 @@ def test_a_missing_file_is_one_line(tmp_path):
 
 def test_skimage_photos_still_load():
     assert load_image("skimage:coffee", SIZE).shape == (3, SIZE, SIZE)
+
+
+# ---- huge images: decoded reduced, close to the whole decode (issue 56) --------------------------------------
+
+HUGE_SIZE = 16     # resize short side 18: decoded whole up to 16 x 18 = 288 px, reduced beyond
+HUGE_SHAPE = (900, 1200)
+
+
+def _huge_photo() -> Image.Image:
+    return Image.fromarray(skimage.data.astronaut()).resize(HUGE_SHAPE[::-1], Image.BICUBIC)
+
+
+def _huge_rgba() -> Image.Image:
+    # the right half transparent over green: a reduced decode must not let the hidden green in
+    rgba = _huge_photo().convert("RGBA")
+    rgba.paste((0, 255, 0, 0), (HUGE_SHAPE[1] // 2, 0, *HUGE_SHAPE[::-1]))
+    return rgba
+
+
+HUGE = [
+    ("rgb.jpg", lambda p: _huge_photo().save(p, quality=90)),
+    ("gray.jpg", lambda p: _huge_photo().convert("L").save(p, quality=90)),
+    ("cmyk.jpg", lambda p: _huge_photo().convert("CMYK").save(p, quality=90)),
+    ("rgb.png", lambda p: _huge_photo().save(p)),
+    ("rgba_half.png", lambda p: _huge_rgba().save(p)),
+    ("palette.gif", lambda p: _huge_photo().convert("P").save(p)),
+    ("gray16.png", lambda p: Image.fromarray(np.asarray(_huge_photo().convert("L"), np.uint16) * 257).save(p)),
+    ("bilevel.png", lambda p: _huge_photo().convert("1").save(p)),
+]
+HUGE_IDS = [name.replace(".", "_") for name, _ in HUGE]
+
+
+def _in_255ths(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| of two preprocessed tensors in steps of an 8-bit pixel."""
+    return np.abs(a - b) * np.asarray(IMAGENET_STD, np.float32)[:, None, None] * 255
+
+
+@pytest.mark.parametrize("name, write", HUGE, ids=HUGE_IDS)
+def test_a_huge_image_is_decoded_reduced_and_stays_close_to_the_whole_decode(tmp_path, name, write):
+    path = tmp_path / name
+    write(path)
+    reduced = read_rgb(path, HUGE_SIZE)
+    assert REDUCED_RATIO * resize_short_side(HUGE_SIZE) <= min(reduced.shape[:2]) < min(HUGE_SHAPE) // 4
+    whole = preprocess(read_rgb(path), HUGE_SIZE)     # size None: decoded whole, as before issue 56
+    diff = _in_255ths(load_image(path, HUGE_SIZE), whole)
+    # measured 0.26-0.27 mean, 2.0 max for JPEG (decoded at 1/8: 113 px), 0.30-0.63 mean, 2.0-4.4
+    # max for the others (box-reduced by 12: 75 px), from the reduction's average and a coarser linear
+    # interpolation; resizing the reduced image on its own rounded-up grid gave 1.2 mean for JPEG
+    assert diff.mean() < 1.0 and diff.max() < 8.0
+
+
+def test_a_photo_up_to_16_times_the_resize_is_decoded_whole_bit_for_bit(tmp_path):
+    short = FULL_DECODE_RATIO * resize_short_side(HUGE_SIZE)      # 288 px
+    path = tmp_path / "edge.jpg"
+    _huge_photo().resize((short * 4 // 3, short)).save(path, quality=90)
+    assert read_rgb(path, HUGE_SIZE).shape == (short, short * 4 // 3, 3)
+    with Image.open(path) as img:
+        np.testing.assert_array_equal(load_image(path, HUGE_SIZE), preprocess(np.asarray(img), HUGE_SIZE))
+
+
+def test_a_12000_px_jpeg_decodes_at_an_eighth_without_a_bomb_warning(tmp_path):
+    # the photo of issue 56: 8 minutes and 4.2 GB to preprocess at 224 when decoded whole; at 1/8
+    # (1500 x 1500, DCT scaling) about a second.  144 MP is over Pillow's 89 MP warning (not its
+    # 179 MP refusal): read this way it asks nothing of the user.
+    path = tmp_path / "huge.jpg"
+    Image.linear_gradient("L").resize((12000, 12000)).save(path, quality=80)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_rgb(path, 224).shape == (1500, 1500)
+        assert load_image(path, 224).shape == (3, 224, 224)
+
+
+def test_a_decompression_bomb_is_one_line_saying_to_downscale(tmp_path, monkeypatch):
+    # Pillow refuses over twice MAX_IMAGE_PIXELS (179 MP by default; 2000 px here to keep it small)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    _red((64, 64)).save(tmp_path / "bomb.png")
+    with pytest.raises(InputError, match=r"bomb\.png is 4096 pixels, over the limit of 2000 pixels that guards "
+                                         r"against decompression bombs .*: downscale it") as err:
+        load_image(tmp_path / "bomb.png", SIZE)
+    assert "\n" not in str(err.value)

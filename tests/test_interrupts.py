@@ -161,7 +161,8 @@ def test_ctrl_c_at_evenly_spread_moments_of_a_build(built, seconds):
     _assert_kept(tmp, files, digest)
 
 
-@pytest.mark.parametrize("where", ["tvm_qconv.artifact:_publish", "tvm_qconv.report:format_report"],
+@pytest.mark.parametrize("where", ["tvm_qconv.artifact:_publish_or_roll_back",
+                                   "tvm_qconv.report:format_report"],
                          ids=["in-the-publish", "in-the-report"])
 def test_a_signal_after_the_commit_point_leaves_the_new_library_whole_and_says_so(built, where):
     tmp, argv, files, digest = built
@@ -174,7 +175,8 @@ def test_a_signal_after_the_commit_point_leaves_the_new_library_whole_and_says_s
 
 def test_a_build_that_fails_verification_and_is_interrupted_in_the_publish_still_says_so(built):
     tmp, argv, files, digest = built
-    code, out, err, took = _run(tmp, "INT", "tvm_qconv.artifact:_publish", 1, [*argv, "--verify-floor-db", "200"])
+    code, out, err, took = _run(tmp, "INT", "tvm_qconv.artifact:_publish_or_roll_back", 1,
+                                [*argv, "--verify-floor-db", "200"])
     assert code == 3, err  # the verification's exit and line are not hidden by the signal
     assert "failed its verification" in err and "deploy.py accept" in err
     assert sorted(os.listdir(tmp / "lib")) == sorted(["tiny.so", "tiny.params.npz", "tiny.json", "tiny.unverified.so",
@@ -200,8 +202,9 @@ def test_a_signal_during_export_onnx_keeps_the_previous_file(golden, tmp_path, s
 def test_a_signal_during_training_keeps_the_previous_checkpoint(tmp_path, sig):
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_bytes(b"an earlier checkpoint")
+    # --force: a stand-in for the earlier checkpoint, which train.py replaces only with it
     code, out, err, took = _run(tmp_path, sig, "torch.optim:Adam.step", 3,
-                                ["train.py", "--model", "small_vgg", "--epochs", "1", "--out", str(ckpt)])
+                                ["train.py", "--model", "small_vgg", "--epochs", "1", "--force", "--out", str(ckpt)])
     _check_stopped(code, out, err, took, sig)
     assert ckpt.read_bytes() == b"an earlier checkpoint"
     assert set(os.listdir(tmp_path)) == {"ckpt.pt", "sent.log"}  # no temporary left
@@ -222,6 +225,32 @@ def test_a_signal_during_compare_keeps_the_previous_results(golden, tmp_path):
     assert earlier.read_text() == '{"rows": ["an earlier comparison"]}'
     rows = json.loads((out_dir / "compare_tiny_make.partial.json").read_text())["rows"]
     assert [r["key"] for r in rows] == ["int8"]
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_during_run_stops_it_in_one_line(golden, tmp_path, sig):
+    # issue 56's sweep: every command, not only those that write
+    argv = ["deploy.py", "run", "--lib", str(golden / "golden" / "tiny.so"), "--image", "skimage:coffee"]
+    code, out, err, took = _run(tmp_path, sig, "tvm_qconv.runtime:CompiledModel.benchmark", 1, argv)
+    _check_stopped(code, out, err, took, sig)
+    assert "nothing was written" in err
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_during_eval_keeps_an_earlier_json_result(golden, tmp_path, sig):
+    from PIL import Image
+    for i in range(3):
+        (tmp_path / "data" / str(i)).mkdir(parents=True)
+        Image.new("RGB", (40, 40), (60 * i, 90, 120)).save(tmp_path / "data" / str(i) / "a.png")
+    result = tmp_path / "eval.json"
+    argv = ["deploy.py", "eval", "--lib", str(golden / "golden" / "tiny.so"), "--data", str(tmp_path / "data"),
+            "--json", str(result)]
+    assert subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, timeout=600).returncode == 0
+    earlier = result.read_bytes()
+    code, out, err, took = _run(tmp_path, sig, "tvm_qconv.labelled_images:read_batch", 2, argv)
+    _check_stopped(code, out, err, took, sig)
+    assert result.read_bytes() == earlier
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".tvm_qconv-")]   # no temporary left
 
 
 @pytest.mark.parametrize("sig", ["INT", "TERM"])

@@ -204,3 +204,65 @@ def test_an_onnx_files_tuning_folder_is_named_after_its_stem():
     assert default_work_dir("/data/models/resnet18.onnx", 8, "sm_90a") == "tuning_logs/resnet18-b8-sm_90a"
     assert default_work_dir("models/efficientnet_lite.py:lite0", 1, "llvm") == "tuning_logs/efficientnet_lite_lite0-b1-llvm"
     assert default_work_dir("vgg16", 64, "sm_90a") == "tuning_logs/vgg16-b64-sm_90a"
+
+
+class _AnySize(nn.Module):
+    """Two convs, a global mean and a classifier: any height and width."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+def _export_any_size(path) -> str:
+    # the export docs/usage.md gives (issue 56, item 5): the TorchScript exporter (dynamo=False: the
+    # default dynamo one needs the onnxscript package), batch, height and width left dynamic
+    torch.manual_seed(0)
+    torch.onnx.export(_AnySize().eval(), (torch.randn(1, 3, 224, 224),), str(path), dynamo=False, opset_version=17,
+                      input_names=["image"], output_names=["logits"],
+                      dynamic_axes={"image": {0: "batch", 2: "height", 3: "width"}})
+    return str(path)
+
+
+def test_a_dynamic_height_and_width_is_said_in_one_line_with_the_size_built(tmp_path, capsys):
+    import deploy
+
+    path = _export_any_size(tmp_path / "any.onnx")
+    assert deploy.main(["build", "--model", path, "--target", "llvm", "--image-size", "32", "--quiet",
+                        "-o", str(tmp_path / "any.so")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    said = [line for line in printed if "dynamic height and width" in line]
+    # said as the build starts, and in the report (and so the library's record)
+    assert said == [f"[build] {path} has a dynamic height and width: the library is built at 32 x 32 (--image-size "
+                    "sets it)", "input: any.onnx has a dynamic height and width (height, width): the library is built "
+                    "at 32 x 32 (--image-size sets it)"]
+    assert CompiledModel(str(tmp_path / "any.so")).input_shape == (1, 3, 32, 32)
+
+
+def test_a_file_that_fixes_its_height_and_width_gets_no_input_line(tmp_path):
+    path = _export(_KerasStyle(), tmp_path / "k.onnx", dynamic_batch=True)     # H and W fixed at 64
+    model = load_model(path)
+    model.relax((1, 3, SIZE, SIZE))
+    assert model.input_note is None and model.output_note is None
+
+
+def test_every_torch_onnx_export_of_the_project_runs_without_onnxscript():
+    # torch 2.11's default exporter (dynamo=True) imports onnxscript, which the project does not
+    # install: each call of the project's (tests, benchmarks, the package) names the TorchScript one
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    calls = []
+    files = [p for d in ("tvm_qconv", "tests", "benchmarks") for p in (root / d).rglob("*.py")] + [root / "deploy.py"]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.onnx.export":
+                dynamo = [k.value for k in node.keywords if k.arg == "dynamo"]
+                calls.append((f"{path.relative_to(root)}:{node.lineno}",
+                              bool(dynamo) and isinstance(dynamo[0], ast.Constant) and dynamo[0].value is False))
+    assert calls and [where for where, ok in calls if not ok] == []

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import interrupts
 from .errors import InputError, UnverifiedLibraryWarning
-from .fileio import TEMP_PREFIX
+from .fileio import TEMP_PREFIX, file_kind
 
 ARTIFACT_VERSION = 1
 
@@ -68,14 +68,90 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _targets(lib_path: str) -> tuple:
+    """(staged name, destination) of a library's three files, in publishing order: the ``.json`` last."""
+    params_path, meta_path = artifact_paths(lib_path)
+    return ("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)
+
+
+BACKUP = "old."  # + staged name, in a staging folder: the file a publish replaces, to put back if it fails
+
+
 def _publish(stage: str, lib_path: str) -> None:
     """Move the staged files into place, the ``.json`` last, then drop the staging folder.
     Idempotent: a file already moved is skipped, so a publish cut short can be run again."""
-    params_path, meta_path = artifact_paths(lib_path)
-    for src, dst in (("lib.so", lib_path), ("params.npz", params_path), ("meta.json", meta_path)):
+    for src, dst in _targets(lib_path):
         if os.path.exists(os.path.join(stage, src)):
             os.replace(os.path.join(stage, src), dst)
     shutil.rmtree(stage, ignore_errors=True)
+
+
+def _keep_backups(stage: str, lib_path: str) -> None:
+    """Before the commit point: a hard link (a copy where the file system has none) in the
+    staging folder to each file the publish will replace, so that a publish which fails midway
+    (a destination that cannot be replaced: an immutable file, a full disk) can put them back.
+
+    Raises:
+        InputError: a file that can be neither linked nor read (nothing has moved yet).
+    """
+    for src, dst in _targets(lib_path):
+        if not os.path.exists(dst):
+            continue
+        backup = os.path.join(stage, BACKUP + src)
+        try:
+            os.link(dst, backup)
+        except OSError:
+            try:
+                shutil.copy2(dst, backup)
+            except OSError as err:
+                raise InputError(f"cannot keep a copy of {dst} to put back should the new library fail to go in "
+                                 f"place ({err.strerror or err}); nothing was changed: make it readable or give "
+                                 "another output path") from None
+
+
+def _publish_or_roll_back(stage: str, lib_path: str) -> None:
+    """Publish a committed staging folder in this process.  Where a move fails, the files the
+    earlier moves replaced are put back from their backups (:func:`_keep_backups`) and the folder
+    is dropped: a build reported as failed is never installed later by :func:`recover` (which
+    publishes only what a killed process left).
+
+    Raises:
+        InputError: naming the file that could not be replaced, and what is at ``lib_path`` now.
+    """
+    moved = []
+    for src, dst in _targets(lib_path):
+        if not os.path.exists(os.path.join(stage, src)):
+            continue
+        try:
+            os.replace(os.path.join(stage, src), dst)
+        except OSError as err:
+            put_back = _roll_back(stage, moved)
+            shutil.rmtree(stage, ignore_errors=True)
+            why = f"could not put the new library in place: {dst} cannot be replaced ({err.strerror or err})"
+            if put_back:
+                raise InputError(f"{why}; nothing was installed, the files at {lib_path} are as they were: make "
+                                 f"{dst} replaceable (an immutable file: chattr -i) or give another output "
+                                 "path") from None
+            raise InputError(f"{why}, and {', '.join(d for _, d in moved)} could not be put back: the files at "
+                             f"{lib_path} are not one build (loading refuses them); rebuild it") from None
+        moved.append((src, dst))
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+def _roll_back(stage: str, moved: list) -> bool:
+    """Put back what ``moved`` replaced (a file there was none of before goes); False where one
+    could not be."""
+    ok = True
+    for src, dst in reversed(moved):
+        backup = os.path.join(stage, BACKUP + src)
+        try:
+            if os.path.exists(backup):
+                os.replace(backup, dst)
+            else:
+                os.remove(dst)
+        except OSError:
+            ok = False
+    return ok
 
 
 def recover(lib_path: str) -> None:
@@ -132,17 +208,19 @@ def save_artifact(ex, params: list, meta: dict, lib_path: str) -> None:
             os.fsync(f.fileno())
         meta = dict(meta, build_id=build_id(os.path.join(stage, "lib.so"), os.path.join(stage, "params.npz"), meta))
         _fsync_write(os.path.join(stage, "meta.json"), json.dumps(meta, indent=1, default=str).encode())
+        _keep_backups(stage, lib_path)
         _fsync_write(os.path.join(stage, COMMIT + ".tmp"), json.dumps({"lib": lib_path}).encode())
         interrupts.check()  # a signal some C++ frame swallowed: the previous library stays
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     # From the commit point on the new set is complete: a signal now is only recorded (the CLI
-    # then says the library was written), and a failure leaves the folder for recover().
+    # then says the library was written); a process killed now leaves the folder for recover();
+    # a move that fails in this process is rolled back (_publish_or_roll_back).
     with interrupts.deferred():
         os.replace(os.path.join(stage, COMMIT + ".tmp"), os.path.join(stage, COMMIT))  # the commit point
         try:
-            _publish(stage, lib_path)
+            _publish_or_roll_back(stage, lib_path)
         except KeyboardInterrupt:  # (a caller without the CLI's handler) the new set is complete: finish it
             _publish(stage, lib_path)
             raise
@@ -204,12 +282,13 @@ def accept_unverified(unverified: str, lib_path: str | None = None) -> str:
             shutil.copyfile(src, os.path.join(stage, dst))
         _fsync_write(os.path.join(stage, "meta.json"),
                      json.dumps(dict(meta, accepted_unverified=True), indent=1, default=str).encode())
+        _keep_backups(stage, lib_path)
         _fsync_write(os.path.join(stage, COMMIT), json.dumps({"lib": lib_path}).encode())
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     with interrupts.deferred():
-        _publish(stage, lib_path)
+        _publish_or_roll_back(stage, lib_path)
         for path in (unverified, *artifact_paths(unverified)):
             os.remove(path)
     interrupts.wrote(lib_path)
@@ -282,6 +361,27 @@ def open_library(lib_path: str) -> dict:
     return meta
 
 
+def not_a_library(lib_path: str) -> str | None:
+    """Why the files at ``lib_path`` (its ``.so``, ``.params.npz`` and ``.json``) are not a library
+    this project wrote, or None: none is there, or its ``.json`` is a build's record (whole or
+    not: replacing it is what a build does, atomically).  ``build -o`` and ``accept -o`` replace
+    only such a set without ``--force``."""
+    params_path, meta_path = artifact_paths(lib_path)
+    present = [p for p in (lib_path, params_path, meta_path) if os.path.lexists(p)]
+    if not present:
+        return None
+    if not os.path.exists(meta_path):
+        return f"there is no {os.path.basename(meta_path)} build record beside it"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = None
+    if not isinstance(meta, dict) or not {"input_shape", "param_names"} <= set(meta):
+        return f"{os.path.basename(meta_path)} beside it is not the JSON record of a build"
+    return None
+
+
 def read_meta(lib_path: str) -> dict:
     """The json record of a built library.
 
@@ -290,6 +390,12 @@ def read_meta(lib_path: str) -> dict:
     """
     recover(lib_path)  # a save killed after its commit point is finished first
     params_path, meta_path = artifact_paths(lib_path)
+    if os.path.isfile(lib_path) and not os.path.exists(meta_path):   # a file of another kind in a library's slot
+        kind = file_kind(lib_path)
+        if kind is not None and kind != "a library built by deploy.py":
+            model = lib_path if kind == "an ONNX model" or lib_path.endswith(".onnx") else "MODEL"
+            raise InputError(f"{lib_path} is {kind}, not a library built by deploy.py (no {os.path.basename(meta_path)} "
+                             f"beside it): build one with `python deploy.py build --model {model} -o NAME.so`")
     for p in (lib_path, params_path, meta_path):
         if not os.path.exists(p):
             raise InputError(f"{p} not found: build it with `python deploy.py build ... -o {lib_path}`")

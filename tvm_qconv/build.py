@@ -24,6 +24,7 @@ from .errors import InputError
 from .fileio import check_output_file
 from .onnx_import import OnnxModel
 from .frontend import ExportedModel, exported_model, load_model, weights_digest
+from .graph import static_shape
 from .progress import as_phases
 from .quantize import dump_ir, quantize_module
 from .ranges import GivenRanges, LearnedRanges, RangeSource
@@ -176,7 +177,8 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
                 report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
-                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=weights_digest(model))
+                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=weights_digest(model),
+                output_shape=output_shape(q.mod))
     meta.update(extra_meta or {})
     if report.get("verify", {}).get("status") == "failed":
         out_path = unverified_path(out_path)
@@ -184,6 +186,17 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
         meta["build_seconds"] = _seconds(phases)
         save_artifact(ex, params, meta, out_path)
     return BuildResult(out_path, report, meta)
+
+
+def output_shape(mod: tvm.IRModule) -> list[int] | None:
+    """The static shape of what ``main`` returns (its first tensor where it returns several), as
+    the library's record keeps it: ``[N, classes]`` for a classifier; what ``run`` and ``eval``
+    read to tell a classifier from a feature map.  None where a dimension is not static."""
+    ty = mod["main"].body.body.ty
+    while isinstance(ty, tvm.relax.TupleType):
+        ty = ty.fields[0]
+    shape = static_shape(ty)
+    return list(shape) if shape is not None else None
 
 
 def _seconds(phases) -> dict:

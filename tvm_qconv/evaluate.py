@@ -6,7 +6,7 @@ import numpy as np
 from .artifact import read_meta
 from .data import digits_dataset, static_batches
 from .errors import InputError
-from .runtime import CompiledModel
+from .runtime import CompiledModel, class_scores
 
 DIGITS_CLASSES = 10  # tvm_qconv.training.config.DIGITS_CLASSES (not imported: that pulls in training)
 
@@ -94,6 +94,19 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray) -> dict:
             "top5": 100.0 * float((top == labels[:, None]).any(axis=1).mean())}
 
 
+def check_class_scores(lib_path: str, shape, batch: int) -> None:
+    """Refuse a library whose output is not class scores ``[batch, classes]`` (a feature map, a
+    segmentation map): top-1 / top-5 mean nothing there.
+
+    Raises:
+        InputError: naming the output's shape and what shows it.
+    """
+    if not class_scores(shape, batch):
+        raise InputError(f"{lib_path} outputs {tuple(shape)}, not class scores [batch, classes]: eval measures "
+                         f"top-1 / top-5 of a classifier; `python deploy.py run --lib {lib_path} --image ...` shows "
+                         "what it outputs")
+
+
 def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, classes: str | None = None,
                     float_model=None, device: str | None = None, limit: int | None = None,
                     progress: bool = True) -> dict:
@@ -123,10 +136,12 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     from .progress import bar
 
     meta = read_meta(lib_path)
+    if meta.get("output_shape") is not None:    # recorded since 2026-12; older libraries: at the first batch
+        check_class_scores(lib_path, meta["output_shape"], meta["input_shape"][0])
+    # the folder first: a bad labels file or class folder is said before the library is loaded
+    images = labelled_images(data, labels, classes, meta.get("categories"), None)
     lib = CompiledModel(lib_path, device)
     n, _, size, _ = lib.input_shape
-    categories = meta.get("categories")
-    images = labelled_images(data, labels, classes, categories, None)
     if limit is not None:
         if limit < 1:
             raise InputError(f"limit must be >= 1, got {limit}")
@@ -138,14 +153,21 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
         if not len(x):
             continue
         (real, xb), = static_batches(x, n)      # a short last batch padded with its own images
-        logits = lib(xb)[:real]
+        out = lib(xb)
+        check_class_scores(lib_path, out.shape, n)
+        logits = out[:real]
         if logits.shape[-1] <= int(y.max()):
             raise InputError(f"--data {data}: labels go up to class {int(y.max())}, the library has {logits.shape[-1]} "
                              "outputs: labels are class indices from 0")
         outs["int8"].append(logits)
         if float_model is not None:
             with torch.no_grad():
-                outs["float"].append(np.asarray(float_model.eval()(torch.from_numpy(x)), np.float32))
+                f = np.asarray(float_model.eval()(torch.from_numpy(x)), np.float32)
+            if f.shape[1:] != logits.shape[1:]:
+                raise InputError(f"the float model gives outputs of shape {f.shape[1:]} per image, {lib_path} "
+                                 f"{logits.shape[1:]}: it is not the model the library was built from (another "
+                                 "class count?); give that model, or leave --model out")
+            outs["float"].append(f)
         truth.append(y)
     if not truth:
         raise InputError(f"--data {data}: none of its {len(images.paths)} images could be read "

@@ -15,13 +15,71 @@ from .errors import InputError
 TEMP_PREFIX = ".tvm_qconv-"  # every temporary this project writes starts so (tests look for leftovers)
 
 
-def check_output_file(path: str, what: str = "output") -> None:
+def file_kind(path: str) -> str | None:
+    """What a file given in the wrong slot is, from its first bytes, for the error that names it
+    (``"a shared library (ELF)"``, ``"an image (PNG)"``...); None where nothing is recognized or
+    it cannot be read."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    if not head:
+        return "an empty file"
+    if head.startswith(b"\x7fELF"):
+        lib = os.path.exists(path[:-3] + ".json") if path.endswith(".so") else False
+        return "a library built by deploy.py" if lib else "a shared library (ELF)"
+    for magic, what in ((b"\x89PNG", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8", "GIF"), (b"BM", "BMP"),
+                        (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF")):
+        if head.startswith(magic):
+            return f"an image ({what})"
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "an image (WebP)"
+    if head.startswith(b"PK\x03\x04"):
+        import zipfile
+        try:
+            names = zipfile.ZipFile(path).namelist()
+        except (OSError, zipfile.BadZipFile):
+            return "a zip archive"
+        if any(n.endswith("data.pkl") for n in names):
+            return "a file torch.save wrote"
+        return "a NumPy archive (.npz)" if names and all(n.endswith(".npy") for n in names) else "a zip archive"
+    if path.endswith(".onnx"):
+        return "an ONNX model"
+    if b"\x00" not in head:
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return "a JSON file" if text.lstrip().startswith(("{", "[")) else "a text file"
+    return None
+
+
+# a file name to suggest in a folder, by what is written there
+_EXAMPLE_NAMES = {"library": "model.so", "checkpoint": "model.pt", "ONNX file": "model.onnx",
+                  "JSON result": "result.json"}
+
+
+def check_output_file(path: str, what: str = "output", *, inputs: dict | None = None, ours=None,
+                      force: bool = False) -> None:
     """Refuse, before any work, a file path that cannot be written: an existing folder, a path
-    under a file, or a folder this user cannot write into.
+    under a file, or a folder this user cannot write into; one of the command's own inputs; an
+    existing file that is not one this project wrote as ``what`` (unless ``force``).
+
+    Args:
+        inputs: ``{flag: path}`` of the command's inputs (``{"--model": "m.onnx"}``): writing over
+            one would destroy what the command reads, so it is refused even with ``force``.
+        ours: ``(path) -> reason or None`` for a file already at ``path``: None where this project
+            wrote it as ``what`` (replacing it is the command's point), else why it is not one.
+        force: replace an existing file that ``ours`` says is not one of this project's.
 
     Raises:
         InputError: naming the problem and what to do.
     """
+    if not path or path.endswith(os.sep):
+        raise InputError(f"{what} path {path!r} names no file: give a file path (e.g. "
+                         f"{os.path.join(path or '.', _EXAMPLE_NAMES.get(what, 'out'))})")
     if os.path.islink(path):  # a rename onto it would replace the link itself, not what it names
         try:
             os.stat(path)
@@ -32,8 +90,26 @@ def check_output_file(path: str, what: str = "output") -> None:
         raise InputError(f"{what} {path} is a symbolic link (to {real}): writing would replace the link with a "
                          f"file; give the path it names ({real}) or another path")
     if os.path.isdir(path):
-        raise InputError(f"{what} {path} is a folder: give a file path (e.g. {os.path.join(path, 'model.so')})")
+        raise InputError(f"{what} {path} is a folder: give a file path (e.g. "
+                         f"{os.path.join(path, _EXAMPLE_NAMES.get(what, 'out'))})")
+    for flag, given in (inputs or {}).items():
+        if given and same_file(path, given):
+            raise InputError(f"{what} {path} is the {flag} {given} of this command: writing there would destroy it; "
+                             "give another path")
+    if ours is not None and not force and os.path.isfile(path):
+        reason = ours(path)
+        if reason:
+            raise InputError(f"{what} {path} already exists and is not one this project wrote ({reason}): it would "
+                             "be replaced; give another path, or add --force to replace it")
     check_output_folder(os.path.dirname(os.path.abspath(path)), what, path)
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (through links; by path where one does not exist yet)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def check_output_folder(folder: str, what: str = "output folder", shown: str | None = None) -> None:

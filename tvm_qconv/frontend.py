@@ -13,8 +13,10 @@ from tvm import relax
 from tvm.relax.frontend.torch import from_exported_program
 
 from .errors import InputError
+from .fileio import file_kind
 from .graph import Graph, analyze
 from .transform.channels_first import channels_first
+from .transform.conv_bias_batch_norms import move_conv_biases_into_batch_norms
 from .transform.fold_pads import fold_pads_into_convs
 from .transform.global_means import keep_global_mean_dims
 from .transform.identity_reshapes import drop_identity_reshapes
@@ -96,6 +98,13 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
         if weights is not None:
             load_state_dict_file(model, weights)
         return model.eval()
+    if os.path.isfile(name):    # a file, but neither a model file (.py:factory) nor an ONNX model
+        kind = file_kind(name)
+        hint = (f"give path/to/file.py:factory, the function that returns the module ({name}:FACTORY)"
+                if name.endswith(".py") else
+                "give path/to/file.py:factory (your nn.Module) or an .onnx file (a float or Q/DQ model)")
+        what = "names a Python file but no factory" if name.endswith(".py") else f"is {kind or 'a file'}, not a model"
+        raise InputError(f"--model {name} {what}: {hint}")
     if name not in list_models():
         close = [m for m in list_models() if m.startswith(name[:3])][:8]
         raise InputError(f"unknown model {name!r}: choose a torchvision classifier such as {close or list_models()[:8]}, "
@@ -138,6 +147,11 @@ def load_state_dict_file(model: torch.nn.Module, path: str) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
+        kind = file_kind(path)
+        if kind is not None and kind != "a file torch.save wrote":   # a file of another kind in this slot
+            onnx = "; an ONNX file is a model: give it as --model" if kind == "an ONNX model" else ""
+            raise InputError(f"weights file {path} is {kind}, not a state dict: give a file saved with "
+                             f"torch.save(model.state_dict(), path){onnx}") from None
         reason = (str(err).strip().splitlines() or [""])[0][:200]
         raise InputError(f"cannot read weights file {path}: {type(err).__name__}: {reason}; "
                          "give a file saved with torch.save(model.state_dict(), path)") from err
@@ -366,10 +380,14 @@ def _layer_names(ep) -> dict:
 
 
 def simplify(mod):
-    """Fold batch norm into convs, fold constants (bias reshapes, weight transposes), drop dead code;
-    a spatial mean that drops its axes as the global pool it is (``transform/global_means.py``); an
-    explicit zero pad before a conv as the conv's padding (``transform/fold_pads.py``)."""
-    seq = [relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
+    """Fold batch norm into convs (a conv with a bias too: ``transform/conv_bias_batch_norms.py``),
+    fold constants (bias reshapes, weight transposes), drop dead code; a spatial mean that drops its
+    axes as the global pool it is (``transform/global_means.py``); an explicit zero pad before a
+    conv as the conv's padding (``transform/fold_pads.py``)."""
+    # constants folded first: a conv's bias is imported as a reshape of a constant, which the
+    # bias move reads as the constant it is
+    seq = [relax.transform.FoldConstant(), move_conv_biases_into_batch_norms,
+           relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
            relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(["main"])]
     for p in seq:
         mod = p(mod)

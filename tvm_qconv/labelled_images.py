@@ -8,13 +8,16 @@ Two layouts, as people keep validation sets:
   (``n01440764``: its place among ImageNet-1k's 1000 sorted ids, ``imagenet_synsets.txt``); a
   name that is an integer (``7``); the library's own category names (torchvision's ImageNet
   names, ``tench``; case and ``_`` / space ignored).
-- **one flat folder plus a labels file** (``--labels FILE``): ``<file> <label>`` or
-  ``<file>,<label>`` per line (a header line that is not one is skipped), the label a class
-  index, a WordNet id or a category name, the file relative to ``DIR``.
+- **one flat folder plus a labels file** (``--labels FILE``): a UTF-8 text file of ``<file>
+  <label>`` or ``<file>,<label>`` per line, the label a class index, a WordNet id or a category
+  name, the file relative to ``DIR``; blank lines are ignored.  A first line is a header, and
+  skipped, only when it is unmistakably one (:func:`_is_header`: both its fields are column
+  names such as ``file,label``); any other line that does not read is an error naming its line
+  (the file's own line number), as is a file listed twice.
 
-Images are the files Pillow reads (``data.IMAGE_SUFFIXES`` plus ``.bmp``, ``.webp``, ``.gif``,
-``.tif``); one that cannot be read is named in the result and left out (:func:`read_batch`), not
-fatal: the count used is always reported.
+Images are the files of ``data.IMAGE_SUFFIXES`` (what calibration reads too); one that cannot be
+read is named in the result and left out (:func:`read_batch`), not fatal: the count used is
+always reported.  Both ``eval --data`` and ``compare --data`` read folders through this module.
 """
 from __future__ import annotations
 
@@ -26,9 +29,17 @@ from importlib import resources
 
 import numpy as np
 
+from .data import IMAGE_SUFFIXES, load_image
 from .errors import InputError
 
-SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+SUFFIXES = IMAGE_SUFFIXES   # one list for every folder of images (data.py)
+LABELS_FORMAT = "'<file> <label>' or '<file>,<label>' per line"
+# A first line whose two fields are one of each is a header (any case; ' ', '_', '-' alike).
+HEADER_FILE_WORDS = frozenset({"file", "filename", "file name", "files", "image", "images", "image name",
+                               "image file", "image path", "img", "path", "filepath", "file path", "name", "id",
+                               "image id"})
+HEADER_LABEL_WORDS = frozenset({"label", "labels", "class", "classes", "class id", "class index", "class name",
+                                "category", "category id", "target", "y", "synset", "wnid"})
 _WNID = re.compile(r"^n\d{8}$")
 
 
@@ -71,11 +82,8 @@ def _resolver(categories: list[str] | None, classes: dict[str, int] | None):
 def read_classes_file(path: str) -> dict[str, int]:
     """``--classes FILE``: ``{class name: index}`` from a JSON object, ``name index`` lines, or
     one name per line (its line number, from 0, is its index)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as err:
-        raise InputError(f"--classes {path}: cannot read it ({err.strerror})") from None
+    text = _read_text(path, "--classes", "a text file of one class name per line (in class-index order), "
+                      "'name index' per line, or a JSON object {name: index}")
     if text.lstrip().startswith("{"):
         try:
             return {str(k): int(v) for k, v in json.loads(text).items()}
@@ -104,7 +112,8 @@ def labelled_images(data: str, labels_file: str | None = None, classes_file: str
             with what to give).
     """
     if not os.path.isdir(data):
-        raise InputError(f"--data {data}: no such folder")
+        raise InputError(f"--data {data}: " + ("a file, not a folder: give the folder of the labelled images"
+                                               if os.path.exists(data) else "no such folder"))
     classes = read_classes_file(classes_file) if classes_file else None
     index = _resolver(categories, classes)
     if labels_file is not None:
@@ -147,27 +156,66 @@ def _per_class(data: str, index, classes_file: str | None):
     return paths, labels, f"{len(folders)} class folders (indices from the {how})"
 
 
-def _flat(data: str, labels_file: str, index):
+def _read_text(path: str, flag: str, expected: str) -> str:
+    """The UTF-8 text of ``path`` (a BOM dropped); a binary file (a NUL byte: images, archives,
+    UTF-16) or other encoding is refused in one line that says what ``flag`` takes."""
     try:
-        with open(labels_file) as f:
-            lines = [ln.strip() for ln in f if ln.strip()]
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as err:
-        raise InputError(f"--labels {labels_file}: cannot read it ({err.strerror})") from None
+        raise InputError(f"{flag} {path}: cannot read it ({err.strerror})") from None
+    try:
+        if b"\0" in raw:
+            raise UnicodeDecodeError("utf-8", raw, raw.index(b"\0"), raw.index(b"\0") + 1, "a NUL byte")
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        what = "labels" if flag == "--labels" else "classes"
+        raise InputError(f"{flag} {path} is not a text {what} file (byte {err.start} is not UTF-8 text): give "
+                         f"{expected}") from None
+
+
+def _fields(line: str) -> list[str]:
+    return [p.strip() for p in (line.split(",") if "," in line else line.rsplit(maxsplit=1))]
+
+
+def _is_header(fields: list[str], data: str, index) -> bool:
+    """Whether a first line is a header: its fields are a file column's name and a label
+    column's (``file,label``, ``image class``, ...), its label is no class and its file is not in
+    ``data``.  Anything less certain is read as data, so a typo on line 1 is an error, not a line
+    silently dropped."""
+    if len(fields) != 2:
+        return False
+    name, label = (_key(f).replace("-", " ") for f in fields)
+    return (name in HEADER_FILE_WORDS and label in HEADER_LABEL_WORDS and index(fields[1]) is None
+            and not os.path.isfile(os.path.join(data, fields[0])))
+
+
+def _flat(data: str, labels_file: str, index):
+    text = _read_text(labels_file, "--labels", f"a text file of {LABELS_FORMAT}, the file relative to --data")
+    numbered = [(n, ln.strip()) for n, ln in enumerate(text.splitlines(), start=1) if ln.strip()]
+    first = numbered[0][0] if numbered else 0
+    if numbered and _is_header(_fields(numbered[0][1]), data, index):
+        numbered = numbered[1:]
+    where = f"--labels {labels_file}, line"
     paths, labels, missing = [], [], []
-    for n, line in enumerate(lines):
-        parts = [p.strip() for p in (line.split(",") if "," in line else line.rsplit(maxsplit=1))]
-        if len(parts) != 2:
-            raise InputError(f"--labels {labels_file}, line {n + 1}: {line!r} is not '<file> <label>'")
+    line_of: dict[str, int] = {}    # normalized path -> the line that listed it
+    for n, line in numbered:
+        parts = _fields(line)
+        if len(parts) != 2 or not all(parts):
+            raise InputError(f"{where} {n}: {line[:120]!r} is not '<file> <label>' (the format: {LABELS_FORMAT})")
         name, label = parts
         cls = index(label)
         if cls is None:
-            if n == 0:
-                continue    # a header line (filename,label)
-            raise InputError(f"--labels {labels_file}, line {n + 1}: label {label!r} is not a class index, an ImageNet "
-                             "WordNet id or one of the model's category names")
-        path = os.path.join(data, name)
+            header = " (a header line names its columns, e.g. 'file,label')" if n == first else ""
+            raise InputError(f"{where} {n}: label {label!r} is not a class index, an ImageNet WordNet id or one of "
+                             f"the model's category names{header}")
+        path = os.path.normpath(os.path.join(data, name))
+        if path in line_of:
+            raise InputError(f"--labels {labels_file} lists {name} twice, on lines {line_of[path]} and {n}: "
+                             "give each image one line")
+        line_of[path] = n
         if not os.path.isfile(path):
-            missing.append(name)
+            missing.append(f"{name} (line {n})")
             continue
         paths.append(path)
         labels.append(cls)
@@ -180,8 +228,6 @@ def _flat(data: str, labels_file: str, index):
 def read_batch(images: LabelledImages, start: int, count: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Images ``start .. start + count`` preprocessed (``data.load_image``) and their labels; an
     unreadable one is recorded in ``images.skipped`` and left out."""
-    from .data import load_image
-
     xs, ys = [], []
     for path, label in zip(images.paths[start:start + count], images.labels[start:start + count]):
         try:

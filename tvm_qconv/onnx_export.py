@@ -22,10 +22,11 @@ from .frontend import load_model
 from .lowering.onnx import EXPORTABLE_OPS, ONNXEmitter, op_name
 from .progress import as_phases
 from .quantize import quantize_module
-from .ranges import Calibrate, LearnedRanges
+from .ranges import LearnedRanges
 from .target import TargetInfo, make_target
 from .training.checkpoint import load_float_model
 
+PRODUCER = "tvm_qconv"  # the files this exporter writes say so (ModelProto.producer_name)
 # Opsets this exporter writes: 17 has LayerNormalization and per-channel QDQ; from 18 ReduceMean
 # takes its axes as an input; 21 is the newest whose ops here TensorRT 10 and ONNX Runtime both read.
 MIN_OPSET, MAX_OPSET = 17, 21
@@ -57,17 +58,16 @@ def check_exportable(graph) -> None:
                          "TVM library instead (deploy.py build)")
 
 
-@dataclass(frozen=True)
-class _ExportableFirst:
-    """A range source that first checks every op can be exported, then resolves as ``inner``:
-    ``quantize_module`` hands it the float graph before anything is calibrated, so an
-    unsupported op is refused in seconds, not after the calibration it would waste."""
-
-    inner: object
-
-    def resolve(self, ctx):
-        check_exportable(ctx.graph)
-        return self.inner.resolve(ctx)
+def not_our_onnx(path: str) -> str | None:
+    """Why the file at ``path`` is not an ONNX file this project's exporter wrote, or None:
+    what ``export-onnx -o`` replaces only with ``--force``."""
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - any parse failure: it is not an ONNX file at all
+        return "not an ONNX file"
+    if proto.producer_name != PRODUCER:
+        return f"an ONNX file written by {proto.producer_name or 'another program'}"
+    return None
 
 
 def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: QuantConfig = QuantConfig(),
@@ -82,7 +82,7 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         input_shape: (N, C, H, W) to trace and calibrate at.
         config: the quantization scheme (skip list, observer, ``quantize_dense``).
         ranges: a range source (``Calibrate``, ``GivenRanges``, ``LearnedRanges``); default:
-            calibrate on scikit-image's photos.
+            a Q/DQ file's own scales, else calibrate on scikit-image's photos (as ``quantize_module``).
         name: the model's name in the file's metadata (default: ``model`` if a name, else its class).
         dynamic_batch: name the batch dimension (``batch``) so the file runs at any batch; where
             a reshape moves the batch dimension the file keeps the static shape (the summary says why).
@@ -112,11 +112,11 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
     probe = model_check.probe(model, input_shape, name)
     model_check.check_memory(probe, input_shape, name)
     phases = as_phases(progress, "export-onnx")
-    source = ranges if ranges is not None else Calibrate()
     # Exactly what a CPU build does: the same graph, ranges and int8 / float decision per layer.
     with model_check.single_output(model, probe):
         q = quantize_module(model, input_shape, TargetInfo.from_target(make_target("llvm")), config=config,
-                            ranges=_ExportableFirst(source), progress=phases, require_int8=require_int8)
+                            ranges=ranges, progress=phases, require_int8=require_int8,
+                            check_graph=check_exportable)  # an op with no ONNX form: before calibration
     phases.say(f"write: ONNX opset {opset} with QuantizeLinear / DequantizeLinear")
     emitter = ONNXEmitter(q.plan, input_shape, int(opset), dynamic_batch)
     graph = emitter.run()
@@ -127,7 +127,7 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         graph = emitter.run()
         emitter.static_reason = reason
     opsets = [onnx.helper.make_opsetid("", int(opset))]
-    proto = onnx.helper.make_model(graph, opset_imports=opsets, producer_name="tvm_qconv",
+    proto = onnx.helper.make_model(graph, opset_imports=opsets, producer_name=PRODUCER,
                                    producer_version=_version(),
                                    # the oldest IR version of the opset: the widest choice of readers
                                    ir_version=onnx.helper.find_min_ir_version_for(opsets))

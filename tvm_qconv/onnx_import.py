@@ -63,7 +63,7 @@ class OnnxModel:
         proto: the loaded ``onnx.ModelProto`` (its outputs cut to the first).
         input_name: the image input's name.
         input_dims: the file's input dimensions, ints where static, names where symbolic.
-        output_note: the report's line when the file has several outputs (None: one).
+        outputs_note: the report's line when the file has several outputs (None: one).
     """
 
     def __init__(self, path: str):
@@ -92,13 +92,14 @@ class OnnxModel:
         self._check_ops()
         self.input_name, self.input_dims = self._image_input()
         outputs = list(proto.graph.output)
-        self.output_note = None
+        self.outputs_note = None
         if len(outputs) > 1:
-            self.output_note = (f"the file has {len(outputs)} outputs ({', '.join(o.name for o in outputs[:4])}"
-                                f"{' ...' if len(outputs) > 4 else ''}): the library computes the first, "
-                                f"{outputs[0].name}; the rest is dropped")
+            self.outputs_note = (f"the file has {len(outputs)} outputs ({', '.join(o.name for o in outputs[:4])}"
+                                 f"{' ...' if len(outputs) > 4 else ''}): the library computes the first, "
+                                 f"{outputs[0].name}; the rest is dropped")
             del proto.graph.output[1:]
         self._imported: dict = {}   # input shape -> Relax module as imported
+        self._last_shape = None     # the input shape of the latest import: the build's
         self._session = None
         self._folded_proto = None   # the graph with its constants folded, where the plain one did not import
         self._names_from = self.proto   # the graph the imported modules came from (names its layers)
@@ -142,9 +143,29 @@ class OnnxModel:
             h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()
 
+    @property
+    def input_note(self) -> str | None:
+        """``input: ...``, the report's line when the file leaves the image's height or width
+        dynamic: the size the library was built at, which the file did not fix (None: it fixes
+        both, or nothing was imported yet)."""
+        dynamic = {axis: d for axis, d in zip(("height", "width"), self.input_dims[2:]) if not isinstance(d, int)}
+        if not dynamic or self._last_shape is None:
+            return None
+        h, w = self._last_shape[2:]
+        return (f"input: {os.path.basename(self.path)} has a dynamic {' and '.join(dynamic)} "
+                f"({', '.join(str(d) for d in dynamic.values())}): the library is built at {h} x {w} "
+                "(--image-size sets it)")
+
+    @property
+    def output_note(self) -> str | None:
+        """The report's lines about the file's interface (``report["output"]``, which
+        ``report.format_report`` prints): :attr:`input_note`, then :attr:`outputs_note`."""
+        return "\n".join(n for n in (self.input_note, self.outputs_note) if n) or None
+
     def image_size(self, requested: int | None) -> int:
         """The build's input height = width: the file's where it fixes them, else ``requested``
-        (default 224, what ImageNet classifiers are made for).
+        (default 224, what ImageNet classifiers are made for; the build's report says so:
+        :attr:`input_note`).
 
         Raises:
             InputError: a requested size the file's static one contradicts, or a non-square input.
@@ -183,6 +204,7 @@ class OnnxModel:
         from .transform.clips import clips_from_min_max
 
         shape = self.shape_at(input_shape)
+        self._last_shape = shape
         if shape not in self._imported:
             try:
                 # the frontend prints a failing op's inputs before it raises: the error below says it in a line

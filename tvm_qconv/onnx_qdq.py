@@ -20,12 +20,18 @@ file becomes what the pipeline takes from a calibrated float model:
    the range of the tensor that holds its values -- so no naming convention of any exporter is
    assumed.  A point the file gives no range for keeps the layers that read it float, by name.
 
+Storage types other than int8 are read with their own range (:data:`INTEGER_RANGES`,
+:data:`FLOAT_MAX`): an int16 activation at zero point 0 spans ``+-32767 * s``, a uint16 one at
+zero point ``z`` from ``-z * s`` to ``(65535 - z) * s``; a uint8 / int16 / int4 / uint4 / float8
+weight is dequantized with its own zero point, its integers not the library's.
+
 What the project's scheme cannot honour is reported by node name with what was done instead
-(``notes``), never changed silently: an asymmetric weight (zero point not 0: dequantized, then
-requantized symmetric per channel by the library), a per-channel activation scale or an
-asymmetric activation zero point (its range taken over all channels / both ends: requantized to
-the symmetric per-tensor scheme), a Q/DQ pattern of another shape (kept float, as the file's
-float computation).
+(``notes``), never changed silently: a weight stored in another type than int8 or asymmetric
+(zero point not 0: dequantized, then requantized symmetric per channel to int8 by the library),
+an activation stored in another type than int8 (its range read in that type, requantized to
+the int8 per-tensor scheme), a per-channel activation scale or an asymmetric activation zero
+point (its range taken over all channels / both ends: requantized to the symmetric per-tensor
+scheme), a Q/DQ pattern of another shape (kept float, as the file's float computation).
 """
 from __future__ import annotations
 
@@ -36,6 +42,14 @@ import numpy as np
 from .errors import InputError
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+# The integer storage types of Q/DQ nodes (ONNX opset 21+ adds the 16-, 4- and 2-bit ones), by
+# NumPy / ml_dtypes name: the integers each holds.
+INTEGER_RANGES = {"int8": (-128, 127), "uint8": (0, 255), "int16": (-32768, 32767), "uint16": (0, 65535),
+                  "int4": (-8, 7), "uint4": (0, 15), "int2": (-2, 1), "uint2": (0, 3)}
+# The float storage types (no zero point, levels not uniform): their largest finite value.
+FLOAT_MAX = {"float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0,
+             "float8_e5m2fnuz": 57344.0, "float4_e2m1fn": 6.0}
 
 
 @dataclass
@@ -72,6 +86,42 @@ def _non_negative(node, inits: dict, consts: dict) -> bool:
         lo = _const(node.input[1], inits, consts)
         return lo is not None and float(np.asarray(lo).reshape(-1)[0]) >= 0
     return False
+
+
+def _storage(dtype, node) -> str:
+    """The storage type's name (``int16``...) of a Q/DQ node's integers or zero point.
+
+    Raises:
+        InputError: a type that neither table has (the node and the type named).
+    """
+    name = np.dtype(dtype).name
+    if name not in INTEGER_RANGES and name not in FLOAT_MAX:
+        raise InputError(f"node {node.name} ({node.op_type}) stores {name}, a type this build cannot read a range "
+                         f"from; export the model's Q/DQ nodes as int8 (or {', '.join(INTEGER_RANGES)}, float8)")
+    return name
+
+
+def _zero_points(z: np.ndarray) -> str:
+    return str(int(z.reshape(-1)[0])) if np.all(z == z.reshape(-1)[0]) else "per channel"
+
+
+def _activation_range(storage: str, s: np.ndarray, z: np.ndarray) -> tuple[float, bool, bool, str]:
+    """``(amax, unsigned, asymmetric, its range in words)`` of an activation stored as ``storage``
+    at scales ``s`` (float64) and zero points ``z``: unsigned where the zero point is the type's
+    lowest value (``[0, (hi - lo) * s]``), symmetric where it sits at the middle of the type's
+    range (0 for a signed type, ``(hi + 1) / 2`` for an unsigned one: ``(hi - z) * s`` either
+    way), else asymmetric (the larger end)."""
+    if storage in FLOAT_MAX:
+        top = FLOAT_MAX[storage]
+        return float(np.max(top * s)), False, False, f"+-{top:g} x scale"
+    lo, hi = INTEGER_RANGES[storage]
+    if np.all(z == lo):
+        return float(np.max((hi - lo) * s)), True, False, f"0..{hi - lo} x scale"
+    middle = 0 if lo < 0 else (hi + 1) // 2
+    if np.all(z == middle):
+        return float(np.max((hi - middle) * s)), False, False, f"+-{hi - middle} x scale"
+    amax = float(np.max(np.maximum(np.abs((lo - z) * s), np.abs((hi - z) * s))))
+    return amax, False, True, f"{int(np.min(lo - z))}..{int(np.max(hi - z))} x scale"
 
 
 def strip_qdq(proto) -> StrippedQdq:
@@ -114,7 +164,10 @@ def strip_qdq(proto) -> StrippedQdq:
             raise InputError(f"node {node.name} ({node.op_type}): its scale {node.input[1]} is not a constant; "
                              "a Q/DQ file's scales must be constants")
         z = _const(node.input[2], inits, consts) if len(node.input) > 2 and node.input[2] else None
-        zdtype = np.dtype(np.uint8) if z is None else z.dtype     # ONNX: no zero point is uint8 at 0
+        # ONNX: the zero point's type is the storage's; without one, opset 21's output_dtype, else uint8 at 0
+        output_dtype = next((a.i for a in node.attribute if a.name == "output_dtype"), 0)
+        zdtype = z.dtype if z is not None else \
+            helper.tensor_dtype_to_np_dtype(output_dtype) if output_dtype else np.dtype(np.uint8)
         axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
         return np.asarray(s, np.float32), (np.zeros_like(s, np.int64) if z is None else np.asarray(z, np.int64)), \
             zdtype, axis
@@ -126,16 +179,24 @@ def strip_qdq(proto) -> StrippedQdq:
             shape = [1] * q.ndim
             if s.size > 1:
                 shape[axis % q.ndim] = s.size
-            w = ((q.astype(np.int64) - z.reshape(shape if z.size > 1 else [])) * s.reshape(shape if s.size > 1 else
-                                                                                             [])).astype(np.float32)
+            storage = np.dtype(q.dtype).name
+            # float8 values are read as the floats they are (int64 would truncate them), integers less their zero point
+            levels = q.astype(np.float64) if storage in FLOAT_MAX else \
+                q.astype(np.int64) - z.reshape(shape if z.size > 1 else [])
+            w = (levels * s.reshape(shape if s.size > 1 else [])).astype(np.float32)
             name = node.output[0]
             new_inits.append(numpy_helper.from_array(w, name + "_float"))
             rename[name] = name + "_float"
             drop.add(node.name)
             out.qdq_nodes += 1
             users = readers.get(name, [])
-            if q.dtype == np.int8 and q.ndim >= 2 and all(u.op_type in ("Conv", "Gemm", "MatMul") and
-                                                          list(u.input).index(name) == 1 for u in users):
+            is_weight = q.ndim >= 2 and bool(users) and all(u.op_type in ("Conv", "Gemm", "MatMul") and
+                                                            list(u.input).index(name) == 1 for u in users)
+            if is_weight and storage != "int8":
+                _storage(q.dtype, node)     # (a type with no known range is refused, named)
+                out.notes.append(f"{node.name}: {storage} weight (zero point {_zero_points(z)}) dequantized with its "
+                                 f"own type's range; the library requantizes it to int8 per output channel")
+            elif is_weight:
                 if np.any(z != 0):
                     out.notes.append(f"{node.name}: asymmetric weight (zero point not 0) dequantized; the library "
                                      "requantizes it symmetric per output channel")
@@ -158,16 +219,19 @@ def strip_qdq(proto) -> StrippedQdq:
             if s.size > 1:
                 out.notes.append(f"{node.name}: per-channel activation scales; requantized to one scale per tensor "
                                  "(their largest range)")
-            lo, hi = (-128, 127) if zdtype != np.uint8 else (0, 255)
-            if np.all(z == lo):                     # unsigned: [0, 255 s] (uint8 at 0, int8 at -128)
-                amax = float(np.max(255.0 * s))
+            # in the storage's own range: [0, 255 s] for uint8 at 0 or int8 at -128, 32767 s for int16 at 0
+            storage = _storage(zdtype, node)
+            amax, unsigned, asymmetric, span = _activation_range(storage, s, z)
+            if unsigned:
                 out.unsigned.add(x)
-            elif np.all(z == 0) or (zdtype == np.uint8 and np.all(z == 128)):
-                amax = float(np.max(127.0 * s))
-            else:
-                amax = float(np.max(np.maximum(np.abs((lo - z) * s), np.abs((hi - z) * s))))
-                out.notes.append(f"{node.name}: asymmetric activation (zero point {z.reshape(-1)[0]}); requantized "
-                                 "symmetric over its range")
+            if asymmetric:
+                typed = "" if storage == "int8" else f", {storage}"
+                out.notes.append(f"{node.name}: asymmetric activation (zero point {_zero_points(z)}{typed}); "
+                                 f"requantized symmetric over its range ({span} = +-{amax:.6g})")
+            elif storage != "int8":
+                out.notes.append(f"{node.name}: {storage} activation (zero point {_zero_points(z)}): its range is "
+                                 f"{span} = {'0..' if unsigned else '+-'}{amax:.6g}; requantized to the library's "
+                                 "int8 per-tensor scheme")
             clamped = {r.output[0] for r in relus.values()}    # (a pair after a pair: already a ReLU's output)
             if x in out.unsigned and x not in clamped and not _non_negative(producer.get(x), inits, consts):
                 # the pair clamps at 0 (ONNX Runtime folds a ReLU into it this way): the float graph

@@ -118,7 +118,7 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
                     choices: dict | None = None, chooser=None, expose_activations: bool = False,
                     debug_dump: str | None = None, progress=True, require_int8: bool = False,
-                    exported: ExportedModel | None = None) -> QuantizedModule:
+                    exported: ExportedModel | None = None, check_graph=None) -> QuantizedModule:
     """The int8 Relax module of ``model`` for ``target``.
 
     Args:
@@ -137,6 +137,9 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
             the build's, or a bool).
         exported: ``model`` already exported (``frontend.ExportedModel``): its graphs are reused
             (a build shares one between its library, its verification and the per-layer twin).
+        check_graph: ``(Graph) -> None``, called on the float graph before any range is resolved:
+            a caller's refusal (``onnx_export.check_exportable``) comes before the calibration it
+            would waste.
     """
     phases = as_phases(progress)
     exported = exported if exported is not None else exported_model(model, input_shape)
@@ -149,6 +152,8 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         mod, graph = fg.mod, fg.graph
     dump_ir(debug_dump, "02_simplified", mod)
     check_skip(graph, config, require_int8)
+    if check_graph is not None:
+        check_graph(graph)
 
     if getattr(model, "qdq", None) is not None:   # a Q/DQ ONNX file: its own scales (unless given), and
         from .onnx_qdq import file_scales         # the layers it leaves float kept float in every rebuild

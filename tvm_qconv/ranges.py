@@ -50,7 +50,8 @@ class RangeContext:
 @dataclass(frozen=True)
 class Calibrate:
     """Calibrate on real images: ``images`` (float32 [N, 3, H, W], preprocessed), else the
-    JPEG/PNG files of ``calib_dir``, else scikit-image's bundled photos.
+    image files of ``calib_dir`` (``data.IMAGE_SUFFIXES``; an unreadable one is left out, named
+    in a warning and in the report's ``skipped``), else scikit-image's bundled photos.
 
     The first ``QuantConfig.num_calib_images`` calibrate; up to :data:`HELD_OUT` more, where the
     source has them, are held out for the build's verification (``RangeContext.held_out``)."""
@@ -61,8 +62,10 @@ class Calibrate:
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
         cfg = ctx.config
         images = self.images
+        skipped: list = []
         if images is None:  # up to HELD_OUT more than calibration takes, to verify on
-            images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images + HELD_OUT)
+            images = load_calibration_images(self.calib_dir, ctx.input_shape[2], limit=cfg.num_calib_images + HELD_OUT,
+                                             skipped=skipped)
         if len(images) == 0 or np.asarray(images).ndim != 4:
             raise InputError(f"calibration needs images of shape [N, 3, H, W] with N >= 1, got shape "
                              f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
@@ -75,6 +78,8 @@ class Calibrate:
                       up_to=cfg.num_calib_images, held_out=len(held_out),
                       images_from=self.calib_dir or ("the caller's array" if self.images is not None
                                                      else "scikit-image's photos"))
+        if skipped:
+            report["skipped"] = [dict(file=f, why=why) for f, why in skipped]
         methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
         candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
         if cfg.calibration == "search":

@@ -46,8 +46,10 @@ def format_report(meta: dict) -> str:
                      + f"; simulated logits SQNR {search['sqnr_start_db']} dB (all mse) -> {search['sqnr_db']} dB "
                        f"({search['forwards']} forwards)")
     lines += format_verification(rep.get("verify"))
-    if rep.get("output"):
-        lines.append("output: " + rep["output"])
+    for note in (rep.get("output") or "").splitlines():
+        # the model's notes on its interface, one a line: an ONNX file's input size (its line says
+        # "input: " itself, onnx_import.OnnxModel.input_note), then what the library takes of its outputs
+        lines.append(note if note.startswith("input: ") else "output: " + note)
     lines.append(format_seconds(meta.get("build_seconds", {})))
     return "\n".join(lines)
 

@@ -28,6 +28,27 @@ def flatten(out) -> list[np.ndarray]:
     return flat
 
 
+def class_scores(shape, batch: int) -> bool:
+    """Whether an output of ``shape`` holds class scores, ``[batch, classes]``: what a top-5 and
+    an accuracy need (a feature map or a segmentation map does not)."""
+    return shape is not None and len(shape) == 2 and int(shape[0]) == batch
+
+
+def summarize(out: np.ndarray) -> list[str]:
+    """A few lines that say what an output that is not class scores holds: its shape and value
+    range, and, for a map with channels first (``[C, H, W]``, a segmentation map's class scores
+    per pixel), which channel wins how many positions."""
+    out = np.asarray(out)
+    lines = [f"shape {tuple(out.shape)} {out.dtype}: min {out.min():.4g}, max {out.max():.4g}, mean {out.mean():.4g}, "
+             f"std {out.std():.4g}"]
+    if out.ndim >= 2 and out.shape[0] > 1:
+        wins = np.bincount(out.argmax(0).ravel(), minlength=out.shape[0]) / out[0].size
+        top = np.argsort(-wins)[:5]
+        lines.append(f"argmax over its {out.shape[0]} channels, per position: " +
+                     ", ".join(f"channel {c} {100 * wins[c]:.1f} %" for c in top if wins[c] > 0))
+    return lines
+
+
 def check_arch(lib_path: str, built: str | None, gpu: str) -> None:
     """Refuse a CUDA library this GPU cannot run (``target.arch_runs_on``: a cubin runs on its own
     major architecture at its minor version or later, ``sm_90a`` code on sm_90 GPUs only).
@@ -61,6 +82,9 @@ class CompiledModel:
         with np.load(params_path) as npz:
             self.params = [tvm.runtime.tensor(npz[n], self.dev) for n in self.meta["param_names"]]
         self.input_shape = tuple(self.meta["input_shape"])
+        # what main returns ([N, classes] for a classifier); libraries from before it was recorded: None
+        shape = self.meta.get("output_shape")
+        self.output_shape = tuple(shape) if shape is not None else None
 
     def check_input(self, x: np.ndarray) -> np.ndarray:
         if x.ndim != 4 or tuple(x.shape) != self.input_shape:

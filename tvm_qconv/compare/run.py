@@ -9,6 +9,7 @@ real photos, and is compared with fp32 PyTorch (TF32 off) on those photos.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -20,7 +21,7 @@ import tvm
 
 from .. import interrupts, model_check
 from ..artifact import read_meta
-from ..build import BuildOptions
+from ..build import BuildOptions, _categories
 from ..cli import first_line
 from ..config import QuantConfig
 from ..data import skimage_photos
@@ -29,6 +30,7 @@ from ..evaluate import topk_accuracy
 from ..fileio import check_output_folder
 from ..frontend import load_model, weights_digest
 from ..graph import static_shape
+from ..labelled_images import labelled_images, read_batch
 from ..onnx_export import export_onnx
 from ..quantize import quantize_module
 from ..ranges import Calibrate, GivenRanges
@@ -53,7 +55,7 @@ class CompareOptions:
         weights: a state-dict file or torchvision weight name; None: random init seeded by ``seed``.
         num_classes: classifier width for random init.
         batches: the batch sizes, each a table.
-        image_size: input height = width.
+        image_size: input height = width; None: an ONNX file's own where it fixes one, else 224.
         device: ``cuda`` or ``cpu``; None: cuda where there is a GPU.
         arch: CUDA arch of the int8 builds; None: the GPU's own, with every instruction
             (``sm_90a`` on an H100 / H200: the wgmma family).
@@ -79,7 +81,7 @@ class CompareOptions:
     weights: str | None = None
     num_classes: int | None = None
     batches: tuple[int, ...] = (1, 16, 64)
-    image_size: int = 224
+    image_size: int | None = None
     device: str | None = None
     arch: str | None = None
     libs: tuple[str, ...] = ()
@@ -103,7 +105,7 @@ class CompareOptions:
         object.__setattr__(self, "libs", tuple(self.libs))
         if not self.batches or any(int(b) != b or b < 1 for b in self.batches):
             raise InputError(f"batch sizes must be positive integers, got {self.batches}")
-        if self.image_size < 8:
+        if self.image_size is not None and self.image_size < 8:
             raise InputError(f"image size must be >= 8, got {self.image_size}")
         if self.device not in (None, *DEVICES):
             raise InputError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -167,12 +169,18 @@ class Context:
     def __init__(self, options: CompareOptions, model=None, progress=print):
         self.options, self.progress = options, progress
         self.device = resolve_device(options.device)
-        self.input_shape = (1, 3, options.image_size, options.image_size)
         self.given_model = model is not None
         if model is None:
             torch.manual_seed(options.seed)
             model = load_model(options.model, options.weights, options.num_classes)
         self.model = model.eval()
+        # the image size: an ONNX file's own where it fixes one (a contradicting --image-size is refused), else 224
+        size = model.image_size(options.image_size) if not isinstance(model, torch.nn.Module) else options.image_size or 224
+        self.options = options = dataclasses.replace(options, image_size=size)
+        if getattr(model, "qdq", None) is not None and options.calib_dir is not None:
+            raise InputError(f"--calib-dir cannot be used with {options.model}: it is a quantized (Q/DQ) file, whose "
+                             "scales every int8 row keeps (nothing is calibrated); drop it")
+        self.input_shape = (1, 3, size, size)
         # the shape at the largest batch, checked before any work; a tuple output's first tensor
         # is what every row times and compares (compare() holds model_check.single_output)
         shape = (max(options.batches), 3, options.image_size, options.image_size)
@@ -195,21 +203,29 @@ class Context:
         self.reference = self._reference()
         self.labelled = None
         if self.options.data is not None:   # the labelled folder: every comparable row's top-1 / top-5 on it
-            from ..labelled_images import labelled_images, read_batch
-            images = labelled_images(self.options.data, self.options.labels, self.options.classes)
+            data = self.options.data
+            # read as `eval --data` reads it: the same reader, and the category names the model's
+            # library records (build._categories), so class folders named `tench` resolve alike
+            images = labelled_images(data, self.options.labels, self.options.classes, _categories(self.options.model))
             x, y = read_batch(images, 0, len(images.paths), self.options.image_size)
             if not len(x):
-                raise InputError(f"--data {self.options.data}: none of its images could be read")
+                raise InputError(f"--data {data}: none of its {len(images.paths)} images could be read "
+                                 f"(first: {images.skipped[0][0]}: {images.skipped[0][1]})")
+            logits = self._reference(x)
+            if logits.shape[-1] <= int(y.max()):
+                raise InputError(f"--data {data}: labels go up to class {int(y.max())}, the model has "
+                                 f"{logits.shape[-1]} outputs: labels are class indices from 0")
             self.labelled = (x, y, images)
-            self.reference_accuracy = topk_accuracy(self._reference(x), y)
+            self.reference_accuracy = topk_accuracy(logits, y)
             self.progress(f"[compare] {len(y)} labelled images of {self.options.data} ({images.layout}; "
                           f"{len(images.skipped)} unreadable); {self.reference_name}: top-1 "
                           f"{self.reference_accuracy['top1']:.1f} %")
         t = time.perf_counter()
         self.amax, self.convs = self._calibrate()
         self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
-        self.progress(f"[compare] calibrated {len(self.amax)} tensors ({self.options.config.calibration}) in "
-                      f"{self.times['calibrate_s']} s")
+        how = ("took the Q/DQ file's scales of" if getattr(self.model, "qdq", None) is not None else
+               f"calibrated ({self.options.config.calibration})")
+        self.progress(f"[compare] {how} {len(self.amax)} tensors in {self.times['calibrate_s']} s")
         if {"int8", "int8-graph"} & set(names):
             self._libraries(graph_rows="int8-graph" in names and self.device == "cuda",
                             plain_rows="int8" in names)
@@ -414,6 +430,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     check_output_folder(options.work_dir, "--work-dir folder")
     rows = [b for b in baselines() if options.baselines is None or b.key in options.baselines]
     ctx = Context(options, model, progress)
+    options = ctx.options   # with the image size resolved
     start = time.perf_counter()
     results = dict(environment=report.environment(ctx.device), model=options.model, weights=options.weights or
                    f"random init (seed {options.seed})", image_size=options.image_size, arch=ctx.arch,

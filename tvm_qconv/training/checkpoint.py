@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..fileio import atomic_path
+from ..fileio import atomic_path, file_kind
 from ..nn import learned_amax, load_float_state_dict, to_float_state_dict
 from ..nn.modules import AMAX_BUFFERS, TRACKED_LAYERS
 from .config import DIGITS_CLASSES, TrainConfig, build_model
@@ -73,7 +73,14 @@ def read_checkpoint(path: str) -> tuple[dict, TrainConfig]:
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise InputError(f"checkpoint {path} not found: give the file `python train.py --qat --out CKPT` "
+                         "wrote") from None
     except Exception as err:
+        kind = file_kind(path)
+        if kind is not None and kind != "a file torch.save wrote":   # a file of another kind in this slot
+            raise InputError(f"{path} is {kind}, not a checkpoint: give the file `python train.py --qat --out CKPT` "
+                             "wrote") from None
         reason = (str(err).strip().splitlines() or [""])[0][:200]
         raise InputError(f"cannot read checkpoint {path}: {type(err).__name__}: {reason}") from err
     lacking = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
@@ -87,6 +94,16 @@ def read_checkpoint(path: str) -> tuple[dict, TrainConfig]:
     except (TypeError, ValueError) as err:
         raise InputError(f"checkpoint {path} has a training config this version cannot read: {err}") from err
     return ckpt, config
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """Why the file at ``path`` is not a checkpoint :func:`save_checkpoint` wrote, or None: what
+    ``train.py --out`` replaces only with ``--force``."""
+    try:
+        read_checkpoint(path)
+    except InputError:
+        return "not a train.py checkpoint"
+    return None
 
 
 def load_checkpoint(path: str, quantized: bool | None = None) -> tuple[nn.Module, dict]:

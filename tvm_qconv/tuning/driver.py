@@ -62,8 +62,10 @@ RPC_SESSION_TIMEOUT_S = 60
 def int8_module(model, batch: int, image_size: int, target: tvm.target.Target) -> tvm.IRModule:
     """The int8 Relax module compile_model would build for ``target``, calibrated on 2 photos."""
     photos = skimage_photos(image_size)[:CALIB_IMAGES]
+    # a Q/DQ file's own scales (None), as its build takes them: the same layers int8, the same kernels
+    ranges = None if getattr(model, "qdq", None) is not None else Calibrate(photos)
     q = quantize_module(model, (batch, 3, image_size, image_size), TargetInfo.from_target(target),
-                        config=QuantConfig(num_calib_images=CALIB_IMAGES), ranges=Calibrate(photos), progress=False)
+                        config=QuantConfig(num_calib_images=CALIB_IMAGES), ranges=ranges, progress=False)
     return LiftConstantsToParams()(q.mod)
 
 
