@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -15,7 +16,7 @@ import torch
 import torchvision
 import tvm
 
-from . import registry
+from . import cuda_check, registry
 from . import verify as verify_mod
 from . import interrupts, model_check
 from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
@@ -167,6 +168,8 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
         exported = exported_model(model, options.input_shape)   # the one torch.export (or ONNX import) of this build
         q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases, exported)
         report = dict(q.report, schedules=applied, tuned=tuned)
+        if tgt.kind.name == "cuda":
+            report["cuda_source"] = _check_cuda_source(ex, tgt, phases)
         note = model.output_note if onnx_file else model_check.output_note(probe)
         if note:
             report["output"] = note
@@ -241,6 +244,16 @@ def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, pro
             tvm.transform.PassContext(opt_level=3, config=config, instruments=interrupts.pass_instruments()):
         ex = tvm.compile(qmod, target=tgt, tir_pipeline=compile_options["tir_pipeline"])
     return q, ex, lift.params, sched.applied, tuned
+
+
+def _check_cuda_source(ex, tgt, phases) -> dict:
+    """nvcc on the CUDA source of a build this TVM could not compile itself (``cuda_check``): a
+    kernel nvcc rejects fails the build here, not the load on the user's GPU."""
+    arch = str(tgt.attrs["arch"])
+    if cuda_check.tvm_compiles_cuda() or shutil.which("nvcc") is None:
+        return cuda_check.check(ex, arch)
+    with phases("nvcc", f"compile the CUDA source for {arch} (this TVM has no CUDA runtime to compile it)"):
+        return cuda_check.check(ex, arch)
 
 
 def _family_chooser(families, fallback):

@@ -45,6 +45,12 @@ def format_report(meta: dict) -> str:
         lines.append("ranges searched per tensor: " + ", ".join(f"{m} x{n}" for m, n in search["counts"].items())
                      + f"; simulated logits SQNR {search['sqnr_start_db']} dB (all mse) -> {search['sqnr_db']} dB "
                        f"({search['forwards']} forwards)")
+    cuda = rep.get("cuda_source")
+    if cuda and cuda["status"] == "compiled by nvcc":
+        lines.append(f"cuda source: compiled by nvcc for {cuda['arch']} in {cuda['seconds']} s (this TVM has no CUDA "
+                     "runtime: the GPU machine's compiles the same source when it loads the library)")
+    elif cuda and cuda["status"] == "not checked":
+        lines.append(f"cuda source: not compiled here ({cuda['reason']})")
     lines += format_verification(rep.get("verify"))
     for note in (rep.get("output") or "").splitlines():
         # the model's notes on its interface, one a line: an ONNX file's input size (its line says
