@@ -345,18 +345,21 @@ def weight_scales_per_channel(w: np.ndarray) -> np.ndarray:
     return np.maximum(amax / np.float32(QMAX), np.float32(MIN_WEIGHT_SCALE)).astype(np.float32)
 
 
-def quantize_weight_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_weight_per_channel(w: np.ndarray, scales: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantize weights to int8, symmetric per output channel.
 
     Args:
         w: weights with output channels on axis 0.
+        scales: the per-channel scales to quantize at (``(O,)``, positive); default
+            :func:`weight_scales_per_channel`'s ``max(|w_c|) / 127``.  A larger one clamps nothing
+            and rounds more coarsely (``quantization/scales.py``: ``bias_weight_scales``).
 
     Returns:
         ``(q, scales)``: int8 ``q`` with the shape of ``w`` and values in [-127, 127], and
         float32 ``scales`` of shape ``(O,)``; ``w ~= q * scales[:, None, ...]``.
     """
     w = np.asarray(w, dtype=np.float32)
-    scales = weight_scales_per_channel(w)
+    scales = weight_scales_per_channel(w) if scales is None else np.asarray(scales, np.float32)
     s = scales.reshape((-1,) + (1,) * (w.ndim - 1))
     # Round to nearest. The seed formulas truncate (astype(int8) of w/s), which biases
     # every weight toward zero and doubles the worst-case error from s/2 to s.

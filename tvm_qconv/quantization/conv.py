@@ -15,7 +15,7 @@ from ..schedules.dense_int8 import DenseWorkload
 from ..schedules.requantize import UNSIGNED_ZERO, quantize_multiplier
 from ..schedules.workload import ConvWorkload
 from .plan import LayerPlan, TensorQuant, TensorRead
-from .scales import activation_suffix, block_diagonal, int8_clamp, weight_error_mean
+from .scales import activation_suffix, bias_weight_scales, block_diagonal, int8_clamp, weight_error_mean
 
 
 def plan_conv2d(p, ly) -> LayerPlan | str:
@@ -54,8 +54,15 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
     s_x, z_x = x.quant.scale, x.quant.zero
     if note:
         qw, s_w = quantize_weight_per_channel(weight)
-    acc_scale = s_x * s_w.astype(np.float64)
     bias = np.zeros(o) if ly.bias is None else ly.bias.astype(np.float64)
+    # a bias int32 cannot hold at scale s_x * s_w (an input faded to ~1e-9 of it): those channels'
+    # weights on a coarser step (scales.bias_weight_scales says why and what it costs)
+    fit = bias_weight_scales(bias, s_x, s_w)
+    raised = fit > s_w
+    if raised.any():
+        qw, s_w = _requantized(weight, qw, fit, raised)
+        own_weight = _requantized(ly.weight, own_weight[0], fit, raised)
+    acc_scale = s_x * s_w.astype(np.float64)
     mean = p.input_mean(ly)
     if mean is not None:  # weight is groups=1 here when it was made block-diagonal
         bias = bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)
@@ -74,10 +81,20 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
                kernel=impl.name, dtype="int8", shape=wl.describe() + note, in_scale=s_x, out_scale=s_y)
     if clipped:  # a bias beyond int32 at scale s_x * s_w: saturated, and the report says so
         row["bias_saturated"] = clipped
+    if raised.any():
+        row["weight_scale_raised"] = int(np.count_nonzero(raised))
     if mean is not None:
         row["bias_corrected"] = True
     return LayerPlan(ly, impl=impl, workload=wl, reads=(x,), output=out, out_shape=out_shape,
                      params=tuple(impl.pack_params(wl, qw, bias_q, mult, shift)), weight=own_weight, row=row)
+
+
+def _requantized(weight: np.ndarray, qw: np.ndarray, scales: np.ndarray,
+                 rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``qw`` with the output channels ``rows`` (bool [O]) quantized again from ``weight`` at
+    ``scales``; the others keep their integers (a Q/DQ file's, where it gave them)."""
+    coarse, _ = quantize_weight_per_channel(weight, scales)
+    return np.where(rows.reshape((-1,) + (1,) * (qw.ndim - 1)), coarse, qw), scales
 
 
 def output_zero_fits(p, ly, s_w: np.ndarray) -> bool:

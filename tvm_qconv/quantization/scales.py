@@ -47,6 +47,30 @@ def int8_clamp(ly, s_y: float, zero: int = 0) -> tuple[str, int, int]:
     return name, q_lo, q_hi
 
 
+# The most a conv's float bias may take of its int32 accumulator, ``|bias| / (s_x * s_w)``: the
+# rest of 2**31 holds the products (|acc| < 2**30: the kernels' limit on K) and the zero points'
+# terms, and a bias within 2**30 keeps CUDA's 32-bit requantize usable (requantize.I32_MAX_BIAS).
+BIAS_ACC_LIMIT = 2 ** 29
+
+
+def bias_weight_scales(bias: np.ndarray, s_x: float, s_w: np.ndarray) -> np.ndarray:
+    """The per-output-channel scales a conv's weights are quantized at so that its int32 bias holds
+    ``bias``: ``s_w``, or ``|bias| / (s_x * BIAS_ACC_LIMIT)`` where that is larger (float32).
+
+    The kernel adds the bias to its accumulator, at scale ``s_x * s_w``.  An input whose values
+    have faded to ~1e-9 of the bias (a deep random-init network's: LR-ASPP's classifier reads
+    ~1e-9 and adds a bias of ~0.05) puts it at ~1e12 steps: int32 saturates it, and the multiplier
+    ``s_x * s_w / s_y`` (~1e-11) rounds to 0, so the layer wrote zeros where the float output is its
+    bias.  A coarser weight step keeps both, and costs little: a weight is off by at most half a
+    step, so the products by at most ``K * 127 * s_x * s_w' / 2 = K * 127 / 2**30`` of |bias| (K
+    taps; 0.07 of an output step at K = 4608 and a bias of 127 steps), while the products
+    themselves are under ``K * 127**2 / 2**29`` of it.  (TFLite's converter raises the weight
+    scale for the same reason: ``AdjustWeightsForBiasScale``.)
+    """
+    need = np.abs(np.asarray(bias, np.float64)) / (float(s_x) * BIAS_ACC_LIMIT)
+    return np.maximum(np.asarray(s_w, np.float32), need.astype(np.float32))
+
+
 def weight_error_mean(weight: np.ndarray, qw: np.ndarray, s_w: np.ndarray, mean: np.ndarray,
                       groups: int = 1) -> np.ndarray:
     """``E[(W_q - W) x]`` per output channel: the mean error int8 weights add to a conv's (4-D
