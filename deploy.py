@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "tvm_qconv.rpc_server on the GPU machine), classify images there, print the "
                                     "top-5 classes, the latency measured on the remote device (median, p90, p99) "
                                     "and its name.  TVM RPC has no authentication: reach a remote server through "
-                                    "an ssh tunnel (README: Remote GPUs).")
+                                    "an ssh tunnel (docs/usage.md#remote-gpus-tvm-rpc).")
     rp.add_argument("--lib", required=True, help="the .so written by `deploy.py build`")
     rp.add_argument("--image", nargs="+", required=True,
                     help="image file(s) (JPEG, PNG, BMP, WebP, GIF, TIFF; skimage:NAME for scikit-image's "
@@ -384,7 +384,7 @@ def cli_ranges(args, model):
     scales (None: ``quantize_module`` reads them from the file), else calibration on --calib-dir.
     A Q/DQ file is calibrated by nobody, so the calibration flags are refused rather than ignored."""
     from tvm_qconv.ranges import Calibrate  # per command
-    if getattr(model, "qdq", None) is None:
+    if not model.has_own_ranges:
         return Calibrate(calib_dir=args.calib_dir)
     given = [flag for key, flag in _CALIBRATION_FLAGS.items() if getattr(args, key, None) is not None]
     if given:
@@ -406,21 +406,20 @@ RANDOM_NOTE = ("the classes it predicts are meaningless; pass --weights FILE (a 
                "(torchvision's trained weights) for a real classifier")
 
 
-def load_cli_model(args):
-    """The --model of `build` / `export-onnx`, its random init seeded by --seed; and how its
-    weights read in the output."""
+def load_cli_model(args, num_classes: int | None, seed: int):
+    """The --model of `build` / `export-onnx` / `eval` (a ``frontend.Frontend``), its random init
+    seeded by ``seed``; and how its weights read in the output."""
     import torch  # per command
 
-    from tvm_qconv.frontend import load_model
-    torch.manual_seed(args.seed)
-    from tvm_qconv.onnx_import import is_onnx_path
-    weights = args.weights or ("the model file's" if ".py:" in args.model or is_onnx_path(args.model) else None)
-    return load_model(args.model, args.weights, args.num_classes), weights or f"random init (seed {args.seed})"
+    from tvm_qconv.frontend import as_frontend, load_model
+    torch.manual_seed(seed)
+    model = as_frontend(load_model(args.model, args.weights, num_classes), args.model)
+    from_file = ".py:" in args.model or os.path.isfile(args.model)   # a model file holds its own weights
+    return model, args.weights or ("the model file's" if from_file else f"random init (seed {seed})")
 
 
 def cmd_build(args) -> int:
     from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model  # per command
-    from tvm_qconv.onnx_import import is_onnx_path
     cfg = quant_config(args)
     check_library_output(args.output, args)
 
@@ -447,21 +446,11 @@ def cmd_build(args) -> int:
         res = compile_checkpoint(args.checkpoint, args.output, options=build_options(args.image_size), config=cfg,
                                  progress=not args.quiet)
     else:
-        onnx_file = is_onnx_path(args.model)
-        if onnx_file:   # the file may fix its image size: loaded first (a second or so)
-            model, weights = load_cli_model(args)
-            size = model.image_size(args.image_size)
-            if isinstance(model.input_dims[0], str):
-                print(f"[build] {args.model} has a dynamic batch ({model.input_dims[0]}): the library is built for "
-                      f"batch {args.batch} (--batch sets it)", flush=True)
-            if any(isinstance(d, str) for d in model.input_dims[2:]):
-                print(f"[build] {args.model} has a dynamic height and width: the library is built at {size} x {size} "
-                      "(--image-size sets it)", flush=True)
-        else:
-            size = args.image_size or 224
-        options = build_options(size)  # its checks (the tuning log's target) before a torch model loads
-        if not onnx_file:
-            model, weights = load_cli_model(args)
+        model, weights = load_cli_model(args, args.num_classes, args.seed)   # a file may fix the image size
+        size = model.image_size(args.image_size)
+        options = build_options(size)
+        for note in model.input_notes(options.input_shape):
+            print(f"[build] {note}", flush=True)
         print(f"[build] {args.model} -> {args.output}: {target} size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = compile_model(model, args.output, options=options, config=cfg, name=args.model,
@@ -498,9 +487,7 @@ def cmd_accept(args) -> int:
 
 
 def cmd_export_onnx(args) -> int:
-    from tvm_qconv.onnx_export import export_checkpoint, export_onnx  # per command
-    from tvm_qconv.onnx_import import is_onnx_path
-    from tvm_qconv.onnx_export import not_our_onnx
+    from tvm_qconv.onnx_export import export_checkpoint, export_onnx, not_our_onnx  # per command
     check_output_file(args.output, "ONNX file", inputs=command_inputs(args), ours=not_our_onnx, force=args.force)
     cfg = quant_config(args)
     if cfg.bias_correction:
@@ -514,8 +501,8 @@ def cmd_export_onnx(args) -> int:
         res = export_checkpoint(args.checkpoint, args.output, image_size=args.image_size, batch=args.batch,
                                 config=cfg, dynamic_batch=dynamic, opset=args.opset, progress=not args.quiet)
     else:
-        model, weights = load_cli_model(args)
-        size = model.image_size(args.image_size) if is_onnx_path(args.model) else args.image_size or 224
+        model, weights = load_cli_model(args, args.num_classes, args.seed)
+        size = model.image_size(args.image_size)
         print(f"[export-onnx] {args.model} -> {args.output}: size={size} weights={weights} "
               f"config={cfg.to_dict()}", flush=True)
         res = export_onnx(model, args.output, input_shape=(args.batch, 3, size, size), config=cfg,
@@ -593,22 +580,18 @@ def _float_model_of(args, meta: dict):
     Raises:
         InputError: the model cannot take the library's input (another image size).
     """
-    import torch
-
-    from tvm_qconv import model_check
-    from tvm_qconv.frontend import load_model
-    from tvm_qconv.onnx_import import is_onnx_path
-    torch.manual_seed(meta.get("seed", 0))  # libraries from before the record: the build's default seed
+    from tvm_qconv.frontend import list_models
     shape = meta.get("output_shape")
-    named = not is_onnx_path(args.model) and ".py:" not in args.model
-    classes = shape[1] if named and shape is not None and len(shape) == 2 else None
-    model = load_model(args.model, args.weights, classes)
+    # a torchvision name's random init at the library's class count (a model file holds its own)
+    classes = shape[1] if args.model in list_models() and shape is not None and len(shape) == 2 else None
+    # seeded as the build was (libraries from before the record: the build's default, 0)
+    model, _ = load_cli_model(args, classes, meta.get("seed", 0))
     shape = tuple(meta["input_shape"])
-    fixed = getattr(model, "input_dims", None)   # an ONNX file's static dimensions
-    if fixed is not None and any(isinstance(f, int) and f != d for f, d in zip(fixed[1:], shape[1:])):
-        raise InputError(f"--model {args.model} takes inputs {tuple(fixed)}, {args.lib} takes {shape}: it is not "
-                         "the model the library was built from; give that model, or leave --model out")
-    model_check.probe(model, shape, f"--model {args.model}")
+    if model.fixed_size not in (None, shape[2]):
+        takes = (shape[0], 3, model.fixed_size, model.fixed_size)
+        raise InputError(f"--model {args.model} takes inputs {takes}, {args.lib} takes {shape}: it is not the model "
+                         "the library was built from; give that model, or leave --model out")
+    model.probe(shape, f"--model {args.model}")
     return model
 
 
@@ -627,7 +610,6 @@ def _eval_folder(args) -> int:
     from tvm_qconv.artifact import read_meta
     from tvm_qconv.evaluate import evaluate_folder
     from tvm_qconv.fileio import check_output_file, write_json
-    from tvm_qconv.frontend import weights_digest
     if args.json is not None:
         check_output_file(args.json, "JSON result", inputs=command_inputs(args), ours=_not_an_eval_result,
                           force=args.force)
@@ -635,7 +617,7 @@ def _eval_folder(args) -> int:
     if args.model is not None:
         model = _float_model_of(args, read_meta(args.lib))
         built_from = read_meta(args.lib).get("float_weights")
-        if built_from is not None and built_from != weights_digest(model):
+        if built_from is not None and built_from != model.digest():
             print(f"warning: {args.model} does not hold the weights {args.lib} was built from (their digests differ): "
                   "its accuracy is another model's, and agreement and SQNR compare two models", file=sys.stderr)
     res = evaluate_folder(args.lib, args.data, labels=args.labels, classes=args.classes, float_model=model,

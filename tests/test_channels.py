@@ -164,7 +164,7 @@ def test_the_exported_onnx_gathers_channels_like_the_library(tmp_path, skip, uns
     export_onnx(model, path, input_shape=(1, 3, SIZE, SIZE), config=config, ranges=Calibrate(photos[:4]),
                 progress=False)
     # ONNX Runtime's graph optimizations off: its fused int8 convs differ from the Q/DQ graph's
-    # meaning on CPUs without VNNI (README, "Export to ONNX"); the node-by-node run is the file itself
+    # meaning on CPUs without VNNI (docs/usage.md, "Export to ONNX"); the node-by-node run is the file itself
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])

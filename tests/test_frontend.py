@@ -122,3 +122,31 @@ def test_a_spatial_mean_that_drops_its_axes_is_simplified_into_a_global_pool_and
         out = vm["main"](tvm.runtime.tensor(x))
         outs.append((out[0] if not hasattr(out, "numpy") else out).numpy())    # the exported main returns a tuple
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)   # float32 sums in another order
+
+
+def test_every_registered_frontend_implements_the_interface_and_agrees_with_its_reference(tmp_path):
+    """Each kind of model (torch module, ONNX file) is a ``Frontend``: the members the build, ``compare``,
+    ``eval`` and the CLIs use exist, and its float Relax graph at batch 2 computes its own ``reference``
+    on the same input (float32 through two runtimes: 1e-4 of the logits' scale)."""
+    from tvm import relax
+    import tvm
+
+    from tvm_qconv.frontend import FRONTENDS, Frontend, as_frontend, load_model
+
+    onnx_path = tmp_path / "net.onnx"
+    torch.onnx.export(_net(), (torch.randn(1, 3, 16, 16),), str(onnx_path), dynamo=False, opset_version=17,
+                      input_names=["x"], dynamic_axes={"x": {0: "N"}})
+    models = {"torch_model": as_frontend(_net(), "net"), "onnx_model": as_frontend(load_model(str(onnx_path)))}
+    assert sorted(models) == sorted(f.__name__.rsplit(".", 1)[1] for f in FRONTENDS)   # one case per frontend
+    x = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    for kind, model in models.items():
+        assert isinstance(model, Frontend), kind
+        assert model.probe((2, 3, 16, 16)).output_path == ()
+        assert model.image_size(None) == (model.fixed_size or 224)      # the ONNX file fixes 16 x 16
+        assert len(model.digest()) > 0
+        graph = model.export((2, 3, 16, 16)).at(2)
+        vm = relax.VirtualMachine(relax.build(graph.mod, target="llvm"), tvm.cpu())
+        out = vm["main"](tvm.runtime.tensor(x))
+        out = out if isinstance(out, tvm.runtime.Tensor) else out[0]    # torch's importer returns a tuple
+        ref = model.reference(x)
+        np.testing.assert_allclose(out.numpy(), ref, atol=1e-4 * np.abs(ref).max(), err_msg=kind)

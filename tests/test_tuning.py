@@ -521,7 +521,7 @@ def test_tune_model_starts_from_the_default_schedule_and_logs_progress(small_int
 
 def test_rerunning_a_pruned_tuning_command_tunes_nothing_more(small_int8, tmp_path, capsys):
     """tune.py --prune keeps one record per workload; the trials it dropped still count, so the
-    same command run again (the README's resume) finds every task finished, not 1 of 2 trials."""
+    same command run again (docs/usage.md's resume) finds every task finished, not 1 of 2 trials."""
     model, _, tasks = small_int8
     task = tasks[1]
     args = dict(arch=ARCH, trials_per_task=2, num_trials_per_iter=1, work_dir=str(tmp_path), image_size=SIZE,

@@ -23,8 +23,7 @@ from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .onnx_import import OnnxModel
-from .frontend import ExportedModel, exported_model, load_model, weights_digest
+from .frontend import ExportedGraphs, as_frontend
 from .graph import static_shape
 from .progress import as_phases
 from .quantize import dump_ir, quantize_module
@@ -135,7 +134,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     Args:
         model: a torchvision classifier name (``vgg16``, random init; see
             :func:`tvm_qconv.frontend.load_model` for weights and ``.onnx`` files), a float
-            ``torch.nn.Module`` or ``onnx_import.OnnxModel``.
+            ``torch.nn.Module``, or any :class:`tvm_qconv.frontend.Frontend` (an ``OnnxModel``).
             Its ``forward`` may return a tuple / list / dict: the library computes its first
             tensor, and the report says so.
         out_path: the ``.so`` to write; ``<stem>.params.npz`` and ``<stem>.json`` go beside it.
@@ -157,20 +156,19 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     phases = as_phases(progress)
     check_output_file(out_path, "library")
     tgt = make_target(options.target, options.arch)
-    if isinstance(model, str):
-        name, model = name or model, load_model(model)
-    onnx_file = isinstance(model, OnnxModel)
-    name = name or (os.path.basename(model.path) if onnx_file else type(model).__name__.lower())
-    probe = model_check.probe(model, options.input_shape, name)
+    name = name or (model if isinstance(model, str) else None)
+    model = as_frontend(model, name)
+    name = name or model.name
+    probe = model.probe(options.input_shape, name)
     model_check.check_memory(probe, options.input_shape, name,
                              host_batch=None if options.target == "llvm" else verify_mod.IMAGES)
-    with model_check.single_output(model, probe):
-        exported = exported_model(model, options.input_shape)   # the one torch.export (or ONNX import) of this build
+    with model.first_output(probe):
+        exported = model.export(options.input_shape)   # the one torch.export (or ONNX import) of this build
         q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases, exported)
         report = dict(q.report, schedules=applied, tuned=tuned)
         if tgt.kind.name == "cuda":
             report["cuda_source"] = _check_cuda_source(ex, tgt, phases)
-        note = model.output_note if onnx_file else model_check.output_note(probe)
+        note = model.report_note(probe)
         if note:
             report["output"] = note
         if options.verify:
@@ -180,7 +178,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
                 config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
                 report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
-                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=weights_digest(model),
+                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=model.digest(),
                 output_shape=output_shape(q.mod))
     meta.update(extra_meta or {})
     if report.get("verify", {}).get("status") == "failed":
@@ -208,7 +206,7 @@ def _seconds(phases) -> dict:
 
 
 def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress,
-             exported: ExportedModel | None = None):
+             exported: ExportedGraphs | None = None):
     """quantize -> lift params -> tuning database -> default schedules -> tvm.compile
     (``exported``: the model's export, to reuse).
 
@@ -267,8 +265,8 @@ def _family_chooser(families, fallback):
     return choose
 
 
-def _verify(exported: ExportedModel, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
-    """Compare the compiled logits with the float model's (``exported.model``) on calibration
+def _verify(exported: ExportedGraphs, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
+    """Compare the compiled logits with the float model's (``exported.frontend``) on calibration
     images; under the floor
     find the first layer that diverges, and under the floor or the accuracy target rank the
     layers by what each loses (``tvm_qconv/verify.py``)."""
@@ -279,7 +277,7 @@ def _verify(exported: ExportedModel, tgt, options: BuildOptions, config: QuantCo
         return dict(status="skipped", reason=reason)
     held_out = q.held_out is not None  # (Calibrate holds out none, or at least HELD_OUT_MIN)
     images = q.held_out if held_out else q.images[:verify_mod.IMAGES]
-    model = exported.model
+    model = exported.frontend
     sqnr, ref = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
     result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
                   images=len(images), held_out=held_out, floor_db=options.verify_floor_db)

@@ -117,8 +117,8 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     Args:
         lib_path: a classifier library (``deploy.py build``).
         data, labels, classes: the folder and how its labels read (:func:`labelled_images.labelled_images`).
-        float_model: the float model the library was built from (a ``torch.nn.Module`` or
-            ``onnx_import.OnnxModel``), or None.
+        float_model: the float model the library was built from (a ``torch.nn.Module``, any
+            ``frontend.Frontend``), or None.
         device: ``llvm`` / ``cuda``; default: the library's target.
         limit: at most this many images (the first, in file order).
         progress: a progress bar on a terminal.
@@ -130,11 +130,12 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     Raises:
         InputError: as :func:`labelled_images.labelled_images`; no image readable.
     """
-    import torch
-
     from .labelled_images import labelled_images, read_batch
     from .progress import bar
 
+    if float_model is not None:
+        from .frontend import as_frontend  # (torch and the frontends load only with a float model: sqnr_db stays light)
+        float_model = as_frontend(float_model)
     meta = read_meta(lib_path)
     if meta.get("output_shape") is not None:    # recorded since 2026-12; older libraries: at the first batch
         check_class_scores(lib_path, meta["output_shape"], meta["input_shape"][0])
@@ -161,8 +162,7 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
                              "outputs: labels are class indices from 0")
         outs["int8"].append(logits)
         if float_model is not None:
-            with torch.no_grad():
-                f = np.asarray(float_model.eval()(torch.from_numpy(x)), np.float32)
+            f = float_model.reference(x)
             if f.shape[1:] != logits.shape[1:]:
                 raise InputError(f"the float model gives outputs of shape {f.shape[1:]} per image, {lib_path} "
                                  f"{logits.shape[1:]}: it is not the model the library was built from (another "

@@ -18,7 +18,7 @@ from . import model_check
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import atomic_path, check_output_file
-from .frontend import load_model
+from .frontend import as_frontend
 from .lowering.onnx import EXPORTABLE_OPS, ONNXEmitter, op_name
 from .progress import as_phases
 from .quantize import quantize_module
@@ -105,15 +105,15 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
         raise InputError(f"input shape {tuple(input_shape)}: give (batch, channels, height, width), each >= 1")
     if not MIN_OPSET <= int(opset) <= MAX_OPSET:
         raise InputError(f"opset {opset}: the exporter writes opsets {MIN_OPSET} to {MAX_OPSET}; choose one of them")
-    if isinstance(model, str):
-        name, model = name or model, load_model(model)
-    name = name or getattr(model, "path", None) or type(model).__name__.lower()
+    name = name or (model if isinstance(model, str) else None)
+    model = as_frontend(model, name)
+    name = name or model.name
     input_shape = tuple(int(d) for d in input_shape)
-    probe = model_check.probe(model, input_shape, name)
+    probe = model.probe(input_shape, name)
     model_check.check_memory(probe, input_shape, name)
     phases = as_phases(progress, "export-onnx")
     # Exactly what a CPU build does: the same graph, ranges and int8 / float decision per layer.
-    with model_check.single_output(model, probe):
+    with model.first_output(probe):
         q = quantize_module(model, input_shape, TargetInfo.from_target(make_target("llvm")), config=config,
                             ranges=ranges, progress=phases, require_int8=require_int8,
                             check_graph=check_exportable)  # an op with no ONNX form: before calibration

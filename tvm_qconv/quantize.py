@@ -15,12 +15,11 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import tvm
 
 from .config import QuantConfig
 from .errors import InputError
-from .frontend import ExportedModel, exported_model
+from .frontend import ExportedGraphs, as_frontend
 from .graph import Graph
 from .lowering import LowerToRelax
 from .observers import quantize_weight_per_channel
@@ -42,11 +41,12 @@ class QuantizedModule:
     from); ``amax``: the range of every point; ``names``: torch names of conv / linear layers;
     ``graph``: the float graph's analysis at the build shape (with GPTQ, of the rounded
     weights); ``images``: the calibration images (None when the ranges were not calibrated);
-    ``model``: the torch model quantized (``QuantConfig.weight_rounding="gptq"``: a copy with the
-    rounded weights, which a rebuild from the same ranges takes with nearest rounding);
+    ``model``: the model quantized (a ``frontend.Frontend``; ``QuantConfig.weight_rounding="gptq"``:
+    one of a copy with the rounded weights, which a rebuild from the same ranges takes with
+    nearest rounding);
     ``held_out``: images of the calibration source that calibration did not use (None: none), on
     which the build verifies; ``plan``: the quantization plan (``tvm_qconv/quantization``);
-    ``exported``: ``model`` exported (``frontend.ExportedModel``), its graph at any batch."""
+    ``exported``: ``model`` exported (``frontend.ExportedGraphs``), its graph at any batch."""
 
     mod: tvm.IRModule
     report: dict
@@ -57,7 +57,7 @@ class QuantizedModule:
     model: object = None
     held_out: np.ndarray | None = None
     plan: QuantizationPlan | None = None
-    exported: ExportedModel | None = None
+    exported: ExportedGraphs | None = None
 
 
 def dump_ir(debug_dump: str | None, step: str, mod) -> None:
@@ -93,7 +93,7 @@ def check_skip(graph: Graph, config: QuantConfig, require_int8: bool = False) ->
 
 def float_graph(model, input_shape: tuple) -> Graph:
     """The analysis of ``model``'s float graph at ``input_shape`` (exported, BatchNorms folded)."""
-    return exported_model(model, input_shape).at(input_shape[0]).graph
+    return as_frontend(model).export(input_shape).at(input_shape[0]).graph
 
 
 def check_rounded(graph: Graph, integers: dict) -> None:
@@ -118,11 +118,12 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                     config: QuantConfig = QuantConfig(), ranges: RangeSource | None = None,
                     choices: dict | None = None, chooser=None, expose_activations: bool = False,
                     debug_dump: str | None = None, progress=True, require_int8: bool = False,
-                    exported: ExportedModel | None = None, check_graph=None) -> QuantizedModule:
+                    exported: ExportedGraphs | None = None, check_graph=None) -> QuantizedModule:
     """The int8 Relax module of ``model`` for ``target``.
 
     Args:
-        model: a float ``torch.nn.Module`` (eval mode is set) or ``onnx_import.OnnxModel``.
+        model: a float ``torch.nn.Module`` (eval mode is set), or any ``frontend.Frontend`` (an
+            ``OnnxModel``).
         input_shape: the static (N, C, H, W) to build for.
         target: which kernels exist (``TargetInfo.from_target``).
         config: the scheme.
@@ -135,17 +136,17 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
         require_int8: refuse a skip list that leaves no layer in int8 (:func:`check_skip`).
         progress: print each phase as it starts (a :class:`~tvm_qconv.progress.Phases` to share
             the build's, or a bool).
-        exported: ``model`` already exported (``frontend.ExportedModel``): its graphs are reused
+        exported: ``model`` already exported (``frontend.ExportedGraphs``): its graphs are reused
             (a build shares one between its library, its verification and the per-layer twin).
         check_graph: ``(Graph) -> None``, called on the float graph before any range is resolved:
             a caller's refusal (``onnx_export.check_exportable``) comes before the calibration it
             would waste.
     """
     phases = as_phases(progress)
-    exported = exported if exported is not None else exported_model(model, input_shape)
+    model = as_frontend(model)
+    exported = exported if exported is not None else model.export(input_shape)
     batch = int(input_shape[0])
-    source = "torch.export" if isinstance(model, torch.nn.Module) else "TVM's ONNX frontend"
-    with phases("export", f"{source} at {tuple(input_shape)} -> Relax"):
+    with phases("export", f"{model.exporter} at {tuple(input_shape)} -> Relax"):
         dump_ir(debug_dump, "01_imported", exported.imported(batch)[0])
     with phases("simplify", "fold batch norms and constants, find the layers"):
         fg = exported.at(batch)
@@ -155,11 +156,10 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
     if check_graph is not None:
         check_graph(graph)
 
-    if getattr(model, "qdq", None) is not None:   # a Q/DQ ONNX file: its own scales (unless given), and
-        from .onnx_qdq import file_scales         # the layers it leaves float kept float in every rebuild
-        file_ranges, config = file_scales(model, exported, config)
-        ranges = file_ranges if ranges is None else ranges
-    ranges = ranges if ranges is not None else Calibrate()
+    # the ranges a model carries (a Q/DQ file's, unless given), and the layers it leaves float kept
+    # float in every rebuild
+    own, config = model.own_ranges(exported, config)
+    ranges = ranges if ranges is not None else own if own is not None else Calibrate()
     ctx = RangeContext(graph, tuple(input_shape), config, lambda: exported.at(1).graph, phases.enabled)
     with phases("ranges", describe_ranges(ranges, config)):
         amax, ranges_report = ranges.resolve(ctx)
@@ -169,18 +169,19 @@ def quantize_module(model, input_shape: tuple[int, int, int, int], target: Targe
                          "bias correction off")
     rounding = None
     if config.weight_rounding == "gptq":
-        if not isinstance(model, torch.nn.Module):
-            raise InputError(f"GPTQ weight rounding rounds a torch model's layers; {getattr(model, 'path', model)} is "
-                             "not one: round to nearest (drop --weight-rounding gptq)")
+        if model.module is None:
+            raise InputError(f"GPTQ weight rounding rounds a torch model's layers; {model.name} is not one: round "
+                             "to nearest (drop --weight-rounding gptq)")
         if ctx.images is None:
             raise InputError(f"GPTQ weight rounding needs calibration images; these ranges come from "
                              f"{ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges) or round "
                              "to nearest")
         layers = [ly.name for ly in graph.layers if ly.kind in ("conv2d", "dense") and may_run_int8(ly, config)]
         with phases("gptq", f"round the weights of {len(layers)} layers on the calibration images"):
-            model, rounding, integers = gptq_model(model, ctx.images[: config.num_calib_images], layers)
+            rounded, rounding, integers = gptq_model(model.module, ctx.images[: config.num_calib_images], layers)
             # the weights changed: the one export this build makes again
-            exported = ExportedModel(model, input_shape)
+            model = model.with_module(rounded)
+            exported = model.export(input_shape)
             fg = exported.at(batch)
             mod, graph = fg.mod, fg.graph
         dump_ir(debug_dump, "02b_weights_rounded", mod)

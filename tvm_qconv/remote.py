@@ -34,7 +34,7 @@ LOCAL_KEY = "tvm_qconv-local"  # the key of the servers local_cluster starts
 CONNECT_TIMEOUT_S = 10.0       # to reach a host at all (TCP), before any RPC
 SERVER_START_TIMEOUT_S = 90.0  # local_cluster: until every server is registered with the tracker
 
-SERVER_HOW = "start one on the GPU machine with `python -m tvm_qconv.rpc_server` (README: Remote GPUs)"
+SERVER_HOW = "start one on the GPU machine with `python -m tvm_qconv.rpc_server` (docs/usage.md#remote-gpus-tvm-rpc)"
 
 
 def _host_port(text: str, what: str) -> tuple[str, int]:

@@ -54,7 +54,7 @@ def format_report(meta: dict) -> str:
     lines += format_verification(rep.get("verify"))
     for note in (rep.get("output") or "").splitlines():
         # the model's notes on its interface, one a line: an ONNX file's input size (its line says
-        # "input: " itself, onnx_import.OnnxModel.input_note), then what the library takes of its outputs
+        # "input: " itself, frontend.onnx_model.OnnxModel.input_note), then what the library takes of its outputs
         lines.append(note if note.startswith("input: ") else "output: " + note)
     lines.append(format_seconds(meta.get("build_seconds", {})))
     return "\n".join(lines)

@@ -11,7 +11,6 @@ the SQNR each loses (:func:`losses`).
 from __future__ import annotations
 
 import numpy as np
-import torch
 import tvm
 from tvm import relax
 
@@ -56,13 +55,11 @@ def run_batches(ex, params: list, target: tvm.target.Target, batch: int, images:
     return results
 
 
-def logits_sqnr(ex, params: list, target, batch: int, model: torch.nn.Module,
-                images: np.ndarray) -> tuple[float, np.ndarray]:
-    """SQNR (dB) of the compiled logits against the float model's on ``images``, and the float
-    model's logits (for :func:`input_blind`)."""
+def logits_sqnr(ex, params: list, target, batch: int, model, images: np.ndarray) -> tuple[float, np.ndarray]:
+    """SQNR (dB) of the compiled logits against the float model's (``model``: a
+    ``frontend.Frontend``) on ``images``, and the float model's logits (for :func:`input_blind`)."""
     got = np.concatenate([outs[0] for outs in run_batches(ex, params, target, batch, images)])
-    with torch.no_grad():
-        ref = model.eval()(torch.from_numpy(np.ascontiguousarray(images, np.float32))).numpy()
+    ref = model.reference(images)
     return sqnr_db(ref, got), ref
 
 

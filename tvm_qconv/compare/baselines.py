@@ -103,13 +103,13 @@ def _torch_model(ctx, precision: str):
     """The float model in ``precision`` on the comparison's device, channels_last, cuDNN's
     algorithm search on: how a PyTorch user runs it fastest in eager mode."""
     import torch  # row-time import: see the note at the top
-    if not isinstance(ctx.model, torch.nn.Module):
+    if ctx.model.module is None:
         raise Unavailable("--model is an ONNX file: there is no PyTorch module to run (ONNX Runtime's rows run "
                           "the model)")
     dtype = getattr(torch, _TORCH_DTYPES[precision])
     set_tf32(precision == "tf32")
     torch.backends.cudnn.benchmark = True
-    model = copy.deepcopy(ctx.model).to(ctx.device, dtype).to(memory_format=torch.channels_last).eval()
+    model = copy.deepcopy(ctx.model.module).to(ctx.device, dtype).to(memory_format=torch.channels_last).eval()
 
     def put(x):
         return torch.from_numpy(x).to(ctx.device, dtype).contiguous(memory_format=torch.channels_last)
@@ -235,7 +235,7 @@ def prepare_onnxruntime(ctx, batch: int, provider: str) -> Forward:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     # int8 kernels on x86: by default ORT turns int8 Q/DQ into uint8, whose sums saturate on CPUs
-    # without VNNI (README, "Export to ONNX")
+    # without VNNI (docs/usage.md, "Export to ONNX")
     options.add_session_config_entry("session.qdqisint8allowed", "1")
     session = ort.InferenceSession(path, options, providers=[provider])
     if session.get_providers()[0] != provider:  # ORT falls back to the CPU when the CUDA libraries do not load

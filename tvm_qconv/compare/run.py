@@ -28,7 +28,7 @@ from ..data import skimage_photos
 from ..errors import InputError
 from ..evaluate import topk_accuracy
 from ..fileio import check_output_folder
-from ..frontend import load_model, weights_digest
+from ..frontend import as_frontend, load_model
 from ..graph import static_shape
 from ..labelled_images import labelled_images, read_batch
 from ..onnx_export import export_onnx
@@ -173,21 +173,21 @@ class Context:
         if model is None:
             torch.manual_seed(options.seed)
             model = load_model(options.model, options.weights, options.num_classes)
-        self.model = model.eval()
-        # the image size: an ONNX file's own where it fixes one (a contradicting --image-size is refused), else 224
-        size = model.image_size(options.image_size) if not isinstance(model, torch.nn.Module) else options.image_size or 224
+        self.model = as_frontend(model, options.model)
+        # the image size: the model's own where it fixes one (a contradicting --image-size is refused), else 224
+        size = self.model.image_size(options.image_size)
         self.options = options = dataclasses.replace(options, image_size=size)
-        if getattr(model, "qdq", None) is not None and options.calib_dir is not None:
+        if self.model.has_own_ranges and options.calib_dir is not None:
             raise InputError(f"--calib-dir cannot be used with {options.model}: it is a quantized (Q/DQ) file, whose "
                              "scales every int8 row keeps (nothing is calibrated); drop it")
         self.input_shape = (1, 3, size, size)
         # the shape at the largest batch, checked before any work; a tuple output's first tensor
-        # is what every row times and compares (compare() holds model_check.single_output)
+        # is what every row times and compares (compare() holds the model's first_output)
         shape = (max(options.batches), 3, options.image_size, options.image_size)
-        self.probe = model_check.probe(self.model, shape, options.model)
+        self.probe = self.model.probe(shape, options.model)
         model_check.check_memory(self.probe, shape, options.model,
                                  host_batch=None if self.device == "cpu" else 1)
-        self.weights = weights_digest(self.model)
+        self.weights = self.model.digest()
         self.arch = None
         if self.device == "cuda":
             self.arch = options.arch or device_arch(full=True)
@@ -223,7 +223,7 @@ class Context:
         t = time.perf_counter()
         self.amax, self.convs = self._calibrate()
         self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
-        how = ("took the Q/DQ file's scales of" if getattr(self.model, "qdq", None) is not None else
+        how = ("took the Q/DQ file's scales of" if self.model.has_own_ranges else
                f"calibrated ({self.options.config.calibration})")
         self.progress(f"[compare] {how} {len(self.amax)} tensors in {self.times['calibrate_s']} s")
         if {"int8", "int8-graph"} & set(names):
@@ -252,33 +252,21 @@ class Context:
         return np.concatenate(out)[:n]
 
     @property
-    def onnx_file(self) -> bool:
-        return not isinstance(self.model, torch.nn.Module)
-
-    @property
     def reference_name(self) -> str:
-        return "fp32 ONNX Runtime (CPU)" if self.onnx_file else "fp32 PyTorch (TF32 off)"
+        return "fp32 PyTorch (TF32 off)" if self.model.module is not None else "fp32 ONNX Runtime (CPU)"
 
     def _reference(self, photos: np.ndarray | None = None) -> np.ndarray:
-        """fp32 PyTorch's logits of the photos on this device, TF32 off (an ONNX file's: ONNX
-        Runtime's on the CPU)."""
+        """The float model's logits of the photos, 16 at a time: fp32 PyTorch's on this device, TF32
+        off (an ONNX file's: ONNX Runtime's on the CPU)."""
         photos = self.photos if photos is None else photos
-        if self.onnx_file:
-            return np.concatenate([np.asarray(self.model(torch.from_numpy(photos[i:i + 16])), np.float32)
-                                   for i in range(0, len(photos), 16)])
         set_tf32(False)
-        model = self.model.to(self.device)
-        with torch.no_grad():
-            ref = np.concatenate([model(torch.from_numpy(photos[i:i + 16]).to(self.device)).float().cpu().numpy()
-                                  for i in range(0, len(photos), 16)])
-        self.model = model.cpu()
-        return ref
+        return self.model.reference(photos, self.device, chunk=16)
 
     def _calibrate(self) -> tuple[dict, list]:
         """The ranges (calibrated once, at batch 1, on the CPU) and the model's convs (for cuDNN)."""
         images = None if self.options.calib_dir else self.photos
-        # a Q/DQ file's ranges are its own (ranges=None: onnx_qdq.file_scales)
-        ranges = None if getattr(self.model, "qdq", None) is not None else Calibrate(images, self.options.calib_dir)
+        # a Q/DQ file's ranges are its own (ranges=None: the model's own_ranges)
+        ranges = None if self.model.has_own_ranges else Calibrate(images, self.options.calib_dir)
         q = quantize_module(self.model, self.input_shape, TargetInfo.from_target(make_target("llvm")),
                             config=self.options.config, ranges=ranges, progress=False)
         convs = []
@@ -325,11 +313,12 @@ class Context:
             return
         os.makedirs(opts.work_dir, exist_ok=True)
         spec = None
-        if self.onnx_file:  # a worker loads the file
-            spec = dict(name=self.model.path, num_classes=None, state=None)
-        elif not self.given_model:  # a worker rebuilds the model from its name and this state
-            spec = dict(name=opts.model, num_classes=opts.num_classes, state=os.path.join(opts.work_dir, "state.pt"))
-            torch.save(self.model.state_dict(), spec["state"])
+        if not self.given_model:  # a worker loads the model by its name, a torch module with this state
+            module = self.model.module
+            spec = dict(name=opts.model, num_classes=opts.num_classes,
+                        state=None if module is None else os.path.join(opts.work_dir, "state.pt"))
+            if module is not None:
+                torch.save(module.state_dict(), spec["state"])
         self.progress(f"[compare] building {len(jobs)} int8 libraries ({opts.jobs} at a time)")
         self.libs.update(build_libraries(jobs, self.model, spec, self.amax, opts.config, opts.jobs, self.progress))
 
@@ -346,7 +335,7 @@ class Context:
     def onnx_model(self) -> tuple[str, float]:
         """(path, export seconds) of the Q/DQ ONNX model with this comparison's ranges (exported
         once, any batch size)."""
-        if self._onnx is None and getattr(self.model, "qdq", None) is not None:
+        if self._onnx is None and self.model.has_own_ranges:
             self._onnx = (self.model.path, 0.0)     # a Q/DQ file: ONNX Runtime and TensorRT run it as it is
         if self._onnx is None:
             path = os.path.join(self.options.work_dir, f"{self.options.tag}.onnx")
@@ -440,7 +429,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     paths = report.paths(options.out_dir, options.tag)
     progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "
              f"batches {', '.join(map(str, options.batches))}, {len(rows)} baselines -> {paths['json']}")
-    with torch.no_grad(), model_check.single_output(ctx.model, ctx.probe):
+    with torch.no_grad(), ctx.model.first_output(ctx.probe):
         ctx.prepare([b.key for b in rows])
         results["times"] = ctx.times
         if ctx.labelled is not None:

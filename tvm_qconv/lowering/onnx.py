@@ -21,7 +21,7 @@ scale and zero point.
   TensorRT's explicit-quantization pattern for an int8 conv.  ONNX Runtime (CPU) makes a
   ``QLinearConv`` of the convs with no activation; with a ReLU between it keeps a float
   ``FusedConv`` (it folds a ReLU into ``QuantizeLinear`` only at zero point -128: the unsigned
-  activations'), and on x86 it wants ``session.qdqisint8allowed=1`` (see README);
+  activations'), and on x86 it wants ``session.qdqisint8allowed=1`` (docs/usage.md, "Export to ONNX");
 - a lookup-table activation (``lut``: SiLU, hardswish... after an int8 layer) is its float ops
   between a DequantizeLinear and a QuantizeLinear at its output's scale, what the table tabulates;
 - everything the project runs in float (skipped layers, layers without an int8 kernel,

@@ -36,7 +36,7 @@ from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
 from ..fileio import check_output_folder, write_json
-from ..frontend import load_model
+from ..frontend import as_frontend, load_model
 from ..quantize import quantize_module
 from ..ranges import Calibrate
 from ..remote import remote_gpu
@@ -63,7 +63,7 @@ def int8_module(model, batch: int, image_size: int, target: tvm.target.Target) -
     """The int8 Relax module compile_model would build for ``target``, calibrated on 2 photos."""
     photos = skimage_photos(image_size)[:CALIB_IMAGES]
     # a Q/DQ file's own scales (None), as its build takes them: the same layers int8, the same kernels
-    ranges = None if getattr(model, "qdq", None) is not None else Calibrate(photos)
+    ranges = None if as_frontend(model).has_own_ranges else Calibrate(photos)
     q = quantize_module(model, (batch, 3, image_size, image_size), TargetInfo.from_target(target),
                         config=QuantConfig(num_calib_images=CALIB_IMAGES), ranges=ranges, progress=False)
     return LiftConstantsToParams()(q.mod)
@@ -363,7 +363,7 @@ def check_local_gpu(arch: str) -> int:
     if have is None:
         raise InputError(f"no CUDA GPU on this machine: tuning measures every candidate on the {arch} GPU it "
                          f"tunes for; tune through a GPU machine's RPC servers (--rpc-tracker H:P --rpc-key K, "
-                         f"README: Remote GPUs), or run tune.py there and copy the --work-dir folder back")
+                         f"docs/usage.md#remote-gpus-tvm-rpc), or run tune.py there and copy the --work-dir folder back")
     if not arch_runs_on(arch, have):
         raise InputError(f"--arch {arch} kernels cannot run on this machine's GPU ({have}): tune with --arch {have}, "
                          f"or on a {arch} machine")

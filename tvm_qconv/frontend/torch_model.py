@@ -1,25 +1,38 @@
-"""torch model in, float Relax module out (torch.export -> relax.frontend.torch)."""
+"""torch models in: an ``nn.Module`` (a torchvision classifier, a user's ``file.py:factory``) as a
+:class:`~tvm_qconv.frontend.base.Frontend`, exported by ``torch.export`` into Relax
+(``relax.frontend.torch.from_exported_program``).
+
+    load(name) --> nn.Module --TorchModel--> probe (fake tensors), export (ExportedModel: one
+      torch.export, a symbolic batch where two batches are needed), reference (the module on x)
+
+The probe runs the model once on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and
+dtypes, no data, no memory; a VGG16 at 224 px in ~30 ms), which tells, before anything is
+exported or calibrated, whether it takes the shape at all (VGG16 at 16 px: its fifth max pool
+would make 0x0), how much memory its largest activation needs, and what its ``forward`` returns:
+one tensor, or a tuple / list / dict whose first tensor the build takes (:meth:`first_output`,
+named in the report), or nothing usable (refused by name).
+"""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import logging
 import os
 import sys
-import time
+from typing import Iterator
 
+import numpy as np
 import torch
 import torchvision
+from torch._subclasses.fake_tensor import FakeTensorMode
 from tvm import relax
 from tvm.relax.frontend.torch import from_exported_program
 
-from .errors import InputError
-from .fileio import file_kind
-from .graph import Graph, analyze
-from .transform.channels_first import channels_first
-from .transform.conv_bias_batch_norms import move_conv_biases_into_batch_norms
-from .transform.fold_pads import fold_pads_into_convs
-from .transform.global_means import keep_global_mean_dims
-from .transform.identity_reshapes import drop_identity_reshapes
+from ..errors import InputError, message_line
+from ..fileio import file_kind
+from .base import Probe, no_ranges
+from .exported import ExportedGraphs
 
 _CONV_TARGETS = {"aten.conv2d.default", "aten.convolution.default"}
 _LINEAR_TARGETS = {"aten.linear.default"}
@@ -28,11 +41,6 @@ _LINEAR_TARGETS = {"aten.linear.default"}
 def list_models() -> list[str]:
     """torchvision classification model names (``vgg16``, ``resnet50``, ...)."""
     return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
-def _first_line(err: Exception, limit: int = 200) -> str:
-    """The first line of an exception's message (its type's name when it has none)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
 
 
 def load_user_model(spec: str) -> torch.nn.Module:
@@ -58,7 +66,7 @@ def load_user_model(spec: str) -> torch.nn.Module:
     except Exception as err:
         del sys.modules[module_name]
         raise InputError(f"--model {spec!r}: importing {path} failed: {type(err).__name__}: "
-                         f"{_first_line(err)}") from err
+                         f"{message_line(err)}") from err
     fn = getattr(module, factory, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -67,30 +75,28 @@ def load_user_model(spec: str) -> torch.nn.Module:
         model = fn()
     except Exception as err:
         raise InputError(f"--model {spec!r}: {factory}() raised {type(err).__name__}: "
-                         f"{_first_line(err)}") from err
+                         f"{message_line(err)}") from err
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"--model {spec!r}: {factory}() returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def load_model(name: str, weights: str | None = None, num_classes: int | None = None) -> torch.nn.Module:
+def accepts(name: str) -> bool:
+    """Whether ``--model`` names a torch model: a ``path/to/file.py:factory`` or a torchvision name
+    (anything that is not a file: an unknown name is refused by :func:`load` with the choices)."""
+    return ".py:" in name or not os.path.isfile(name)
+
+
+def load(name: str, weights: str | None = None, num_classes: int | None = None) -> torch.nn.Module:
     """A torchvision classifier (or a user's model) in eval mode.
 
     Args:
         name: torchvision model name, e.g. ``vgg16``; or ``path/to/file.py:factory``, a user's own
-            ``nn.Module`` (:func:`load_user_model`); or ``path/to/model.onnx``, a float ONNX file
-            (``onnx_import.OnnxModel``, which a build takes where it takes a module).
+            ``nn.Module`` (:func:`load_user_model`).
         weights: None (random init), a path to a state-dict / checkpoint file, or a torchvision
             weight name such as ``DEFAULT`` or ``IMAGENET1K_V1``.
         num_classes: classifier width for random init (default: torchvision's, 1000).
     """
-    from .onnx_import import OnnxModel, is_onnx_path
-
-    if is_onnx_path(name):
-        if weights is not None or num_classes is not None:
-            raise InputError(f"--model {name}: an ONNX file holds its weights and classifier; drop "
-                             f"{'--weights' if weights is not None else '--num-classes'}")
-        return OnnxModel(name)
     if ".py:" in name:
         if num_classes is not None:
             raise InputError(f"--num-classes sets the width of a torchvision classifier; {name} builds its own model")
@@ -98,13 +104,6 @@ def load_model(name: str, weights: str | None = None, num_classes: int | None = 
         if weights is not None:
             load_state_dict_file(model, weights)
         return model.eval()
-    if os.path.isfile(name):    # a file, but neither a model file (.py:factory) nor an ONNX model
-        kind = file_kind(name)
-        hint = (f"give path/to/file.py:factory, the function that returns the module ({name}:FACTORY)"
-                if name.endswith(".py") else
-                "give path/to/file.py:factory (your nn.Module) or an .onnx file (a float or Q/DQ model)")
-        what = "names a Python file but no factory" if name.endswith(".py") else f"is {kind or 'a file'}, not a model"
-        raise InputError(f"--model {name} {what}: {hint}")
     if name not in list_models():
         close = [m for m in list_models() if m.startswith(name[:3])][:8]
         raise InputError(f"unknown model {name!r}: choose a torchvision classifier such as {close or list_models()[:8]}, "
@@ -212,14 +211,141 @@ def weights_digest(model: torch.nn.Module) -> str:
     """A short hash of a model's parameters and buffers (names, dtypes, shapes, values): a built
     library records it, so a comparison can tell whether a library holds the weights of the float
     model it is compared with (two random inits of one architecture do not)."""
-    if not isinstance(model, torch.nn.Module):  # an ONNX file (onnx_import.OnnxModel): its initializers
-        return model.digest()
     digest = hashlib.blake2b(digest_size=10)
     for name, tensor in model.state_dict().items():
         t = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+class TorchModel:
+    """A ``torch.nn.Module`` as a :class:`~tvm_qconv.frontend.base.Frontend` (eval mode)."""
+
+    exporter = "torch.export"
+    path = None         # not read from a file the compiler could pass on
+    has_own_ranges = False
+    fixed_size = None
+    own_ranges = staticmethod(no_ranges)
+
+    def __init__(self, module: torch.nn.Module, name: str | None = None):
+        self.module = module.eval()
+        self.name = name or type(module).__name__.lower()
+
+    def probe(self, input_shape: tuple, name: str | None = None) -> Probe:
+        """Run the module on a fake input of ``input_shape`` (module docstring).
+
+        Raises:
+            InputError: the model cannot take this shape, or returns no tensor.
+        """
+        name = name or self.name
+        largest = [0, ""]
+        paths = {m: p for p, m in self.module.named_modules()}
+
+        def hook(module, args, out):
+            found = _first_tensor(out)
+            if found is not None and found[1].numel() * 4 > largest[0]:
+                largest[:] = [found[1].numel() * 4, paths.get(module, "")]
+
+        handles = [m.register_forward_hook(hook) for m in self.module.modules() if not list(m.children())]
+        # torch logs the traceback of a shape check that fails on fake tensors (20 lines) before it
+        # raises; the error below says it in one
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        level, fake_log.level = fake_log.level, logging.CRITICAL
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+                out = self.module(torch.empty(tuple(input_shape), dtype=torch.float32))
+                del mode
+        except Exception as err:  # the model's own shape checks, in whatever type it raises them
+            raise InputError(f"{name} cannot take input {tuple(input_shape)}: {type(err).__name__}: "
+                             f"{message_line(err)}; choose another --image-size (224 is what ImageNet "
+                             "classifiers are made for)") from None
+        finally:
+            fake_log.setLevel(level)
+            for h in handles:
+                h.remove()
+        found = _first_tensor(out)
+        if found is None:
+            raise InputError(f"{name}'s forward returns {_describe(out)} with no tensor in it: the build needs the "
+                             "logits as a tensor (or a tuple / dict whose first entry is)")
+        return Probe(_describe(out), found[0], largest[0], largest[1])
+
+    @contextlib.contextmanager
+    def first_output(self, probe: Probe) -> Iterator[None]:
+        """While inside, the module returns the first tensor of what its ``forward`` returns (a
+        forward hook, removed afterwards; module paths, and so layer names, stay as they are)."""
+        if probe.output_path == ():
+            yield
+            return
+
+        def first(module, args, out):
+            for key in probe.output_path:
+                out = out[key]
+            return out
+
+        handle = self.module.register_forward_hook(first)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def input_notes(self, input_shape) -> list[str]:
+        return []       # a module is exported at the build's shape: nothing it leaves open
+
+    def report_note(self, probe: Probe) -> str | None:
+        """The report's line about a model whose output is not one tensor (None: it is)."""
+        if probe.output_path == ():
+            return None
+        where = "".join(f"[{k!r}]" for k in probe.output_path)
+        return (f"forward returns {probe.output}: the library computes its first tensor, output{where}; the rest "
+                "is dropped")
+
+    def export(self, input_shape: tuple) -> "ExportedModel":
+        return ExportedModel(self, input_shape)
+
+    def reference(self, x: np.ndarray, device: str = "cpu", chunk: int | None = None) -> np.ndarray:
+        """The module's first output tensor on ``x``, float32: on ``device`` (the module moves there
+        for the call and back), ``chunk`` images at a time (None: all at once)."""
+        module = self.module.to(device)
+        x = np.ascontiguousarray(x, np.float32)
+        step = chunk or max(len(x), 1)
+        try:
+            with torch.no_grad():
+                outs = [_first_tensor(module(torch.from_numpy(x[i:i + step]).to(device)))[1].float().cpu().numpy()
+                        for i in range(0, len(x), step)]
+            return np.concatenate(outs)
+        finally:
+            self.module = module.cpu()
+
+    def digest(self) -> str:
+        return weights_digest(self.module)
+
+    def image_size(self, requested: int | None) -> int:
+        return requested or 224
+
+    def with_module(self, module: torch.nn.Module) -> "TorchModel":
+        return TorchModel(module, self.name)
+
+
+def _first_tensor(out, path=()):
+    """(path, tensor) of the first tensor in ``out`` (depth first), or None."""
+    if isinstance(out, torch.Tensor):
+        return path, out
+    items = out.items() if isinstance(out, dict) else enumerate(out) if isinstance(out, (tuple, list)) else ()
+    for key, value in items:
+        found = _first_tensor(value, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _describe(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor {tuple(out.shape)}"
+    if isinstance(out, (tuple, list, dict)):
+        kind = type(out).__name__ if not hasattr(out, "_fields") else f"{type(out).__name__} (a named tuple)"
+        return f"a {kind} of {len(out)}"
+    return f"a {type(out).__name__}"
 
 
 def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, int]):
@@ -235,18 +361,10 @@ def export_to_relax(model: torch.nn.Module, input_shape: tuple[int, int, int, in
     return _import(ep), _layer_names(ep)
 
 
-def exported_model(model, input_shape) -> "ExportedModel":
-    """The build's one export of ``model``: a torch module's :class:`ExportedModel`, an ONNX file's
-    ``onnx_import.OnnxExported`` (the same interface)."""
-    from .onnx_import import OnnxExported, OnnxModel
-
-    if isinstance(model, OnnxModel):
-        return OnnxExported(model, input_shape)
-    return ExportedModel(model, input_shape)
 
 
-class ExportedModel:
-    """A float model exported once, its float graph at every batch a build needs.
+class ExportedModel(ExportedGraphs):
+    """A torch model exported once, its float graph at every batch a build needs.
 
     A build needs its own batch and batch 1 (calibration, the verification's per-layer twin and
     its reference).  At batch 1 that is one static ``torch.export``.  At a larger batch the one
@@ -264,15 +382,13 @@ class ExportedModel:
         dynamic: whether the one export has a symbolic batch (None: not exported yet).
     """
 
-    def __init__(self, model: torch.nn.Module, input_shape: tuple[int, int, int, int]):
-        self.model = model.eval()
-        self.sample_shape = tuple(int(d) for d in input_shape[1:])
-        self.exports, self.export_seconds = 0, 0.0
+    def __init__(self, model, input_shape: tuple[int, int, int, int]):
+        frontend = model if isinstance(model, TorchModel) else TorchModel(model)
+        super().__init__(frontend, input_shape)
+        self.model = frontend.module.eval()
         # batch 1 needs no symbolic batch: every graph a batch-1 build asks for is at batch 1
         self.dynamic: bool | None = None if int(input_shape[0]) > 1 else False
         self._program = None          # the symbolic-batch Relax module and its layer names
-        self._imported: dict = {}     # batch -> (imported Relax module, layer names)
-        self._at: dict = {}           # batch -> FloatGraph
 
     def imported(self, batch: int):
         """(Relax module as imported, layer names) at ``batch``: the export's program with the
@@ -291,28 +407,6 @@ class ExportedModel:
                 self._imported[batch] = (_import(ep), _layer_names(ep))
         return self._imported[batch]
 
-    def at(self, batch: int) -> "FloatGraph":
-        """The float graph at ``batch``: imported, simplified, its channels-last regions as NCHW
-        ops (``transform/channels_first.py``) and the identity reshapes that leaves dropped
-        (``transform/identity_reshapes.py``), analysed (made once per batch)."""
-        batch = int(batch)
-        if batch not in self._at:
-            imported, names = self.imported(batch)
-            mod, names = channels_first(simplify(imported), names)
-            mod = drop_identity_reshapes(mod)
-            graph = analyze(mod["main"], names)
-            graph.kernels = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
-            self._at[batch] = FloatGraph(imported, mod, names, graph)
-        return self._at[batch]
-
-    def _timed(self, export):
-        t = time.perf_counter()
-        try:
-            return export()
-        finally:
-            self.exports += 1
-            self.export_seconds += time.perf_counter() - t
-
     def _export_dynamic(self):
         """(Relax module with a symbolic batch, layer names), or None where the model fixes its batch."""
         # an example batch of 2: torch.export specializes a dimension of size 1
@@ -329,20 +423,12 @@ class ExportedModel:
 _MAX_BATCH = 1 << 16
 
 
-class FloatGraph:
-    """One batch's float graph: ``imported`` (as the importer gave it), ``mod`` (simplified),
-    ``names`` (torch paths of the conv / linear layers) and ``graph`` (its analysis)."""
-
-    def __init__(self, imported, mod, names: dict, graph: Graph):
-        self.imported, self.mod, self.names, self.graph = imported, mod, names, graph
-
-
 def _export(model, example, dynamic_shapes, what: str):
     try:
         with torch.no_grad():
             return torch.export.export(model, (example,), dynamic_shapes=dynamic_shapes)
     except Exception as err:
-        raise InputError(f"torch.export failed for {what}: {type(err).__name__}: {_first_line(err)}") from err
+        raise InputError(f"torch.export failed for {what}: {type(err).__name__}: {message_line(err)}") from err
 
 
 def _import(ep):
@@ -350,7 +436,7 @@ def _import(ep):
         return from_exported_program(ep)
     except Exception as err:
         raise InputError(f"the Relax importer does not support this model: {type(err).__name__}: "
-                         f"{_first_line(err)}") from err
+                         f"{message_line(err)}") from err
 
 
 def _bind_batch(mod, batch: int):
@@ -378,18 +464,4 @@ def _layer_names(ep) -> dict:
         names[kind].append(path.removeprefix("L['self'].").replace("getattr(L['self'], '", "").replace("')", ""))
     return names
 
-
-def simplify(mod):
-    """Fold batch norm into convs (a conv with a bias too: ``transform/conv_bias_batch_norms.py``),
-    fold constants (bias reshapes, weight transposes), drop dead code; a spatial mean that drops its
-    axes as the global pool it is (``transform/global_means.py``); an explicit zero pad before a
-    conv as the conv's padding (``transform/fold_pads.py``)."""
-    # constants folded first: a conv's bias is imported as a reshape of a constant, which the
-    # bias move reads as the constant it is
-    seq = [relax.transform.FoldConstant(), move_conv_biases_into_batch_norms,
-           relax.transform.FoldBatchnormToConv2D(), relax.transform.FoldConstant(),
-           relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(["main"])]
-    for p in seq:
-        mod = p(mod)
-    return fold_pads_into_convs(keep_global_mean_dims(mod))
 
