@@ -1,4 +1,4 @@
-"""How the CLIs end when the work inside them fails (``tvm_qconv/cli.py``): one line on stderr,
+"""How the CLIs end when the work inside them fails (``tvm_qconv/cli/exits.py``): one line on stderr,
 no traceback, and the exit code of its kind -- Ctrl-C 130 with what was kept, an internal
 failure 1 with how to get the traceback -- for deploy.py, tune.py and train.py alike; with
 ``TVM_QCONV_DEBUG=1`` the exception itself.  And the thread count TVM's pool starts with, checked

@@ -340,7 +340,7 @@ def tensor_cores_on_llvm(tvm_on_cpu, monkeypatch):
         fn = tvm.compile(tvm.IRModule({"main": tc_conv2d.conv2d_nhwc_int32(wl)}), target="llvm")["main"]
         fn(data, weight, out)
 
-    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.TENSORCORE_LAYOUT)
+    monkeypatch.setattr(tvm_kernels, "forward_layout", lambda wl, device: tvm_kernels.CHANNELS_LAST_LAYOUT)
     monkeypatch.setattr(tvm_kernels, "_call", run_on_llvm)
     return calls
 

@@ -278,7 +278,7 @@ TENSORCORE_CASES = [Case("tc_3x3", cin=32, cout=48), Case("tc_stride2", cin=16, 
 def test_a_layer_of_16_input_channels_or_more_runs_its_forward_on_tensor_cores_bit_exactly(case):
     x_q, w_q, args = _int8_operands(case)
     wl = tvm_kernels.forward_workload(x_q.shape, w_q.shape, *args)
-    assert tvm_kernels.forward_layout(wl, CUDA) == tvm_kernels.TENSORCORE_LAYOUT
+    assert tvm_kernels.forward_layout(wl, CUDA) == tvm_kernels.CHANNELS_LAST_LAYOUT
     acc = functional._int8_conv_forward(x_q.to(CUDA), w_q.to(CUDA), *args)
     assert torch.equal(acc.cpu(), functional.int8_conv_cpu(x_q, w_q, *args))
     ours, _, ref = run_cuda_twins(case)
@@ -566,8 +566,9 @@ def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family,
     # int32 epilogue: a forward on 64 x 256 tiles, VGG16's split-K dw of 256 -> 256 @56) and the
     # default kernel, on the same random int8 operands: the same int32 sums, bit for bit
     import tvm
-    from tvm_qconv.nn import conv_tiles
-    from tvm_qconv.schedules.training import grad_weight_mma
+    from tvm_qconv.nn import conv_table, conv_tiles
+    from tvm_qconv.schedules.tensorcore import mma
+    from tvm_qconv.schedules.training import conv_choices, grad_weight_mma
     if family != "mma" and torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
     wl = tvm_kernels.ConvWorkload(32, 512, 14, 14, 512, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
@@ -578,17 +579,17 @@ def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family,
         assert wl.splits > 1
     arch = tvm_kernels.device_target(CUDA)[1]
     func = tvm_kernels._impl("forward", wl, tvm_kernels.target_of(arch)).compute(wl)
-    mp, op, k = conv_tiles.gemm_extents(func)
-    default = conv_tiles.mma_choice(*conv_tiles.mma.default_decisions(mp, op, k, 132))
+    mp, op, k = conv_choices.gemm_extents(func)
+    default = conv_choices.mma_choice(*mma.default_decisions(mp, op, k, 132))
     if family == "mma":
-        other = next(c for c in conv_tiles.candidates(mp, op, k)
+        other = next(c for c in conv_choices.candidates(mp, op, k)
                      if c != default and c["tiles"]["m"][1] * c["tiles"]["o"][1] == 8)
     else:
-        other = conv_tiles.wgmma_choices(wl)[0]
+        other = conv_choices.wgmma_choices(wl)[0]
         assert other["family"] == "wgmma"
     path = tmp_path / "tiles.json"
-    monkeypatch.setenv(conv_tiles.TABLE_ENV, str(path))
-    conv_tiles.merge_rows(str(path), [{"workload": wl.to_dict(), "describe": "test",
+    monkeypatch.setenv(conv_table.TABLE_ENV, str(path))
+    conv_table.merge_rows(str(path), [{"workload": wl.to_dict(), "describe": "test",
                                        "default": {"choice": default, "ms": 1.0},
                                        "best": {"choice": other, "ms": 0.5}}], {"arch": arch})
     monkeypatch.setattr(tvm_kernels, "_kernels", {})
@@ -606,22 +607,23 @@ def test_a_conv_built_with_measured_tiles_gives_the_default_kernels_sums(family,
 def test_a_dw_run_at_its_measured_split_count_on_wgmma_gives_the_same_weight_gradient(tmp_path, monkeypatch):
     # int8_weight_grad with a table whose choice for VGG16's 256 -> 256 @56 dw is the wgmma kernel
     # at another split count: the same exact sums as the default split on mma.sync
-    from tvm_qconv.nn import conv_tiles
-    from tvm_qconv.schedules.training import grad_weight_mma
+    from tvm_qconv.nn import conv_table, conv_tiles
+    from tvm_qconv.schedules.tensorcore import mma
+    from tvm_qconv.schedules.training import conv_choices, grad_weight_mma
     if torch.cuda.get_device_capability(CUDA) != (9, 0):
         pytest.skip("wgmma needs a Hopper GPU (compute capability 9.0)")
     g = torch.Generator(device=CUDA).manual_seed(0)
     x_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
     g_q = torch.randint(-127, 128, (32, 256, 56, 56), dtype=torch.int8, device=CUDA, generator=g)
     args = (x_q, g_q, (256, 256, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1)   # padding: top, left, bottom, right
-    monkeypatch.setenv(conv_tiles.TABLE_ENV, str(tmp_path / "tiles.json"))
+    monkeypatch.setenv(conv_table.TABLE_ENV, str(tmp_path / "tiles.json"))
     tvm_kernels._measured_splits.cache_clear()
     default = tvm_kernels.int8_weight_grad(*args)
     fwd = tvm_kernels.ConvWorkload(32, 256, 56, 56, 256, (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), activation="none",
                                    act_min=-127, out_dtype="int32")
     dw = grad_weight_mma.weight_grad_conv(fwd, tvm_kernels._target_info(CUDA))
-    choice = next(c for c in conv_tiles.wgmma_split_choices(dw, tvm_kernels._target_info(CUDA).num_sm) if "splits" in c)
-    conv_tiles.merge_rows(str(tmp_path / "tiles.json"), [{"workload": dw.to_dict(), "describe": "test",
+    choice = next(c for c in conv_choices.wgmma_split_choices(dw, tvm_kernels._target_info(CUDA).num_sm) if "splits" in c)
+    conv_table.merge_rows(str(tmp_path / "tiles.json"), [{"workload": dw.to_dict(), "describe": "test",
                                                           "default": {"choice": None, "ms": 1.0},
                                                           "best": {"choice": choice, "ms": 0.5}}],
                            {"arch": tvm_kernels.device_target(CUDA)[1]})   # a table of another arch is ignored

@@ -13,8 +13,7 @@ from tvm_qconv.data import skimage_photos
 from tvm_qconv.lowering import LowerToRelax
 from tvm_qconv.lowering.onnx import ONNXEmitter
 from tvm_qconv.quantization import QuantizationPlan
-from tvm_qconv.quantization.epilogues import fuse_tables
-from tvm_qconv.quantization.residuals import fuse_residuals
+from tvm_qconv.pipeline import fused
 from tvm_qconv.quantize import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.relax_utils import bindings_of
@@ -67,8 +66,9 @@ def _onnx(plan):
 
 
 def _lowered(plan):
-    """The plan the Relax backend lowers: tables and residual adds in their convs' epilogues."""
-    return fuse_residuals(fuse_tables(plan))
+    """The plan the Relax backend lowers: the pipeline's own fusions (``pipeline.fused``; this test
+    composed them itself before and left the LayerNorm fusion out)."""
+    return fused(plan)
 
 
 def test_the_report_rows_are_the_plans(quantized):

@@ -140,3 +140,15 @@ def test_the_cli_refuses_a_negative_target_and_one_without_verification(capsys, 
 def test_the_cli_target_is_on_for_trained_weights_and_off_for_a_random_init(flags, target):
     args = deploy.build_parser().parse_args(["build", *flags, "-o", "m.so"])
     assert deploy.accuracy_target(args) == target
+
+
+@pytest.mark.parametrize("options,says", [
+    (dict(accuracy_target_db=30, verify=False), "verification that verify=False turns off"),
+    (dict(cuda_graph=True), "cuda_graph is for target='cuda'"),
+    (dict(arch="sm_90"), "arch is for target='cuda'"),
+])
+def test_the_python_api_refuses_what_the_cli_refuses(options, says):
+    """``BuildOptions`` refuses the combinations ``deploy.py build`` refuses (issue 57: the
+    validation is in the options, not only in the CLI), before any work."""
+    with pytest.raises(InputError, match=says):
+        BuildOptions(**options)

@@ -1,32 +1,46 @@
 """tvm_qconv: an int8 compiler for convolutional networks on Apache TVM, with a PyTorch training path.
 
-Compile: :func:`tvm_qconv.build.compile_model`; run: :class:`tvm_qconv.runtime.CompiledModel`;
-train: :mod:`tvm_qconv.nn` (int8 conv modules with a custom backward).  The kernels are in
-:mod:`tvm_qconv.schedules`, picked through :mod:`tvm_qconv.registry`.
+The public API, importable from here (docs/usage.md, "Console scripts and Python API")::
+
+    import tvm_qconv
+    res = tvm_qconv.compile_model("resnet18", "r18.so", options=tvm_qconv.BuildOptions(target="llvm"),
+                                  config=tvm_qconv.PRESETS["int8"])
+    logits = tvm_qconv.CompiledModel(res.lib_path)(tvm_qconv.skimage_photos(224)[:1])
+
+Compile: :func:`compile_model` (:mod:`tvm_qconv.build`) with :class:`BuildOptions`, a
+:class:`QuantConfig` (or a named preset of :data:`PRESETS`) and a range source such as
+:class:`Calibrate`; run: :class:`CompiledModel`; export: :func:`export_onnx`; train:
+:mod:`tvm_qconv.nn` (int8 conv modules with a custom backward).  The kernels are in
+:mod:`tvm_qconv.schedules`, picked through :mod:`tvm_qconv.registry`; the console scripts in
+:mod:`tvm_qconv.cli`.
 """
-import os
+import importlib
 
 from .config import PRESETS, QuantConfig
 from .errors import InputError
 
-_NN = ("QuantizedConv2d", "QuantizedConv2dReLU", "TorchConv2d", "TorchConv2dReLU")
+# Name -> the module it lives in, imported on first use (PEP 562): the compiler brings TVM and
+# torch (~2-9 s), the nn modules torch, scikit-image's photos scikit-image, and every console
+# script imports this package before parsing its flags (--help answers in ~0.1 s).
+_LAZY = {
+    "compile_model": "build", "BuildOptions": "build",
+    "Calibrate": "ranges",
+    "CompiledModel": "runtime",
+    "export_onnx": "onnx_export",
+    "skimage_photos": "data",
+    **dict.fromkeys(("QuantizedConv2d", "QuantizedConv2dReLU", "TorchConv2d", "TorchConv2dReLU"), "nn"),
+}
 
-__all__ = ["PRESETS", "InputError", "QuantConfig", *_NN]
-
-# schedules/ and models/ sit at the repository root (the user's layout) as tvm_qconv.schedules and
-# .models: a wheel installs them in this folder (pyproject's package-dir).  In the source tree
-# (PYTHONPATH=. on the GPU machine; the editable install) the root joins __path__, the import system's
-# own list of where submodules are: found lazily, one module per file, no finder of ours.  It also
-# reaches the root's other names (tvm_qconv.deploy, .tests), which nothing imports; putting the two
-# subpackages in sys.modules instead would run models/__init__ (torch) on every `import tvm_qconv`.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if not os.path.isdir(os.path.join(__path__[0], "schedules")) and os.path.isfile(os.path.join(_ROOT, "pyproject.toml")):
-    __path__.append(_ROOT)
+__all__ = ["PRESETS", "InputError", "QuantConfig", *_LAZY]
 
 
 def __getattr__(name):
-    # nn imports torch (~1-3 s) on first use: every CLI imports this package before parsing its arguments
-    if name in _NN:
-        from . import nn
-        return getattr(nn, name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value     # looked up once: later reads are plain attribute reads
+        return value
     raise AttributeError(f"module 'tvm_qconv' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

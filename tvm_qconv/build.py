@@ -1,14 +1,12 @@
 """compile_model: a float model in, a deployable int8 library out; compile_checkpoint: a QAT
 checkpoint in, the same library out with the learned ranges instead of calibration.
 
-    quantize_module (quantize.py) --> LiftConstantsToParams --> tuning database (tuning/apply.py)
-      --> ScheduleInt8Kernels(target) --> tvm.compile --> model.so + model.params.npz + model.json
+    the build pipeline (pipeline.py: prepare .. compile, verify) --> model.so + model.params.npz + model.json
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -16,23 +14,19 @@ import torch
 import torchvision
 import tvm
 
-from . import cuda_check, registry
+from . import pipeline, registry
 from . import verify as verify_mod
-from . import interrupts, model_check
 from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
-from .frontend import ExportedGraphs, as_frontend
 from .graph import static_shape
+from .pipeline import BuildState
 from .progress import as_phases
-from .quantize import dump_ir, quantize_module
-from .ranges import GivenRanges, LearnedRanges, RangeSource
+from .ranges import LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
-from .transform import LiftConstantsToParams, ScheduleInt8Kernels
-from .tuning.apply import apply_tuning_database, measured_chooser
-from .tuning.database import database_target, load_database
+from .tuning.database import database_target
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,8 @@ class BuildOptions:
         cuda_graph: (cuda) let Relax capture the kernel launches after the input into a CUDA
             graph (RewriteCUDAGraph), replayed on later calls: less launch overhead at batch 1.
         expose_activations: the library also returns every int8 activation (for debugging).
-        debug_dump: a folder to write the IR into after each phase (01_imported.py ...).
+        debug_dump: a folder to write the IR into after each step of the pipeline (``NN_<step>.py``:
+            02_export.py ... 12_schedule.py; ``pipeline.STEPS``).
         kernels: ``{layer: implementation}`` to prefer over the registry's order (e.g.
             ``{"features.0": "conv2d.nchw4c.dp4a"}``); ignored where it does not apply.
         families: prefer these kernel families, in order (e.g. ``("dp4a",)`` to leave the tensor
@@ -92,6 +87,13 @@ class BuildOptions:
         if self.accuracy_target_db is not None and not self.accuracy_target_db >= 0:
             raise InputError(f"accuracy_target_db is a logits SQNR in dB (>= 0, or None: off), got "
                              f"{self.accuracy_target_db}")
+        # what `deploy.py build` refuses, refused here too: options a build would ignore in silence
+        if self.accuracy_target_db is not None and not self.verify:
+            raise InputError("accuracy_target_db measures the verification that verify=False turns off; drop one")
+        cuda_only = [name for name, v in (("arch", self.arch), ("cuda_graph", self.cuda_graph)) if v]
+        if self.target != "cuda" and cuda_only:
+            raise InputError(f"{' and '.join(cuda_only)} {'are' if len(cuda_only) > 1 else 'is'} for target='cuda'; "
+                             f"this build is for {self.target!r}: leave {'them' if len(cuda_only) > 1 else 'it'} out")
         names = sorted(impl.name for impl in registry.IMPLEMENTATIONS)
         unknown = sorted({k for k in self.kernels.values() if k not in names})
         if unknown:
@@ -110,7 +112,7 @@ class BuildOptions:
 
     @property
     def uses_cuda_graph(self) -> bool:
-        """CUDA graphs exist for CUDA builds only (``cuda_graph`` is ignored on llvm)."""
+        """CUDA graphs exist for CUDA builds only (``cuda_graph`` is refused on llvm)."""
         return self.cuda_graph and self.target == "cuda"
 
 
@@ -157,35 +159,27 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     check_output_file(out_path, "library")
     tgt = make_target(options.target, options.arch)
     name = name or (model if isinstance(model, str) else None)
-    model = as_frontend(model, name)
-    name = name or model.name
-    probe = model.probe(options.input_shape, name)
-    model_check.check_memory(probe, options.input_shape, name,
-                             host_batch=None if options.target == "llvm" else verify_mod.IMAGES)
-    with model.first_output(probe):
-        exported = model.export(options.input_shape)   # the one torch.export (or ONNX import) of this build
-        q, ex, params, applied, tuned = _compile(model, tgt, options, config, ranges, phases, exported)
-        report = dict(q.report, schedules=applied, tuned=tuned)
-        if tgt.kind.name == "cuda":
-            report["cuda_source"] = _check_cuda_source(ex, tgt, phases)
-        note = model.report_note(probe)
-        if note:
-            report["output"] = note
-        if options.verify:
-            with phases("verify", "run the library against the float model"):
-                report["verify"] = _verify(exported, tgt, options, config, q, ex, params)
+    state = BuildState(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
+                       target=tgt, name=name, choices=options.kernels, families=options.families,
+                       tuning_log=options.tuning_log, ignore_stale=options.ignore_stale,
+                       cuda_graph=options.uses_cuda_graph, expose_activations=options.expose_activations,
+                       debug_dump=options.debug_dump, require_int8=options.require_int8, check_input=True,
+                       verify=options.verify, verify_floor_db=options.verify_floor_db,
+                       accuracy_target_db=options.accuracy_target_db, phases=phases)
+    s = pipeline.run(state)
+    name, report, params = s.name, s.report, s.params
     meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
-                config=config.to_dict(), amax=q.amax, param_names=[n for n, _ in params],
+                config=config.to_dict(), amax=s.amax, param_names=[n for n, _ in params],
                 report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
-                cuda_graph=options.uses_cuda_graph, options=asdict(options), float_weights=model.digest(),
-                output_shape=output_shape(q.mod))
+                cuda_graph=options.uses_cuda_graph, options=asdict(options),
+                float_weights=s.float_exported.frontend.digest(), output_shape=output_shape(s.mod))
     meta.update(extra_meta or {})
     if report.get("verify", {}).get("status") == "failed":
         out_path = unverified_path(out_path)
     with phases("save", out_path):
         meta["build_seconds"] = _seconds(phases)
-        save_artifact(ex, params, meta, out_path)
+        save_artifact(s.executable, params, meta, out_path)
     return BuildResult(out_path, report, meta)
 
 
@@ -203,115 +197,6 @@ def output_shape(mod: tvm.IRModule) -> list[int] | None:
 def _seconds(phases) -> dict:
     """Each phase's seconds, and ``total`` (up to the save)."""
     return dict(phases.seconds, total=round(phases.elapsed, 2))
-
-
-def _compile(model, tgt, options: BuildOptions, config: QuantConfig, ranges, progress,
-             exported: ExportedGraphs | None = None):
-    """quantize -> lift params -> tuning database -> default schedules -> tvm.compile
-    (``exported``: the model's export, to reuse).
-
-    Returns:
-        (QuantizedModule, executable, params, schedules applied, tuned kernels).
-    """
-    phases = as_phases(progress)
-    db = load_database(options.tuning_log, options.ignore_stale) if options.tuning_log else None
-    chooser = measured_chooser(db, tgt) if db is not None else None
-    if options.families:
-        chooser = _family_chooser(options.families, chooser)
-    q = quantize_module(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
-                        choices=options.kernels, chooser=chooser, expose_activations=options.expose_activations,
-                        debug_dump=options.debug_dump, progress=phases, require_int8=options.require_int8,
-                        exported=exported)
-    with phases("schedule", "lift weights, apply schedules" + (" from the tuning log" if db is not None else "")):
-        lift = LiftConstantsToParams()
-        qmod = lift(q.mod)
-        dump_ir(options.debug_dump, "04_params_lifted", qmod)
-        tuned = {}
-        if options.tuning_log:
-            qmod, tuned = apply_tuning_database(qmod, options.tuning_log, tgt, db, ignore_stale=options.ignore_stale)
-        sched = ScheduleInt8Kernels(tgt)
-        qmod = sched(qmod)
-        dump_ir(options.debug_dump, "05_scheduled", qmod)
-    # The compile options of the kernel implementations in the module (e.g. the tensor-core
-    # family's TIR pipeline and asynchronous copies).
-    impls = {registry.of_func(f) for f in qmod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)} - {None}
-    compile_options = registry.compile_options(impls)
-    config = {"relax.backend.use_cuda_graph": options.uses_cuda_graph, **compile_options["config"]}
-    arch = f" {tgt.attrs['arch']}" if "arch" in tgt.attrs else ""
-    with phases("compile", f"tvm.compile for {tgt.kind.name}{arch}"), tgt, \
-            tvm.transform.PassContext(opt_level=3, config=config, instruments=interrupts.pass_instruments()):
-        ex = tvm.compile(qmod, target=tgt, tir_pipeline=compile_options["tir_pipeline"])
-    return q, ex, lift.params, sched.applied, tuned
-
-
-def _check_cuda_source(ex, tgt, phases) -> dict:
-    """nvcc on the CUDA source of a build this TVM could not compile itself (``cuda_check``): a
-    kernel nvcc rejects fails the build here, not the load on the user's GPU."""
-    arch = str(tgt.attrs["arch"])
-    if cuda_check.tvm_compiles_cuda() or shutil.which("nvcc") is None:
-        return cuda_check.check(ex, arch)
-    with phases("nvcc", f"compile the CUDA source for {arch} (this TVM has no CUDA runtime to compile it)"):
-        return cuda_check.check(ex, arch)
-
-
-def _family_chooser(families, fallback):
-    """Prefer the first of ``families`` that can run a layer; else ask ``fallback``."""
-    def choose(op, wl, candidates):
-        for family in families:
-            for impl in candidates:
-                if impl.family == family:
-                    return impl.name
-        return fallback(op, wl, candidates) if fallback else None
-    return choose
-
-
-def _verify(exported: ExportedGraphs, tgt, options: BuildOptions, config: QuantConfig, q, ex, params) -> dict:
-    """Compare the compiled logits with the float model's (``exported.frontend``) on calibration
-    images; under the floor
-    find the first layer that diverges, and under the floor or the accuracy target rank the
-    layers by what each loses (``tvm_qconv/verify.py``)."""
-    if q.images is None:
-        return dict(status="skipped", reason="the ranges were not calibrated: no images to check on")
-    reason = verify_mod.cannot_run(tgt)
-    if reason:
-        return dict(status="skipped", reason=reason)
-    held_out = q.held_out is not None  # (Calibrate holds out none, or at least HELD_OUT_MIN)
-    images = q.held_out if held_out else q.images[:verify_mod.IMAGES]
-    model = exported.frontend
-    sqnr, ref = verify_mod.logits_sqnr(ex, params, tgt, options.batch, model, images)
-    result = dict(status="ok" if sqnr >= options.verify_floor_db else "failed", logits_sqnr_db=round(sqnr, 2),
-                  images=len(images), held_out=held_out, floor_db=options.verify_floor_db)
-    if verify_mod.input_blind(ref):
-        return dict(result, status="cannot judge",
-                    reason=f"the float model gives the same logits for all {len(images)} images (its output does not "
-                           "depend on the input, as in a random init whose activations die out): agreeing with it "
-                           "proves nothing; build it with trained weights (--weights) to verify it")
-    target = options.accuracy_target_db
-    if target is not None:
-        result["target_db"] = target
-    # each int8 layer's kernel in the unfused plan (a table or an add in a conv's epilogue has its own)
-    kernels = {lp.layer.name: lp.impl.name for lp in q.plan.layers if lp.int8 and lp.impl is not None}
-    if kernels and (sqnr < options.verify_floor_db or (target is not None and sqnr < target)):
-        # A twin at batch 1 that returns every int8 activation, from the same ranges and with the
-        # same kernel per layer (a tuning database's chooser could pick others at batch 1).
-        t0 = time.time()
-        # the kernels pinned, no database (one tuned at another batch matches nothing at batch
-        # 1, and says so): integer results do not depend on the schedule
-        debug = dataclasses.replace(options, batch=1, expose_activations=True, debug_dump=None, verify=False,
-                                    tuning_log=None, kernels={**kernels, **options.kernels})
-        # (GPTQ's rounded weights are the quantized model's: taken as they are, on their grid)
-        # (the build's export, at batch 1: the rounded model's with GPTQ)
-        dq, dex, dparams, *_ = _compile(q.model, tgt, debug, dataclasses.replace(config, weight_rounding="nearest"),
-                                        GivenRanges(q.amax), progress=False, exported=q.exported)
-        # against the float model's own activations (with GPTQ, dq.graph is the rounded model's)
-        reference = exported.at(1).graph
-        layers = verify_mod.layer_sqnr(dex, dparams, tgt, dq.report["exposed"], reference, images)
-        result["layers"] = layers
-        result["losses"] = verify_mod.losses(layers, dq.report["exposed"])
-        result["per_layer_s"] = round(time.time() - t0, 1)
-        result["first_bad_layer"] = next((ly["layer"] for ly in layers if ly["sqnr_db"] < options.verify_floor_db),
-                                         None)
-    return result
 
 
 def compile_checkpoint(checkpoint: str, out_path: str, *, options: BuildOptions | None = None,

@@ -6,6 +6,8 @@ import numpy as np
 from .artifact import read_meta
 from .data import digits_dataset, static_batches
 from .errors import InputError
+from .labelled_images import labelled_images, read_batch
+from .progress import bar
 from .runtime import CompiledModel, class_scores
 
 DIGITS_CLASSES = 10  # tvm_qconv.training.config.DIGITS_CLASSES (not imported: that pulls in training)
@@ -130,9 +132,6 @@ def evaluate_folder(lib_path: str, data: str, *, labels: str | None = None, clas
     Raises:
         InputError: as :func:`labelled_images.labelled_images`; no image readable.
     """
-    from .labelled_images import labelled_images, read_batch
-    from .progress import bar
-
     if float_model is not None:
         from .frontend import as_frontend  # (torch and the frontends load only with a float model: sqnr_db stays light)
         float_model = as_frontend(float_model)

@@ -45,18 +45,16 @@ calibrated: each layer's inputs and its output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import tvm
 from tvm import relax
 
+from .elementwise_ops import ELEMENTWISE  # the ops a lookup-table region (``lut`` layer) may hold
 from .relax_utils import free_vars
 
 
-# The ops a lookup-table region may hold (``lut`` layers): elementwise, one tensor operand.
-ELEMENTWISE = ("relax.sigmoid", "relax.tanh", "relax.nn.silu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.relu",
-               "relax.clip", "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.minimum",
-               "relax.maximum", "relax.negative", "relax.exp", "relax.erf")
 
 
 @dataclass
@@ -91,6 +89,20 @@ class Layer:
 
 @dataclass
 class Graph:
+    """The analysis of one float ``main`` (:func:`analyze`): its bindings, the layers found in them
+    and the calibration points.
+
+    Indices, each computed once, on first use (after :func:`analyze` has finished: the layers are
+    not changed after it returns, and ``bindings`` never are), then shared by every reader -- treat
+    them as read-only:
+
+    - ``binding``: ``{var: its relax.VarBinding}``;
+    - ``value``: ``{var: the expression bound to it}`` (a lookup table's ops, a gate's producers);
+    - ``binding_readers``: ``{var: the set of binding vars whose expression reads it}`` (a var no
+      binding reads is absent): what a fusion asks before it drops a tensor (``epilogues.py``);
+    - ``outputs``: the vars the function returns (a frozenset);
+    - ``layer_readers``: ``{var: [the layers that take it as an input, in layer order]}``.
+    """
     func: relax.Function
     bindings: list                          # relax.VarBinding in order
     layers: list = field(default_factory=list)
@@ -101,6 +113,33 @@ class Graph:
     kernels: dict = field(default_factory=dict)        # the module's other functions (GlobalVar -> function:
     #                                                    an ONNX import's call_tir kernels), for modules made from func
 
+    @cached_property
+    def binding(self) -> dict:
+        return {b.var: b for b in self.bindings}
+
+    @cached_property
+    def value(self) -> dict:
+        return {b.var: b.value for b in self.bindings}
+
+    @cached_property
+    def binding_readers(self) -> dict:
+        readers: dict = {}
+        for b in self.bindings:
+            for v in free_vars(b.value):
+                readers.setdefault(v, set()).add(b.var)
+        return readers
+
+    @cached_property
+    def outputs(self) -> frozenset:
+        return frozenset(free_vars(self.func.body.body))
+
+    @cached_property
+    def layer_readers(self) -> dict:
+        readers: dict = {}
+        for ly in self.layers:
+            for v in ly.inputs:
+                readers.setdefault(v, []).append(ly)
+        return readers
 
 
 def _op(expr) -> str | None:
@@ -146,7 +185,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
         raise ValueError("expected main to hold one dataflow block (run ConvertToDataflow first)")
     bindings = list(blocks[0].bindings)
     g = Graph(func=func, bindings=bindings)
-    value = {b.var: b.value for b in bindings}
+    value = g.value   # bindings are fixed: the index is final already (layers are not: layer_readers waits)
     uses: dict = {}
 
     def count(expr):
@@ -168,7 +207,7 @@ def analyze(func: relax.Function, names: dict | None = None) -> Graph:
     for b in bindings:
         for a in free_vars(b.value):
             user.setdefault(a, []).append(b.var)
-    returned = set(free_vars(func.body.body))
+    returned = g.outputs
     position = {b.var: i for i, b in enumerate(bindings)}
 
     def sole_user(var, op):

@@ -3,7 +3,7 @@ value its int8 input can hold, rounded at its output's scale.
 
     table[q + 128] = quantize(f(dequantize(q, s_x)), s_y)      q in -128..127
 
-``f`` is the region's chain of Relax ops replayed in NumPy on a vector of the 256 dequantized
+``f`` is the region's chain of Relax ops (``elementwise_ops.OPS``) replayed in NumPy on a vector of the 256 dequantized
 values (float64, then rounded to float32 as the float path's result would be), with the
 project's own dequantize / quantize rounding (``schedules/quantize.py``), so the table is the
 float path -- dequantize, the ops, quantize -- tabulated: the two agree on every input except
@@ -11,32 +11,13 @@ where ``f`` lands on a rounding tie and float32 on the GPU rounds the other way.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
+
+from .elementwise_ops import OPS
 from .errors import InputError
 from .graph import Layer, scalar_value
 from .schedules.quantize import quantize_ref
 from .schedules.requantize import QMIN
-
-_ERF = np.vectorize(math.erf, otypes=[np.float64])
-
-UNARY = {
-    "relax.sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
-    "relax.tanh": np.tanh,
-    "relax.nn.silu": lambda x: x / (1.0 + np.exp(-x)),
-    "relax.nn.gelu": lambda x: 0.5 * x * (1.0 + _ERF(x / math.sqrt(2.0))),
-    "relax.nn.gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
-    "relax.nn.relu": lambda x: np.maximum(x, 0.0),
-    "relax.negative": np.negative,
-    "relax.exp": np.exp,
-    "relax.erf": _ERF,
-}
-BINARY = {
-    "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
-    "relax.divide": np.divide, "relax.minimum": np.minimum, "relax.maximum": np.maximum,
-}
-
 
 def dequantized_inputs(s_x: float, z_x: int = 0) -> np.ndarray:
     """The 256 float32 values an int8 tensor of scale ``s_x`` and zero point ``z_x`` holds, for
@@ -58,15 +39,11 @@ def evaluate(layer: Layer, value: dict, x: np.ndarray) -> np.ndarray:
 
     for v in layer.vars:
         call = value[v]
-        op = call.op.name
-        if op in UNARY:
-            env[v] = UNARY[op](operand(call.args[0]))
-        elif op in BINARY:
-            env[v] = BINARY[op](operand(call.args[0]), operand(call.args[1]))
-        elif op == "relax.clip":
-            env[v] = np.clip(operand(call.args[0]), operand(call.args[1]), operand(call.args[2]))
-        else:
-            raise InputError(f"{layer.name}: no table form for {op}; add it to tvm_qconv/lut_table.py or skip the layer")
+        op = OPS.get(call.op.name)     # the one table of these ops (elementwise_ops.py)
+        if op is None:
+            raise InputError(f"{layer.name}: no table form for {call.op.name}; add it to tvm_qconv/elementwise_ops.py "
+                             "or skip the layer")
+        env[v] = op.numpy(*(operand(a) for a in call.args[:op.operands]))
     return env[layer.output]
 
 

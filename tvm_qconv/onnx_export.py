@@ -1,8 +1,11 @@
 """export_onnx: the calibrated int8 model as ONNX, with explicit QuantizeLinear / DequantizeLinear
 pairs carrying this project's own scales -- the "QDQ" form TensorRT and ONNX Runtime consume.
 
-    torch model --quantize_module (quantize.py, llvm target)--> float graph + ranges + which layers are int8
-      --one ONNX node (or a few) per Relax binding--> model.onnx
+    float model --the build pipeline up to its plan (pipeline.py: prepare .. plan, llvm target)--> float graph
+      + ranges + which layers are int8 --one ONNX node (or a few) per Relax binding--> model.onnx
+
+It stops before the Relax lowering: the ONNX file is written from the plan (``lowering/onnx.py``), as
+the library is (``lowering/relax.py``).
 
 What the file holds, tensor by tensor: ``lowering/onnx.py``.
 """
@@ -14,14 +17,13 @@ from importlib.metadata import version
 
 import onnx
 
-from . import model_check
+from . import pipeline
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import atomic_path, check_output_file
-from .frontend import as_frontend
 from .lowering.onnx import EXPORTABLE_OPS, ONNXEmitter, op_name
+from .pipeline import BuildState
 from .progress import as_phases
-from .quantize import quantize_module
 from .ranges import LearnedRanges
 from .target import TargetInfo, make_target
 from .training.checkpoint import load_float_model
@@ -106,17 +108,15 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
     if not MIN_OPSET <= int(opset) <= MAX_OPSET:
         raise InputError(f"opset {opset}: the exporter writes opsets {MIN_OPSET} to {MAX_OPSET}; choose one of them")
     name = name or (model if isinstance(model, str) else None)
-    model = as_frontend(model, name)
-    name = name or model.name
     input_shape = tuple(int(d) for d in input_shape)
-    probe = model.probe(input_shape, name)
-    model_check.check_memory(probe, input_shape, name)
-    phases = as_phases(progress, "export-onnx")
-    # Exactly what a CPU build does: the same graph, ranges and int8 / float decision per layer.
-    with model.first_output(probe):
-        q = quantize_module(model, input_shape, TargetInfo.from_target(make_target("llvm")), config=config,
-                            ranges=ranges, progress=phases, require_int8=require_int8,
-                            check_graph=check_exportable)  # an op with no ONNX form: before calibration
+    # Exactly what a CPU build does up to its plan: the same graph, ranges and int8 / float decision per
+    # layer; an op with no ONNX form is refused before calibration (check_graph)
+    llvm = make_target("llvm")
+    q = pipeline.run(BuildState(model, input_shape, TargetInfo.from_target(llvm), config=config, ranges=ranges,
+                                target=llvm, name=name, require_int8=require_int8, check_input=True,
+                                check_graph=check_exportable, phases=as_phases(progress, "export-onnx")),
+                     until="plan")
+    name, phases = q.name, q.phases
     phases.say(f"write: ONNX opset {opset} with QuantizeLinear / DequantizeLinear")
     emitter = ONNXEmitter(q.plan, input_shape, int(opset), dynamic_batch)
     graph = emitter.run()
@@ -133,9 +133,9 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
                                    ir_version=onnx.helper.find_min_ir_version_for(opsets))
     proto.doc_string = (f"{name}: int8 (per-channel weights, per-tensor activations) as QuantizeLinear / "
                         "DequantizeLinear pairs, exported by tvm_qconv")
-    summary = dict(emitter.summary(), ranges=q.report.get("ranges", {}))
+    summary = dict(emitter.summary(), ranges=q.ranges_report)
     meta = {"producer": "tvm_qconv", "model": name, "scheme": json.dumps(config.to_dict(), sort_keys=True),
-            "ranges": json.dumps(q.report.get("ranges", {}), sort_keys=True, default=str),
+            "ranges": json.dumps(q.ranges_report, sort_keys=True, default=str),
             "input_shape": json.dumps(list(input_shape)), "dynamic_batch": json.dumps(summary["dynamic_batch"]),
             # the range of every point: GivenRanges(json.loads(...)) rebuilds the same model as a TVM library
             "amax": json.dumps({k: float(v) for k, v in q.amax.items()}, sort_keys=True)}

@@ -179,7 +179,7 @@ def map_learned_ranges(graph: Graph, learned: dict[str, float], source: str = "t
     Raises:
         InputError: a point has no learned range, or a range is not a positive finite number.
     """
-    producer = {b.var: b.value for b in graph.bindings}
+    producer = graph.value
     used = {point: point for point in graph.points.values()}
     for ly in graph.layers:
         if ly.kind not in ("conv2d", "dense"):

@@ -6,7 +6,8 @@ and the layout of the int8 activations it reads and writes.  The quantize pass a
 :func:`select` which implementation runs each layer on the build's target (so a layer's
 activation layout is the chosen kernel's), the schedule pass and the tuner look the chosen one
 up by the name it left on the PrimFunc (:func:`of_func`), and the training path asks for its
-conv and gradient kernels the same way.  Nothing outside ``schedules/`` names a family.
+conv and gradient kernels the same way.  Nothing outside ``schedules/`` names a family
+(``tests/test_structure.py`` checks it).
 
 The conversions the pass inserts (quantize, dequantize, relayout, a linear layer's input rows)
 are implementations too, picked the same way::
@@ -24,18 +25,18 @@ from tvm import tirx as tvm_tirx
 from tvm.s_tir import dlight as dl
 
 from .schedules import dense_int8
-from .schedules.conversion_kernels import QUANTIZE_ROWS, relayout_kernels
+from .schedules.conversion_kernels import relayout_kernels
 from .schedules.kernel import KernelImpl, Layout, impl_name, tirx_kernel
 from .schedules.nchw4c import impls as nchw4c
-from .schedules.nchw4c.layout import LAYOUT as NCHW4C
+from .schedules.nchw4c import layout as nchw4c_layout
 from .schedules.stem import impls as stem
 from .schedules.tensorcore import impls as tensorcore
-from .schedules.tensorcore.layout import LAYOUT as NHWC32
+from .schedules.tensorcore import layout as tensorcore_layout
 from .schedules.training import grad_input, grad_weight
 from .schedules.wgmma import impls as wgmma
 from .target import TargetInfo
 
-LAYOUTS: dict[str, Layout] = {NCHW4C.name: NCHW4C, NHWC32.name: NHWC32}
+LAYOUTS: dict[str, Layout] = {m.LAYOUT.name: m.LAYOUT for m in (nchw4c_layout, tensorcore_layout)}
 
 # In priority order per op: select() takes the first that applies and is preferred untuned,
 # unless told otherwise (a tuning database's measured pick).  For conv2d: depthwise (in the
@@ -64,9 +65,9 @@ IMPLEMENTATIONS: tuple[KernelImpl, ...] = (
     # int8 in each layout, int8 between every two layouts, a linear layer's input rows.  One
     # implementation per op and layout (pair), so select() takes it by ``layout=``; none has a
     # search space: never a tuning task (tunable()), always its own schedule or dlight's.
-    nchw4c.QUANTIZE, tensorcore.QUANTIZE, nchw4c.DEQUANTIZE, tensorcore.DEQUANTIZE,
+    nchw4c_layout.QUANTIZE, tensorcore_layout.QUANTIZE, nchw4c_layout.DEQUANTIZE, tensorcore_layout.DEQUANTIZE,
     *relayout_kernels(LAYOUTS.values()),
-    QUANTIZE_ROWS,
+    dense_int8.QUANTIZE_ROWS,
 )
 
 _BY_NAME = {impl.name: impl for impl in IMPLEMENTATIONS}

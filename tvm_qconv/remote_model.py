@@ -22,7 +22,7 @@ from .artifact import artifact_paths, open_library
 from .errors import InputError
 from .remote import Remote, remote_gpu
 from .runtime import check_arch, flatten
-from .schedules.wgmma.tensormap import ENCODE_IM2COL
+from .schedules import runtime_functions
 
 
 class RemoteModel:
@@ -49,10 +49,12 @@ class RemoteModel:
             self.dev, arch, self.device_name = remote_gpu(self.session)
             check_arch(lib_path, self.meta.get("arch"), arch)
             kernels = {layer.get("kernel", "") for layer in self.meta.get("report", {}).get("layers", [])}
-            if any(".wgmma" in k for k in kernels) and not _has_function(self.session, ENCODE_IM2COL):
-                raise InputError(f"{lib_path} has wgmma kernels, which call {ENCODE_IM2COL}, and the server at "
-                                 f"{remote.describe()} lacks it: start the server with `python -m "
-                                 f"tvm_qconv.rpc_server` (not tvm.exec.rpc_server), or rebuild with --family mma")
+            for f in runtime_functions.called_by(kernels):
+                if not _has_function(self.session, f.name):
+                    raise InputError(f"{lib_path} has {f.family} kernels, which call {f.name}, and the server at "
+                                     f"{remote.describe()} lacks it: start the server with `python -m "
+                                     f"tvm_qconv.rpc_server` (not tvm.exec.rpc_server), or rebuild with --family "
+                                     f"{f.instead}")
         else:
             self.dev, self.device_name = self.session.cpu(0), "cpu"
         remote_name = f"tvm_qconv_{self.meta.get('build_id', 'lib')}_{os.path.basename(lib_path)}"

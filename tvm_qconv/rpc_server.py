@@ -4,8 +4,8 @@
     python -m tvm_qconv.rpc_server --tracker 127.0.0.1:9190 --key h100   registered with a tracker
 
 It is ``tvm.rpc.Server`` (what ``python -m tvm.exec.rpc_server`` starts) with three differences:
-it registers the project's runtime functions in the server (the TMA encoder that libraries with
-wgmma kernels call: ``schedules/wgmma/tensormap.py``), it binds 127.0.0.1 unless ``--host``
+it registers the project's runtime functions in the server (``schedules/runtime_functions.py``: the
+TMA encoder that libraries of Hopper's kernels call), it binds 127.0.0.1 unless ``--host``
 says otherwise, and its forked sessions can use CUDA where torch is installed beside TVM (below).  TVM RPC has no authentication: anyone who reaches the port can run any code on
 this machine.  From another machine, tunnel to it (``ssh -L 9090:127.0.0.1:9090 gpu-host``)
 instead of binding a public address.
@@ -33,7 +33,8 @@ def register_runtime() -> None:
     forked from it and inherit the registrations."""
     # `python -m` runs this module as __main__, so the callback reaches the server's process by value
     # (cloudpickle): what it imports itself is all that runs there
-    from .schedules.wgmma import tensormap  # noqa: F401  (registers tvm_qconv.tensormap_encode_im2col)
+    from .schedules import runtime_functions  # in the body: the server's process receives it by value (above)
+    runtime_functions.register()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,11 @@ from .artifact import artifact_paths, check_tvm_version, open_library
 from .errors import InputError
 from .progress import bar
 from .target import ARCH_SPECIFIC, arch_runs_on
-from .schedules.wgmma import tensormap as _tensormap  # noqa: F401  (registers the TMA im2col encoder)
+from .schedules import runtime_functions
+
+# The functions kernels call at run time (the TMA encoder of Hopper's kernels): every library
+# this process loads may call them.
+runtime_functions.register()
 
 
 def flatten(out) -> list[np.ndarray]:

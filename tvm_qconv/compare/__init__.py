@@ -8,8 +8,7 @@ __all__ = ["BASELINE_KEYS", "CompareOptions", "compare"]
 
 
 def __getattr__(name):
-    # torch and the compiler load on first use: the CLI's parser needs the row names only
     if name in ("CompareOptions", "compare"):
-        from . import run
+        from . import run  # on first use: torch and the compiler (~5 s); the CLI's parser needs the row names only
         return getattr(run, name)
     raise AttributeError(f"module 'tvm_qconv.compare' has no attribute {name!r}")

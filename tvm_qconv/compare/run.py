@@ -32,7 +32,8 @@ from ..frontend import as_frontend, load_model
 from ..graph import static_shape
 from ..labelled_images import labelled_images, read_batch
 from ..onnx_export import export_onnx
-from ..quantize import quantize_module
+from .. import pipeline
+from ..pipeline import BuildState
 from ..ranges import Calibrate, GivenRanges
 from ..target import TargetInfo, device_arch, make_target
 from ..tuning.job import model_stem
@@ -267,8 +268,9 @@ class Context:
         images = None if self.options.calib_dir else self.photos
         # a Q/DQ file's ranges are its own (ranges=None: the model's own_ranges)
         ranges = None if self.model.has_own_ranges else Calibrate(images, self.options.calib_dir)
-        q = quantize_module(self.model, self.input_shape, TargetInfo.from_target(make_target("llvm")),
-                            config=self.options.config, ranges=ranges, progress=False)
+        llvm = make_target("llvm")     # the build pipeline up to its ranges (pipeline.py)
+        q = pipeline.run(BuildState(self.model, self.input_shape, TargetInfo.from_target(llvm),
+                                    config=self.options.config, ranges=ranges, target=llvm), until="ranges")
         convs = []
         for ly in q.graph.layers:
             if ly.kind != "conv2d" or ly.weight is None:

@@ -43,21 +43,30 @@ class ExportedGraphs:
         self.sample_shape = tuple(int(d) for d in input_shape[1:])
         self.exports, self.export_seconds = 0, 0.0
         self._imported: dict = {}     # batch -> (imported Relax module, layer names)
+        self._simplified: dict = {}   # batch -> (imported, simplified module, layer names)
         self._at: dict = {}           # batch -> FloatGraph
 
     def imported(self, batch: int):
         """(Relax module as imported, layer names) at ``batch``."""
         raise NotImplementedError
 
-    def at(self, batch: int) -> FloatGraph:
-        """The float graph at ``batch``: imported, simplified, its channels-last regions as NCHW
-        ops (``transform/channels_first.py``) and the identity reshapes that leaves dropped
-        (``transform/identity_reshapes.py``), analysed (made once per batch)."""
+    def simplified(self, batch: int):
+        """(Relax module as imported, simplified Relax module, layer names) at ``batch``: folded
+        (:func:`simplify`), its channels-last regions as NCHW ops (``transform/channels_first.py``)
+        and the identity reshapes that leaves dropped (``transform/identity_reshapes.py``); made
+        once per batch."""
         batch = int(batch)
-        if batch not in self._at:
+        if batch not in self._simplified:
             imported, names = self.imported(batch)
             mod, names = channels_first(simplify(imported), names)
-            mod = drop_identity_reshapes(mod)
+            self._simplified[batch] = (imported, drop_identity_reshapes(mod), names)
+        return self._simplified[batch]
+
+    def at(self, batch: int) -> FloatGraph:
+        """The float graph at ``batch``: :meth:`simplified`, then analysed (made once per batch)."""
+        batch = int(batch)
+        if batch not in self._at:
+            imported, mod, names = self.simplified(batch)
             graph = analyze(mod["main"], names)
             graph.kernels = {gv: f for gv, f in mod.functions.items() if gv.name_hint != "main"}
             self._at[batch] = self.annotate(FloatGraph(imported, mod, names, graph))

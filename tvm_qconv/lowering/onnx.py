@@ -42,20 +42,20 @@ import tvm
 from onnx import numpy_helper
 from tvm import relax
 
+from ..elementwise_ops import ELEMENTWISE, OPS
 from ..errors import InputError
 from ..graph import static_shape
 from ..quantization.plan import QuantizationPlan, TensorQuant, TensorRead
 
 BATCH = "batch"  # the dim_param of the batch dimension of a dynamic-batch file
 
-# The Relax ops of a simplified float main that have an ONNX form here (the 16 torchvision
-# classifiers of the zoo use these; subtract, silu and softmax come free).
+# The Relax ops of a simplified float main that have an ONNX form here: every elementwise op a table
+# region may hold (``elementwise_ops.OPS``, one table for the analysis, the table builder and this
+# lowering), and the others the 16 torchvision classifiers of the zoo use.
 EXPORTABLE_OPS = (
-    "relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.nn.conv2d", "relax.nn.relu",
-    "relax.clip", "relax.sigmoid", "relax.nn.silu", "relax.nn.gelu", "relax.nn.softmax", "relax.reshape",
-    "relax.permute_dims", "relax.concat", "relax.split", "relax.matmul", "relax.mean", "relax.nn.batch_norm",
-    "relax.nn.layer_norm", "relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d",
-    "Tuple", "TupleGetItem",
+    *ELEMENTWISE, "relax.nn.conv2d", "relax.nn.softmax", "relax.reshape", "relax.permute_dims", "relax.concat",
+    "relax.split", "relax.matmul", "relax.mean", "relax.nn.batch_norm", "relax.nn.layer_norm", "relax.nn.max_pool2d",
+    "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d", "Tuple", "TupleGetItem",
 )
 
 
@@ -167,7 +167,7 @@ class ONNXEmitter:
     # ---- the walk -----------------------------------------------------------------------
     def run(self):
         func = self.g.func
-        binding = {b.var: b for b in self.g.bindings}
+        binding = self.g.binding
         (param,) = func.params
         self.fname[param] = "input"
         self.used.add("input")
@@ -247,8 +247,8 @@ class ONNXEmitter:
         ly = lp.layer
         hint = ly.name
         inputs = [self.int8_of(lp.reads[0]), self.weight(lp, f"{hint}.weight")]
-        if ly.bias is not None:  # float: the module docstring says why not the int32 bias
-            inputs.append(self.const(ly.bias.astype(np.float32), f"{hint}.bias"))
+        if lp.bias is not None:  # the plan's (corrected or not); float: the module docstring says why not int32
+            inputs.append(self.const(lp.bias.astype(np.float32), f"{hint}.bias"))
         y = self.node("Conv", inputs, hint, **self.conv_attrs(ly.call))
         self.produce(ly.output, self.activation(ly, y, hint), lp.output)
 
@@ -263,7 +263,7 @@ class ONNXEmitter:
         else:
             x = self.dq(self.quantize(self.float_of(var), read.quant.scale, f"{ly.name}.input", read.quant.zero))
         w = self.weight(lp, f"{ly.name}.weight")  # [O, K]: Gemm's transB
-        inputs = [x, w] + ([self.const(ly.bias.astype(np.float32), f"{ly.name}.bias")] if ly.bias is not None else [])
+        inputs = [x, w] + ([self.const(lp.bias.astype(np.float32), f"{ly.name}.bias")] if lp.bias is not None else [])
         y = self.node("Gemm", inputs, ly.name, transB=1)
         self.fname[ly.output] = self.activation(ly, y, ly.name)  # float out: the project's dense epilogue
 
@@ -290,9 +290,8 @@ class ONNXEmitter:
         # The table's definition: the region's float ops between the input's DequantizeLinear and a
         # QuantizeLinear at the output's scale (TensorRT and ONNX Runtime fuse such pointwise chains).
         ly = lp.layer
-        value = {b.var: b.value for b in self.g.bindings}
         for v in ly.vars:
-            self.fname[v] = getattr(self, "op_" + op_name(value[v]).removeprefix("relax.").replace(".", "_"))(value[v], v)
+            self.fname[v] = self.op(self.g.value[v], v)
         self.produce(ly.output, self.fname[ly.output], lp.output)
 
     def layer_scale(self, lp) -> None:
@@ -397,37 +396,28 @@ class ONNXEmitter:
                                  "ONNX yet")
             self.fname[var] = items[value.index]
         else:
-            out = getattr(self, "op_" + op.removeprefix("relax.").replace(".", "_"))(value, var)
+            out = self.op(value, var)
             if isinstance(out, list):
                 self.tuples[var] = out
             else:
                 self.fname[var] = out
         self.track(b)
 
-    def op_add(self, call, var):
-        return self.node("Add", [self.float_of(a) for a in call.args], var.name)
-
-    def op_subtract(self, call, var):
-        return self.node("Sub", [self.float_of(a) for a in call.args], var.name)
-
-    def op_multiply(self, call, var):
-        return self.node("Mul", [self.float_of(a) for a in call.args], var.name)
-
-    def op_divide(self, call, var):
-        return self.node("Div", [self.float_of(a) for a in call.args], var.name)
+    def op(self, call, var):
+        """The ONNX form of a float op: an elementwise op's node of the same operands
+        (``elementwise_ops.OPS``), else the composite ``op_<name>`` writes."""
+        name = op_name(call)
+        row = OPS.get(name)
+        if row is not None and row.onnx is not None:
+            return self.node(row.onnx, [self.float_of(a) for a in call.args[:row.operands]], var.name)
+        return getattr(self, "op_" + name.removeprefix("relax.").replace(".", "_"))(call, var)
 
     def op_nn_conv2d(self, call, var):
         return self.node("Conv", [self.float_of(a) for a in call.args[:2]], var.name, **self.conv_attrs(call))
 
-    def op_nn_relu(self, call, var):
-        return self.node("Relu", [self.float_of(call.args[0])], var.name)
-
     def op_clip(self, call, var):
         lo, hi = (float(getattr(a, "value", a)) for a in call.args[1:3])
         return self.clip(self.float_of(call.args[0]), lo, hi, var.name)
-
-    def op_sigmoid(self, call, var):
-        return self.node("Sigmoid", [self.float_of(call.args[0])], var.name)
 
     def op_nn_silu(self, call, var):
         x = self.float_of(call.args[0])
@@ -440,6 +430,18 @@ class ONNXEmitter:
         e = self.node("Erf", [self.node("Div", [x, self.const(np.float32(math.sqrt(2.0)), f"{h}_sqrt2")],
                                         f"{h}_div")], f"{h}_erf")
         one = self.node("Add", [e, self.const(np.float32(1.0), f"{h}_one")], f"{h}_add")
+        return self.node("Mul", [self.node("Mul", [x, one], f"{h}_mul"), self.const(np.float32(0.5), f"{h}_half")], h)
+
+    def op_nn_gelu_tanh(self, call, var):
+        # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))): ONNX's Gelu(approximate="tanh") is opset 20
+        x = self.float_of(call.args[0])
+        h = var.name
+        cube = self.node("Mul", [self.node("Mul", [x, x], f"{h}_sq"), x], f"{h}_cube")
+        inner = self.node("Add", [x, self.node("Mul", [cube, self.const(np.float32(0.044715), f"{h}_c")],
+                                                f"{h}_cube_c")], f"{h}_inner")
+        t = self.node("Tanh", [self.node("Mul", [inner, self.const(np.float32(math.sqrt(2.0 / math.pi)), f"{h}_k")],
+                                         f"{h}_scaled")], f"{h}_tanh")
+        one = self.node("Add", [t, self.const(np.float32(1.0), f"{h}_one")], f"{h}_add")
         return self.node("Mul", [self.node("Mul", [x, one], f"{h}_mul"), self.const(np.float32(0.5), f"{h}_half")], h)
 
     def op_nn_softmax(self, call, var):

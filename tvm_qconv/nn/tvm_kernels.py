@@ -78,27 +78,33 @@ import tvm
 
 from .. import registry, schedules
 from ..fileio import atomic_path
-from ..schedules.training import bn_channel, dequantize_amax, elementwise, grad_weight_mma, relu_bits_amax
+from ..schedules import runtime_functions
+from ..schedules.training import bn_channel, conv_choices, dequantize_amax, elementwise, relu_bits_amax
 from ..schedules.training.grad_weight import weight_grad_splits
 from ..schedules.requantize import QMIN
-from ..schedules.tensorcore.layout import LAYOUT as _TENSORCORE
 from ..schedules.workload import ConvWorkload
 from ..target import TargetInfo, make_target
-from ..schedules.tensorcore.mma import InvalidDecisions
-from ..schedules.wgmma import tensormap as _tensormap  # noqa: F401  (the TMA encoder a tabled wgmma conv calls)
-from . import conv_tiles
+from . import conv_table
 from . import max_pool as max_pool2x2
-from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, flipped_transposed_torch, grad_stats_torch,
-                         int8_conv_dequantized_torch, known_amax, mask_torch, note_amax, quantize_grad_torch,
-                         quantize_torch, register_conv_grad_kernels, register_int8_conv_kernel, relu_bits_torch,
-                         relu_with_bits_torch, scale_sums_torch)
+from .batch_norm import grad_apply, grad_coefficients, grad_sums, normalize_relu, train_stats
+from .functional import (ELEMENTWISE_KERNELS, INT8_WEIGHT_GRAD_KERNELS, conv_scales_torch, flipped_transposed_torch,
+                         grad_stats_torch, int8_conv_dequantized_torch, known_amax, mask_torch, note_amax,
+                         quantize_grad_torch, quantize_torch, register_conv_grad_kernels, register_int8_conv_kernel,
+                         relu_bits_torch, relu_with_bits_torch, scale_sums_torch, update_range_torch)
+
+# The functions kernels call at run time (the TMA encoder of a tabled Hopper conv): this process
+# runs the kernels it builds.
+runtime_functions.register()
 
 CACHE_ENV = "TVM_QCONV_KERNEL_CACHE"
-TENSORCORE_LAYOUT = _TENSORCORE.name  # a forward in this layout runs on int8 tensor cores
+# A forward in this layout reads channels last ([N, H, W, C_p], C padded to 32: the int8 tensor
+# cores' kernels, the measured choices' among them); in any other, NCHW4c blocks (dp4a).
+CHANNELS_LAST_LAYOUT = conv_choices.LAYOUT
 ALIGNMENT = 64  # bytes; TVM's kAllocAlignment, which its kernels assume for every argument
 _SCHEDULES_DIR = os.path.dirname(os.path.abspath(schedules.__file__))
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_PACKAGE_SOURCES = ("nn/tvm_kernels.py", "nn/conv_tiles.py", "registry.py", "target.py")  # beside schedules/: what picks and targets
+# beside schedules/: what picks, tables and targets the kernels
+_PACKAGE_SOURCES = ("nn/tvm_kernels.py", "nn/conv_table.py", "registry.py", "target.py")
 
 # The registry op each kind of kernel is.
 OPS = {"forward": "conv2d", "grad_input": "conv2d_grad_input", "grad_weight": "conv2d_grad_weight"}
@@ -173,9 +179,9 @@ def _impl(kind: str, wl: ConvWorkload, target):
 def _definition(kind: str, wl: ConvWorkload, target, choice=None):
     """The PrimFunc of one kernel: the registry's implementation for the target, scheduled by
     its default schedule where it has one (llvm: the bare compute definition), or, for a
-    tensor-core forward, as ``choice`` (the measured table's, ``conv_tiles``: the template's
-    tiles or the wgmma kernel; a table entry the kernels no longer take is warned about and the
-    default used).
+    tensor-core forward, as ``choice`` (the measured table's, :mod:`conv_table`: one of
+    ``conv_choices``; a table entry the kernels no longer take is warned about and the default
+    used).
 
     Raises:
         NotImplementedError: a forward kernel that does not take the ``(data, weight, out)`` that
@@ -185,7 +191,7 @@ def _definition(kind: str, wl: ConvWorkload, target, choice=None):
         return elementwise.definition(wl, target)
     # a measured choice is one of the mma template's compute (tabled for it), whatever the registry
     # would pick on its build arch
-    impl = registry.get(conv_tiles.IMPL) if choice else _impl(kind, wl, target)
+    impl = registry.get(conv_choices.IMPL) if choice else _impl(kind, wl, target)
     func = impl.compute(wl)
     if kind == "forward" and len(func.params) != 3:
         raise NotImplementedError(f"{impl.name} takes {len(func.params)} arguments for {wl.describe()}; the training "
@@ -193,21 +199,22 @@ def _definition(kind: str, wl: ConvWorkload, target, choice=None):
                                   "packing")
     if choice:
         try:
-            return conv_tiles.schedule(func, choice, target)
-        except (InvalidDecisions, AssertionError) as err:
-            warnings.warn(f"the tile table's entry for {describe(wl)} ({conv_tiles.describe_choice(choice)}) does not "
-                          f"fit the kernels ({err}): built with the default tiles; run python tune.py --training again")
+            return conv_choices.schedule(func, choice, target)
+        except conv_choices.INVALID_CHOICE as err:
+            warnings.warn(f"the tile table's entry for {describe(wl)} ({conv_choices.describe_choice(choice)}) does "
+                          f"not fit the kernels ({err}): built with the default tiles; run python tune.py --training "
+                          "again")
     return impl.schedule(func, target) or func
 
 
 def _choice(kind: str, wl, arch: str):
-    """The measured choice of a forward kernel (``conv_tiles.lookup``) where it is for ``wl``'s
+    """The measured choice of a forward kernel (``conv_table.lookup``) where it is for ``wl``'s
     split count (a split-K dw's choice may change the count: :func:`int8_weight_grad` asks for the
     chosen one), None otherwise and for other kinds."""
     if kind != "forward" or not isinstance(wl, ConvWorkload):
         return None
-    choice = conv_tiles.lookup(wl, arch)
-    return choice if conv_tiles.choice_workload(wl, choice) == wl else None
+    choice = conv_table.lookup(wl, arch)
+    return choice if conv_table.choice_workload(wl, choice) == wl else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,15 +245,16 @@ def cache_path(kind: str, wl, arch: str) -> str:
 
 def _build(kind: str, wl, target, path: str) -> None:
     """Compile one kernel and write it to ``path`` atomically: a forward with a measured choice
-    (``conv_tiles``, the same lookup as its cache key) as that choice, for its arch (wgmma: ``sm_90a``)."""
+    (:mod:`conv_table`, the same lookup as its cache key) as that choice, for its arch
+    (``conv_choices.build_arch``)."""
     choice = _choice(kind, wl, str(target.attrs["arch"])) if target.kind.name == "cuda" else None
     if choice:
-        target = target_of(conv_tiles.build_arch(choice, str(target.attrs["arch"])))
+        target = target_of(conv_choices.build_arch(choice, str(target.attrs["arch"])))
     # Named per kind, so that profilers show e.g. ``tvm_qconv_grad_input_kernel``, not ``main_kernel``.
     func = _definition(kind, wl, target, choice).with_attr("global_symbol", symbol(kind))
     # the implementation's own pipeline and PassContext entries (the mma template's async copies)
     options = registry.compile_options([] if kind in elementwise.KINDS else
-                                       [registry.get(conv_tiles.IMPL) if choice else _impl(kind, wl, target)])
+                                       [registry.get(conv_choices.IMPL) if choice else _impl(kind, wl, target)])
     with target, tvm.transform.PassContext(opt_level=3, config=options["config"]):
         ex = tvm.compile(tvm.IRModule({symbol(kind): func}), target=target, tir_pipeline=options["tir_pipeline"])
     with atomic_path(path, suffix=".so") as tmp:
@@ -521,7 +529,7 @@ def int8_conv(x_q: torch.Tensor, w_q: torch.Tensor, stride: tuple[int, int], pad
     n, c, h, w = x_q.shape
     o = w_q.shape[0]
     wl = forward_workload(x_q.shape, w_q.shape, stride, padding, dilation, groups)
-    if forward_layout(wl, x_q.device) == TENSORCORE_LAYOUT:    # int8 tensor cores: [N, OH, OW, O_p] accumulators
+    if forward_layout(wl, x_q.device) == CHANNELS_LAST_LAYOUT:    # int8 tensor cores: [N, OH, OW, O_p] accumulators
         acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
         _call("forward", wl, x_q.device, _pack_input_nhwc32(x_q), _pack_weight_nhwc32(w_q), acc)
         return acc[..., :o].permute(0, 3, 1, 2)
@@ -610,7 +618,7 @@ def int8_conv_dequantized(x_q: torch.Tensor, w_q: torch.Tensor, stride, padding,
         return int8_conv_dequantized_torch(x_q, w_q, stride, padding, dilation, groups, scale, bias, relu, note_range,
                                            addend)
     layout = forward_layout(wl, x_q.device)    # the registry's name: the dequantizing kernel's, lowercase
-    if layout == TENSORCORE_LAYOUT:
+    if layout == CHANNELS_LAST_LAYOUT:
         acc = torch.empty((n, wl.out_height, wl.out_width, _ceil32(o)), dtype=torch.int32, device=x_q.device)
         _call("forward", wl, x_q.device, _pack_input_nhwc32(x_q), _pack_weight_nhwc32(w_q), acc)
     else:   # dp4a's: one group, or groups of whole 4-channel blocks (no padding between groups)
@@ -732,7 +740,6 @@ def bn_train_stats(y: torch.Tensor, gamma: torch.Tensor, running_mean: torch.Ten
     one kernel a block a channel the sums, the statistics, ``gamma * invstd`` and the running
     statistics (written in place; ``elementwise.bn_finish``) instead of two torch reductions and
     ~20 torch launches of one-channel vectors."""
-    from .batch_norm import train_stats
     if y.dim() != 4 or y.dtype != torch.float32 or not _channel_vectors(gamma, running_mean, running_var):
         return train_stats(y, gamma, running_mean, running_var, eps, momentum)
     s1, s2, k = _partials_for_kernel(*_bn_sums(y))
@@ -750,7 +757,6 @@ def bn_coeffs(s1: torch.Tensor, s2: torch.Tensor, gamma: torch.Tensor, invstd: t
     """``batch_norm.grad_coefficients`` in one kernel a channel (``elementwise.bn_coeffs``); ``s1``,
     ``s2`` the float64 sums ``[C]`` or, from :func:`bn_grad_sums`, their ``[C, K]`` partials, which
     the kernel adds (a block a channel)."""
-    from .batch_norm import grad_coefficients
     if s1.dtype != torch.float64 or s2.dtype != torch.float64 or not _channel_vectors(gamma, invstd):
         return grad_coefficients(s1, s2, gamma, invstd, m)     # adds partials itself
     s1, s2, k = _partials_for_kernel(s1, s2)
@@ -769,7 +775,6 @@ def update_range(buf: torch.Tensor, m: torch.Tensor, momentum: float) -> None:
     """``functional.update_range_torch`` in one kernel (``elementwise.range_ema``), ``buf`` written
     in place (by the kernel: ``buf._version`` does not move, which nothing reads for a range
     buffer, never saved for backward)."""
-    from .functional import update_range_torch
     if not (_scalar(buf, buf.device) and _scalar(m, buf.device) and _ready(buf) is buf):
         return update_range_torch(buf, m, momentum)
     wl = elementwise.ElementwiseWorkload("range_ema", (1, 1, 1, 1), momentum=float(momentum))
@@ -781,7 +786,6 @@ def conv_scales(amax: torch.Tensor, w_amax: torch.Tensor, times: torch.Tensor | 
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``functional.conv_scales_torch`` in one kernel (``elementwise.conv_scales``): ``s_x`` (0-d,
     a view of one of the kernel's ``[O]`` copies), ``s_w`` and ``s_x * s_w`` (``times * s_w``)."""
-    from .functional import conv_scales_torch
     device = w_amax.device
     if not (_scalar(amax, device) and _channel_vectors(w_amax) and (times is None or _scalar(times, device))):
         return conv_scales_torch(amax, w_amax, times)
@@ -797,7 +801,6 @@ def bn_relu(y: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor, beta: torc
             addend: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_norm.normalize_relu`` in one kernel (``elementwise.bn_relu``: the output, its bits
     and its range, noted for ``functional.batch_amax``) where ``y`` fills whole bytes of bits."""
-    from .batch_norm import normalize_relu
     if y.dim() != 4 or y.dtype != torch.float32 or y.numel() % relu_bits_amax.ELEMENTS:
         return normalize_relu(y, mean, scale, beta, addend)
     wl = elementwise.ElementwiseWorkload("bn_relu", tuple(y.shape), addend=addend is not None)
@@ -816,7 +819,6 @@ def bn_grad_sums(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: tor
     """``batch_norm.grad_sums`` in one pass over ``g``, its bits and ``y`` (``elementwise.bn_grad_sums``),
     as ``[C, K]`` float64 per-thread partials, which :func:`bn_coeffs` adds (``batch_norm``'s
     backward hands them over as they are)."""
-    from .batch_norm import grad_sums
     if g.dim() != 4 or g.dtype != torch.float32 or y.dtype != torch.float32:
         return grad_sums(g, bits, y, mean)
     wl = elementwise.ElementwiseWorkload("bn_grad_sums", tuple(g.shape))
@@ -832,7 +834,6 @@ def bn_grad_sums(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: tor
 def bn_grad(g: torch.Tensor, bits: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, a: torch.Tensor,
             b: torch.Tensor, c: torch.Tensor, want_dz: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``batch_norm.grad_apply`` in one pass (``elementwise.bn_grad``): ``dy`` [and ``dz``]."""
-    from .batch_norm import grad_apply
     if g.dim() != 4 or g.dtype != torch.float32 or y.dtype != torch.float32:
         dy, dz = grad_apply(g, bits, y, mean, a, b, c)
         return dy, (dz if want_dz else None)
@@ -914,17 +915,17 @@ def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequenc
                      groups: int) -> torch.Tensor | None:
     """The int8 weight gradient's exact sums ``sum_{n, y, x} g_q * x_q`` (OIHW; int32 from one slice, int64 where slices are added) on the int8
     tensor cores: ``functional.int8_weight_grad_cpu``'s contract; None for a conv they cannot take
-    (``grad_weight_mma.weight_grad_conv``).
+    (``conv_choices.weight_grad_conv``).
 
-    The conv of the input with the gradient as its kernel (``grad_weight_mma``): ``x_q`` packed with
-    its channels as the batch (``[C, H, W, N_p]``), ``g_q`` with its output channels as the kernel's
-    (``[O_p, OH*OW*N_p]``), both int8 copies; the kernel stores each split's int32 sums
-    ``[S, C, KH', KW', O_p]``, added here in int64.
+    The conv of the input with the gradient as its kernel (``schedules/training/grad_weight_mma.py``):
+    ``x_q`` packed with its channels as the batch (``[C, H, W, N_p]``), ``g_q`` with its output
+    channels as the kernel's (``[O_p, OH*OW*N_p]``), both int8 copies; the kernel stores each
+    split's int32 sums ``[S, C, KH', KW', O_p]``, added here in int64.
     """
     o, _, kh, kw = weight_shape
     wl = ConvWorkload(*x_q.shape, o, (kh, kw), tuple(stride), tuple(padding), tuple(dilation), groups,
                       activation="none", act_min=QMIN, out_dtype="int32")
-    conv = grad_weight_mma.weight_grad_conv(wl, _target_info(x_q.device))
+    conv = conv_choices.weight_grad_conv(wl, _target_info(x_q.device))
     if conv is None:
         return None
     conv = _measured_splits(conv, x_q.device)
@@ -933,10 +934,10 @@ def int8_weight_grad(x_q: torch.Tensor, g_q: torch.Tensor, weight_shape: Sequenc
 
 @functools.lru_cache(maxsize=None)
 def _measured_splits(conv: ConvWorkload, device: torch.device) -> ConvWorkload:
-    """``conv`` with the split count its measured choice runs (``conv_tiles.choice_workload``).
+    """``conv`` with the split count its measured choice runs (``conv_table.choice_workload``).
     Cached per process: a table rewritten by a search during training is read by the next run."""
     arch = device_target(device)[1]
-    return conv_tiles.choice_workload(conv, conv_tiles.lookup(conv, arch))
+    return conv_table.choice_workload(conv, conv_table.lookup(conv, arch))
 
 
 def weight_grad_by_conv(conv: ConvWorkload, x_q: torch.Tensor, g_q: torch.Tensor,

@@ -66,6 +66,7 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
     mean = p.input_mean(ly)
     if mean is not None:  # weight is groups=1 here when it was made block-diagonal
         bias = bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)
+    float_bias = bias if ly.bias is not None or mean is not None else None   # the plan's, for ONNX
     bias_q = np.round(bias / acc_scale)
     # zero points: the kernel reads q_x = x / s_x + z_x, so its sum holds z_x * sum(w) too; and
     # adds z_y to the output as z_y / M in the accumulator (off by at most M / 2 of a step)
@@ -86,7 +87,8 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
     if mean is not None:
         row["bias_corrected"] = True
     return LayerPlan(ly, impl=impl, workload=wl, reads=(x,), output=out, out_shape=out_shape,
-                     params=tuple(impl.pack_params(wl, qw, bias_q, mult, shift)), weight=own_weight, row=row)
+                     params=tuple(impl.pack_params(wl, qw, bias_q, mult, shift)), weight=own_weight, bias=float_bias,
+                     row=row)
 
 
 def _requantized(weight: np.ndarray, qw: np.ndarray, scales: np.ndarray,
@@ -126,10 +128,11 @@ def plan_dense(p, ly) -> LayerPlan | str:
     mean = p.input_mean(ly)
     if mean is not None:
         bias = bias - weight_error_mean(ly.weight, qw, s_w, mean)
+    float_bias = bias if ly.bias is not None or mean is not None else None   # the plan's, for ONNX
     if z_x:  # the kernel sums q_x = x / s_x + z_x: z_x * sum(w), at scale s_x * s_w, comes off the bias
         bias = bias - z_x * qw.astype(np.float64).sum(axis=1) * s_x * s_w
     params = impl.pack_params(wl, qw, (s_x * s_w).astype(np.float32), bias.astype(np.float32))
     row = dict(layer=ly.name, kind="dense" + ("+bias" if ly.bias is not None else "") + ("+relu" if ly.relu else ""),
                kernel=impl.name, dtype="int8", shape=f"{k}->{o} b{n}", in_scale=s_x)
     return LayerPlan(ly, impl=impl, workload=wl, reads=(x,), output=None, out_shape=(n, o), out_dtype="float32",
-                     params=tuple(params), weight=(qw, s_w), row=row)
+                     params=tuple(params), weight=(qw, s_w), bias=float_bias, row=row)

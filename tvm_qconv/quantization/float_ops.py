@@ -21,7 +21,7 @@ def float_op_reasons(plan: QuantizationPlan) -> dict:
     """``{var: why}`` for every binding of the float graph that stays float (a float layer's vars
     included, with the plan's reason)."""
     g: Graph = plan.graph
-    value = {b.var: b.value for b in g.bindings}
+    value = g.value
     int8_outputs = {lp.layer.output for lp in plan.layers if lp.int8}
     int8_inputs = {v for lp in plan.layers if lp.int8 for v in lp.layer.inputs}
     gates = _gate_producers(plan, value, int8_outputs)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 from .. import registry
-from .plan import LayerPlan, QuantizationPlan, readers_and_outputs
+from .plan import LayerPlan, QuantizationPlan
 
 
 def fuse_layer_norms(plan: QuantizationPlan) -> QuantizationPlan:
     """``plan`` with every fusable LayerNorm in its conv's kernel (module docstring); the fused
     LayerNorms stay in the plan, kernel-less, saying where they went (``LayerPlan.fused_into``)."""
-    readers, outputs = readers_and_outputs(plan.graph)
+    readers, outputs = plan.graph.binding_readers, plan.graph.outputs
     by_output = {lp.layer.output: lp for lp in plan.layers}
     fused: dict = {}
     for lp in plan.layers:

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..relax_utils import free_vars
-
 
 @dataclass(frozen=True)
 class TensorQuant:
@@ -66,6 +64,9 @@ class LayerPlan:
         weight: (conv, linear) the int8 weight ``(qw, s_w)`` per output channel, in the layer's
             own shape (a grouped conv's too, where the kernel runs it block-diagonal), for a
             backend that stores weights unpacked (ONNX).
+        bias: (conv, linear) the float bias the layer adds, as the plan decided it (corrected for
+            the int8 weights' mean error with ``bias_correction``), before any zero point is folded
+            in: what a backend that adds a float bias writes (ONNX); None: the layer adds none.
         gather: (channel gather) the tensor read and the channel index from it, gathers of
             gathers composed.
         writes: the float graph's var its kernel's output stands for where that is not its
@@ -91,6 +92,7 @@ class LayerPlan:
     out_dtype: str = "int8"
     params: tuple[np.ndarray, ...] = ()
     weight: tuple[np.ndarray, np.ndarray] | None = None
+    bias: np.ndarray | None = None
     gather: tuple | None = None
     writes: object = None
     fused_into: str | None = None
@@ -133,14 +135,3 @@ class QuantizationPlan:
         """The plan's part of the build report: one row per layer, the unsigned tensors."""
         return dict(layers=[lp.row for lp in self.layers], unsigned=list(self.unsigned),
                     unsigned_fallback=list(self.unsigned_fallback))
-
-
-def readers_and_outputs(graph) -> tuple[dict, set]:
-    """``({var: the bindings that read it}, the model's output vars)`` of a float graph's analysis:
-    what a fusion pass asks before it drops a tensor (``epilogues.py``, ``residuals.py``)."""
-    readers: dict = {}
-    for b in graph.bindings:
-        for v in free_vars(b.value):
-            readers.setdefault(v, set()).add(b.var)
-    return readers, set(free_vars(graph.func.body.body))
-

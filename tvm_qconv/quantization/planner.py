@@ -27,7 +27,7 @@ from ..target import TargetInfo
 from . import channels, conv, elementwise, norms, pools
 from .plan import LayerPlan, QuantizationPlan, TensorQuant, TensorRead
 from .scales import activation_scale
-from .zero_points import PASS_THROUGH, may_run_int8, planned_unsigned
+from .zero_points import PASS_THROUGH, may_run_int8, planned_unsigned, scheme_float_reason
 
 # One planning rule per int8 operator: (planner, layer) -> LayerPlan, or the reason it stays float.
 RULES = {
@@ -82,11 +82,8 @@ class Planner:
         self.versions: dict = {}     # var -> {layout: TensorQuant}: the int8 versions a backend will have made
         self.gathered: dict = {}     # channel gather output -> (var it reads, channel index from it)
         self.concats: dict = {}      # concatenation output -> its LayerPlan (gathers of it read its inputs)
-        self.value = {b.var: b.value for b in graph.bindings}  # the float graph's expressions (lut tables)
-        self.readers: dict = {}      # var -> the layers that read it
-        for ly in graph.layers:
-            for v in ly.inputs:
-                self.readers.setdefault(v, []).append(ly)
+        self.value = graph.value     # the float graph's expressions (lut tables)
+        self.readers = graph.layer_readers   # var -> the layers that read it, in layer order
         # the tensors stored unsigned (zero point -128, scale amax / 255), decided before any is made
         self.unsigned = planned_unsigned(graph, config)
         self.fallback: list = []     # planned unsigned, made symmetric (conv.output_zero_fits)
@@ -159,12 +156,9 @@ class Planner:
 
     # ---- layers -------------------------------------------------------------------------
     def why_float(self, ly) -> str | None:
-        if ly.reason_float:
-            return ly.reason_float
-        if self.config.skips(ly.name):
-            return "in the skip list"
-        if ly.kind == "dense" and not self.config.quantize_dense:
-            return "quantize_dense=False"
+        reason = scheme_float_reason(ly, self.config)   # what the steps before the plan predicted from
+        if reason is not None:
+            return reason
         if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale", "layer_norm") \
                 and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing

@@ -31,13 +31,13 @@ import dataclasses
 
 from .. import registry
 from ..schedules.epilogue_residual import add_params
-from .plan import LayerPlan, QuantizationPlan, readers_and_outputs
+from .plan import LayerPlan, QuantizationPlan
 
 
 def fuse_residuals(plan: QuantizationPlan) -> QuantizationPlan:
     """``plan`` with every fusable add in its conv's epilogue (module docstring); the fused adds
     stay in the plan, kernel-less, saying where they went (``LayerPlan.fused_into``)."""
-    readers, outputs = readers_and_outputs(plan.graph)
+    readers, outputs = plan.graph.binding_readers, plan.graph.outputs
     by_output = {lp.layer.output: lp for lp in plan.layers}
     fused: dict = {}        # id(layer plan) -> its replacement
     for lp in plan.layers:

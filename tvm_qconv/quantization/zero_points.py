@@ -54,10 +54,23 @@ def reads_unsigned(ly) -> bool:
     return ly.kind in READERS
 
 
+def scheme_float_reason(ly, config) -> str | None:
+    """Why the analysis or the scheme ``config`` keeps ``ly`` float, before any kernel is chosen, or
+    None: the planner's first rule (``planner.Planner.why_float``), and what the steps before the plan
+    (unsigned points, GPTQ's layers) know of it through :func:`may_run_int8`."""
+    if ly.reason_float:
+        return ly.reason_float
+    if config.skips(ly.name):
+        return "in the skip list"
+    if ly.kind == "dense" and not config.quantize_dense:
+        return "quantize_dense=False"
+    return None
+
+
 def may_run_int8(ly, config) -> bool:
     """Whether ``ly`` is not kept float by the analysis or the scheme ``config`` (whether a kernel
-    exists is known only when the quantize pass emits it)."""
-    return not (ly.reason_float or config.skips(ly.name) or (ly.kind == "dense" and not config.quantize_dense))
+    exists is known only when the plan picks one): :func:`scheme_float_reason` is None."""
+    return scheme_float_reason(ly, config) is None
 
 
 def planned_unsigned(graph: Graph, config) -> set:
@@ -85,10 +98,7 @@ def unsigned_points(graph: Graph, may_run_int8) -> set:
         may_run_int8: ``layer -> bool``: whether the scheme may run it in int8 (only those tie
             a pass-through layer's input and output together).
     """
-    readers: dict = {}
-    for ly in graph.layers:
-        for v in ly.inputs:
-            readers.setdefault(v, []).append(ly)
+    readers = graph.layer_readers      # var -> the layers that read it (built once per graph)
     made_by = {ly.output: ly for ly in graph.layers}
     inside = {v for ly in graph.layers for v in ly.vars[:-1]}   # a layer's intermediate vars
 

@@ -31,18 +31,17 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.runner.local_runner import default_alloc_argument as local_alloc_argument
 from tvm.s_tir.meta_schedule.runner.rpc_runner import default_alloc_argument as rpc_alloc_argument
 
-from .. import interrupts, registry
+from .. import interrupts, pipeline, registry
 from ..config import QuantConfig
 from ..data import skimage_photos
 from ..errors import InputError
 from ..fileio import check_output_folder, write_json
 from ..frontend import as_frontend, load_model
-from ..quantize import quantize_module
+from ..pipeline import BuildState
 from ..ranges import Calibrate
 from ..remote import remote_gpu
 from ..schedules.requantize import quantize_multiplier
 from ..target import TargetInfo, arch_runs_on, device_arch, make_target
-from ..transform import LiftConstantsToParams
 from .builder import PersistentLocalBuilder
 from .database import (CONFIG_FILE, FAILED_RUN_SECS, canonicalize_database, db_files, mean_secs, prepare_implementations, repair_database,
                        unpack_database, workload_key)
@@ -64,9 +63,10 @@ def int8_module(model, batch: int, image_size: int, target: tvm.target.Target) -
     photos = skimage_photos(image_size)[:CALIB_IMAGES]
     # a Q/DQ file's own scales (None), as its build takes them: the same layers int8, the same kernels
     ranges = None if as_frontend(model).has_own_ranges else Calibrate(photos)
-    q = quantize_module(model, (batch, 3, image_size, image_size), TargetInfo.from_target(target),
-                        config=QuantConfig(num_calib_images=CALIB_IMAGES), ranges=ranges, progress=False)
-    return LiftConstantsToParams()(q.mod)
+    info = TargetInfo.from_target(target)
+    state = BuildState(model, (batch, 3, image_size, image_size), info, config=QuantConfig(num_calib_images=CALIB_IMAGES),
+                       ranges=ranges, target=target)
+    return pipeline.run(state, until="lift").mod     # the build's steps up to the weights lifted
 
 
 def check_config(work_dir: str, settings: dict) -> dict:
@@ -100,9 +100,11 @@ def _trial_limit(task: KernelTask, trials_per_task: int) -> int:
 
 
 def _runner_worker_init() -> None:
-    """The local runner's worker process: register the host functions kernels call at launch
-    (the wgmma family's TMA im2col descriptor); the RPC server does the same."""
-    from ..schedules.wgmma import tensormap  # noqa: F401  (the registration this worker is initialized with)
+    """The local runner's worker process: register the functions kernels call at run time
+    (``schedules/runtime_functions.py``: the TMA encoder of Hopper's kernels); the RPC server does
+    the same."""
+    from ..schedules import runtime_functions  # in the body: it runs in the worker's process, as its initializer
+    runtime_functions.register()
 
 
 def _alloc_layer_args(device, args_info, alloc_repeat):
@@ -207,8 +209,8 @@ def tune(job: TuneJob) -> list[dict]:
     if plan.todo:
         _measure(job, tgt, tasks, plan, db, servers or 1)
     else:
-        print(f"[tune] every task has its trials already ({job.trials_per_task} valid, or every point of a wgmma "
-              f"tile space): nothing to tune", flush=True)
+        print(f"[tune] every task has its trials already ({job.trials_per_task} valid, or every point of a "
+              f"finite tile space): nothing to tune", flush=True)
     return _results(job, tasks, db, plan)
 
 

@@ -97,6 +97,7 @@ from ..sched_utils import as_schedule_of
 from ..tensorcore.layout import ceil32
 from . import bn_channel, dequantize_amax, pack_nhwc32, quant_scales, relu_bits_amax
 from .elementwise_bits import abs_bits, relu_passes, relu_value
+from .exact_float import exact
 
 KINDS = ("quantize", "dequantize", "relu_bits", "relu", "mask", "pack", "grad_stats", "quantize_grad", "max_pool",
          "max_pool_grad", "scale_sums", "flip_transpose", "bn_stats", "bn_relu", "bn_grad_sums", "bn_grad",
@@ -196,21 +197,6 @@ class ElementwiseWorkload:
         return f"{self.kind} {c} @{h}x{w} b{n}" + "".join(f" {o}" for o in opts)
 
 
-_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q, "-": lambda p, q: p - q}
-# CUDA's correctly rounded float32 operations: IEEE whatever --use_fast_math says (it makes ``/``
-# approximate and contracts ``a * b + c``), and off the float64 pipe (conversions and a software
-# division per element), which had bounded the quantizing kernels on an H200
-_RN = {"*": "__fmul_rn", "/": "__fdiv_rn", "+": "__fadd_rn", "-": "__fsub_rn"}
-
-
-def _exact(op: str, a, b, rn: bool = False):
-    """float32 ``a op b`` for float32 operands, as IEEE float32 arithmetic gives it (module
-    docstring): CUDA's ``__f*_rn`` intrinsics where ``rn``, else in float64 rounded once."""
-    if rn:
-        return tirx.call_pure_extern("float32", _RN[op], a, b)
-    return _OPS[op](a.astype("float64"), b.astype("float64")).astype("float32")
-
-
 # |q - nearbyint(q)| above this, the fast quotient may sit on the other side of a half-integer from
 # the correctly rounded one: far more than its error (2 ulp of the fast division: 2^-15 below 256)
 _NEAR_TIE = 0.5 - 2.0 ** -12
@@ -242,13 +228,13 @@ def _quantized_quotient(a, b, rn: bool = False):
     21 % of DRAM's) on two ``__fdiv_rn``, two ``nearbyint`` and two float-to-int conversions an
     element, all on the quarter-rate pipe (history.md, 2026-11-28); this leaves one reciprocal."""
     if not rn:
-        return _clamp_qmax(tirx.nearbyint(_exact("/", a, b))).astype("int8")
+        return _clamp_qmax(tirx.nearbyint(exact("/", a, b))).astype("int8")
     x, q, r = tirx.Var("a", "float32"), tirx.Var("q", "float32"), tirx.Var("r", "float32")
     rounder = tirx.const(_ROUNDER, "float32")
     near_tie = tirx.any(tirx.abs(q - (r - rounder)) > tirx.const(_NEAR_TIE, "float32"),
                         tirx.abs(b) > tirx.const(_APPROX_DIVISOR_MAX, "float32"))
     fast = tirx.reinterpret("int32", r) - tirx.const(_ROUNDER_BITS, "int32")
-    slow = _clamp_qmax(tirx.nearbyint(_exact("/", x, b, rn=True))).astype("int32")
+    slow = _clamp_qmax(tirx.nearbyint(exact("/", x, b, rn=True))).astype("int32")
     body = tirx.if_then_else(near_tie, slow, fast).astype("int8")
     return tirx.Let(x, a, tirx.Let(q, _clamp_qmax(x / b), tirx.Let(r, q + rounder, body)))
 
@@ -263,7 +249,7 @@ def quantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     def element(b, ch, y, xx):
         v = x[b, ch, y, xx]
         if m is not None:
-            v = _exact("*", v, m[ch], rn)
+            v = exact("*", v, m[ch], rn)
         return _quantized_quotient(v, s[ch if wl.per_channel else 0], rn)
 
     out = te.compute(wl.shape, element, name="quantize")
@@ -288,11 +274,11 @@ def dequantize(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     def element(b, ch, y, xx):
         a = {"nhwc32": lambda: acc[b, y, xx, ch], "nchw4c": lambda: acc[b, ch // 4, y, xx, ch % 4],
              "nchw": lambda: acc[b, ch, y, xx]}[wl.layout]()
-        v = _exact("*", a.astype("float32"), s[ch if wl.per_channel else 0], rn)
+        v = exact("*", a.astype("float32"), s[ch if wl.per_channel else 0], rn)
         if bias is not None:
-            v = _exact("+", v, bias[ch], rn)
+            v = exact("+", v, bias[ch], rn)
         v = tirx.max(v, tirx.const(0.0, "float32")) if wl.relu else v
-        return _exact("+", v, addend[b, ch, y, xx], rn) if addend is not None else v
+        return exact("+", v, addend[b, ch, y, xx], rn) if addend is not None else v
 
     out = te.compute(wl.shape, element, name="dequantize")
     params = [acc, s] + ([bias] if bias is not None else []) + ([addend] if addend is not None else []) + [out]
@@ -507,8 +493,8 @@ def bn_relu(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
 
     def value(k):
         ch = k // hw % c
-        z = _exact("+", _exact("*", _exact("-", x[k], mean[ch], rn), scale[ch], rn), beta[ch], rn)
-        return relu_value(z if addend is None else _exact("+", z, addend[k], rn))
+        z = exact("+", exact("*", exact("-", x[k], mean[ch], rn), scale[ch], rn), beta[ch], rn)
+        return relu_value(z if addend is None else exact("+", z, addend[k], rn))
 
     y = te.compute((numel,), value, name="relu")
     bits = te.compute((numel // 8,), lambda j: sum(
@@ -547,8 +533,8 @@ def bn_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     def element(k):
         ch = k // (h * w) % c
         dz = tirx.if_then_else(_bit(bits, k), g[k], tirx.const(0.0, "float32"))
-        t = _exact("*", _exact("-", y[k], mean[ch], rn), b[ch], rn)
-        dy = _exact("+", _exact("+", _exact("*", dz, a[ch], rn), t, rn), cc[ch], rn)
+        t = exact("*", exact("-", y[k], mean[ch], rn), b[ch], rn)
+        dy = exact("+", exact("+", exact("*", dz, a[ch], rn), t, rn), cc[ch], rn)
         return (dy, dz) if wl.addend else dy
 
     outs = te.compute((numel,), element, name="bn_grad")
@@ -575,7 +561,7 @@ def quantize_grad(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
             v = tirx.if_then_else(_bit(bits, ((b * c + ch) * h + y) * w + xx), v, tirx.const(0.0, "float32"))
         out = []
         if wl.dx:
-            out.append(_quantized_quotient(_exact("*", v, mult[ch], rn), s_dx[0], rn))
+            out.append(_quantized_quotient(exact("*", v, mult[ch], rn), s_dx[0], rn))
         if wl.dw:
             out.append(_quantized_quotient(v, s_dw[ch], rn))
         return tuple(out) if len(out) > 1 else out[0]
@@ -596,7 +582,7 @@ def scale_sums(wl: ElementwiseWorkload, rn: bool = False) -> tirx.PrimFunc:
     k = c * kh * kw
     sums = te.placeholder((k, o), "int32", name="sums")
     scale = te.placeholder((o,), "float32", name="scale")
-    dw = te.compute((o, k), lambda i, j: _exact("*", sums[j, i].astype("float32"), scale[i], rn), name="scale_sums")
+    dw = te.compute((o, k), lambda i, j: exact("*", sums[j, i].astype("float32"), scale[i], rn), name="scale_sums")
     return te.create_prim_func([sums, scale, dw]).with_attr({"tvm_qconv.kernel": "train_scale_sums",
                                                              "tvm_qconv.workload": str(wl.to_dict())})
 

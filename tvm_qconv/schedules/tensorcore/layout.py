@@ -7,12 +7,19 @@ is 16-byte vector copies (cp.async) and every ``mma.sync.m16n8k32`` K step stays
 NC/32HW32c would give the same runs but strided pixel rows; NHWC keeps each image contiguous,
 which is what TensorRT and cuDNN use for int8 too.  Why 32: one m16n8k32 K step; the output
 channels are padded to 32 as well, so a layer's output is the next layer's input as it is.
+
+Its two boundary kernels with float NCHW are the registry's ``quantize.nhwc32.generic`` /
+``dequantize.nhwc32.generic`` (:data:`QUANTIZE`, :data:`DEQUANTIZE`:
+``schedules/conversion_kernels.py``), made here with the layout, whose :meth:`NHWC32.quantize`
+computes them.
 """
 from __future__ import annotations
 
 import numpy as np
 from tvm import te, tirx
 
+from ..channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
+from ..conversion_kernels import Dequantize, Quantize
 from ..kernel import Layout
 from ..quantize import dequantize_tir, quantize_clamp, quantize_tir
 from ..workload import DequantizeWorkload, QuantizeWorkload
@@ -73,11 +80,9 @@ class NHWC32(Layout):
         return (n, c, h, w)
 
     def quantize(self, shape, scale, zero=0):
-        from .impls import QUANTIZE  # here, not above: impls imports this module
         return QUANTIZE.compute(QuantizeWorkload(shape, scale, zero))
 
     def dequantize(self, packed, channels, scale, zero=0):
-        from .impls import DEQUANTIZE  # here, not above: impls imports this module
         return DEQUANTIZE.compute(DequantizeWorkload(packed, channels, scale, zero))
 
     def pack(self, x):
@@ -95,6 +100,10 @@ class NHWC32(Layout):
 
 
 LAYOUT = NHWC32()
+# float <-> int8 NHWC32, threads on pixels on CUDA (dlight's read the float side a feature map
+# apart per thread: ``channels_last_conversions.py``)
+QUANTIZE = Quantize(LAYOUT, "quantize_pack_nhwc32", quantize_pack_nhwc32, schedule_quantize_nhwc32)
+DEQUANTIZE = Dequantize(LAYOUT, "dequantize_unpack_nhwc32", dequantize_unpack_nhwc32, schedule_dequantize_nhwc32)
 
 
 def zero_word(zero: int) -> int:

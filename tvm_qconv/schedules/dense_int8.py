@@ -12,27 +12,34 @@ from dataclasses import dataclass
 import numpy as np
 from tvm import te, tirx
 
+from .conversion_kernels import QuantizeRows
 from .kernel import KernelImpl
-from .nchw4c.layout import ceil4  # K is padded to 4 as the NCHW4c channels are
 from .quantize import quantize_clamp, quantize_tir
+from .sched_utils import round_up
 from .workload import QuantizeRowsWorkload
 
 KERNEL_NAME = "dense_int8"
+K_ALIGN = 4     # K is padded to 4, as the NCHW4c channels are, so the reduction tensorizes by 4
 
 
 def quantize_rows_compute(shape: tuple[int, int], scale: float, k_padded: int | None = None,
                           zero: int = 0) -> tirx.PrimFunc:
-    """Kernel: float [N, K] -> int8 [N, k_padded] (zero-padded; default ceil(K/4)*4), the input of an
-    int8 dense layer (``k_padded``: the dense implementation's, ``in_features_padded``; ``zero``:
-    the zero point, -128 for an unsigned input: ``quantize.quantize_clamp``)."""
+    """Kernel: float [N, K] -> int8 [N, k_padded] (zero-padded; default K rounded up to
+    :data:`K_ALIGN`), the input of an int8 dense layer (``k_padded``: the dense implementation's,
+    ``in_features_padded``; ``zero``: the zero point, -128 for an unsigned input:
+    ``quantize.quantize_clamp``)."""
     n, k = shape
     x = te.placeholder(shape, "float32", name="X")
     out = te.compute(
-        (n, k_padded or ceil4(k)),
+        (n, k_padded or round_up(k, K_ALIGN)),
         lambda b, i: tirx.if_then_else(i < k, quantize_tir(x[b, tirx.min(i, k - 1)], scale, *quantize_clamp(zero)),
                                         tirx.const(0, "int8")),
         name="quantize_rows")
     return te.create_prim_func([x, out]).with_attr({"tvm_qconv.kernel": "quantize_rows"})
+
+
+# the registry's ``quantize_rows`` implementation (``conversion_kernels.py``), made with its compute
+QUANTIZE_ROWS = QuantizeRows(quantize_rows_compute)
 
 
 def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = None, zero: int = 0) -> tirx.PrimFunc:
@@ -41,8 +48,7 @@ def quantize_rows(shape: tuple[int, int], scale: float, k_padded: int | None = N
 
         registry.select("quantize_rows", QuantizeRowsWorkload(shape, scale, k_padded, zero), target).compute(wl)
     """
-    from .conversion_kernels import QUANTIZE_ROWS  # here, not above: it imports this module
-    return QUANTIZE_ROWS.compute(QuantizeRowsWorkload(shape, scale, k_padded or ceil4(shape[1]), zero))
+    return QUANTIZE_ROWS.compute(QuantizeRowsWorkload(shape, scale, k_padded or round_up(shape[1], K_ALIGN), zero))
 
 
 def dense_int8(n: int, k4: int, o: int, clip: tuple[float, float] | None = None) -> tirx.PrimFunc:
@@ -105,11 +111,11 @@ class Dense(KernelImpl):
 
     def in_features_padded(self, wl: DenseWorkload) -> int:
         """The K of the quantized input rows this kernel reads."""
-        return ceil4(wl.in_features)
+        return round_up(wl.in_features, K_ALIGN)
 
     def pack_params(self, wl: DenseWorkload, weight, scale, bias) -> list[np.ndarray]:
         """int8 [O, K] weight, float [O] scale (s_x * s_w) and bias -> the kernel's constants."""
-        w = np.zeros((wl.out_features, ceil4(wl.in_features)), np.int8)
+        w = np.zeros((wl.out_features, round_up(wl.in_features, K_ALIGN)), np.int8)
         w[:, :wl.in_features] = weight
         return [w, np.asarray(scale, np.float32), np.asarray(bias, np.float32)]
 
@@ -117,7 +123,7 @@ class Dense(KernelImpl):
         return (wl.batch, wl.out_features)
 
     def compute(self, wl: DenseWorkload):
-        return self.tag(dense_int8(wl.batch, ceil4(wl.in_features), wl.out_features, wl.clip), wl)
+        return self.tag(dense_int8(wl.batch, round_up(wl.in_features, K_ALIGN), wl.out_features, wl.clip), wl)
 
     def reference(self, wl: DenseWorkload, x, w, scale, bias):
         return dense_int8_ref(x, w, scale, bias, wl.clip)

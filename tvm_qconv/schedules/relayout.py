@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
-from .kernel import Layout
+from .kernel import Layout, tagged
 from .workload import RelayoutWorkload
 
 KERNEL_NAME = "relayout_int8"
@@ -31,15 +31,16 @@ def relayout_compute(src: Layout, dst: Layout, shape: tuple[int, int, int, int])
         {"tvm_qconv.kernel": KERNEL_NAME, "tvm_qconv.relayout": f"{src.name}->{dst.name}"})
 
 
+def relayout_name(src: Layout, dst: Layout) -> str:
+    """The registry name of the relayout from ``src`` to ``dst`` (``conversion_kernels.Relayout``)."""
+    return f"relayout.{src.name.lower()}_to_{dst.name.lower()}.generic"
+
+
 def relayout_int8(src: Layout, dst: Layout, shape: tuple[int, int, int, int]) -> tirx.PrimFunc:
     """The registry's ``relayout`` kernel from ``src`` to ``dst`` (:func:`relayout_compute`, tagged
-    with its implementation); kept for callers that do not ask the registry yet::
+    as that implementation tags it); kept for callers that do not ask the registry yet::
 
         registry.select("relayout", RelayoutWorkload(shape, src.name, dst.name), target).compute(wl)
-
-    A pair of layouts no registered implementation converts (a test's stand-in layout) gets the
-    untagged kernel, as before: dlight schedules it on CUDA."""
-    from tvm_qconv import registry  # here, not above: the registry imports the kernels
+    """
     wl = RelayoutWorkload(shape, src.name, dst.name)
-    impl = next((i for i in registry.IMPLEMENTATIONS if i.op == "relayout" and i.applies(wl, None)), None)
-    return impl.compute(wl) if impl is not None else relayout_compute(src, dst, shape)
+    return tagged(relayout_compute(src, dst, shape), relayout_name(src, dst), wl)

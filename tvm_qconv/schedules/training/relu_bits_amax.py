@@ -28,6 +28,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .elementwise_bits import ABS_BITS, relu_passes, relu_value
+from .exact_float import exact
 
 ELEMENTS = 8        # a thread's elements: one byte of bits, two 16-byte loads
 THREADS = 256
@@ -42,7 +43,6 @@ def supports(wl) -> bool:
 def relu_bits_amax_kernel(wl, rn: bool = True):
     """The CUDA kernel of ``elementwise.relu_bits(wl)`` with ``wl.amax``, of ``elementwise.relu(wl)``
     or of ``elementwise.bn_relu(wl, rn)`` (same parameters, same bits)."""
-    from .elementwise import _exact     # (elementwise imports this module)
     if not (supports(wl) and (wl.amax or wl.kind in ("relu", "bn_relu"))):
         raise ValueError(f"relu_bits_amax_kernel takes relu, bn_relu, or relu_bits with amax, of whole bytes: {wl}")
     n, c, h, w = wl.shape
@@ -69,14 +69,14 @@ def relu_bits_amax_kernel(wl, rn: bool = True):
                         if BN:
                             for i in T.unroll(ELEMENTS):
                                 ch = T.meta_var((j * ELEMENTS + i) // HW % c)
-                                got[i] = _exact("+", _exact("*", _exact("-", got[i], mean[ch], rn), scale[ch], rn),
+                                got[i] = exact("+", exact("*", exact("-", got[i], mean[ch], rn), scale[ch], rn),
                                                 beta[ch], rn)
                         if ADD:
                             for h in T.unroll(2):
                                 for i in T.vectorized(ELEMENTS // 2):
                                     other[h * 4 + i] = addend[j * ELEMENTS + h * 4 + i]
                             for i in T.unroll(ELEMENTS):
-                                got[i] = _exact("+", got[i], other[i], rn)
+                                got[i] = exact("+", got[i], other[i], rn)
                         if RELU:
                             for i in T.unroll(ELEMENTS):
                                 got[i] = relu_value(got[i])

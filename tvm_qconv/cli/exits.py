@@ -9,6 +9,8 @@ exit   when
 143    SIGTERM (128 + 15), likewise
 1      anything else, a failure of the project or of TVM: its type and first line, and how to get
        the traceback for a report
+3      (``deploy.py build``) built, but its outputs disagree with the float model's: written as
+       ``<out>.unverified.so``, ``<out>.so`` unchanged (:data:`EXIT_UNVERIFIED`)
 =====  =========================================================================================
 
 Before the command, the thread count TVM's pool will start with is checked
@@ -24,13 +26,14 @@ import sys
 import warnings
 from typing import Callable
 
-from . import interrupts
-from .errors import InputError
+from .. import interrupts
+from ..errors import InputError
 
 DEBUG_ENV = "TVM_QCONV_DEBUG"
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+EXIT_UNVERIFIED = 3  # deploy.py build: built, but its outputs disagree with the float model's (2: bad input)
 
 
 def debug() -> bool:

@@ -7,7 +7,7 @@ mean``, a clamp, ``rsqrt``, casts, the running statistics' ``mul_`` and ``add_``
 each ~1 us of GPU time plus its gap in a CUDA graph and ~10 us of host time eagerly
 (``docs/history.md``).  Here a thread a channel does them in the same order, each float64
 operation rounded on its own (CUDA's ``__d*_rn``: ``--use_fast_math`` would contract ``a * b + c``),
-each float32 one as ``elementwise._exact``: torch's float64 then float32 values of
+each float32 one as ``exact_float.exact``: torch's float64 then float32 values of
 ``batch_norm.train_stats`` and ``batch_norm.grad_coefficients``, except the running statistics,
 whose ``add_(x, alpha=momentum)`` torch may contract into one rounding on some devices (they are
 compared with a tolerance).
@@ -26,20 +26,20 @@ from __future__ import annotations
 import tvm
 from tvm import te, tirx
 
+from .exact_float import OPS, exact
+
 _RN64 = {"*": "__dmul_rn", "/": "__ddiv_rn", "+": "__dadd_rn", "-": "__dsub_rn"}
-_OPS = {"*": lambda p, q: p * q, "/": lambda p, q: p / q, "+": lambda p, q: p + q, "-": lambda p, q: p - q}
 
 
 def _f64(op: str, a, b, rn: bool):
     """float64 ``a op b`` rounded once (CUDA: its ``__d*_rn`` intrinsic; elsewhere IEEE as it is)."""
     if rn:
         return tirx.call_pure_extern("float64", _RN64[op], a, b)
-    return _OPS[op](a, b)
+    return OPS[op](a, b)
 
 
 def _f32(op: str, a, b, rn: bool):
-    from .elementwise import _exact
-    return _exact(op, a, b, rn)
+    return exact(op, a, b, rn)
 
 
 def _rsqrt64(v, rn: bool):

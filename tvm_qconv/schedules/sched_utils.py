@@ -1,4 +1,4 @@
-"""Small helpers every hand-written schedule uses: divisor tile sizes, the loops a
+"""Small helpers every hand-written schedule uses: divisor tile sizes, padded extents, the loops a
 ``compute_at`` made, and a written kernel standing in for a compute's schedule.  One copy here, so the families (``nchw4c/dp4a.py``,
 ``tensorcore/mma.py``) and the training kernels (``training/``) share it instead of importing
 each other's private helpers.
@@ -13,6 +13,11 @@ def divisor_at_most(n: int, cap: int) -> int:
     block no longer matches a tensor intrinsic's description, and costs a branch per element).
     """
     return max(d for d in range(1, min(n, max(cap, 1)) + 1) if n % d == 0)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``: a padded channel or reduction extent."""
+    return (n + multiple - 1) // multiple * multiple
 
 
 def loops_under(sch, block, loop) -> list:

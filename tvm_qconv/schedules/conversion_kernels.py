@@ -16,12 +16,14 @@ op                 workload                  kernel
 =================  ========================  ===============================================
 
 The workloads are in ``workload.py``.  Quantize and dequantize have one implementation per
-layout, made by the layout's family (``nchw4c/impls.py``, ``tensorcore/impls.py``) from its
-compute definitions and its own CUDA schedule, if any; a relayout has one per ordered pair of
-registered layouts (:func:`relayout_kernels`, written from the layouts' index maps:
-``relayout.py``); ``quantize_rows`` one for all (:data:`QUANTIZE_ROWS`, its compute in
-``dense_int8.py``).  Family ``generic``: every target runs them.  None has a search space, so
-none is ever a tuning task.
+layout, made with the layout (``nchw4c/layout.py``, ``tensorcore/layout.py``: so its
+``Layout.quantize`` computes the registered kernel) from its compute definitions and its family's
+own CUDA schedule, if any; a relayout has one per ordered pair of registered layouts
+(:func:`relayout_kernels`, written from the layouts' index maps: ``relayout.py``);
+``quantize_rows`` one for all (``dense_int8.QUANTIZE_ROWS``, made there with its compute).
+Family ``generic``: every target runs them.  None has a search space, so none is ever a tuning
+task.  The classes are here and the objects with their computes, so that this module imports
+none of the modules that make them.
 
 Each keeps the name its kernel always had (``tvm_qconv.kernel``: ``quantize_pack``,
 ``dequantize_unpack_nhwc32``, ``relayout_int8``...), which is the Relax function's name and what
@@ -35,10 +37,9 @@ import numpy as np
 import tvm
 from tvm import tirx
 
-from .dense_int8 import quantize_rows_compute
 from .kernel import KERNEL_ATTR, KernelImpl, Layout, no_constants
 from .quantize import quantize_clamp, quantize_ref
-from .relayout import relayout_compute
+from .relayout import relayout_compute, relayout_name
 from .workload import DequantizeWorkload, QuantizeRowsWorkload, QuantizeWorkload, RelayoutWorkload
 
 # A schedule of one conversion kernel: (func, target) -> scheduled PrimFunc, or None (dlight / unscheduled)
@@ -133,7 +134,7 @@ class Relayout(Conversion):
         super().__init__()
         self.src, self.dst = src, dst
         self.layout, self.in_layout = dst.name, src.name
-        self.name = f"relayout.{src.name.lower()}_to_{dst.name.lower()}.generic"
+        self.name = relayout_name(src, dst)
 
     def applies(self, wl: RelayoutWorkload, target) -> bool:
         return (wl.src, wl.dst) == (self.src.name, self.dst.name)
@@ -155,15 +156,20 @@ def relayout_kernels(layouts) -> tuple[Relayout, ...]:
 
 
 class QuantizeRows(Conversion):
-    """A linear layer's float input [N, K] -> int8 rows [N, K_p] (``dense_int8.py``)."""
+    """A linear layer's float input [N, K] -> int8 rows [N, K_p], by ``compute(shape, scale,
+    k_padded, zero)`` (``dense_int8.quantize_rows_compute``)."""
 
     name = "quantize_rows.rows.generic"
     op = "quantize_rows"
     layout = "rows"
     kernel = "quantize_rows"
 
+    def __init__(self, compute: Callable[..., tirx.PrimFunc]):
+        super().__init__()
+        self._compute = compute
+
     def compute(self, wl: QuantizeRowsWorkload):
-        return self.tag(quantize_rows_compute(wl.shape, wl.scale, wl.k_padded, wl.zero), wl)
+        return self.tag(self._compute(wl.shape, wl.scale, wl.k_padded, wl.zero), wl)
 
     def reference(self, wl: QuantizeRowsWorkload, x: np.ndarray) -> np.ndarray:
         out = np.zeros(self.out_shape(wl), np.int8)
@@ -172,6 +178,3 @@ class QuantizeRows(Conversion):
 
     def out_shape(self, wl: QuantizeRowsWorkload) -> tuple[int, ...]:
         return (wl.shape[0], wl.k_padded)
-
-
-QUANTIZE_ROWS = QuantizeRows()

@@ -268,10 +268,16 @@ class KernelImpl:
 
     def tag(self, func: tirx.PrimFunc, wl) -> tirx.PrimFunc:
         """``func`` with the attributes that name this implementation and its workload."""
-        attrs = {IMPL_ATTR: self.name}
-        if wl is not None and hasattr(wl, "to_dict"):
-            attrs[WORKLOAD_ATTR] = str(wl.to_dict())
-        return func.with_attr(attrs)
+        return tagged(func, self.name, wl)
+
+
+def tagged(func: tirx.PrimFunc, name: str, wl) -> tirx.PrimFunc:
+    """``func`` with the attributes that name implementation ``name`` and its workload ``wl``
+    (:meth:`KernelImpl.tag`)."""
+    attrs = {IMPL_ATTR: name}
+    if wl is not None and hasattr(wl, "to_dict"):
+        attrs[WORKLOAD_ATTR] = str(wl.to_dict())
+    return func.with_attr(attrs)
 
 
 def no_constants(impl: KernelImpl, arrays: tuple) -> list:

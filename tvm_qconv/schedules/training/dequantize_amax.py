@@ -23,6 +23,7 @@ from tvm.script import tirx as T
 
 from ..tensorcore.layout import ceil32
 from .elementwise_bits import ABS_BITS
+from .exact_float import exact
 
 CHANNELS = 8        # a thread's channels of one pixel: one 32-byte sector of int32 accumulators
 THREADS = 256
@@ -37,8 +38,6 @@ def dequantize_amax_kernel(wl, rn: bool = True):
     """The CUDA kernel of ``elementwise.dequantize(wl, rn)`` with ``wl.amax`` (same parameters, same
     bits); ``rn``: CUDA's correctly rounded intrinsics (``False``: float64 rounded once, for the CPU
     twin)."""
-    from .elementwise import _exact   # elementwise imports this module
-
     if not (supports(wl) and wl.amax):
         raise ValueError(f"dequantize_amax_kernel takes NHWC32 dequantizes of whole {CHANNELS}-channel groups "
                          f"with amax: {wl}")
@@ -52,9 +51,9 @@ def dequantize_amax_kernel(wl, rn: bool = True):
 
     def value(a, s, b):
         """``elementwise.dequantize``'s element: ``a * s [+ b]``, ReLU, correctly rounded."""
-        v = _exact("*", a.astype("float32"), s, rn)
+        v = exact("*", a.astype("float32"), s, rn)
         if b is not None:
-            v = _exact("+", v, b, rn)
+            v = exact("+", v, b, rn)
         return tirx.max(v, tirx.const(0.0, "float32")) if RELU else v
 
     @T.macro

@@ -17,6 +17,8 @@ schedule.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import tvm
 from tvm import te, tirx
@@ -121,7 +123,7 @@ def row_tile(wl: ConvWorkload) -> int:
     return max(d for d in range(1, ROW_TILE + 1) if wl.out_width % d == 0 and (d == 1 or words // d >= MIN_THREADS))
 
 
-def schedule_cuda(func: tirx.PrimFunc, target, written: bool = True) -> tirx.PrimFunc:
+def schedule_cuda(func: tirx.PrimFunc, target, written: Callable | None = None) -> tirx.PrimFunc:
     """One thread per output word (4 channels) of ``R`` consecutive pixels of a row (:func:`row_tile`:
     8 at batch 64, 1 where the grid would be too small for the GPU),
     consecutive threads on consecutive words of a pixel (coalesced loads and stores).  Per filter
@@ -134,16 +136,16 @@ def schedule_cuda(func: tirx.PrimFunc, target, written: bool = True) -> tirx.Pri
     H100 with one pixel per thread (2.7 T multiply-adds/s: bound by loads and byte unpacking, not
     by memory), ``docs/history.md``.  A channel multiplier above 1 keeps the one-pixel schedule.
 
-    Where ``depthwise_dp4a.py`` takes the layer (a channel multiplier of 1, no dilation: every
-    depthwise conv of the zoo), its written-out kernel runs instead: the same work per thread, with
-    each channel's taps packed four to a word for ``__dp4a`` (``written=False``: the schedule alone).
-    A conv with a LayerNorm in its epilogue (``wl.norm``) runs ``depthwise_layer_norm.py``'s kernel."""
-    from .depthwise_dp4a import depthwise_dp4a_kernel   # it builds on this module's row tile
-    from .depthwise_layer_norm import depthwise_layer_norm_kernel
+    ``written``: the written-out kernel to run instead where it takes the layer
+    (``depthwise_dp4a.depthwise_dp4a_kernel``: a channel multiplier of 1, no dilation, every
+    depthwise conv of the zoo; the same work per thread, with each channel's taps packed four to a
+    word for ``__dp4a``), or None: the schedule alone.  The implementation passes it
+    (``impls.Conv2dDepthwise``): that kernel builds on this module's row tile, so this module
+    cannot import it.  A conv with a LayerNorm in its epilogue (``wl.norm``) runs
+    ``depthwise_layer_norm.py``'s kernel, which the implementation picks before this."""
     wl = ConvWorkload.of(func)
-    if wl.norm:   # with the LayerNorm after it: only the written-out kernel computes both
-        return written_kernel(func, depthwise_layer_norm_kernel(wl))
-    kernel = depthwise_dp4a_kernel(wl) if written else None
+    assert not wl.norm, "a LayerNorm epilogue is depthwise_layer_norm.py's kernel (impls.Conv2dDepthwise.schedule)"
+    kernel = written(wl) if written else None
     if kernel is not None:
         return written_kernel(func, kernel)
     sch = tvm.s_tir.Schedule(func)

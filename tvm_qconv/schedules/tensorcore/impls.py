@@ -29,8 +29,9 @@ name                           op          runs
 ``dequantize.nhwc32.generic``  dequantize  NHWC32 -> float NCHW, any target (the same on CUDA)
 =============================  ==========  ==============================================================
 
-The two conversions (``schedules/conversion_kernels.py``) are not in :data:`IMPLEMENTATIONS`:
-the registry lists every layout's conversions together.
+The two conversions (``schedules/conversion_kernels.py``) are made with the layout
+(``layout.py``) and are not in :data:`IMPLEMENTATIONS`: the registry lists every layout's
+conversions together.
 """
 from __future__ import annotations
 
@@ -38,16 +39,15 @@ import tvm
 
 from tvm_qconv.target import TargetInfo
 
-from ..channels_last_conversions import schedule_dequantize_nhwc32, schedule_quantize_nhwc32
-from ..conversion_kernels import Dequantize, Quantize
 from .. import epilogue_residual, epilogue_table
 from ..kernel import KernelImpl, written_kernel
 from ..dense_int8 import DenseWorkload
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
-from . import conv2d, dense, depthwise, depthwise_layer_norm, grouped, grouped_gemm, mma, pipeline, space
+from . import (conv2d, dense, depthwise, depthwise_dp4a, depthwise_layer_norm, grouped, grouped_gemm, mma, pipeline,
+               space)
 from .pool import MaxPool2dNhwc32
-from .layout import LAYOUT, dequantize_unpack_nhwc32, quantize_pack_nhwc32
+from .layout import LAYOUT
 
 # A layer with fewer input channels than this runs better on dp4a: its channels are padded to 32
 # for the mma K step (VGG16's first conv, 3 channels, would do 10x the multiply-adds), against 4.
@@ -158,7 +158,10 @@ class Conv2dDepthwise(KernelImpl):
         return epilogue_table.reference(LAYOUT, wl, args, depthwise.depthwise_nhwc32_int8_ref)
 
     def schedule(self, func, target):
-        return depthwise.schedule_cuda(func, target)
+        wl = ConvWorkload.of(func)
+        if wl.norm:   # with the LayerNorm after it: only the written-out kernel computes both
+            return written_kernel(func, depthwise_layer_norm.depthwise_layer_norm_kernel(wl))
+        return depthwise.schedule_cuda(func, target, written=depthwise_dp4a.depthwise_dp4a_kernel)
 
     def pack_params(self, wl, weight, bias, mult, shift):
         return [depthwise.pack_depthwise(weight), conv2d.pack_channels(bias), conv2d.pack_channels(mult),
@@ -321,7 +324,3 @@ DENSE_MMA = DenseMma()
 # the layout's memory-bound kernels, the max-pool with its vector CUDA kernel (``pool.py``)
 IMPLEMENTATIONS = (CONV2D_MMA, CONV2D_DEPTHWISE, CONV2D_GROUPED, CONV2D_GROUPED_MMA, DENSE_MMA, MaxPool2dNhwc32(LAYOUT),
                    *(k for k in layout_kernels(LAYOUT) if k.op != "max_pool2d"))
-# float <-> int8 NHWC32, threads on pixels on CUDA (dlight's read the float side a feature map
-# apart per thread: ``channels_last_conversions.py``)
-QUANTIZE = Quantize(LAYOUT, "quantize_pack_nhwc32", quantize_pack_nhwc32, schedule_quantize_nhwc32)
-DEQUANTIZE = Dequantize(LAYOUT, "dequantize_unpack_nhwc32", dequantize_unpack_nhwc32, schedule_dequantize_nhwc32)

@@ -13,25 +13,24 @@ name                           op           runs
 ``avg_pool2d.nchw4c``          avg_pool2d   any target (one thread per output on CUDA)
 ``affine.nchw4c``              affine       inference BatchNorm no conv absorbs (dlight on CUDA)
 ``quantize.nchw4c.generic``    quantize     float NCHW -> NCHW4c, any target (one 32-bit word
-                                            per pixel on CUDA: :func:`schedule_quantize`)
+                                            per pixel on CUDA: ``layout.schedule_quantize``)
 ``dequantize.nchw4c.generic``  dequantize   NCHW4c -> float NCHW, any target (dlight on CUDA)
 =============================  ===========  =================================================
 
-The two conversions (``schedules/conversion_kernels.py``) are not in :data:`IMPLEMENTATIONS`:
-the registry lists every layout's conversions together.
+The two conversions (``schedules/conversion_kernels.py``) are made with the layout
+(``layout.py``) and are not in :data:`IMPLEMENTATIONS`: the registry lists every layout's
+conversions together.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import epilogue_residual, epilogue_table
-from ..conversion_kernels import Dequantize, Quantize
-from ..elementwise_int8 import schedule_elementwise
 from ..kernel import KernelImpl
 from ..layout_kernels import layout_kernels
 from ..workload import ConvWorkload
 from . import conv2d, cpu, cpu_space, depthwise, dp4a, dp4a_space
-from .layout import LAYOUT, ceil4, dequantize_unpack, quantize_pack
+from .layout import LAYOUT, ceil4
 
 
 class _Conv2dNCHW4c(KernelImpl):
@@ -143,17 +142,7 @@ class Conv2dCpu(_Conv2dNCHW4c):
         cpu.apply_cpu_schedule(sch, *cpu.default_tiles(sch.mod["main"]))
 
 
-def schedule_quantize(func, target):
-    """The model input's quantize to NCHW4c (the stem's input) on CUDA: one thread per pixel, its 4
-    channels stored as one 32-bit word (dlight's took 65 us of ResNet-50's forward at batch 64 on
-    an H200, ~5x its 51 MB of traffic).  None elsewhere."""
-    return schedule_elementwise(func, target, "quantize_pack", operands=())
-
-
 CONV2D_DEPTHWISE = Conv2dDepthwise()
 CONV2D_DP4A = Conv2dDp4a()
 CONV2D_CPU = Conv2dCpu()
 IMPLEMENTATIONS = (CONV2D_DEPTHWISE, CONV2D_DP4A, CONV2D_CPU, *layout_kernels(LAYOUT))
-# float <-> int8 NCHW4c; the dequantize is left to dlight
-QUANTIZE = Quantize(LAYOUT, "quantize_pack", quantize_pack, schedule_quantize)
-DEQUANTIZE = Dequantize(LAYOUT, "dequantize_unpack", dequantize_unpack)

@@ -15,7 +15,7 @@ one-element torch launches.
 
 ResNet-50's training step at batch 32 ran ~1,600 such launches, each ~1 us of GPU time in a CUDA
 graph (H200, 2026-11-29; ``docs/history.md``).  A thread a channel (``elementwise.CHANNEL_KINDS``),
-each float32 operation rounded on its own as ``elementwise._exact`` (CUDA's ``__f*_rn``): torch's
+each float32 operation rounded on its own as ``exact_float.exact`` (CUDA's ``__f*_rn``): torch's
 bits, except that CUDA flushes subnormals to 0 under TVM's ``--use_fast_math`` (as in every kernel
 here): a product ``s_x * s_w`` below 1.2e-38 (an input range under ~1e-28 times a weight channel's
 under ~1.5e-6), and in ``range_ema`` a range record or batch range below 1.2e-38, which compares
@@ -34,6 +34,9 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from .bn_channel import _total
+from .exact_float import exact
+
 QMAX = 127.0
 MIN_SCALE = 1e-30   # functional.MIN_INPUT_SCALE == observers.MIN_WEIGHT_SCALE
 
@@ -45,12 +48,11 @@ def _clamp_min(v, low):
 def range_ema(wl, rn: bool = False) -> tirx.PrimFunc:
     """``(buf, m, new)``: float32 ``[1]`` each, ``new = where(buf > 0, buf + momentum * (m - buf),
     m)``; ``new`` may be ``buf`` itself (the one thread reads it before it writes it)."""
-    from .elementwise import _exact
     buf, m = (te.placeholder((1,), "float32", name=nm) for nm in ("buf", "m"))
     zero, mom = tirx.const(0.0, "float32"), tirx.const(wl.momentum, "float32")
 
     def element(i):
-        moved = _exact("+", buf[i], _exact("*", _exact("-", m[i], buf[i], rn), mom, rn), rn)
+        moved = exact("+", buf[i], exact("*", exact("-", m[i], buf[i], rn), mom, rn), rn)
         return tirx.if_then_else(buf[i] > zero, moved, m[i])
 
     new = te.compute((1,), element, name="range_ema")
@@ -64,7 +66,6 @@ def grad_finish(wl, rn: bool = False) -> tirx.PrimFunc:
     float32(sum_k total[c, k])`` (the float64 sum in the block's order: its last bit may differ
     from torch's).  ``grad_stats``' own max already drops a NaN (a float max under
     ``--use_fast_math``), so the max here sees none that torch's would."""
-    from .bn_channel import _total
     c, k = wl.shape[1], wl.partials
     amax = te.placeholder((c, k), "float32", name="amax")
     total = te.placeholder((c, k), "float64", name="total")
@@ -79,7 +80,6 @@ def conv_scales(wl, rn: bool = False) -> tirx.PrimFunc:
     ``[1]``) and the weight's per-output-channel ``w_amax`` (``[O]``), ``s_x`` (``[O]``, every
     element the same: the caller takes one), ``s_w`` and ``scale = s_x * s_w`` (``[O]``), or ``times
     * s_w`` with ``wl.mult`` (``times``: ``[1]``)."""
-    from .elementwise import _exact
     o = wl.shape[1]
     amax = te.placeholder((1,), "float32", name="amax")
     w_amax = te.placeholder((o,), "float32", name="w_amax")
@@ -87,9 +87,9 @@ def conv_scales(wl, rn: bool = False) -> tirx.PrimFunc:
     qmax, low = tirx.const(QMAX, "float32"), tirx.const(MIN_SCALE, "float32")
 
     def element(ch):
-        s_x = _clamp_min(_exact("/", amax[0], qmax, rn), low)
-        s_w = _clamp_min(_exact("/", w_amax[ch], qmax, rn), low)
-        return s_x, s_w, _exact("*", s_x if times is None else times[0], s_w, rn)
+        s_x = _clamp_min(exact("/", amax[0], qmax, rn), low)
+        s_w = _clamp_min(exact("/", w_amax[ch], qmax, rn), low)
+        return s_x, s_w, exact("*", s_x if times is None else times[0], s_w, rn)
 
     outs = te.compute((o,), element, name="conv_scales")
     return te.create_prim_func([amax, w_amax] + ([times] if times is not None else []) + list(outs)).with_attr(
