@@ -4,6 +4,7 @@ scripts; and those scripts building and running a library from a fresh venv that
 wheel (the dependencies come from this venv through a .pth file: nothing is downloaded)."""
 import configparser
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -179,3 +180,21 @@ def test_the_wheels_tvm_qconv_builds_a_model_file_and_runs_the_library(venv, tmp
     run = _run(venv, tmp_path, "tvm-qconv", "run", "--lib", "tiny.so", "--image", "skimage:coffee", "--repeat", "1")
     assert run.returncode == 0, run.stderr[-2000:]
     assert "skimage:coffee:" in run.stdout and "latency: " in run.stdout
+
+
+def test_the_root_script_and_the_wheels_console_script_build_the_same_library(venv, tmp_path):
+    """Behaviour unchanged by the move (issue 57): ``python deploy.py build`` from the source tree (the old
+    path) and the wheel's ``tvm-qconv build`` give a library with every parameter and range bit-identical."""
+    import numpy as np
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    argv = ["build", "--model", "tiny.py:make", "--target", "llvm", "--image-size", "16", "--seed", "0", "--quiet"]
+    old = subprocess.run([sys.executable, os.path.join(ROOT, "deploy.py"), *argv, "-o", "old.so"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert old.returncode == 0, old.stderr[-2000:]
+    new = _run(venv, tmp_path, "tvm-qconv", *argv, "-o", "new.so")
+    assert new.returncode == 0, new.stderr[-2000:]
+    a, b = np.load(tmp_path / "old.params.npz"), np.load(tmp_path / "new.params.npz")
+    assert sorted(a.files) == sorted(b.files) and all(a[k].tobytes() == b[k].tobytes() for k in a.files)
+    old_meta, new_meta = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("old", "new"))
+    assert old_meta["amax"] == new_meta["amax"] and old_meta["float_weights"] == new_meta["float_weights"]
