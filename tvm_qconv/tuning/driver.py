@@ -567,18 +567,19 @@ def _tune(search: _Search, tasks: list, plan: _Plan) -> None:
     progress = Progress(tasks, done, best, total, time.time(), os.path.join(work_dir, "logs", "progress.jsonl"))
     search.progress = progress
     os.makedirs(os.path.dirname(progress.path), exist_ok=True)
-    if job.seed_default:
-        _seed_with_default(todo, db, tgt, builder, runner, progress)
     exhaustive = [(t, n) for t, n in todo if t.impl.search == "exhaustive"]
     # Ctrl-C: MetaSchedule's C++ loop does not let a KeyboardInterrupt through cleanly (it was
     # swallowed, or became an empty RuntimeError, 2026-11-24), so the first Ctrl-C only sets a
-    # flag: the round in flight finishes and is committed, Progress's callback then ends the
-    # task, and the run stops with KeyboardInterrupt (cli.py: one line, exit 130).  A second
-    # Ctrl-C interrupts at once.
+    # flag: the round in flight (or the batch of default schedules being measured) finishes and is
+    # committed, Progress's callback then ends the task, and the run stops with KeyboardInterrupt
+    # (cli/exits.py: one line, exit 130).  A second Ctrl-C interrupts at once.
     with _first_ctrl_c_sets(progress.stop):
-        if exhaustive:
+        if job.seed_default:
+            _seed_with_default(todo, db, tgt, builder, runner, progress)
+        if exhaustive and not progress.stop.is_set():
             _measure_points(exhaustive, db, tgt, builder, runner, progress)
-        _tune_each(search, sampled, total, done)
+        if not progress.stop.is_set():
+            _tune_each(search, sampled, total, done)
     if progress.stop.is_set():
         raise KeyboardInterrupt
 
