@@ -200,9 +200,12 @@ def export(s: BuildState) -> None:
     s.dump("export", s.mod)
 
 
+_SIMPLIFY = "fold batch norms and constants, find the layers"   # one progress line for simplify + analyze
+
+
 def simplify(s: BuildState) -> None:
     """Batch norms and constants folded, channels-last regions as NCHW ops (``exported.simplified``)."""
-    s.phase("simplify", "fold batch norms and constants, find the layers")
+    s.phase("simplify", _SIMPLIFY)
     _, s.mod, s.names = s.exported.simplified(s.batch)
     s.dump("simplify", s.mod)
 
@@ -210,7 +213,7 @@ def simplify(s: BuildState) -> None:
 def analyze(s: BuildState) -> None:
     """The layers (``graph.analyze``); a skip entry that matches none, or a graph the caller
     refuses (``check_graph``), ends the build here, before calibration."""
-    s.phase("simplify", "fold batch norms and constants, find the layers")
+    s.phase("simplify", _SIMPLIFY)
     fg = s.exported.at(s.batch)
     s.mod, s.names, s.graph = fg.mod, fg.names, fg.graph
     s.end_phase()

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for trained weights (--weights, --checkpoint, a model file), off for a random init, whose "
                         "float outputs are noise a per-layer hunt cannot improve; 0 turns it off)")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
-                   help="write the IR after each phase into DIR (01_imported.py ... 05_scheduled.py)")
+                   help="write the IR after each step of the pipeline into DIR (02_export.py ... 12_schedule.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
     _add_force(b, "a file at -o (or its .params.npz / .json) that is not a library of this project")
     _add_quiet(b)
