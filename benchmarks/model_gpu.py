@@ -40,7 +40,7 @@ from tvm_qconv.config import QuantConfig  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
 from tvm_qconv.frontend import load_model  # noqa: E402
-from tvm_qconv.quantize import quantize_module  # noqa: E402
+from tvm_qconv.int8_module import quantize_module  # noqa: E402
 from tvm_qconv.ranges import Calibrate, GivenRanges  # noqa: E402
 from tvm_qconv.runtime import CompiledModel  # noqa: E402
 from tvm_qconv.target import TargetInfo, make_target  # noqa: E402

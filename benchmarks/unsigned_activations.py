@@ -31,12 +31,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
-from tvm_qconv.calibrate import FloatPoints, calibrate_candidates  # noqa: E402
+from tvm_qconv.ranges.calibrate import FloatPoints, calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
 from tvm_qconv.fileio import write_json  # noqa: E402
-from tvm_qconv.quantize import float_graph  # noqa: E402
-from tvm_qconv.range_search import FakeQuantModel  # noqa: E402
+from tvm_qconv.int8_module import float_graph  # noqa: E402
+from tvm_qconv.ranges.search import FakeQuantModel  # noqa: E402
 
 
 def never_negative(graph, images: np.ndarray) -> set[str]:

@@ -13,7 +13,7 @@ verification measures it (logits SQNR against the float PyTorch model on the fir
 - ``weights``: weights int8 per output channel (rounded to nearest), activations float;
 - ``both``: the library's scheme with nearest rounding;
 - ``gptq_weights`` / ``gptq_both``: the same with the weights GPTQ rounded on the calibration
-  photos (``QuantConfig.weight_rounding="gptq"``, ``tvm_qconv/weight_rounding.py``).
+  photos (``QuantConfig.weight_rounding="gptq"``, ``tvm_qconv/ranges/weight_rounding.py``).
 
 Writes ``<out>/weight_rounding_<size>px.json``.
 """
@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tvm_qconv.zoo import SIZES, zoo_config, zoo_model  # noqa: E402
-from tvm_qconv.calibrate import calibrate_candidates  # noqa: E402
+from tvm_qconv.ranges.calibrate import calibrate_candidates  # noqa: E402
 from tvm_qconv.data import skimage_photos  # noqa: E402
 from tvm_qconv.evaluate import sqnr_db  # noqa: E402
-from tvm_qconv.range_search import FakeQuantModel  # noqa: E402
-from tvm_qconv.weight_rounding import gptq_model  # noqa: E402
+from tvm_qconv.ranges.search import FakeQuantModel  # noqa: E402
+from tvm_qconv.ranges.weight_rounding import gptq_model  # noqa: E402
 from tvm_qconv.fileio import write_json  # noqa: E402
-from tvm_qconv.quantize import float_graph  # noqa: E402
+from tvm_qconv.int8_module import float_graph  # noqa: E402
 from tvm_qconv.quantization.zero_points import may_run_int8, planned_unsigned_names  # noqa: E402
 
 # activations left float: a step of 1e-30 (float32's rounding is coarser) out to +-1e8

@@ -13,7 +13,7 @@ from tvm_qconv.config import QuantConfig
 from tvm_qconv.data import skimage_photos
 from tvm_qconv.errors import InputError
 from tvm_qconv.evaluate import sqnr_db
-from tvm_qconv.observers import quantize_weight_per_channel
+from tvm_qconv.ranges.observers import quantize_weight_per_channel
 from tvm_qconv.ranges import Calibrate, GivenRanges
 from tvm_qconv.runtime import CompiledModel
 from tvm_qconv.quantization.scales import weight_error_mean

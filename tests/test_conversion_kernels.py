@@ -15,7 +15,7 @@ import tvm
 from tests.workloads import conv_wl
 from tvm_qconv import registry
 from tvm_qconv.config import QuantConfig
-from tvm_qconv.quantize import quantize_module
+from tvm_qconv.int8_module import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.schedules.dense_int8 import DenseWorkload, quantize_rows, quantize_rows_compute
 from tvm_qconv.schedules.kernel import IMPL_ATTR, KERNEL_ATTR, WORKLOAD_ATTR

@@ -199,7 +199,7 @@ def test_an_unreadable_calibration_file_is_left_out_and_named_from_the_cli(tmp_p
     # a folder of BMP / WebP / TIFF photos (left out by --calib-dir until issue 56) and one broken
     # JPEG: the build calibrates on the three that read, and a warning names the broken one
     import deploy   # (TVM and torch: only this test of the file needs them)
-    from tvm_qconv.artifact import read_meta
+    from tvm_qconv.runtime.artifact import read_meta
     (tmp_path / "models.py").write_text(TINY_MODEL)
     calib = tmp_path / "calib"
     calib.mkdir()

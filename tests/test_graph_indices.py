@@ -13,7 +13,7 @@ from tvm_qconv.config import QuantConfig
 from tvm_qconv.graph import Graph
 from tvm_qconv.pipeline import fused
 from tvm_qconv.quantization import plan_quantization
-from tvm_qconv.quantize import float_graph
+from tvm_qconv.int8_module import float_graph
 from tvm_qconv.relax_utils import free_vars
 from tvm_qconv.target import TargetInfo, make_target
 

@@ -285,7 +285,7 @@ def test_a_depthwise_conv_with_its_layer_norm_is_the_two_kernels_one_after_the_o
 def test_a_layer_norm_runs_in_the_depthwise_kernel_that_feeds_it_alone():
     # ConvNeXt's blocks at 224 px on sm_90a: every depthwise conv's LayerNorm in its kernel; the
     # stem's and the downsampling LayerNorms (after a conv that is not depthwise, after an add) keep theirs
-    from tvm_qconv.quantize import quantize_module
+    from tvm_qconv.int8_module import quantize_module
     from tvm_qconv.target import TargetInfo
     sm90 = TargetInfo.from_target(make_target("cuda", "sm_90a"))
     x = np.random.default_rng(0).standard_normal((1, 3, 64, 64)).astype(np.float32)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tvm_qconv.observers import (
+from tvm_qconv.ranges.observers import (
     EntropyObserver,
     MaxObserver,
     MSEObserver,
@@ -84,7 +84,7 @@ def test_entropy_on_plain_gaussian_keeps_the_body_and_clips_the_tail():
 
 def test_entropy_threshold_is_the_kl_minimum_over_every_candidate_of_2048_bins():
     # (How long the search takes is a benchmark's business, not a unit test's.)
-    from tvm_qconv.observers import _kl_divergences
+    from tvm_qconv.ranges.observers import _kl_divergences
     obs = EntropyObserver(num_bins=2048)
     obs.update(np.random.default_rng(5).standard_normal(200_000).astype(np.float32))
     hist = obs._hist.astype(np.float64)
@@ -192,7 +192,7 @@ def test_non_finite_weights_raise():
 def test_entropy_keeps_the_whole_range_of_discrete_data():
     # digits' pixels take 17 grey levels; a KL search that breaks ties toward small thresholds
     # clipped them at 1/8 of their range (a 12-point accuracy drop before the fix)
-    from tvm_qconv.observers import EntropyObserver
+    from tvm_qconv.ranges.observers import EntropyObserver
     rng = np.random.default_rng(0)
     x = (rng.integers(0, 17, 100_000) / 16.0 - 0.5) / 0.5
     obs = EntropyObserver()

@@ -20,7 +20,7 @@ from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.data import skimage_photos
 from tvm_qconv.errors import InputError
 from tvm_qconv.frontend import load_model
-from tvm_qconv.onnx_import import OnnxModel
+from tvm_qconv.frontend.onnx_model import OnnxModel
 from tvm_qconv.runtime import CompiledModel
 
 SIZE = 64

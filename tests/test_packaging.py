@@ -35,6 +35,7 @@ CONSOLE_SCRIPTS = {
     "tvm-qconv": "tvm_qconv.cli.deploy:main",
     "tvm-qconv-tune": "tvm_qconv.cli.tune:main",
     "tvm-qconv-train": "tvm_qconv.cli.train:main",
+    "tvm-qconv-rpc-server": "tvm_qconv.cli.rpc_server:main",
 }
 # Where the installed package's sources are: one folder (the kernels and models are inside it).
 SOURCES = {"tvm_qconv": "tvm_qconv"}
@@ -69,6 +70,46 @@ def test_importing_the_package_loads_neither_torch_nor_tvm():
                           "print([m for m in ('torch', 'tvm', 'numpy', 'skimage') if m in sys.modules])"],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# Modules issue 57 moved -> where they are now (tvm_qconv/moved.py keeps the old paths importing)
+MOVED = {"tvm_qconv.calibrate": "tvm_qconv.ranges.calibrate", "tvm_qconv.observers": "tvm_qconv.ranges.observers",
+         "tvm_qconv.range_search": "tvm_qconv.ranges.search", "tvm_qconv.weight_rounding": "tvm_qconv.ranges.weight_rounding",
+         "tvm_qconv.artifact": "tvm_qconv.runtime.artifact", "tvm_qconv.remote": "tvm_qconv.runtime.remote",
+         "tvm_qconv.remote_model": "tvm_qconv.runtime.remote_model", "tvm_qconv.rpc_server": "tvm_qconv.cli.rpc_server",
+         "tvm_qconv.quantize": "tvm_qconv.int8_module", "tvm_qconv.onnx_import": "tvm_qconv.frontend.onnx_model",
+         "tvm_qconv.onnx_qdq": "tvm_qconv.frontend.onnx_qdq"}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_imports_at_its_old_path_as_the_same_object(old):
+    """Code written against the old paths keeps working, and a monkeypatch through either name is
+    seen through the other: one module object, with a warning naming the new path."""
+    new = importlib.import_module(MOVED[old])
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
+        assert importlib.import_module(old) is new
+    assert new.__spec__.name == MOVED[old]          # the import of the old name left the module's own spec
+
+
+def test_the_old_modules_public_names_are_the_new_ones():
+    # what the code of issue 56 and before imported from the two modules that became packages
+    from tvm_qconv.ranges import Calibrate, GivenRanges, LearnedRanges, map_learned_ranges
+    from tvm_qconv.ranges import sources
+    from tvm_qconv.runtime import CompiledModel, check_arch, class_scores, flatten, summarize
+    from tvm_qconv.runtime import compiled_model
+    assert (Calibrate, GivenRanges, LearnedRanges, map_learned_ranges) == (
+        sources.Calibrate, sources.GivenRanges, sources.LearnedRanges, sources.map_learned_ranges)
+    assert (CompiledModel, check_arch, class_scores, flatten, summarize) == (
+        compiled_model.CompiledModel, compiled_model.check_arch, compiled_model.class_scores, compiled_model.flatten,
+        compiled_model.summarize)
+
+
+def test_python_m_of_the_old_rpc_server_path_runs_the_server():
+    out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-m", "tvm_qconv.rpc_server", "--help"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m tvm_qconv.cli.rpc_server ")
 
 
 def _bdist_wheel_missing() -> str | None:

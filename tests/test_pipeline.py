@@ -10,7 +10,7 @@ from tvm_qconv.data import digits_dataset, skimage_photos
 from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.frontend import load_model
 from tvm_qconv.models import SmallVGG
-from tvm_qconv.quantize import quantize_module
+from tvm_qconv.int8_module import quantize_module
 from tvm_qconv.ranges import Calibrate, GivenRanges
 from tvm_qconv.runtime import CompiledModel
 from tvm_qconv.target import TargetInfo, make_target

@@ -39,7 +39,7 @@ from tvm_qconv.nn import (
 )
 from tvm_qconv.nn.functional import (INT8_CONV_KERNELS, int8_conv_cpu, pack_bits, padding4, quantize_per_channel,
                                      unpack_bits)
-from tvm_qconv.observers import quantize_weight_per_channel
+from tvm_qconv.ranges.observers import quantize_weight_per_channel
 
 # The float twin's own F.conv2d warns about 'same' with an even kernel (it pads a copy); so do we.
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")

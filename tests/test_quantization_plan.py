@@ -14,7 +14,7 @@ from tvm_qconv.lowering import LowerToRelax
 from tvm_qconv.lowering.onnx import ONNXEmitter
 from tvm_qconv.quantization import QuantizationPlan
 from tvm_qconv.pipeline import fused
-from tvm_qconv.quantize import quantize_module
+from tvm_qconv.int8_module import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.relax_utils import bindings_of
 from tvm_qconv.target import TargetInfo, make_target

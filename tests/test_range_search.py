@@ -1,5 +1,5 @@
 """``calibration="search"``: per tensor, the observer whose range gives logits closest to float
-(``tvm_qconv/range_search.py``)."""
+(``tvm_qconv/ranges/search.py``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from tvm_qconv import range_search
-from tvm_qconv.calibrate import calibrate_candidates
+from tvm_qconv.ranges import search as range_search
+from tvm_qconv.ranges.calibrate import calibrate_candidates
 from tvm_qconv.config import OBSERVERS, QuantConfig
 from tvm_qconv.data import skimage_photos
 from tvm_qconv.evaluate import sqnr_db
 from tvm_qconv.graph import analyze
 from tvm_qconv.frontend import export_to_relax, simplify
-from tvm_qconv.quantize import quantize_module
+from tvm_qconv.int8_module import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.target import TargetInfo, make_target
 

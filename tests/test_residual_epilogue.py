@@ -168,7 +168,7 @@ def test_a_residual_epilogue_on_gpu_is_bit_exact(name, wl, residual):
 def test_tuning_tasks_of_a_fused_build_are_the_plain_convs_every_family_can_run():
     # the tuner measures a conv with an add in its epilogue as the plain conv, wgmma included (the
     # records serve the fused kernel through tuning_twin), not as a kernel only mma and dp4a run
-    from tvm_qconv.quantize import quantize_module
+    from tvm_qconv.int8_module import quantize_module
     from tvm_qconv.ranges import Calibrate
     from tvm_qconv.tuning.tasks import extract_tasks
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Deploying and tuning through TVM RPC, on loopback with the llvm target (CPU only, in CI).
 
 The tests start a real tracker (``python -m tvm.exec.rpc_tracker``) and real servers
-(``python -m tvm_qconv.rpc_server``) bound to 127.0.0.1, and kill them by PID at the end.  What
+(``python -m tvm_qconv.cli.rpc_server``) bound to 127.0.0.1, and kill them by PID at the end.  What
 they check: ``deploy.py rpc`` prints what ``deploy.py run`` prints (the same top-5 from the same
 library) and a remote latency; tuning measured on two servers fills the database a build then
 uses, bit-exact with the untuned build; every fault (nothing listening, no server with the key,
@@ -24,13 +24,13 @@ import torch
 
 import deploy
 import tune
-from tvm_qconv import artifact
+from tvm_qconv.runtime import artifact
 from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.errors import InputError
 from tvm_qconv.models import SmallVGG
 from tvm_qconv.ranges import Calibrate
-from tvm_qconv.remote import LOOPBACK, Remote, local_cluster
+from tvm_qconv.runtime.remote import LOOPBACK, Remote, local_cluster
 from tvm_qconv.runtime import CompiledModel
 from tvm_qconv.tuning import tune_model
 from tvm_qconv.tuning.database import load_database
@@ -82,7 +82,7 @@ def tracker():
         _wait(lambda: _listening(port), "the tracker listens")
         ports = [_free_port() for _ in range(2)]
         for p in ports:
-            procs.append(_start(["tvm_qconv.rpc_server", "--port", str(p), "--port-end", str(p),
+            procs.append(_start(["tvm_qconv.cli.rpc_server", "--port", str(p), "--port-end", str(p),
                                  "--tracker", f"{LOOPBACK}:{port}", "--key", KEY, "--silent"]))
         remote = Remote(tracker_host=LOOPBACK, tracker_port=port, key=KEY, timeout_s=20)
         _wait(lambda: remote.servers()[0] == 2, "both servers register")
@@ -96,7 +96,7 @@ def tracker():
 def server():
     """One server of its own (no tracker): yields its port."""
     port = _free_port()
-    proc = _start(["tvm_qconv.rpc_server", "--port", str(port), "--port-end", str(port), "--silent"])
+    proc = _start(["tvm_qconv.cli.rpc_server", "--port", str(port), "--port-end", str(port), "--silent"])
     try:
         _wait(lambda: _listening(port), "the server listens")
         yield port
@@ -115,10 +115,10 @@ def lib(tmp_path_factory):
 
 
 def _servers_of(key: str) -> list:
-    """The ``tvm_qconv.rpc_server`` processes started with ``--key key`` (psutil: no pgrep needed)."""
+    """The ``tvm_qconv.cli.rpc_server`` processes started with ``--key key`` (psutil: no pgrep needed)."""
     import psutil
     return [p for p in psutil.process_iter(["pid", "cmdline"])
-            if "tvm_qconv.rpc_server" in (p.info["cmdline"] or []) and key in (p.info["cmdline"] or [])]
+            if "tvm_qconv.cli.rpc_server" in (p.info["cmdline"] or []) and key in (p.info["cmdline"] or [])]
 
 
 def _top5(out: str) -> list[str]:
@@ -149,7 +149,7 @@ def test_deploy_rpc_prints_the_local_top5_and_a_remote_latency(lib, server, trac
 
 
 def test_remote_outputs_equal_local_ones(lib, server):
-    from tvm_qconv.remote_model import RemoteModel
+    from tvm_qconv.runtime.remote_model import RemoteModel
     x = np.random.default_rng(1).normal(0, 1, (1, 3, SIZE, SIZE)).astype(np.float32)
     with RemoteModel(lib, Remote.parse(LOOPBACK, server)) as remote:
         np.testing.assert_array_equal(remote(x), CompiledModel(lib)(x))  # the same int8 code: bit-exact
@@ -205,7 +205,7 @@ def test_nothing_listening_is_one_line(lib, capsys):
     err = _one_line_error(capsys, deploy.main, ["rpc", "--lib", lib, "--image", "skimage:coffee", "--host",
                                                 LOOPBACK, "--port", str(port)])
     assert f"connection refused by {LOOPBACK}:{port}: no RPC server is listening there" in err
-    assert "python -m tvm_qconv.rpc_server" in err
+    assert "python -m tvm_qconv.cli.rpc_server" in err
     err = _one_line_error(capsys, tune.main, ["--model", "vgg16", "--target", "llvm", "--rpc-tracker",
                                               f"{LOOPBACK}:{port}", "--rpc-key", KEY, "--work-dir",
                                               str(lib) + "_db"])
@@ -260,7 +260,7 @@ def test_a_cuda_library_on_a_server_without_a_gpu_is_one_line(lib, server, tmp_p
 
 
 def test_a_library_for_another_gpu_arch_is_refused_before_upload(lib, server, tmp_path, capsys, monkeypatch):
-    from tvm_qconv import remote_model
+    from tvm_qconv.runtime import remote_model
     monkeypatch.setattr(remote_model, "remote_gpu", lambda session: (None, "sm_80", "NVIDIA A100"))
     cuda_lib = _as_cuda_library(lib, tmp_path, arch="sm_90a")
     err = _one_line_error(capsys, deploy.main, ["rpc", "--lib", cuda_lib, "--image", "skimage:coffee", "--host",
@@ -307,7 +307,7 @@ def _other_address() -> str | None:
 
 
 def test_what_the_project_starts_listens_on_loopback_only():
-    from tvm_qconv import rpc_server
+    from tvm_qconv.cli import rpc_server
     assert rpc_server.build_parser().parse_args([]).host == LOOPBACK
     other = _other_address()
     with local_cluster(1, gpus=False, key="test-bind") as remote:

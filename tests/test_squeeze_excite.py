@@ -233,7 +233,7 @@ def test_the_gates_conv_of_few_channels_reads_the_tensor_cores_layout_without_a_
     """fc2 (4 -> 16 channels, under the tensor-core template's 16) reads fc1's NHWC32 output: the NHWC32
     dp4a kernel takes it where it is (KernelImpl.follows_input), not the stem kernel (NCHW4c in) with a
     relayout before it; the image's conv keeps the stem kernel."""
-    from tvm_qconv.quantize import quantize_module
+    from tvm_qconv.int8_module import quantize_module
     from tvm_qconv.target import TargetInfo
     q = quantize_module(SqueezeExcite().eval(), (1, 3, 32, 32), TargetInfo.from_target(make_target("cuda", "sm_90a")),
                         ranges=Calibrate(skimage_photos(32)[:4]), progress=False)

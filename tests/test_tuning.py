@@ -28,7 +28,7 @@ from tvm_qconv import registry
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.errors import InputError
 from tvm_qconv.models import SmallVGG
-from tvm_qconv.quantize import quantize_module
+from tvm_qconv.int8_module import quantize_module
 from tvm_qconv.ranges import Calibrate
 from tvm_qconv.schedules.nchw4c.conv2d import (conv2d_nchw4c_int8, conv2d_nchw4c_int8_ref, group_blocks,
                                                pack_channels, pack_oihw4o4i)

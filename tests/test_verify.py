@@ -152,3 +152,21 @@ def test_the_python_api_refuses_what_the_cli_refuses(options, says):
     validation is in the options, not only in the CLI), before any work."""
     with pytest.raises(InputError, match=says):
         BuildOptions(**options)
+
+
+def test_the_python_api_refuses_a_percentile_its_observer_does_not_use():
+    """``--percentile`` with another observer is refused by the CLI; ``QuantConfig`` refuses the same
+    (a cut other than the default, 99.99, under an observer that is not the percentile one)."""
+    from tvm_qconv.config import QuantConfig
+    with pytest.raises(ValueError, match="calibration='max' does not use it"):
+        QuantConfig(calibration="max", percentile=99.9)
+    assert QuantConfig(calibration="search", percentile=99.9).percentile == 99.9   # search tries it too
+    assert QuantConfig(calibration="max").percentile == 99.99
+
+
+def test_the_python_api_refuses_a_class_count_beside_named_weights():
+    """``--num-classes`` with ``--weights DEFAULT`` is refused by the CLI; the loader the API calls
+    refuses it too (it used to drop num_classes in silence)."""
+    from tvm_qconv.frontend import load_model
+    with pytest.raises(InputError, match="num_classes sets the classifier's width for random init"):
+        load_model("resnet18", weights="DEFAULT", num_classes=10)

@@ -1,4 +1,4 @@
-"""GPTQ weight rounding (``QuantConfig.weight_rounding="gptq"``, ``tvm_qconv/weight_rounding.py``).
+"""GPTQ weight rounding (``QuantConfig.weight_rounding="gptq"``, ``tvm_qconv/ranges/weight_rounding.py``).
 
 Facts asserted: with uncorrelated inputs GPTQ is round-to-nearest exactly; with correlated ones
 its layer output error is a fraction of nearest rounding's on the same grid; the rounded weights
@@ -16,9 +16,9 @@ from tvm_qconv.build import BuildOptions, compile_model
 from tvm_qconv.config import QuantConfig
 from tvm_qconv.data import skimage_photos
 from tvm_qconv.errors import InputError
-from tvm_qconv.observers import quantize_weight_per_channel
+from tvm_qconv.ranges.observers import quantize_weight_per_channel
 from tvm_qconv.ranges import Calibrate, GivenRanges
-from tvm_qconv.weight_rounding import gptq_model, gptq_round
+from tvm_qconv.ranges.weight_rounding import gptq_model, gptq_round
 
 RNG = np.random.default_rng(0)
 

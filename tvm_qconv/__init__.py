@@ -18,14 +18,17 @@ import importlib
 
 from .config import PRESETS, QuantConfig
 from .errors import InputError
+from .moved import install as _install_moved_paths
+
+_install_moved_paths()   # the module paths issue 57 moved (tvm_qconv/moved.py)
 
 # Name -> the module it lives in, imported on first use (PEP 562): the compiler brings TVM and
 # torch (~2-9 s), the nn modules torch, scikit-image's photos scikit-image, and every console
 # script imports this package before parsing its flags (--help answers in ~0.1 s).
 _LAZY = {
     "compile_model": "build", "BuildOptions": "build",
-    "Calibrate": "ranges",
-    "CompiledModel": "runtime",
+    "Calibrate": "ranges.sources",
+    "CompiledModel": "runtime.compiled_model",
     "export_onnx": "onnx_export",
     "skimage_photos": "data",
     **dict.fromkeys(("QuantizedConv2d", "QuantizedConv2dReLU", "TorchConv2d", "TorchConv2dReLU"), "nn"),

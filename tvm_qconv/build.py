@@ -16,14 +16,14 @@ import tvm
 
 from . import pipeline, registry
 from . import verify as verify_mod
-from .artifact import ARTIFACT_VERSION, save_artifact, unverified_path
+from .runtime.artifact import ARTIFACT_VERSION, save_artifact, unverified_path
 from .config import QuantConfig
 from .errors import InputError
 from .fileio import check_output_file
 from .graph import static_shape
 from .pipeline import BuildState
 from .progress import as_phases
-from .ranges import LearnedRanges, RangeSource
+from .ranges.sources import LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
 from .tuning.database import database_target

@@ -7,9 +7,10 @@ from dataclasses import asdict, dataclass, field
 # 2: the activation layout left the scheme; it is the chosen kernel's (tvm_qconv/registry.py).
 CONFIG_VERSION = 2
 OBSERVERS = ("max", "percentile", "entropy", "mse")
-# "search": per tensor, the observer whose range gives the logits closest to float (range_search.py)
+DEFAULT_PERCENTILE = 99.99   # of |x|: the percentile observer's cut unless QuantConfig.percentile says otherwise
+# "search": per tensor, the observer whose range gives the logits closest to float (ranges/search.py)
 CALIBRATIONS = (*OBSERVERS, "search")
-# How int8 weights are rounded: to nearest, or by GPTQ on the calibration images (weight_rounding.py)
+# How int8 weights are rounded: to nearest, or by GPTQ on the calibration images (ranges/weight_rounding.py)
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # What `deploy.py build` calls accurate enough: logits SQNR against the float model.  Under it,
 # the build report names the layers that lose the most (BuildOptions.accuracy_target_db).
@@ -24,7 +25,7 @@ class QuantConfig:
         calibration: activation range observer: ``max``, ``percentile``, ``entropy`` (KL) or
             ``mse`` (least squared error of the int8 tensor); or ``search``: per tensor, the
             one of those four whose range gives logits closest to the float model's
-            (``range_search.py``; slower: ~2 forwards of the calibration images per tensor).
+            (``ranges/search.py``; slower: ~2 forwards of the calibration images per tensor).
         percentile: the percentile of |x| used when ``calibration == "percentile"``.
         weight: weight granularity; only ``per_channel`` (symmetric, per output channel).
         activation: activation granularity; only ``per_tensor`` (symmetric, or unsigned where
@@ -43,11 +44,11 @@ class QuantConfig:
             symmetric (``amax / 127``), as QAT's fake quantizers train for.
         weight_rounding: ``nearest``, or ``gptq``: each int8 conv / linear layer's weights
             rounded column by column so that its output on the calibration images moves least
-            (``weight_rounding.py``; the same per-channel grid; needs calibration images).
+            (``ranges/weight_rounding.py``; the same per-channel grid; needs calibration images).
     """
 
     calibration: str = "percentile"
-    percentile: float = 99.99
+    percentile: float = DEFAULT_PERCENTILE
     weight: str = "per_channel"
     activation: str = "per_tensor"
     skip: tuple[str, ...] = field(default_factory=tuple)
@@ -63,6 +64,11 @@ class QuantConfig:
         checks = [
             (self.calibration in CALIBRATIONS, f"calibration must be one of {CALIBRATIONS}, got {self.calibration!r}"),
             (50.0 < self.percentile <= 100.0, f"percentile must be in (50, 100], got {self.percentile}"),
+            # the CLI's --percentile without --calibration percentile, in the API's terms ("search" tries
+            # the percentile observer among the others, at this cut)
+            (self.percentile == DEFAULT_PERCENTILE or self.calibration in ("percentile", "search"),
+             f"percentile={self.percentile} sets the percentile observer's cut, and calibration="
+             f"{self.calibration!r} does not use it: leave percentile out, or set calibration='percentile'"),
             (self.weight == "per_channel", f"weight granularity must be 'per_channel', got {self.weight!r}"),
             (self.activation == "per_tensor", f"activation granularity must be 'per_tensor', got {self.activation!r}"),
             (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),

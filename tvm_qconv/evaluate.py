@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .artifact import read_meta
+from .runtime.artifact import read_meta
 from .data import digits_dataset, static_batches
 from .errors import InputError
 from .labelled_images import labelled_images, read_batch
 from .progress import bar
-from .runtime import CompiledModel, class_scores
+from .runtime.compiled_model import CompiledModel, class_scores
 
 DIGITS_CLASSES = 10  # tvm_qconv.training.config.DIGITS_CLASSES (not imported: that pulls in training)
 

@@ -420,12 +420,22 @@ def _lut_layer(var, call, value, user, returned, position):
     return Layer("lut", "lut", [x], outputs[0], members, call)  # named once kept (_drop_luts_without_int8_reader)
 
 
+def lut_without_int8_reader(ly: Layer, layer_readers: dict, may_run_int8=lambda reader: True) -> bool:
+    """Whether ``ly`` is a ``lut`` layer none of whose readers can take its int8 output (one rule, read
+    twice: here, before any scheme, with every reading layer a possible int8 reader; by the planner,
+    ``quantization/planner.py``, with the scheme's ``zero_points.may_run_int8``).  Such a table would
+    only be dequantized again, a rounding its float reader does not have: it stays float ops."""
+    return ly.kind == "lut" and not any(may_run_int8(r) for r in layer_readers.get(ly.output, []))
+
+
 def _drop_luts_without_int8_reader(g: Graph) -> None:
-    """A ``lut`` layer whose output no layer reads goes back to float ops: its int8 output would
-    only be dequantized again, for a float reader that saw the float value before.  The kept ones
-    are named ``lut_<k>`` in graph order."""
-    read = {v for ly in g.layers for v in ly.inputs}
-    for ly in [ly for ly in g.layers if ly.kind == "lut" and ly.output not in read]:
+    """The ``lut`` layers that no layer reads go back to float ops (:func:`lut_without_int8_reader`);
+    the kept ones are named ``lut_<k>`` in graph order."""
+    read = {}
+    for ly in g.layers:
+        for v in ly.inputs:
+            read.setdefault(v, []).append(ly)
+    for ly in [ly for ly in g.layers if lut_without_int8_reader(ly, read)]:
         g.layers.remove(ly)
         del g.layer_of_var[ly.vars[0]]
         g.consumed.difference_update(ly.vars)

@@ -24,7 +24,7 @@ from .fileio import atomic_path, check_output_file
 from .lowering.onnx import EXPORTABLE_OPS, ONNXEmitter, op_name
 from .pipeline import BuildState
 from .progress import as_phases
-from .ranges import LearnedRanges
+from .ranges.sources import LearnedRanges
 from .target import TargetInfo, make_target
 from .training.checkpoint import load_float_model
 

@@ -40,20 +40,20 @@ from .frontend import ExportedGraphs, as_frontend
 from .frontend.base import Probe
 from .graph import Graph
 from .lowering import LowerToRelax
-from .observers import quantize_weight_per_channel
+from .ranges.observers import quantize_weight_per_channel
 from .progress import Phases
 from .quantization import QuantizationPlan, plan_quantization
 from .quantization.epilogues import fuse_tables
 from .quantization.norm_epilogues import fuse_layer_norms
 from .quantization.residuals import fuse_residuals
 from .quantization.zero_points import may_run_int8
-from .ranges import Calibrate, GivenRanges, RangeContext, RangeSource
-from .ranges import describe as describe_ranges
+from .ranges.sources import Calibrate, GivenRanges, RangeContext, RangeSource
+from .ranges.sources import describe as describe_ranges
 from .target import TargetInfo
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
 from .tuning.apply import apply_tuning_database, measured_chooser
 from .tuning.database import load_database
-from .weight_rounding import gptq_model
+from .ranges.weight_rounding import gptq_model
 
 
 @dataclass

@@ -15,11 +15,11 @@ import tvm
 from tvm import relax
 
 from . import registry
-from .calibrate import FloatPoints
+from .ranges.calibrate import FloatPoints
 from .data import static_batches
 from .evaluate import sqnr_db
 from .graph import Graph
-from .runtime import flatten
+from .runtime.compiled_model import flatten
 from .target import arch_runs_on, device_arch
 
 # int8 per-tensor activations through a deep network lose 20-40 dB against float (random-init

@@ -45,7 +45,7 @@ MAX_CALIBRATED = ("shufflenet_v2_x1_0", "googlenet", "vgg16")
 def zoo_config(name: str, images: int) -> QuantConfig:
     """The scheme: percentile 99.99 (the default), max calibration for :data:`MAX_CALIBRATED`;
     unsigned activations (``zero_points.py``) wherever the readers take them; GPTQ weight
-    rounding on the calibration photos (``weight_rounding.py``)."""
+    rounding on the calibration photos (``ranges/weight_rounding.py``)."""
     return QuantConfig(calibration="max" if name in MAX_CALIBRATED else "percentile", num_calib_images=images,
                        unsigned_activations=True, weight_rounding="gptq")
 

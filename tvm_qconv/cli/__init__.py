@@ -6,6 +6,8 @@ its calls into the library (pyproject.toml's ``[project.scripts]`` installs them
 - ``tvm-qconv-tune`` (``python tune.py``), :mod:`.tune`: MetaSchedule tuning, and the training
   convs' tiles (``--training``)
 - ``tvm-qconv-train`` (``python train.py``), :mod:`.train`: float or int8 QAT training on digits
+- ``tvm-qconv-rpc-server`` (``python -m tvm_qconv.cli.rpc_server``), :mod:`.rpc_server`: TVM's RPC
+  server for the GPU machine (``deploy.py rpc`` and ``tune.py --rpc-*`` reach it)
 
 deploy.py, tune.py and train.py at the repository root are shims that run these ``main``
 functions, so every documented ``python deploy.py ...`` line keeps working; imported (``import

@@ -16,7 +16,7 @@ import json
 import sys
 
 from tvm_qconv import cli
-from tvm_qconv.artifact import accept_unverified
+from tvm_qconv.runtime.artifact import accept_unverified
 from tvm_qconv.cli.deploy_flags import (accuracy_target, check_build_flags, check_library_output, command_inputs,
                                         quant_config, refuse_model_only_flags)
 from tvm_qconv.cli_args import Parser, positive_float, positive_int as _positive
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_force(a, "a file at -o (or its .params.npz / .json) that is not a library of this project")
     rp = sub.add_parser("rpc", help="run a built library on a remote device through TVM RPC",
                         description="Upload a built library and its params to a TVM RPC server (python -m "
-                                    "tvm_qconv.rpc_server on the GPU machine), classify images there, print the "
+                                    "tvm_qconv.cli.rpc_server on the GPU machine), classify images there, print the "
                                     "top-5 classes, the latency measured on the remote device (median, p90, p99) "
                                     "and its name.  TVM RPC has no authentication: reach a remote server through "
                                     "an ssh tunnel (docs/usage.md#remote-gpus-tvm-rpc).")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tvm_qconv import cli, registry
-from tvm_qconv.artifact import read_meta, remove_unverified
+from tvm_qconv.runtime.artifact import read_meta, remove_unverified
 from tvm_qconv.build import BuildOptions, compile_checkpoint, compile_model
 from tvm_qconv.cli.deploy_flags import CALIBRATION_FLAGS, command_inputs, quant_config, refuse_model_only_flags
 from tvm_qconv.compare import CompareOptions, compare, report as compare_report
@@ -24,11 +24,11 @@ from tvm_qconv.evaluate import evaluate_folder, evaluate_library
 from tvm_qconv.fileio import check_output_file, write_json
 from tvm_qconv.frontend import as_frontend, list_models, load_model
 from tvm_qconv.onnx_export import export_checkpoint, export_onnx, not_our_onnx
-from tvm_qconv.ranges import Calibrate
-from tvm_qconv.remote import Remote
-from tvm_qconv.remote_model import RemoteModel
+from tvm_qconv.ranges.sources import Calibrate
+from tvm_qconv.runtime.remote import Remote
+from tvm_qconv.runtime.remote_model import RemoteModel
 from tvm_qconv.report import format_report
-from tvm_qconv.runtime import CompiledModel, class_scores, summarize
+from tvm_qconv.runtime.compiled_model import CompiledModel, class_scores, summarize
 
 RANDOM_NOTE = ("the classes it predicts are meaningless; pass --weights FILE (a state dict) or --weights DEFAULT "
                "(torchvision's trained weights) for a real classifier")

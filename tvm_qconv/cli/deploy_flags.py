@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import os
 
-from tvm_qconv.artifact import artifact_paths, not_a_library
+from tvm_qconv.runtime.artifact import artifact_paths, not_a_library
 from tvm_qconv.config import ACCURACY_TARGET_DB, PRESETS
 from tvm_qconv.errors import InputError
 from tvm_qconv.fileio import check_output_file, check_output_folder

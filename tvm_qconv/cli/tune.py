@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8_peaks.json of this GPU (python benchmarks/int8_peaks.py --out DIR), to print "
                         "each task's %% of the peak of its kernel's instruction (dp4a or mma.sync)")
     p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
-                   help="measure on the servers of this TVM RPC tracker (python -m tvm_qconv.rpc_server --tracker "
+                   help="measure on the servers of this TVM RPC tracker (python -m tvm_qconv.cli.rpc_server --tracker "
                         "... --key K on each GPU machine; docs/usage.md#remote-gpus-tvm-rpc)")
     p.add_argument("--rpc-key", default=None, help="the key the tracker's servers registered with")
     p.add_argument("--local-gpus", type=_positive, default=None, metavar="N",

@@ -9,7 +9,7 @@ from typing import Callable
 
 from tvm_qconv.errors import InputError
 from tvm_qconv.nn.conv_tiles import tune_model
-from tvm_qconv.remote import Remote, local_cluster
+from tvm_qconv.runtime.remote import Remote, local_cluster
 from tvm_qconv.tuning import TuneJob, default_work_dir, prune_database, read_peaks, tune
 
 

@@ -73,7 +73,7 @@ def prepare_int8(ctx, batch: int, graph: bool) -> Forward:
     """The project's library for ``batch`` (built by the comparison, or the user's ``--lib``)."""
     import tvm  # row-time imports: see the note at the top
 
-    from ..runtime import CompiledModel, flatten  # row-time import: see the note at the top
+    from ..runtime.compiled_model import CompiledModel, flatten  # row-time import: see the note at the top
     built = ctx.library(batch, graph)   # raises the build's own error, or Unavailable
     model = CompiledModel(built.path)
     dev = model.dev

@@ -19,7 +19,7 @@ import torch
 from ..build import BuildOptions, compile_model
 from ..config import QuantConfig
 from ..frontend import load_model
-from ..ranges import GivenRanges
+from ..ranges.sources import GivenRanges
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import tvm
 
 from .. import interrupts, model_check
-from ..artifact import read_meta
+from ..runtime.artifact import read_meta
 from ..build import BuildOptions, _categories
 from ..cli import first_line
 from ..config import QuantConfig
@@ -34,7 +34,7 @@ from ..labelled_images import labelled_images, read_batch
 from ..onnx_export import export_onnx
 from .. import pipeline
 from ..pipeline import BuildState
-from ..ranges import Calibrate, GivenRanges
+from ..ranges.sources import Calibrate, GivenRanges
 from ..target import TargetInfo, device_arch, make_target
 from ..tuning.job import model_stem
 from . import report

@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..calibrate import FloatPoints
+from ..ranges.calibrate import FloatPoints
 from ..data import skimage_photos
 from ..errors import InputError
 

@@ -114,6 +114,9 @@ def load(name: str, weights: str | None = None, num_classes: int | None = None) 
         if weights is not None:
             load_state_dict_file(model, weights)
         return model.eval()
+    if num_classes is not None:     # the CLI refuses the two flags together before it loads anything
+        raise InputError(f"num_classes sets the classifier's width for random init; torchvision's weights {weights!r} "
+                         "come with their own (1000 ImageNet classes): leave num_classes out")
     try:
         enum = torchvision.models.get_model_weights(name)
         w = enum[weights] if weights != "DEFAULT" else enum.DEFAULT

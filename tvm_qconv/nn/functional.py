@@ -81,7 +81,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..observers import MIN_WEIGHT_SCALE, QMAX
+from ..ranges.observers import MIN_WEIGHT_SCALE, QMAX
 
 # The scale of an all-zero tensor (amax == 0): any positive scale quantizes 0 exactly.
 MIN_INPUT_SCALE = MIN_WEIGHT_SCALE

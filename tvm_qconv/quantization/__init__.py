@@ -1,6 +1,6 @@
 """The quantization plan: where every decision of an int8 build is made, once.
 
-    float graph (graph.py) + ranges (ranges.py) + scheme (QuantConfig) + target + kernel chooser
+    float graph (graph.py) + ranges (ranges/) + scheme (QuantConfig) + target + kernel chooser
       --plan_quantization (planner.py; one rule per operator family)--> QuantizationPlan (plan.py)
       --> lowering/relax.py (the TVM library)  |  lowering/onnx.py (ONNX Q/DQ)
 

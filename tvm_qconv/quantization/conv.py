@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import static_shape
-from ..observers import quantize_weight_per_channel
+from ..ranges.observers import quantize_weight_per_channel
 from ..schedules.dense_int8 import DenseWorkload
 from ..schedules.requantize import UNSIGNED_ZERO, quantize_multiplier
 from ..schedules.workload import ConvWorkload

@@ -15,7 +15,7 @@ A table is fused into its input's producer where all of these hold, else it keep
   one needs the integers before the table;
 - the table reads the conv's output in the layout the conv writes it (no relayout between).
 
-This is a pass over a finished plan, applied where a library is lowered (``quantize.py``); the
+This is a pass over a finished plan, applied where a library is lowered (``int8_module.py``); the
 ONNX backend keeps the unfused plan (ONNX has no conv with a table), and a build that exposes
 every layer's activations keeps it too, so that each layer's output exists to compare.
 """

@@ -14,7 +14,7 @@ A LayerNorm is fused into its input's producer where all of these hold, else it 
 - nothing else reads the conv's output (no other layer, no float op, not a model output);
 - the LayerNorm reads the conv's output in the layout the conv writes it.
 
-A pass over a finished plan, applied where a library is lowered (``quantize.py``) after
+A pass over a finished plan, applied where a library is lowered (``int8_module.py``) after
 ``fuse_tables``; the ONNX backend and a build that exposes every activation keep the unfused plan.
 """
 from __future__ import annotations

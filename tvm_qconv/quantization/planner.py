@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .. import registry
 from ..config import QuantConfig
-from ..graph import Graph, static_shape
+from ..graph import Graph, lut_without_int8_reader, static_shape
 from ..schedules.requantize import UNSIGNED_ZERO
 from ..target import TargetInfo
 from . import channels, conv, elementwise, norms, pools
@@ -162,8 +162,7 @@ class Planner:
         if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale", "layer_norm") \
                 and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
-        if ly.kind == "lut" and not any(may_run_int8(r, self.config) for r in self.readers.get(ly.output, [])):
-            # its int8 output would be dequantized at once, a rounding the float path does not have
+        if lut_without_int8_reader(ly, self.readers, lambda r: may_run_int8(r, self.config)):
             return "no int8 reader"
         return None
 

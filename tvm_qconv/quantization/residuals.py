@@ -21,7 +21,7 @@ input that qualifies), else it keeps its kernel:
 
 The fused kernel runs where the add is (``LayerPlan.runs_at``): the other addend may be computed
 after the conv (ResNet's downsample conv follows its block's third conv in torchvision).  This is
-a pass over a finished plan, applied where a library is lowered (``quantize.py``), after
+a pass over a finished plan, applied where a library is lowered (``int8_module.py``), after
 ``fuse_tables``; the ONNX backend and a build that exposes every layer's activations keep the
 unfused plan.
 """

@@ -38,8 +38,8 @@ from ..errors import InputError
 from ..fileio import check_output_folder, write_json
 from ..frontend import as_frontend, load_model
 from ..pipeline import BuildState
-from ..ranges import Calibrate
-from ..remote import remote_gpu
+from ..ranges.sources import Calibrate
+from ..runtime.remote import remote_gpu
 from ..schedules.requantize import quantize_multiplier
 from ..target import TargetInfo, arch_runs_on, device_arch, make_target
 from .builder import PersistentLocalBuilder

@@ -15,7 +15,7 @@ from .frontend import ExportedGraphs, as_frontend
 from .graph import Graph
 from .progress import as_phases
 from .quantization import QuantizationPlan
-from .ranges import RangeSource
+from .ranges.sources import RangeSource
 from .target import TargetInfo
 
 

@@ -15,15 +15,15 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from . import interrupts
-from .config import QuantConfig
-from .data import static_batches
-from .quantization.zero_points import planned_unsigned_names
-from .errors import InputError
-from .graph import Graph
+from .. import interrupts
+from ..config import QuantConfig
+from ..data import static_batches
+from ..quantization.zero_points import planned_unsigned_names
+from ..errors import InputError
+from ..graph import Graph
 from .observers import make_observer
-from .progress import bar
-from .relax_utils import bindings_of, substitute
+from ..progress import bar
+from ..relax_utils import bindings_of, substitute
 
 
 @tvm_ffi.register_global_func("tvm_qconv.torch_conv2d", override=True)

@@ -8,10 +8,10 @@ import tvm
 from tvm import relax
 
 from .artifact import artifact_paths, check_tvm_version, open_library
-from .errors import InputError
-from .progress import bar
-from .target import ARCH_SPECIFIC, arch_runs_on
-from .schedules import runtime_functions
+from ..errors import InputError
+from ..progress import bar
+from ..target import ARCH_SPECIFIC, arch_runs_on
+from ..schedules import runtime_functions
 
 # The functions kernels call at run time (the TMA encoder of Hopper's kernels): every library
 # this process loads may call them.

@@ -1,7 +1,7 @@
-"""python -m tvm_qconv.rpc_server: TVM's RPC server for the machine with the GPU.
+"""python -m tvm_qconv.cli.rpc_server: TVM's RPC server for the machine with the GPU.
 
-    python -m tvm_qconv.rpc_server                                   one server, 127.0.0.1:9090
-    python -m tvm_qconv.rpc_server --tracker 127.0.0.1:9190 --key h100   registered with a tracker
+    python -m tvm_qconv.cli.rpc_server                                   one server, 127.0.0.1:9090
+    python -m tvm_qconv.cli.rpc_server --tracker 127.0.0.1:9190 --key h100   registered with a tracker
 
 It is ``tvm.rpc.Server`` (what ``python -m tvm.exec.rpc_server`` starts) with three differences:
 it registers the project's runtime functions in the server (``schedules/runtime_functions.py``: the
@@ -23,9 +23,9 @@ import sys
 # server never does; set before anything imports tvm (the popen worker inherits it).
 os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
 
-from . import cli
-from .errors import InputError
-from .remote import LOOPBACK, _host_port
+from .. import cli
+from ..errors import InputError
+from ..runtime.remote import LOOPBACK, _host_port
 
 
 def register_runtime() -> None:
@@ -33,12 +33,13 @@ def register_runtime() -> None:
     forked from it and inherit the registrations."""
     # `python -m` runs this module as __main__, so the callback reaches the server's process by value
     # (cloudpickle): what it imports itself is all that runs there
-    from .schedules import runtime_functions  # in the body: the server's process receives it by value (above)
+    from ..schedules import runtime_functions  # in the body: the server's process receives it by value (above)
     runtime_functions.register()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tvm_qconv.rpc_server", description=__doc__,
+    p = argparse.ArgumentParser(prog=os.path.basename(sys.argv[0]) if sys.argv[0].endswith("tvm-qconv-rpc-server")
+                                else "python -m tvm_qconv.cli.rpc_server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=LOOPBACK,
                    help="address to bind (default 127.0.0.1: reach it through an ssh tunnel; a public address "

@@ -20,13 +20,13 @@ from typing import Callable
 import numpy as np
 from tvm import relax
 
-from . import range_search
-from .quantization.zero_points import planned_unsigned_names
+from . import search as range_search
+from ..quantization.zero_points import planned_unsigned_names
 from .calibrate import calibrate_candidates
-from .config import OBSERVERS, QuantConfig
-from .data import load_calibration_images
-from .errors import InputError
-from .graph import Graph
+from ..config import OBSERVERS, QuantConfig
+from ..data import load_calibration_images
+from ..errors import InputError
+from ..graph import Graph
 
 HELD_OUT = 4  # calibration-source images set aside for the build's verification, where there are more
 HELD_OUT_MIN = 2  # fewer spare images than this: the verification runs on calibration images

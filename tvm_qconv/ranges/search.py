@@ -26,11 +26,11 @@ import tvm
 from tvm import relax
 
 from .calibrate import offload_to_torch
-from .data import static_batches
-from .evaluate import sqnr_db
-from .graph import Graph
-from .progress import bar
-from .relax_utils import bindings_of, substitute
+from ..data import static_batches
+from ..evaluate import sqnr_db
+from ..graph import Graph
+from ..progress import bar
+from ..relax_utils import bindings_of, substitute
 
 START = "mse"      # the ranges the search starts from (the least-error observer per tensor)
 MIN_GAIN_DB = 1e-3  # a candidate replaces the current range only if the logits improve by more

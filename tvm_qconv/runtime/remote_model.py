@@ -19,10 +19,10 @@ import tvm
 from tvm import relax
 
 from .artifact import artifact_paths, open_library
-from .errors import InputError
+from ..errors import InputError
 from .remote import Remote, remote_gpu
-from .runtime import check_arch, flatten
-from .schedules import runtime_functions
+from .compiled_model import check_arch, flatten
+from ..schedules import runtime_functions
 
 
 class RemoteModel:
@@ -53,7 +53,7 @@ class RemoteModel:
                 if not _has_function(self.session, f.name):
                     raise InputError(f"{lib_path} has {f.family} kernels, which call {f.name}, and the server at "
                                      f"{remote.describe()} lacks it: start the server with `python -m "
-                                     f"tvm_qconv.rpc_server` (not tvm.exec.rpc_server), or rebuild with --family "
+                                     f"tvm_qconv.cli.rpc_server` (not tvm.exec.rpc_server), or rebuild with --family "
                                      f"{f.instead}")
         else:
             self.dev, self.device_name = self.session.cpu(0), "cpu"

@@ -7,7 +7,7 @@
     with local_cluster(2) as remote: ...            a tracker and one server per local GPU, all on
                                                     127.0.0.1, stopped (by PID) at the end
 
-The servers are TVM's (``tvm.rpc.Server``), started by ``python -m tvm_qconv.rpc_server``, which
+The servers are TVM's (``tvm.rpc.Server``), started by ``python -m tvm_qconv.cli.rpc_server``, which
 only adds the project's runtime functions (the wgmma kernels' TMA encoder) and binds 127.0.0.1
 unless told otherwise: **TVM RPC has no authentication**: whoever reaches a server can upload and
 run any code on it.  Reach a remote GPU through an ssh tunnel (``ssh -L 9190:127.0.0.1:9190``),
@@ -25,16 +25,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .errors import InputError
+from ..errors import InputError
 
 # tvm (~2 s to import, torch with it) is imported where a session is opened or a GPU counted:
-# `python -m tvm_qconv.rpc_server` imports this module before it parses its arguments.
+# `python -m tvm_qconv.cli.rpc_server` imports this module before it parses its arguments.
 LOOPBACK = "127.0.0.1"
 LOCAL_KEY = "tvm_qconv-local"  # the key of the servers local_cluster starts
 CONNECT_TIMEOUT_S = 10.0       # to reach a host at all (TCP), before any RPC
 SERVER_START_TIMEOUT_S = 90.0  # local_cluster: until every server is registered with the tracker
 
-SERVER_HOW = "start one on the GPU machine with `python -m tvm_qconv.rpc_server` (docs/usage.md#remote-gpus-tvm-rpc)"
+SERVER_HOW = "start one on the GPU machine with `python -m tvm_qconv.cli.rpc_server` (docs/usage.md#remote-gpus-tvm-rpc)"
 
 
 def _host_port(text: str, what: str) -> tuple[str, int]:
@@ -190,7 +190,7 @@ def remote_gpu(session) -> tuple[object, str, str]:
     except Exception as err:  # noqa: BLE001 (an RPCError from the server's CUDA runtime)
         raise InputError(f"the remote GPU failed its first CUDA call ({str(err).strip().splitlines()[-1][:160]}): "
                          f"a server forked after CUDA was initialized; start it with `python -m "
-                         f"tvm_qconv.rpc_server`, or set TVM_FFI_DISABLE_TORCH_C_DLPACK=1 for tvm.exec.rpc_server") \
+                         f"tvm_qconv.cli.rpc_server`, or set TVM_FFI_DISABLE_TORCH_C_DLPACK=1 for tvm.exec.rpc_server") \
             from None
 
 
@@ -228,7 +228,7 @@ def local_cluster(num_servers: int, gpus: bool = True, key: str = LOCAL_KEY, log
     if num_servers < 1:
         raise InputError(f"--local-gpus must be >= 1, got {num_servers}")
     if gpus:
-        from .target import device_arch  # tvm: see the note at LOOPBACK
+        from ..target import device_arch  # tvm: see the note at LOOPBACK
         have = sum(1 for i in range(num_servers) if device_arch(i) is not None)
         if have < num_servers:
             raise InputError(f"--local-gpus {num_servers}, but this machine has {have} CUDA GPU(s): use at most "
@@ -261,7 +261,7 @@ def local_cluster(num_servers: int, gpus: bool = True, key: str = LOCAL_KEY, log
             logs.append(log)
             port = _free_port()
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tvm_qconv.rpc_server", "--host", LOOPBACK, "--port", str(port),
+                [sys.executable, "-m", "tvm_qconv.cli.rpc_server", "--host", LOOPBACK, "--port", str(port),
                  "--port-end", str(port + 50), "--tracker", f"{LOOPBACK}:{tracker_port}", "--key", key, "--silent"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         while remote.servers()[0] < num_servers:

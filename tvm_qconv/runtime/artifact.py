@@ -11,9 +11,9 @@ import warnings
 
 import numpy as np
 
-from . import interrupts
-from .errors import InputError, UnverifiedLibraryWarning
-from .fileio import TEMP_PREFIX, file_kind
+from .. import interrupts
+from ..errors import InputError, UnverifiedLibraryWarning
+from ..fileio import TEMP_PREFIX, file_kind
 
 ARTIFACT_VERSION = 1
 
