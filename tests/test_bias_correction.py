@@ -81,15 +81,51 @@ def test_bias_correction_needs_calibrated_means(tmp_path):
                       config=QuantConfig(bias_correction=True), ranges=GivenRanges({"x": 1.0}), progress=False)
 
 
-def test_the_cli_flag_turns_it_on():
-    """``--bias-correction`` of `build` and `export-onnx` alike: export-onnx now takes it (the ONNX
-    file carries the plan's corrected biases: ``test_export_onnx_writes_the_plans_corrected_biases``)."""
-    args = deploy.build_parser().parse_args(["build", "--model", "resnet18", "--bias-correction", "-o", "x.so"])
-    assert deploy.quant_config(args).bias_correction
-    assert not deploy.quant_config(deploy.build_parser().parse_args(["build", "--model", "resnet18", "-o", "x.so"])
-                                   ).bias_correction
-    args = deploy.build_parser().parse_args(["export-onnx", "--model", "resnet18", "--bias-correction", "-o", "x.onnx"])
-    assert deploy.quant_config(args).bias_correction
+def test_the_weight_error_mean_in_blocks_is_the_whole_formula_bit_for_bit():
+    """A linear layer of 3000 x 700 is computed ~500 rows at a time (VGG16's first would take
+    0.8 GB a temporary whole): each row's float64 sums are those of the formula on the whole."""
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(3000, 700)).astype(np.float32)
+    qw, s_w = quantize_weight_per_channel(w)
+    mean = rng.normal(size=700)
+    err = qw.astype(np.float64) * s_w.astype(np.float64)[:, None] - w.astype(np.float64)
+    np.testing.assert_array_equal(weight_error_mean(w, qw, s_w, mean), (err * mean[None]).sum(axis=1))
+
+
+def test_the_cli_flags_turn_it_on_and_off():
+    """``--bias-correction`` / ``--no-bias-correction`` of `build` and `export-onnx` alike (the ONNX
+    file carries the plan's corrected biases: ``test_export_onnx_writes_the_plans_corrected_biases``);
+    neither: None, the default decided by the build (on where it calibrates)."""
+    def scheme(*argv):
+        return deploy.quant_config(deploy.build_parser().parse_args([*argv, "--model", "resnet18", "-o", "x.so"]))
+    assert scheme("build", "--bias-correction").bias_correction is True
+    assert scheme("build", "--no-bias-correction").bias_correction is False
+    assert scheme("build").bias_correction is None and scheme("build").unsigned_activations is None
+    assert scheme("build", "--no-unsigned-activations").unsigned_activations is False
+    assert scheme("export-onnx", "--bias-correction").bias_correction is True
+
+
+@pytest.mark.parametrize("config, ranges, unsigned, corrected", [
+    (QuantConfig(), "calibrate", True, True),                           # the default, calibrated
+    (QuantConfig(weight_rounding="gptq"), "calibrate", True, False),    # GPTQ corrects the mean itself
+    (QuantConfig(), "given", False, False),                             # given ranges: as they were made
+    (QuantConfig(unsigned_activations=True), "given", True, False),     # a value set stays
+    (QuantConfig(bias_correction=False, unsigned_activations=False), "calibrate", False, False),
+])
+def test_the_default_scheme_is_decided_by_where_the_ranges_come_from(tmp_path, config, ranges, unsigned, corrected):
+    """``QuantConfig()``: unsigned activations and bias correction where the build calibrates (the
+    best scheme held out on trained networks, issue 58), off for given / learned / file ranges; the
+    library's json records the scheme as decided."""
+    torch.manual_seed(0)
+    photos = skimage_photos(SIZE)[:4]
+    source = Calibrate(photos) if ranges == "calibrate" else GivenRanges(
+        compile_model(Biased().eval(), str(tmp_path / "r.so"), options=BuildOptions(image_size=SIZE, verify=False),
+                      ranges=Calibrate(photos), progress=False).meta["amax"])
+    res = compile_model(Biased().eval(), str(tmp_path / "m.so"), options=BuildOptions(image_size=SIZE, verify=False),
+                        config=config, ranges=source, progress=False)
+    assert (res.meta["config"]["unsigned_activations"], res.meta["config"]["bias_correction"]) == (unsigned, corrected)
+    assert bool(res.report["unsigned"]) == unsigned
+    assert any(row.get("bias_corrected") for row in res.report["layers"]) == corrected
 
 
 def test_export_onnx_writes_the_plans_corrected_biases(tmp_path):

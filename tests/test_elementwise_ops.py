@@ -81,7 +81,7 @@ def test_every_ops_onnx_form_computes_the_librarys_table(tmp_path):
     res = export_onnx(model, str(tmp_path / "ops.onnx"), input_shape=(1, 3, SIZE, SIZE), ranges=Calibrate(photos),
                       progress=False)
     lib = compile_model(model, str(tmp_path / "ops.so"), options=BuildOptions(image_size=SIZE, verify=False),
-                        ranges=GivenRanges(res.amax), progress=False)
+                        config=res.config, ranges=res.given_ranges(), progress=False)
     kinds = [row["kind"] for row in lib.report["layers"]]
     assert kinds.count("lut") == len(BRANCHES), kinds           # each branch one table of the library
     so = ort.SessionOptions()

@@ -145,7 +145,7 @@ def test_onnx_export_puts_the_tables_ops_between_dq_and_q(net, photos, tmp_path)
         producer.get(i) is not None and producer[i].op_type == "Sigmoid" for i in n.input))
     assert [c.op_type for c in consumers[mul.output[0]]] == ["QuantizeLinear"]
     lib = compile_model(net, str(tmp_path / "act.so"), options=BuildOptions(image_size=SIZE, verify=False),
-                        ranges=GivenRanges(res.amax), progress=False)
+                        config=res.config, ranges=res.given_ranges(), progress=False)
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdqisint8allowed", "1")  # test_onnx_export.py says why
     got = ort.InferenceSession(str(tmp_path / "act.onnx"), so, providers=["CPUExecutionProvider"]).run(

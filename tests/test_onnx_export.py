@@ -80,13 +80,20 @@ def session(path, optimized: str | None = None) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+# The symmetric scheme, the model's own biases: the checks below read the file's numbers to the bit
+# (scale amax / 127, zero point 0, the float bias).  The default's unsigned tensors and corrected
+# biases are exported and checked against ONNX Runtime in test_unsigned_activations.py and
+# test_bias_correction.py.
+SYMMETRIC = QuantConfig(unsigned_activations=False, bias_correction=False)
+
+
 def export_and_build(model, tmp, name):
     """The ONNX file, and the project's llvm int8 library of the same model and ranges."""
     photos = skimage_photos(SIZE)
-    res = export_onnx(model, str(tmp / f"{name}.onnx"), input_shape=(1, 3, SIZE, SIZE),
+    res = export_onnx(model, str(tmp / f"{name}.onnx"), input_shape=(1, 3, SIZE, SIZE), config=SYMMETRIC,
                       ranges=Calibrate(photos[:CALIB]), progress=False)
     lib = compile_model(model, str(tmp / f"{name}.so"), options=BuildOptions(image_size=SIZE, verify=False),
-                        ranges=GivenRanges(res.amax), progress=False)
+                        config=res.config, ranges=res.given_ranges(), progress=False)
     library = CompiledModel(lib.lib_path)
     logits = np.concatenate([library(photos[i:i + 1]) for i in range(len(photos))])
     return dict(res=res, lib=lib, photos=photos, logits=logits, path=tmp / f"{name}.onnx", model=model)
@@ -126,7 +133,7 @@ def test_the_file_is_valid_onnx_and_says_what_it_holds(which, request):
     model = onnx.load(str(case["path"]))
     meta = {p.key: p.value for p in model.metadata_props}
     assert meta["producer"] == "tvm_qconv" and model.producer_name == "tvm_qconv"
-    assert QuantConfig.from_dict(json.loads(meta["scheme"])) == QuantConfig()
+    assert QuantConfig.from_dict(json.loads(meta["scheme"])) == SYMMETRIC   # the scheme as the build decided it
     assert json.loads(meta["ranges"])["source"] == "calibration"
     assert json.loads(meta["amax"]) == case["res"].amax  # every range, exactly (GivenRanges rebuilds it)
     summary = case["res"].summary

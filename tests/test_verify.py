@@ -55,6 +55,18 @@ def test_a_layer_that_clips_everything_fails_the_build_and_is_named(tmp_path):
     assert "VERIFICATION FAILED" in text and f"first layer whose int8 activations diverge: {BROKEN}" in text
 
 
+def test_a_failed_build_with_bias_correction_is_diagnosed_layer_by_layer(tmp_path):
+    """The per-layer twin of a failed build takes the build's channel means with its ranges: it
+    used to stop with 'bias correction needs the inputs' means' (found on trained MobileNet-V2 with
+    max calibration, 2026-12-07, benchmarks/scheme_heldout.py)."""
+    from tvm_qconv.config import QuantConfig
+    res = compile_model(small_net(), str(tmp_path / "m.so"), name="small", progress=False,
+                        options=BuildOptions(image_size=SIZE, verify_floor_db=25),
+                        config=QuantConfig(bias_correction=True), ranges=OneRangeBroken(BROKEN + ".out"))
+    v = res.report["verify"]
+    assert v["status"] == "failed" and v["first_bad_layer"] == BROKEN
+
+
 def test_under_the_accuracy_target_the_report_ranks_the_broken_layer_first(tmp_path):
     # floor 0: the build passes; target infinite: the per-layer twin always runs
     v = build(tmp_path, verify_floor_db=0, accuracy_target_db=float("inf")).report["verify"]

@@ -170,7 +170,7 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     name, report, params = s.name, s.report, s.params
     meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
-                config=config.to_dict(), amax=s.amax, param_names=[n for n, _ in params],
+                config=s.config.to_dict(), amax=s.amax, param_names=[n for n, _ in params],
                 report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
                 cuda_graph=options.uses_cuda_graph, options=asdict(options),
                 float_weights=s.float_exported.frontend.digest(), output_shape=output_shape(s.mod))

@@ -1,6 +1,7 @@
 """The quantization scheme: a frozen, validated, versioned dataclass stored in every artifact."""
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import asdict, dataclass, field
 
@@ -37,11 +38,18 @@ class QuantConfig:
         bias_correction: subtract from each conv / linear layer's bias the mean error its int8
             weights add to its output, ``(W_q - W) E[x]`` with ``E[x]`` the input's per-channel
             mean on the calibration images (Nagel et al., "Data-Free Quantization", 2019;
-            needs calibration, not given or learned ranges).
+            needs calibration, not given or learned ranges).  None (the default): on where the
+            build calibrates and rounds weights to nearest (GPTQ already corrects the mean).
         unsigned_activations: store a never-negative int8 tensor (after a ReLU / ReLU6) as
             0..255 at scale ``amax / 255``, zero point -128, where every layer reading it can
             take that (``zero_points.py``): half the rounding step there.  Off: every tensor is
-            symmetric (``amax / 127``), as QAT's fake quantizers train for.
+            symmetric (``amax / 127``), as QAT's fake quantizers train for.  None (the default):
+            on where the build calibrates; off for ranges given, learned in QAT or read from a
+            Q/DQ file (what those were made with).
+
+    The two defaults of None are the scheme measured best on trained networks held out from
+    calibration (issue 58; ``docs/performance.md``, "Which scheme"); :meth:`resolved` turns them
+    into what a build does, recorded in its json.
         weight_rounding: ``nearest``, or ``gptq``: each int8 conv / linear layer's weights
             rounded column by column so that its output on the calibration images moves least
             (``ranges/weight_rounding.py``; the same per-channel grid; needs calibration images).
@@ -54,8 +62,8 @@ class QuantConfig:
     skip: tuple[str, ...] = field(default_factory=tuple)
     quantize_dense: bool = True
     num_calib_images: int = 32
-    bias_correction: bool = False
-    unsigned_activations: bool = False
+    bias_correction: bool | None = None         # None: on where calibrated, rounding to nearest
+    unsigned_activations: bool | None = None    # None: on where calibrated
     weight_rounding: str = "nearest"
     version: int = CONFIG_VERSION
 
@@ -72,8 +80,10 @@ class QuantConfig:
             (self.weight == "per_channel", f"weight granularity must be 'per_channel', got {self.weight!r}"),
             (self.activation == "per_tensor", f"activation granularity must be 'per_tensor', got {self.activation!r}"),
             (self.num_calib_images >= 1, f"num_calib_images must be >= 1, got {self.num_calib_images}"),
-            (isinstance(self.unsigned_activations, bool),
-             f"unsigned_activations must be True or False, got {self.unsigned_activations!r}"),
+            (self.unsigned_activations in (None, True, False),
+             f"unsigned_activations must be True, False or None (where calibrated), got {self.unsigned_activations!r}"),
+            (self.bias_correction in (None, True, False),
+             f"bias_correction must be True, False or None (where calibrated), got {self.bias_correction!r}"),
             (self.weight_rounding in WEIGHT_ROUNDINGS,
              f"weight_rounding must be one of {WEIGHT_ROUNDINGS}, got {self.weight_rounding!r}"),
             (not (self.bias_correction and self.weight_rounding == "gptq"),
@@ -85,6 +95,16 @@ class QuantConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(f"QuantConfig: {msg}")
+
+    def resolved(self, calibrated: bool) -> "QuantConfig":
+        """This scheme with its defaults decided: unsigned activations and bias correction on where
+        the build calibrates (``calibrated``; bias correction only with nearest rounding), off where
+        the ranges were given, learned or read from a file.  A value set by the caller stays."""
+        return dataclasses.replace(
+            self,
+            unsigned_activations=calibrated if self.unsigned_activations is None else self.unsigned_activations,
+            bias_correction=(calibrated and self.weight_rounding == "nearest") if self.bias_correction is None
+            else self.bias_correction)
 
     def skips(self, layer: str) -> bool:
         """Whether ``layer`` (a torch module path) is kept in float by ``skip``."""

@@ -24,7 +24,7 @@ from .fileio import atomic_path, check_output_file
 from .lowering.onnx import EXPORTABLE_OPS, ONNXEmitter, op_name
 from .pipeline import BuildState
 from .progress import as_phases
-from .ranges.sources import LearnedRanges
+from .ranges.sources import GivenRanges, LearnedRanges
 from .target import TargetInfo, make_target
 from .training.checkpoint import load_float_model
 
@@ -35,7 +35,10 @@ MIN_OPSET, MAX_OPSET = 17, 21
 @dataclass
 class ExportResult:
     """``path``: the file written; ``amax``: the range of every point (``{point: amax}``, as a
-    build's ``meta["amax"]``: ``GivenRanges(amax)`` builds the TVM library of the same model);
+    build's ``meta["amax"]``); ``config``: the scheme with its defaults decided
+    (``QuantConfig.resolved``); ``channel_means``: the calibration's (bias correction), or None.
+    ``compile_model(model, config=res.config, ranges=res.given_ranges())`` builds the TVM library
+    of the same model;
     ``summary``: what the file holds (``qdq_activations``: int8 activations, one QuantizeLinear
     each; ``int8_weights``: int8 weight initializers; ``int8_layers`` of ``layers``;
     ``float_layers``; ``float_ops``: the ops left in float, by Relax name, as a build report's;
@@ -45,6 +48,12 @@ class ExportResult:
     path: str
     amax: dict
     summary: dict = field(default_factory=dict)
+    config: QuantConfig | None = None
+    channel_means: dict | None = None
+
+    def given_ranges(self) -> GivenRanges:
+        """The export's ranges (and channel means) as a range source for ``compile_model``."""
+        return GivenRanges(self.amax, self.channel_means)
 
 
 def check_exportable(graph) -> None:
@@ -134,7 +143,7 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
     proto.doc_string = (f"{name}: int8 (per-channel weights, per-tensor activations) as QuantizeLinear / "
                         "DequantizeLinear pairs, exported by tvm_qconv")
     summary = dict(emitter.summary(), ranges=q.ranges_report)
-    meta = {"producer": "tvm_qconv", "model": name, "scheme": json.dumps(config.to_dict(), sort_keys=True),
+    meta = {"producer": "tvm_qconv", "model": name, "scheme": json.dumps(q.config.to_dict(), sort_keys=True),
             "ranges": json.dumps(q.ranges_report, sort_keys=True, default=str),
             "input_shape": json.dumps(list(input_shape)), "dynamic_batch": json.dumps(summary["dynamic_batch"]),
             # the range of every point: GivenRanges(json.loads(...)) rebuilds the same model as a TVM library
@@ -143,7 +152,7 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
     onnx.checker.check_model(proto, full_check=True)  # before anything is written: a bad proto is never a file
     with atomic_path(out_path, suffix=".onnx") as tmp:
         onnx.save(proto, tmp)
-    return ExportResult(out_path, dict(q.amax), summary)
+    return ExportResult(out_path, dict(q.amax), summary, q.config, q.context.channel_means)
 
 
 def export_checkpoint(checkpoint: str, out_path: str, *, image_size: int | None = None, batch: int = 1,

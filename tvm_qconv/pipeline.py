@@ -47,7 +47,7 @@ from .quantization.epilogues import fuse_tables
 from .quantization.norm_epilogues import fuse_layer_norms
 from .quantization.residuals import fuse_residuals
 from .quantization.zero_points import may_run_int8
-from .ranges.sources import Calibrate, GivenRanges, RangeContext, RangeSource
+from .ranges.sources import Calibrate, GivenRanges, RangeContext, RangeSource, calibrates
 from .ranges.sources import describe as describe_ranges
 from .target import TargetInfo
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
@@ -227,6 +227,7 @@ def ranges(s: BuildState) -> None:
     layers join the skip list), else calibration on scikit-image's photos."""
     own, s.config = s.model.own_ranges(s.exported, s.config)
     s.ranges = s.ranges if s.ranges is not None else own if own is not None else Calibrate()
+    s.config = s.config.resolved(calibrated=calibrates(s.ranges))   # the scheme's defaults, decided
     s.context = RangeContext(s.graph, tuple(s.input_shape), s.config, lambda: s.exported.at(1).graph,
                              s.phases.enabled)
     s.phase("ranges", describe_ranges(s.ranges, s.config))
@@ -491,8 +492,10 @@ def twin_state(s: BuildState, kernels: dict) -> BuildState:
     """The verification's twin of build ``s``: batch 1, every int8 activation returned, from the
     same ranges (``GivenRanges``) and the same kernel per layer, pinned (a tuning database tuned at
     another batch matches nothing at batch 1, and integer results do not depend on the schedule),
-    the build's export reused (GPTQ's rounded weights taken as they are, on their grid)."""
+    the build's export reused (GPTQ's rounded weights taken as they are, on their grid), bias
+    correction from the build's own channel means."""
     return BuildState(s.model, (1, *s.input_shape[1:]), s.target_info,
-                      config=dataclasses.replace(s.config, weight_rounding="nearest"), ranges=GivenRanges(s.amax),
+                      config=dataclasses.replace(s.config, weight_rounding="nearest"),
+                      ranges=GivenRanges(s.amax, s.context.channel_means),
                       target=s.target, name=s.name, choices={**kernels, **(s.choices or {})}, families=s.families,
                       cuda_graph=s.cuda_graph, expose_activations=True, exported=s.exported)

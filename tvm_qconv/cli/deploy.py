@@ -74,14 +74,16 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
     b.add_argument("--calib-dir", default=None, help="folder of calibration images (JPEG, PNG, BMP, WebP, GIF, TIFF) "
                                                      "(default: scikit-image's sample photos)")
     b.add_argument("--num-calib", type=_positive, default=None, help="use at most this many calibration images")
-    b.add_argument("--bias-correction", action="store_const", const=True, default=None,
-                   help="correct each conv / linear bias for its int8 weights' mean error on the calibration images")
+    b.add_argument("--bias-correction", action=argparse.BooleanOptionalAction, default=None,
+                   help="correct each conv / linear bias for its int8 weights' mean error on the calibration images "
+                        "(default: on where the build calibrates and rounds to nearest)")
     b.add_argument("--weight-rounding", choices=WEIGHT_ROUNDINGS, default=None,
                    help="round int8 weights to nearest (default), or by GPTQ: column by column so that each layer's "
                         "output on the calibration images moves least")
-    b.add_argument("--unsigned-activations", action="store_const", const=True, default=None,
+    b.add_argument("--unsigned-activations", action=argparse.BooleanOptionalAction, default=None,
                    help="store never-negative activations (after ReLU / ReLU6) as 0..255 at zero point -128 where "
-                        "every reader can take it: half the rounding step there")
+                        "every reader can take it: half the rounding step there (default: on where the build "
+                        "calibrates; off with --checkpoint and a Q/DQ file's own scales)")
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -278,13 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_build(args) -> int:
-    cfg = quant_config(args)
     check_library_output(args.output, args)
     target_db = accuracy_target(args)
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")
-    check_build_flags(args)
+    check_build_flags(args)     # (before the scheme: its flags' own words, not QuantConfig's)
+    cfg = quant_config(args)
     if args.checkpoint:
         refuse_model_only_flags(args)
     return _work().build(args, cfg, target_db)

@@ -86,9 +86,10 @@ def check_build_flags(args) -> None:
                              "--target cuda")
     elif args.arch is None:
         args.arch = "sm_90"
-    if args.percentile is not None and quant_config(args).calibration != "percentile":
+    calibration = args.calibration or PRESETS[args.scheme].calibration   # (QuantConfig says it in its own words)
+    if args.percentile is not None and calibration != "percentile":
         raise InputError(f"--percentile sets the percentile observer's cut; this build calibrates with "
-                         f"{quant_config(args).calibration}: drop --percentile, or add --calibration percentile")
+                         f"{calibration}: drop --percentile, or add --calibration percentile")
     named = args.weights is not None and not (os.path.exists(args.weights) or os.sep in args.weights
                                               or args.weights.endswith((".pt", ".pth")))
     if args.num_classes is not None and named:

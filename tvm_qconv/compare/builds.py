@@ -43,24 +43,24 @@ class BuildJob:
     options: BuildOptions
 
 
-def _build(job: BuildJob, model, name: str, amax: dict, config: QuantConfig) -> Built:
+def _build(job: BuildJob, model, name: str, ranges: GivenRanges, config: QuantConfig) -> Built:
     t = time.perf_counter()
-    compile_model(model, job.path, options=job.options, config=config, name=name, ranges=GivenRanges(amax),
+    compile_model(model, job.path, options=job.options, config=config, name=name, ranges=ranges,
                   progress=False)
     note = "tuned" if job.options.tuning_log else ""
     return Built(job.path, round(time.perf_counter() - t, 1), note)
 
 
-def _build_in_worker(job: BuildJob, spec: dict, amax: dict, config: QuantConfig) -> Built:
+def _build_in_worker(job: BuildJob, spec: dict, ranges: GivenRanges, config: QuantConfig) -> Built:
     """A worker process's build: the model from ``spec`` (``name``, ``num_classes``, the saved
     ``state`` file, None for an ONNX file), then :func:`_build`."""
     model = load_model(spec["name"], num_classes=spec["num_classes"])
     if spec["state"] is not None:     # (an ONNX file holds its weights: no state)
         model.load_state_dict(torch.load(spec["state"], map_location="cpu", weights_only=True))
-    return _build(job, model.eval(), spec["name"], amax, config)
+    return _build(job, model.eval(), spec["name"], ranges, config)
 
 
-def build_libraries(jobs: list[BuildJob], model, spec: dict | None, amax: dict, config: QuantConfig,
+def build_libraries(jobs: list[BuildJob], model, spec: dict | None, ranges: GivenRanges, config: QuantConfig,
                     workers: int = 1, progress=print) -> dict:
     """Build every job; ``{(batch, graph): Built or the exception that stopped its build}``.
 
@@ -69,7 +69,8 @@ def build_libraries(jobs: list[BuildJob], model, spec: dict | None, amax: dict, 
         model: the float ``nn.Module`` (used in this process when ``workers == 1`` or no ``spec``).
         spec: how a worker process rebuilds ``model`` (``name``, ``num_classes``, ``state``:
             a ``torch.save``-d state dict); None: build here, one after another.
-        amax: the calibrated ranges every library uses.
+        ranges: the calibrated ranges (and channel means) every library uses.
+        config: the scheme, its defaults decided (``QuantConfig.resolved``).
         workers: parallel builds.
         progress: called with one line per finished build.
     """
@@ -78,7 +79,7 @@ def build_libraries(jobs: list[BuildJob], model, spec: dict | None, amax: dict, 
     if workers <= 1 or spec is None or len(jobs) <= 1:
         for job in jobs:
             try:
-                results[job.batch, job.graph] = _build(job, model, name, amax, config)
+                results[job.batch, job.graph] = _build(job, model, name, ranges, config)
             except Exception as err:  # noqa: BLE001 - one failed build is one failed row
                 results[job.batch, job.graph] = err
             _report(job, results[job.batch, job.graph], progress)
@@ -86,7 +87,7 @@ def build_libraries(jobs: list[BuildJob], model, spec: dict | None, amax: dict, 
     pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)),
                                                   mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = {pool.submit(_build_in_worker, job, spec, amax, config): job for job in jobs}
+        futures = {pool.submit(_build_in_worker, job, spec, ranges, config): job for job in jobs}
         for fut in concurrent.futures.as_completed(futures):
             job = futures[fut]
             try:

@@ -222,7 +222,7 @@ class Context:
                           f"{len(images.skipped)} unreadable); {self.reference_name}: top-1 "
                           f"{self.reference_accuracy['top1']:.1f} %")
         t = time.perf_counter()
-        self.amax, self.convs = self._calibrate()
+        self.amax, self.convs, self.config, self.channel_means = self._calibrate()
         self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
         how = ("took the Q/DQ file's scales of" if self.model.has_own_ranges else
                f"calibrated ({self.options.config.calibration})")
@@ -263,8 +263,10 @@ class Context:
         set_tf32(False)
         return self.model.reference(photos, self.device, chunk=16)
 
-    def _calibrate(self) -> tuple[dict, list]:
-        """The ranges (calibrated once, at batch 1, on the CPU) and the model's convs (for cuDNN)."""
+    def _calibrate(self) -> tuple[dict, list, QuantConfig, dict | None]:
+        """The ranges (calibrated once, at batch 1, on the CPU), the model's convs (for cuDNN), the
+        scheme with its defaults decided (``QuantConfig.resolved``) and the calibration's channel
+        means (bias correction): every library compare builds uses these four."""
         images = None if self.options.calib_dir else self.photos
         # a Q/DQ file's ranges are its own (ranges=None: the model's own_ranges)
         ranges = None if self.model.has_own_ranges else Calibrate(images, self.options.calib_dir)
@@ -281,7 +283,7 @@ class Context:
                               kernel=list(ly.weight.shape[2:]), stride=list(map(int, a.strides)),
                               padding=list(map(int, a.padding)), dilation=list(map(int, a.dilation)),
                               groups=int(a.groups)))
-        return q.amax, convs
+        return q.amax, convs, q.config, q.context.channel_means
 
     # ---- the int8 libraries -----------------------------------------------------------------
     def _libraries(self, graph_rows: bool, plain_rows: bool) -> None:
@@ -322,7 +324,8 @@ class Context:
             if module is not None:
                 torch.save(module.state_dict(), spec["state"])
         self.progress(f"[compare] building {len(jobs)} int8 libraries ({opts.jobs} at a time)")
-        self.libs.update(build_libraries(jobs, self.model, spec, self.amax, opts.config, opts.jobs, self.progress))
+        self.libs.update(build_libraries(jobs, self.model, spec, GivenRanges(self.amax, self.channel_means),
+                                         self.config, opts.jobs, self.progress))
 
     def library(self, batch: int, graph: bool) -> Built:
         """The library of this slot, or the error its build raised."""
@@ -343,8 +346,8 @@ class Context:
             path = os.path.join(self.options.work_dir, f"{self.options.tag}.onnx")
             t = time.perf_counter()
             try:
-                export_onnx(self.model, path, input_shape=self.input_shape, config=self.options.config,
-                            ranges=GivenRanges(self.amax), name=self.options.model, progress=False)
+                export_onnx(self.model, path, input_shape=self.input_shape, config=self.config,
+                            ranges=GivenRanges(self.amax, self.channel_means), name=self.options.model, progress=False)
                 self._onnx = (path, round(time.perf_counter() - t, 1))
             except Exception as err:  # noqa: BLE001 - every ONNX row fails with the export's reason
                 self._onnx = err
@@ -426,7 +429,7 @@ def compare(options: CompareOptions, model=None, progress=print) -> dict:
     results = dict(environment=report.environment(ctx.device), model=options.model, weights=options.weights or
                    f"random init (seed {options.seed})", image_size=options.image_size, arch=ctx.arch,
                    device=ctx.device, batches=list(options.batches), rows=[],
-                   config=options.config.to_dict(), input_sets=options.input_sets, budget_s=options.budget_s,
+                   config=getattr(ctx, "config", options.config).to_dict(), input_sets=options.input_sets, budget_s=options.budget_s,
                    agreement_floor_db=options.agreement_floor_db, reference=ctx.reference_name)
     paths = report.paths(options.out_dir, options.tag)
     progress(f"[compare] {options.model} on {results['environment'].get('gpu', {}).get('name') or ctx.device}, "

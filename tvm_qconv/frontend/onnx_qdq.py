@@ -79,8 +79,16 @@ def _const(name: str, inits: dict, consts: dict):
     return consts.get(name)
 
 
-def _non_negative(node, inits: dict, consts: dict) -> bool:
-    """Whether ``node``'s output is never negative by construction (a Relu, a Clip with min >= 0)."""
+# Ops whose output is never negative where their data inputs never are: pools, moves of the
+# values, and the Q/DQ pairs themselves (rounding keeps the sign; an unsigned store has none).
+_KEEP_NON_NEGATIVE = ("MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool", "Reshape", "Flatten", "Transpose",
+                      "Squeeze", "Unsqueeze", "Identity", "Concat", "QuantizeLinear", "DequantizeLinear")
+
+
+def _non_negative(node, inits: dict, consts: dict, producer: dict | None = None, depth: int = 0) -> bool:
+    """Whether ``node``'s output is never negative by construction: a Relu, a Clip with min >= 0,
+    or (with ``producer``, output name -> node) one of ``_KEEP_NON_NEGATIVE`` over such tensors
+    (the project's own export: a max pool's unsigned output after the ReLU before it)."""
     if node is None:
         return False
     if node.op_type == "Relu":
@@ -88,6 +96,9 @@ def _non_negative(node, inits: dict, consts: dict) -> bool:
     if node.op_type == "Clip" and len(node.input) > 1 and node.input[1]:
         lo = _const(node.input[1], inits, consts)
         return lo is not None and float(np.asarray(lo).reshape(-1)[0]) >= 0
+    if producer is not None and node.op_type in _KEEP_NON_NEGATIVE and depth < 64:
+        data = node.input if node.op_type == "Concat" else node.input[:1]
+        return all(_non_negative(producer.get(x), inits, consts, producer, depth + 1) for x in data)
     return False
 
 
@@ -233,7 +244,7 @@ def strip_qdq(proto) -> StrippedQdq:
                                  f"{span} = {'0..' if unsigned else '+-'}{amax:.6g}; requantized to the library's "
                                  "int8 per-tensor scheme")
             clamped = {r.output[0] for r in relus.values()}    # (a pair after a pair: already a ReLU's output)
-            if x in out.unsigned and x not in clamped and not _non_negative(producer.get(x), inits, consts):
+            if x in out.unsigned and x not in clamped and not _non_negative(producer.get(x), inits, consts, producer):
                 # the pair clamps at 0 (ONNX Runtime folds a ReLU into it this way): the float graph
                 # keeps that clamp as the ReLU it stands for, which the conv before absorbs (one
                 # ReLU a tensor, however many pairs read it)
@@ -381,4 +392,6 @@ def file_scales(model, exported, config):
                   given_weights=given, kept_float=skip, notes=notes, calibrated=False)
     if skip:
         config = dataclasses.replace(config, skip=tuple(config.skip) + tuple(s for s in skip if s not in config.skip))
+    if config.unsigned_activations is None:     # the default: the file's own scheme (its unsigned tensors, if any)
+        config = dataclasses.replace(config, unsigned_activations=bool(model.qdq.unsigned))
     return FileScales(amax, report, source), config

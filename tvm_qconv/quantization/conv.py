@@ -65,7 +65,9 @@ def plan_conv2d(p, ly) -> LayerPlan | str:
     acc_scale = s_x * s_w.astype(np.float64)
     mean = p.input_mean(ly)
     if mean is not None:  # weight is groups=1 here when it was made block-diagonal
-        bias = bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)
+        # rounded to float32 once, as the ONNX export writes it: a build from that file starts from these numbers
+        bias = (bias - weight_error_mean(weight, qw, s_w, mean, 1 if note else groups)).astype(np.float32).astype(
+            np.float64)
     float_bias = bias if ly.bias is not None or mean is not None else None   # the plan's, for ONNX
     bias_q = np.round(bias / acc_scale)
     # zero points: the kernel reads q_x = x / s_x + z_x, so its sum holds z_x * sum(w) too; and
@@ -126,8 +128,8 @@ def plan_dense(p, ly) -> LayerPlan | str:
     qw, s_w = ly.given_weight if ly.given_weight is not None else quantize_weight_per_channel(ly.weight)
     bias = np.zeros(o, np.float32) if ly.bias is None else ly.bias
     mean = p.input_mean(ly)
-    if mean is not None:
-        bias = bias - weight_error_mean(ly.weight, qw, s_w, mean)
+    if mean is not None:    # (float32 once, as for a conv above)
+        bias = (bias - weight_error_mean(ly.weight, qw, s_w, mean)).astype(np.float32)
     float_bias = bias if ly.bias is not None or mean is not None else None   # the plan's, for ONNX
     if z_x:  # the kernel sums q_x = x / s_x + z_x: z_x * sum(w), at scale s_x * s_w, comes off the bias
         bias = bias - z_x * qw.astype(np.float64).sum(axis=1) * s_x * s_w

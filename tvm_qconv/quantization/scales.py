@@ -76,13 +76,20 @@ def weight_error_mean(weight: np.ndarray, qw: np.ndarray, s_w: np.ndarray, mean:
     """``E[(W_q - W) x]`` per output channel: the mean error int8 weights add to a conv's (4-D
     ``weight``, ``[O, C / groups, kh, kw]``) or a linear layer's (``[O, K]``) output, for an input
     whose per-channel mean is ``mean`` (``[C]``; padding's zeros are not counted).  Subtracted
-    from the bias, it is bias correction (``QuantConfig.bias_correction``)."""
-    err = qw.astype(np.float64) * s_w.astype(np.float64).reshape((-1,) + (1,) * (weight.ndim - 1)) \
-        - weight.astype(np.float64)
-    per_input = err.reshape(err.shape[0], err.shape[1], -1).sum(axis=2)   # [O, C / groups]
-    o, cg = per_input.shape
-    group_mean = np.asarray(mean, np.float64).reshape(groups, cg)[np.arange(o) // (o // groups)]
-    return (per_input * group_mean).sum(axis=1)
+    from the bias, it is bias correction (``QuantConfig.bias_correction``).  Computed in float64,
+    a block of output channels at a time: VGG16's first linear layer whole would be 0.8 GB of
+    float64 per temporary (each row's sums are the same either way)."""
+    o, cg = weight.shape[:2]
+    group_mean = np.asarray(mean, np.float64).reshape(groups, cg)
+    scales = np.asarray(s_w, np.float64).reshape((-1,) + (1,) * (weight.ndim - 1))
+    out = np.empty(o)
+    step = max(1, (1 << 20) // max(1, weight[0].size))     # ~1M elements a block
+    for a in range(0, o, step):
+        b = min(o, a + step)
+        err = qw[a:b].astype(np.float64) * scales[a:b] - weight[a:b].astype(np.float64)
+        per_input = err.reshape(b - a, cg, -1).sum(axis=2)   # [rows, C / groups]
+        out[a:b] = (per_input * group_mean[np.arange(a, b) // (o // groups)]).sum(axis=1)
+    return out
 
 
 def block_diagonal(weight: np.ndarray, groups: int) -> np.ndarray:

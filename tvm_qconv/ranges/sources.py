@@ -97,11 +97,16 @@ class Calibrate:
 
 @dataclass(frozen=True)
 class GivenRanges:
-    """Ranges by point name (``{"features.0.out": amax, ...}``), used as they are."""
+    """Ranges by point name (``{"features.0.out": amax, ...}``), used as they are; with
+    ``channel_means`` (a calibration's :attr:`RangeContext.channel_means`), bias correction can
+    use them too (the verification's twin of a build with bias correction)."""
 
     amax: dict
+    channel_means: dict | None = None
 
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
+        if self.channel_means is not None:
+            ctx.channel_means = self.channel_means
         return dict(self.amax), dict(source="given")
 
 
@@ -119,6 +124,13 @@ class LearnedRanges:
 
 
 RangeSource = Calibrate | GivenRanges | LearnedRanges
+
+
+def calibrates(source) -> bool:
+    """Whether ``source`` calibrates on images (:class:`Calibrate`, or a wrapper of one with
+    ``inner``): where ``QuantConfig``'s default scheme turns unsigned activations and bias
+    correction on (``QuantConfig.resolved``)."""
+    return isinstance(getattr(source, "inner", source), Calibrate)
 
 
 def describe(source, config: QuantConfig) -> str:
