@@ -149,3 +149,23 @@ def test_export_onnx_writes_the_plans_corrected_biases(tmp_path):
     # corrected: each channel's bias lowered by its weights' mean error on the inputs' mean (~0.7, the
     # docstring of Biased); the same in every channel, as every channel has the same weights
     assert np.all(biases[True] < -0.3) and np.ptp(biases[True]) < 1e-6, biases[True]
+
+
+def test_build_and_export_onnx_print_the_scheme_they_ran(tmp_path, capsys):
+    """The CLI says the scheme as the build decided it: a user of the default learns that it
+    calibrated unsigned with bias correction, and on how many tensors and layers."""
+    (tmp_path / "tiny.py").write_text("import torch\nfrom torch import nn\n\ndef make():\n    torch.manual_seed(0)\n"
+                                      "    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),"
+                                      " nn.Linear(8 * 16 * 16, 5)).eval()\n")
+    model = str(tmp_path / "tiny.py") + ":make"
+    assert deploy.main(["build", "--model", model, "--image-size", str(SIZE), "-q", "-o", str(tmp_path / "a.so")]) == 0
+    assert "scheme: unsigned activations (2 tensors at zero point -128); bias correction (2 layers); weights " \
+           "rounded to nearest" in capsys.readouterr().out
+    assert deploy.main(["build", "--model", model, "--image-size", str(SIZE), "-q", "--no-unsigned-activations",
+                        "--no-bias-correction", "-o", str(tmp_path / "b.so")]) == 0
+    assert "scheme: symmetric activations; no bias correction; weights rounded to nearest" in capsys.readouterr().out
+    assert deploy.main(["export-onnx", "--model", model, "--image-size", str(SIZE), "-q",
+                        "-o", str(tmp_path / "a.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "(per tensor, zero point -128 where unsigned, else 0)" in out
+    assert "scheme: unsigned activations; bias correction; weights rounded to nearest" in out

@@ -138,7 +138,8 @@ def test_a_build_runs_residual_adds_in_their_convs_epilogues_and_computes_the_sa
     rows = {r["layer"]: r for r in reports[False]["layers"]}
     fused = {r["layer"]: r["kernel"] for r in reports[False]["layers"] if r["kernel"].startswith("in ")}
     assert fused == {"add_0": "in b's epilogue", "add_1": "in c's epilogue"}, rows
-    assert rows["b"]["kind"] == "conv2d+bias+add+relu" and rows["c"]["kind"] == "conv2d+bias+add"
+    # b's ReLU on an unsigned output (the default scheme) is the clamp at its zero point, -128
+    assert rows["b"]["kind"] == "conv2d+bias+add+clip[-128,127]" and rows["c"]["kind"] == "conv2d+bias+add"
     assert rows["add_2"]["kernel"] == rows["add_3"]["kernel"] == "add.nchw4c"     # e's output is read twice
     assert rows["add_4"]["kernel"] == "add.nchw4c"                                 # f's output plus itself
     assert not any(r["kernel"].startswith("in ") for r in reports[True]["layers"])

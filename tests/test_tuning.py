@@ -258,12 +258,15 @@ def test_every_point_of_the_cpu_space_is_bit_exact(wl):
 
 @pytest.fixture(scope="module")
 def small_int8():
-    """(model, int8 module as compile_model builds it, tasks of the module tune_model builds)."""
+    """(model, int8 module as compile_model builds it under the symmetric scheme, tasks of the module
+    tune_model builds).  The tuner's tasks are the symmetric build's; the default's unsigned kernels
+    take their schedules through the symmetric twin
+    (``test_an_unsigned_activations_kernel_takes_its_symmetric_twins_schedule``)."""
     torch.manual_seed(0)
     model = SmallVGG(cfg=CFG)
     images = np.random.default_rng(0).normal(size=(4, 3, SIZE, SIZE)).astype(np.float32)
-    q = quantize_module(model, (1, 3, SIZE, SIZE), CUDA_INFO, config=QuantConfig(calibration="max"),
-                        ranges=Calibrate(images), progress=False)
+    config = QuantConfig(calibration="max", unsigned_activations=False, bias_correction=False)
+    q = quantize_module(model, (1, 3, SIZE, SIZE), CUDA_INFO, config=config, ranges=Calibrate(images), progress=False)
     return model, LiftConstantsToParams()(q.mod), extract_tasks(int8_module(model, 1, SIZE, CUDA))
 
 

@@ -349,11 +349,12 @@ def test_a_database_that_measured_wgmma_fastest_builds_it_with_its_tile(tmp_path
     lib = build(str(tmp_path))
     assert [r["kernel"] for r in lib.report["layers"] if r["kind"].startswith("conv")][1] == IMPL.name
     c = configs[index]
-    assert list(lib.report["tuned"].values()) == [f"64->128 3x3 s1 @16x16 b1 (wgmma {c.bm}x64, {c.stages} stages)"]
+    # (u8: the default scheme's unsigned input; the record is the symmetric twin's, tuning/apply.py)
+    assert list(lib.report["tuned"].values()) == [f"64->128 3x3 s1 u8 @16x16 b1 (wgmma {c.bm}x64, {c.stages} stages)"]
     from tvm_qconv.report import format_report   # the build report names the layer tuned, with its tile
     text = format_report(lib.meta)
     assert "tuned layers (1, from 1 tuned kernels)" in text
-    assert re.search(rf"conv2d.nhwc32.wgmma +int8 +tuned +64->128 3x3 s1 @16x16 b1 \(wgmma {c.bm}x64", text), text
+    assert re.search(rf"conv2d.nhwc32.wgmma +int8 +tuned +64->128 3x3 s1 u8 @16x16 b1 \(wgmma {c.bm}x64", text), text
 
 
 def test_a_record_of_the_symmetric_twin_builds_the_layers_own_kernel_with_its_tile():

@@ -65,6 +65,18 @@ def unused_families(args, report: dict) -> list[str]:
     return [f for f in args.family or () if f not in ran]
 
 
+def describe_scheme(config: dict, report: dict | None = None) -> str:
+    """One line saying the scheme a build ran, its defaults decided (``QuantConfig.resolved``)."""
+    unsigned = "unsigned activations" if config.get("unsigned_activations") else "symmetric activations"
+    corrected = "bias correction" if config.get("bias_correction") else "no bias correction"
+    if report is not None:
+        unsigned += f" ({len(report.get('unsigned', []))} tensors at zero point -128)" \
+            if config.get("unsigned_activations") else ""
+        n = sum(1 for row in report.get("layers", []) if row.get("bias_corrected"))
+        corrected += f" ({n} layers)" if config.get("bias_correction") else ""
+    return f"{unsigned}; {corrected}; weights rounded {'by GPTQ' if config.get('weight_rounding') == 'gptq' else 'to nearest'}"
+
+
 def describe_ranges(ranges: dict) -> str:
     """One line saying where a build's activation ranges came from."""
     if ranges.get("source") == "checkpoint":
@@ -116,6 +128,7 @@ def build(args, cfg, target_db: float | None) -> int:
                             extra_meta=dict(weights=weights, seed=args.seed))
     print(format_report(res.meta))
     print("activation ranges: " + describe_ranges(res.meta["report"].get("ranges", {})))
+    print("scheme: " + describe_scheme(res.meta["config"], res.meta["report"]))
     unused = unused_families(args, res.meta["report"])
     if unused:
         print(f"warning: --family {', '.join(unused)}: no layer of this build runs {'them' if len(unused) > 1 else 'it'} "
@@ -159,12 +172,14 @@ def export(args) -> int:
     print(f"wrote {res.path} (ONNX opset {s['opset']}, {s['nodes']} nodes)")
     print("batch: " + ("dynamic (input and output dimension 0 is 'batch')" if s["dynamic_batch"] else
                        f"static {args.batch}" + (f" ({s['static_batch_reason']})" if s["static_batch_reason"] else "")))
-    print(f"activation QuantizeLinear/DequantizeLinear: {s['qdq_activations']} int8 tensors (per tensor, zero point 0)")
+    zero = "zero point -128 where unsigned, else 0" if res.config.unsigned_activations else "zero point 0"
+    print(f"activation QuantizeLinear/DequantizeLinear: {s['qdq_activations']} int8 tensors (per tensor, {zero})")
     print(f"int8 weights: {s['int8_weights']} (per output channel); int8 layers: {s['int8_layers']}/{s['layers']}")
     print("float layers: " + (", ".join(s["float_layers"]) or "none"))
     ops = ", ".join(f"{op.removeprefix('relax.')} x{n}" for op, n in s["float_ops"].items())
     print("float ops: " + (ops or "none"))
     print("activation ranges: " + describe_ranges(s.get("ranges", {})))
+    print("scheme: " + describe_scheme(res.config.to_dict()))
     return 0
 
 

@@ -136,5 +136,7 @@ def plan_dense(p, ly) -> LayerPlan | str:
     params = impl.pack_params(wl, qw, (s_x * s_w).astype(np.float32), bias.astype(np.float32))
     row = dict(layer=ly.name, kind="dense" + ("+bias" if ly.bias is not None else "") + ("+relu" if ly.relu else ""),
                kernel=impl.name, dtype="int8", shape=f"{k}->{o} b{n}", in_scale=s_x)
+    if mean is not None:
+        row["bias_corrected"] = True
     return LayerPlan(ly, impl=impl, workload=wl, reads=(x,), output=None, out_shape=(n, o), out_dtype="float32",
                      params=tuple(params), weight=(qw, s_w), bias=float_bias, row=row)

@@ -59,13 +59,16 @@ RPC_SESSION_TIMEOUT_S = 60
 
 
 def int8_module(model, batch: int, image_size: int, target: tvm.target.Target) -> tvm.IRModule:
-    """The int8 Relax module compile_model would build for ``target``, calibrated on 2 photos."""
+    """The int8 Relax module compile_model would build for ``target`` under the symmetric scheme,
+    calibrated on 2 photos: the tasks are the symmetric build's, and a build of unsigned activations
+    (the default where it calibrates) takes their schedules through ``apply.symmetric_twin``, so
+    one tuning log serves both schemes."""
     photos = skimage_photos(image_size)[:CALIB_IMAGES]
     # a Q/DQ file's own scales (None), as its build takes them: the same layers int8, the same kernels
     ranges = None if as_frontend(model).has_own_ranges else Calibrate(photos)
     info = TargetInfo.from_target(target)
-    state = BuildState(model, (batch, 3, image_size, image_size), info, config=QuantConfig(num_calib_images=CALIB_IMAGES),
-                       ranges=ranges, target=target)
+    config = QuantConfig(num_calib_images=CALIB_IMAGES, unsigned_activations=False, bias_correction=False)
+    state = BuildState(model, (batch, 3, image_size, image_size), info, config=config, ranges=ranges, target=target)
     return pipeline.run(state, until="lift").mod     # the build's steps up to the weights lifted
 
 
