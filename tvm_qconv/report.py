@@ -120,6 +120,6 @@ def format_losses(v: dict, top: int = 5) -> list[str]:
     if first:
         lines.append("  no loss measured (they read the image or float ops): " + ", ".join(f"{r['layer']} {r['sqnr_db']:.1f} dB" for r in first[:top])
                      + (f" (+{len(first) - top} more)" if len(first) > top else ""))
-    lines.append("  try --calibration mse / max / entropy / search, --bias-correction, or --skip the worst layers "
-                 "(docs/history.md: what each gained)")
+    lines.append("  try --weight-rounding gptq, --calibration search / mse, a --calib-dir of your own images, or --skip "
+                 "the worst layers (docs/performance.md, 'Which scheme': what each gained held out)")
     return lines
