@@ -14,10 +14,9 @@ Compile: :func:`compile_model` (:mod:`tvm_qconv.build`) with :class:`BuildOption
 :mod:`tvm_qconv.schedules`, picked through :mod:`tvm_qconv.registry`; the console scripts in
 :mod:`tvm_qconv.cli`.
 """
-import importlib
-
 from .config import PRESETS, QuantConfig
 from .errors import InputError
+from .lazy import lazy_exports
 from .moved import install as _install_moved_paths
 
 _install_moved_paths()   # the module paths issue 57 moved (tvm_qconv/moved.py)
@@ -37,13 +36,4 @@ _LAZY = {
 __all__ = ["PRESETS", "InputError", "QuantConfig", *_LAZY]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value     # looked up once: later reads are plain attribute reads
-        return value
-    raise AttributeError(f"module 'tvm_qconv' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())   # (tvm_qconv/lazy.py)

@@ -11,19 +11,10 @@
 The names below are imported on first use (PEP 562): :mod:`tvm_qconv.nn` reads the observers'
 weight scales without bringing TVM in.
 """
-import importlib
+from ..lazy import lazy_exports
 
 _LAZY = dict.fromkeys(("Calibrate", "GivenRanges", "LearnedRanges", "RangeContext", "RangeSource", "describe",
                        "map_learned_ranges"), "sources")
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

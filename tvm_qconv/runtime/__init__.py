@@ -9,18 +9,9 @@
 The names below are imported on first use (PEP 562): :mod:`.artifact` needs neither torch nor TVM,
 and the CLIs read it before they import either.
 """
-import importlib
+from ..lazy import lazy_exports
 
 _LAZY = dict.fromkeys(("CompiledModel", "check_arch", "class_scores", "flatten", "summarize"), "compiled_model")
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
