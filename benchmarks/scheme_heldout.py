@@ -52,11 +52,12 @@ def scheme_config(scheme: str) -> QuantConfig:
     if scheme == "default":
         return QuantConfig()
     observer, *flags = scheme.split("+")
-    unknown = set(flags) - {"unsigned", "gptq", "bias"}
+    unknown = set(flags) - {"unsigned", "gptq", "bias", "eq"}
     if observer not in CALIBRATIONS or unknown:
-        raise SystemExit(f"scheme {scheme!r}: <observer>[+unsigned][+gptq|+bias], observer one of {CALIBRATIONS}")
+        raise SystemExit(f"scheme {scheme!r}: <observer>[+unsigned][+eq][+gptq|+bias], observer one of {CALIBRATIONS}")
     return QuantConfig(calibration=observer, unsigned_activations="unsigned" in flags,
-                       weight_rounding="gptq" if "gptq" in flags else "nearest", bias_correction="bias" in flags)
+                       weight_rounding="gptq" if "gptq" in flags else "nearest", bias_correction="bias" in flags,
+                       equalization="eq" in flags)
 
 
 def load(model: str):

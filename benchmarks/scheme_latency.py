@@ -49,6 +49,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = []
+
+    def save():     # after every row: a run cut short keeps what it measured
+        record = dict(date=started, command="python benchmarks/scheme_latency.py " + " ".join(argv or sys.argv[1:]),
+                      device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
+                      rows=rows)
+        with open(os.path.join(args.out, "scheme_latency.json.tmp"), "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(os.path.join(args.out, "scheme_latency.json.tmp"), os.path.join(args.out, "scheme_latency.json"))
+
     for name in args.models:
         torch.manual_seed(0)
         model = load_model(name)
@@ -71,12 +80,8 @@ def main(argv=None) -> int:
             row = dict(model=name, batch=batch, tuning_log=log, build_s=build_s,
                        median_ms={s: float(np.median(v)) for s, v in ms.items()}, rounds_ms=ms)
             rows.append(row)
+            save()
             print(f"{name} b{batch}: " + ", ".join(f"{s} {row['median_ms'][s]:.3f} ms" for s in SCHEMES), flush=True)
-    record = dict(date=started, command="python benchmarks/scheme_latency.py " + " ".join(argv or sys.argv[1:]),
-                  device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.machine(),
-                  rows=rows)
-    with open(os.path.join(args.out, "scheme_latency.json"), "w") as f:
-        json.dump(record, f, indent=1)
     print("| model | batch | symmetric ms | default ms | default / symmetric |\n|---|---|---|---|---|")
     for r in rows:
         a, b = r["median_ms"]["symmetric"], r["median_ms"]["default"]

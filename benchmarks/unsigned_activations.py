@@ -55,7 +55,7 @@ def simulate(name: str, size: int, images: int, verify_images: int, calibration:
     config = zoo_config(name, images)
     if calibration is not None:
         config = dataclasses.replace(config, calibration=calibration)
-    candidates, _ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
+    candidates, *_ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
     amax = {p: c[config.calibration] for p, c in candidates.items()}
     unsigned = never_negative(graph, photos)
     check = photos[:verify_images]

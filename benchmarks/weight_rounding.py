@@ -48,7 +48,7 @@ def simulate(name: str, size: int, images: int, verify_images: int) -> dict:
     graph = float_graph(model, (1, 3, size, size))
     photos = skimage_photos(size)[:images]
     config = zoo_config(name, images)
-    candidates, _ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
+    candidates, *_ = calibrate_candidates(graph, photos, config, (config.calibration,), progress=False)
     amax = {p: c[config.calibration] for p, c in candidates.items()}
     unsigned = planned_unsigned_names(graph, config)
     check = photos[:verify_images]

@@ -50,8 +50,8 @@ def _state(photos, **kwargs) -> BuildState:
 
 
 def test_the_steps_are_the_issue_list_in_order():
-    assert STEP_NAMES == ("prepare", "export", "simplify", "analyze", "ranges", "weight_rounding", "plan", "fuse",
-                          "lower", "lift", "apply_tuning", "schedule", "compile", "verify")
+    assert STEP_NAMES == ("prepare", "export", "simplify", "analyze", "ranges", "equalize", "weight_rounding", "plan",
+                          "fuse", "lower", "lift", "apply_tuning", "schedule", "compile", "verify")
     assert [s.__name__ for s in STEPS] == list(STEP_NAMES)
 
 
@@ -74,6 +74,8 @@ def test_each_step_makes_what_the_next_reads_and_the_steps_one_by_one_are_compil
         elif name == "ranges":
             assert s.amax and all(v > 0 for v in s.amax.values())       # a range for every point
             assert s.ranges_report["source"].startswith("calibration")
+        elif name == "equalize":
+            assert s.context.equalization is None and s.mod is made["analyze"]  # off by default: nothing to do
         elif name == "weight_rounding":
             assert s.rounding is None and s.mod is made["analyze"]  # nearest: nothing to do
         elif name == "plan":
@@ -108,8 +110,8 @@ def test_each_step_makes_what_the_next_reads_and_the_steps_one_by_one_are_compil
 def test_the_ir_dumps_are_named_after_the_steps(tmp_path):
     compile_model(_net(), str(tmp_path / "net.so"), options=BuildOptions(image_size=SIZE, debug_dump=str(tmp_path / "ir"),
                   verify=False), ranges=Calibrate(skimage_photos(SIZE)), progress=False)
-    assert sorted(os.listdir(tmp_path / "ir")) == ["02_export.py", "03_simplify.py", "09_lower.py", "10_lift.py",
-                                                   "12_schedule.py"]
+    assert sorted(os.listdir(tmp_path / "ir")) == ["02_export.py", "03_simplify.py", "10_lower.py", "11_lift.py",
+                                                   "13_schedule.py"]
 
 
 def test_the_onnx_export_stops_before_the_relax_lowering(tmp_path, monkeypatch):

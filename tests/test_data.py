@@ -210,10 +210,31 @@ def test_an_unreadable_calibration_file_is_left_out_and_named_from_the_cli(tmp_p
     argv = ["build", "--model", f"{tmp_path / 'models.py'}:make", "--image-size", "16", "--calib-dir", str(calib),
             "--no-verify", "-o", str(lib), "--quiet"]
     assert deploy.main(argv) == 0
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith("warning: calibration folder") and "3_broken.jpg" in err
+    broken, few = capsys.readouterr().err.strip().split("\n")     # one line each
+    assert broken.startswith("warning: calibration folder") and "3_broken.jpg" in broken
+    # three images are fewer than the percentile observer should have (config.CALIBRATION_IMAGES)
+    assert few.startswith("warning: calibrating on 3 images of") and "should have 8 or more" in few
     ranges = read_meta(str(lib))["report"]["ranges"]
     assert ranges["images"] == 3 and [s["file"] for s in ranges["skipped"]] == [str(calib / "3_broken.jpg")]
+    assert "should have 8 or more" in ranges["too_few"]
+
+
+@pytest.mark.parametrize("flags, images, needed", [(["--calibration", "search"], 3, 4),
+                                                    (["--weight-rounding", "gptq"], 2, 4)])
+def test_a_calibration_folder_too_small_for_the_method_is_refused_with_the_number_it_needs(tmp_path, capsys, flags,
+                                                                                          images, needed):
+    import deploy
+    (tmp_path / "models.py").write_text(TINY_MODEL)
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i in range(images):
+        Image.fromarray(RNG.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(calib / f"{i}.png")
+    argv = ["build", "--model", f"{tmp_path / 'models.py'}:make", "--image-size", "16", "--calib-dir", str(calib),
+            "--no-verify", "-o", str(tmp_path / "m.so"), "--quiet", *flags]
+    assert deploy.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"needs at least {needed} calibration images, {calib} gave {images}" in err
+    assert not (tmp_path / "m.so").exists()
 
 
 def test_a_calibration_folder_of_no_readable_image_is_one_line(tmp_path):

@@ -44,7 +44,7 @@ def setup():
     mod, names = export_to_relax(model, (1, 3, SIZE, SIZE))
     graph = analyze(simplify(mod)["main"], names)
     photos = skimage_photos(SIZE)[:6]
-    candidates, _ = calibrate_candidates(graph, photos, QuantConfig(), OBSERVERS, progress=False)
+    candidates, *_ = calibrate_candidates(graph, photos, QuantConfig(), OBSERVERS, progress=False)
     return model, graph, photos, candidates
 
 
@@ -63,7 +63,7 @@ def test_every_point_gets_one_range_per_observer_and_its_channel_means_from_one_
         assert set(ranges) == set(OBSERVERS) and all(a >= 0 for a in ranges.values())
         assert ranges["max"] == max(ranges.values())  # no observer goes past the largest |x|
     # the means bias correction uses: the model's input point's is the photos' channel mean
-    _, means = calibrate_candidates(graph, photos, QuantConfig(), ("max",), progress=False)
+    _, means, _ = calibrate_candidates(graph, photos, QuantConfig(), ("max",), progress=False)
     point = graph.points[graph.func.params[0]]
     np.testing.assert_allclose(means[point], photos.mean(axis=(0, 2, 3)), rtol=1e-5)
 

@@ -134,22 +134,25 @@ def test_a_bad_accuracy_target_is_refused():
 
 def test_the_cli_refuses_a_negative_target_and_one_without_verification(capsys, tmp_path):
     assert deploy.main(["build", "--model", "vgg11", "--accuracy-target", "-3", "-o", str(tmp_path / "m.so")]) == 2
-    assert "--accuracy-target is a logits SQNR in dB" in capsys.readouterr().err
+    assert "--accuracy-target '-3': give a logits SQNR in dB (e.g. 30) or top1:PCT" in capsys.readouterr().err
     assert deploy.main(["build", "--model", "vgg11", "--accuracy-target", "30", "--no-verify",
                         "-o", str(tmp_path / "m.so")]) == 2
     assert "--no-verify turns off" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, target", [
-    (["--model", "vgg16"], None),                                    # random init: off
-    (["--model", "vgg16", "--weights", "w.pt"], 30.0),               # trained: the default
-    (["--model", "net.py:make"], 30.0),                              # a user's model file
-    (["--checkpoint", "c.pt"], 30.0),
-    (["--model", "vgg16", "--accuracy-target", "25"], 25.0),        # asked for
-    (["--model", "vgg16", "--weights", "w.pt", "--accuracy-target", "0"], None),
-    (["--model", "vgg16", "--weights", "w.pt", "--no-verify"], None),
+    (["--model", "vgg16"], (None, None)),                               # random init: off
+    (["--model", "vgg16", "--weights", "w.pt"], (30.0, None)),          # trained: the report's default
+    (["--model", "net.py:make"], (30.0, None)),                         # a user's model file
+    (["--checkpoint", "c.pt"], (30.0, None)),
+    (["--model", "vgg16", "--accuracy-target", "25"], (25.0, "25")),    # asked for: layers kept in float to reach it
+    (["--model", "vgg16", "--weights", "w.pt", "--accuracy-target", "top1:99", "--data", "d"], (30.0, "top1:99")),
+    (["--model", "vgg16", "--weights", "w.pt", "--accuracy-target", "0"], (None, None)),
+    (["--model", "vgg16", "--weights", "w.pt", "--no-verify"], (None, None)),
 ])
 def test_the_cli_target_is_on_for_trained_weights_and_off_for_a_random_init(flags, target):
+    """``(the report's threshold, the mixed-precision target)``: the report names the layers that
+    lose the most under 30 dB for trained weights; layers are kept in float only where asked."""
     args = deploy.build_parser().parse_args(["build", *flags, "-o", "m.so"])
     assert deploy.accuracy_target(args) == target
 

@@ -23,7 +23,10 @@ from .fileio import check_output_file
 from .graph import static_shape
 from .pipeline import BuildState
 from .progress import as_phases
-from .ranges.sources import LearnedRanges, RangeSource
+from .config import AccuracyTarget
+from .mixed_precision import Judge, judge_images, reach
+from .ranges.equalize import EqualizedGraphs
+from .ranges.sources import HELD_OUT, Calibrate, GivenRanges, LearnedRanges, RangeSource
 from .target import TargetInfo, make_target
 from .training.checkpoint import DIGITS_CLASSES, load_float_model
 from .tuning.database import database_target
@@ -55,6 +58,13 @@ class BuildOptions:
         accuracy_target_db: where the verified logits SQNR is under this (e.g. 30), the report
             also names the layers that lose the most (``verify.losses``: a second build at batch
             1 that returns every int8 activation); None: only under the floor.
+        mixed_precision: ``"30"`` (dB) or ``"top1:99"`` (%): keep the fewest conv / linear layers
+            in float until the library reaches this on images held out from calibration (logits
+            SQNR against the float model, or top-1 agreement with it on ``accuracy_data``;
+            ``mixed_precision.py``); None: every layer that can is int8.  A target not reached
+            builds the closest library, and the report's ``mixed_precision.reached`` says so.
+        accuracy_data, accuracy_labels: the image folder (and its labels file, as ``eval --data``
+            reads them) the target is measured on; default: the calibration's held-out images.
         require_int8: refuse a skip list that leaves no layer in int8 (``deploy.py build``);
             from Python, ``QuantConfig(skip=("*",))`` builds the float model on purpose.
     """
@@ -73,6 +83,9 @@ class BuildOptions:
     verify: bool = True
     verify_floor_db: float = verify_mod.FLOOR_DB
     accuracy_target_db: float | None = None
+    mixed_precision: str | None = None
+    accuracy_data: str | None = None
+    accuracy_labels: str | None = None
     require_int8: bool = False
 
     def __post_init__(self):
@@ -90,6 +103,16 @@ class BuildOptions:
         # what `deploy.py build` refuses, refused here too: options a build would ignore in silence
         if self.accuracy_target_db is not None and not self.verify:
             raise InputError("accuracy_target_db measures the verification that verify=False turns off; drop one")
+        if self.mixed_precision is not None:
+            goal = AccuracyTarget.parse(self.mixed_precision)
+            if not self.verify:
+                raise InputError("an accuracy target is measured on the built library: it needs the verification "
+                                 "(drop --no-verify)")
+            if goal.metric == "top1_agreement" and self.accuracy_data is None:
+                raise InputError(f"--accuracy-target {self.mixed_precision} is top-1 agreement on a labelled folder: "
+                                 "give it with --data DIR")
+        if self.accuracy_labels is not None and self.accuracy_data is None:
+            raise InputError("--labels names the labels of --data DIR: give the folder too")
         cuda_only = [name for name, v in (("arch", self.arch), ("cuda_graph", self.cuda_graph)) if v]
         if self.target != "cuda" and cuda_only:
             raise InputError(f"{' and '.join(cuda_only)} {'are' if len(cuda_only) > 1 else 'is'} for target='cuda'; "
@@ -159,18 +182,30 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
     check_output_file(out_path, "library")
     tgt = make_target(options.target, options.arch)
     name = name or (model if isinstance(model, str) else None)
-    state = BuildState(model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges,
-                       target=tgt, name=name, choices=options.kernels, families=options.families,
-                       tuning_log=options.tuning_log, ignore_stale=options.ignore_stale,
-                       cuda_graph=options.uses_cuda_graph, expose_activations=options.expose_activations,
-                       debug_dump=options.debug_dump, require_int8=options.require_int8, check_input=True,
-                       verify=options.verify, verify_floor_db=options.verify_floor_db,
-                       accuracy_target_db=options.accuracy_target_db, phases=phases)
-    s = pipeline.run(state)
+
+    def state(**changes) -> BuildState:
+        return dataclasses.replace(BuildState(
+            model, options.input_shape, TargetInfo.from_target(tgt), config=config, ranges=ranges, target=tgt,
+            name=name, choices=options.kernels, families=options.families, tuning_log=options.tuning_log,
+            ignore_stale=options.ignore_stale, cuda_graph=options.uses_cuda_graph,
+            expose_activations=options.expose_activations, debug_dump=options.debug_dump,
+            require_int8=options.require_int8, check_input=True, verify=options.verify,
+            verify_floor_db=options.verify_floor_db, accuracy_target_db=options.accuracy_target_db, phases=phases),
+            **changes)
+
+    if options.mixed_precision is not None and options.accuracy_data is None and \
+            (ranges is None or isinstance(ranges, Calibrate)):
+        # the target is measured on images calibration did not see: hold some out of the source
+        ranges = dataclasses.replace(ranges or Calibrate(), hold_out=HELD_OUT)
+    s = pipeline.run(state())
+    scheme = s.config
+    if options.mixed_precision is not None:
+        s = _reach(s, options, state)
     name, report, params = s.name, s.report, s.params
     meta = dict(version=ARTIFACT_VERSION, tvm_version=tvm.__version__, model=name, input_shape=list(options.input_shape),
                 target=str(tgt.kind.name), arch=str(tgt.attrs["arch"]) if "arch" in tgt.attrs else None,
-                config=s.config.to_dict(), amax=s.amax, param_names=[n for n, _ in params],
+                config=dataclasses.replace(scheme, skip=s.config.skip).to_dict(), amax=s.amax,
+                param_names=[n for n, _ in params],
                 report=report, built=time.strftime("%Y-%m-%d %H:%M:%S"), categories=_categories(name),
                 cuda_graph=options.uses_cuda_graph, options=asdict(options),
                 float_weights=s.float_exported.frontend.digest(), output_shape=output_shape(s.mod))
@@ -181,6 +216,36 @@ def compile_model(model: str | torch.nn.Module, out_path: str, *, options: Build
         meta["build_seconds"] = _seconds(phases)
         save_artifact(s.executable, params, meta, out_path)
     return BuildResult(out_path, report, meta)
+
+
+def _reach(s: BuildState, options: BuildOptions, state) -> BuildState:
+    """The build of ``s``'s model that reaches ``options.mixed_precision`` with the fewest layers
+    kept float (``mixed_precision.reach``), its report's ``mixed_precision`` entry added."""
+    goal = AccuracyTarget.parse(options.mixed_precision)
+    reason = verify_mod.cannot_run(s.target)
+    if reason:
+        raise InputError(f"--accuracy-target measures the library on this machine, and {reason}: build on the GPU "
+                         "it runs on, or for --target llvm")
+    if s.context.images is None:
+        raise InputError(f"--accuracy-target chooses the layers to keep on the calibration images; these ranges come "
+                         f"from {s.ranges_report.get('source')}: calibrate (drop --checkpoint / given ranges)")
+    images, where = judge_images(s, options.accuracy_data, options.accuracy_labels)
+    judge = Judge(s.float_exported.frontend, images, where)
+    factors = s.context.equalization or None
+    base = s.exported.base if isinstance(s.exported, EqualizedGraphs) else s.exported
+
+    def rebuild(skip, reasons):
+        # the same ranges, export and weights (GPTQ's, rounded once: taken as they are on their grid)
+        config = dataclasses.replace(s.config, skip=tuple(dict.fromkeys((*s.config.skip, *skip))),
+                                     weight_rounding="nearest")
+        return pipeline.run(state(model=s.model, config=config, exported=base, float_reasons=reasons,
+                                  ranges=GivenRanges(s.amax, s.context.channel_means, factors),
+                                  accuracy_target_db=None, check_input=False, require_int8=False))
+
+    with s.phases("accuracy target", f"{goal.describe()} on {len(images)} images of {where}"):
+        best, entry = reach(s, goal, judge, rebuild, progress=s.phases.say)
+    best.report = dict(best.report, mixed_precision=entry)
+    return best
 
 
 def output_shape(mod: tvm.IRModule) -> list[int] | None:

@@ -36,7 +36,8 @@ MIN_OPSET, MAX_OPSET = 17, 21
 class ExportResult:
     """``path``: the file written; ``amax``: the range of every point (``{point: amax}``, as a
     build's ``meta["amax"]``); ``config``: the scheme with its defaults decided
-    (``QuantConfig.resolved``); ``channel_means``: the calibration's (bias correction), or None.
+    (``QuantConfig.resolved``); ``channel_means``: the calibration's (bias correction), or None;
+    ``equalization``: the factors the graph was equalized with (``ranges/equalize.py``), or None.
     ``compile_model(model, config=res.config, ranges=res.given_ranges())`` builds the TVM library
     of the same model;
     ``summary``: what the file holds (``qdq_activations``: int8 activations, one QuantizeLinear
@@ -50,10 +51,12 @@ class ExportResult:
     summary: dict = field(default_factory=dict)
     config: QuantConfig | None = None
     channel_means: dict | None = None
+    equalization: dict | None = None
 
     def given_ranges(self) -> GivenRanges:
-        """The export's ranges (and channel means) as a range source for ``compile_model``."""
-        return GivenRanges(self.amax, self.channel_means)
+        """The export's ranges (with channel means and equalization factors) as a range source for
+        ``compile_model``."""
+        return GivenRanges(self.amax, self.channel_means, self.equalization)
 
 
 def check_exportable(graph) -> None:
@@ -148,11 +151,13 @@ def export_onnx(model, out_path: str, *, input_shape=(1, 3, 224, 224), config: Q
             "input_shape": json.dumps(list(input_shape)), "dynamic_batch": json.dumps(summary["dynamic_batch"]),
             # the range of every point: GivenRanges(json.loads(...)) rebuilds the same model as a TVM library
             "amax": json.dumps({k: float(v) for k, v in q.amax.items()}, sort_keys=True)}
+    if q.context.equalization:     # the weights in the file are the equalized graph's (ranges/equalize.py)
+        meta["equalization"] = json.dumps({k: [float(x) for x in v] for k, v in q.context.equalization.items()})
     onnx.helper.set_model_props(proto, meta)
     onnx.checker.check_model(proto, full_check=True)  # before anything is written: a bad proto is never a file
     with atomic_path(out_path, suffix=".onnx") as tmp:
         onnx.save(proto, tmp)
-    return ExportResult(out_path, dict(q.amax), summary, q.config, q.context.channel_means)
+    return ExportResult(out_path, dict(q.amax), summary, q.config, q.context.channel_means, q.context.equalization)
 
 
 def export_checkpoint(checkpoint: str, out_path: str, *, image_size: int | None = None, batch: int = 1,

@@ -1,8 +1,8 @@
 """The build pipeline: every step from a float model to a verified int8 executable, in order, each
 a function over one :class:`BuildState`.
 
-    prepare -> export -> simplify -> analyze -> ranges -> weight_rounding -> plan -> fuse -> lower
-      -> lift -> apply_tuning -> schedule -> compile -> verify                       (STEPS, in order)
+    prepare -> export -> simplify -> analyze -> ranges -> equalize -> weight_rounding -> plan -> fuse
+      -> lower -> lift -> apply_tuning -> schedule -> compile -> verify              (STEPS, in order)
 
 Who runs which (:func:`run` with ``start`` / ``until``):
 
@@ -53,6 +53,7 @@ from .target import TargetInfo
 from .transform import LiftConstantsToParams, ScheduleInt8Kernels
 from .tuning.apply import apply_tuning_database, measured_chooser
 from .tuning.database import load_database
+from .ranges import equalize as equalization
 from .ranges.weight_rounding import gptq_model
 
 
@@ -82,6 +83,8 @@ class BuildState:
         check_graph: ``(Graph) -> None``, a caller's refusal of the float graph before any range
             is resolved (``onnx_export.check_exportable``).
         verify, verify_floor_db, accuracy_target_db: the verification (``BuildOptions``).
+        float_reasons: ``{layer: why}`` for layers of the skip list kept float for a reason the plan
+            should say (``mixed_precision.py``: the accuracy target), instead of "in the skip list".
         phases: the progress lines and each phase's seconds.
 
     Made (each by the step named):
@@ -114,6 +117,7 @@ class BuildState:
     verify: bool = False
     verify_floor_db: float = verify_mod.FLOOR_DB
     accuracy_target_db: float | None = None
+    float_reasons: dict | None = None
     phases: Phases = field(default_factory=lambda: Phases(enabled=False))
 
     probe: Probe | None = None
@@ -239,6 +243,45 @@ def ranges(s: BuildState) -> None:
                          "bias correction off")
 
 
+def equalize(s: BuildState) -> None:
+    """With ``equalization``: the channels between conv pairs rescaled (``ranges/equalize.py``) by
+    factors from the calibration's per-channel maxima, then the equalized graph calibrated again
+    (its ranges replace the first pass's); factors given with the ranges (``GivenRanges``: a
+    compare's libraries, an ONNX export's) are applied as they are."""
+    given = s.context.equalization
+    if given is None and not s.config.equalization:
+        return
+    if given is None and s.context.channel_amax is None:
+        raise InputError(f"equalization needs the activations' per-channel ranges from calibration images; these "
+                         f"ranges come from {s.ranges_report.get('source')}: calibrate (drop --checkpoint / given "
+                         "ranges) or turn equalization off (--no-equalization)")
+    factors = given if given is not None else equalization.factors(s.graph, s.context.channel_amax)
+    if not factors:     # no pair, or none with a channel to widen: the graph and its ranges stay
+        s.context.equalization = {}
+        s.ranges_report = dict(s.ranges_report, equalization=dict(pairs=[]))
+        return
+    s.phase("equalize", f"equalize the channels of {len(factors)} conv pairs"
+            + ("" if given is not None else ", calibrate again"))
+    base = s.exported
+    s.exported = equalization.EqualizedGraphs(base, factors)
+    fg = s.exported.at(s.batch)
+    s.mod, s.names, s.graph = fg.mod, fg.names, fg.graph
+    if given is None:
+        first = s.ranges_report
+        ctx = RangeContext(s.graph, tuple(s.input_shape), s.config, lambda: s.exported.at(1).graph, s.phases.enabled)
+        images = s.context.images if s.context.held_out is None else np.concatenate([s.context.images,
+                                                                                     s.context.held_out])
+        s.amax, report = dataclasses.replace(getattr(s.ranges, "inner", s.ranges), images=images).resolve(ctx)
+        s.ranges_report = {**report, **{k: first[k] for k in ("images_from", "available", "skipped") if k in first}}
+        s.context = dataclasses.replace(ctx, images=s.context.images, held_out=s.context.held_out)
+    s.context.equalization = factors
+    if s.float_exported is base:    # the per-layer check's float activations: the equalized graph's (same logits)
+        s.float_exported = s.exported
+    s.ranges_report = dict(s.ranges_report, equalization=equalization.summary(base.at(s.batch).graph, factors))
+    s.end_phase()
+    s.dump("equalize", s.mod)
+
+
 def weight_rounding(s: BuildState) -> None:
     """With ``weight_rounding="gptq"``: the weights rounded by GPTQ on the calibration images, the
     model exported again with them (its graph replaces the float one's)."""
@@ -274,6 +317,11 @@ def plan(s: BuildState) -> None:
     _quantize_phase(s)
     s.plan = plan_quantization(s.graph, s.amax, s.config, s.target_info, choices=s.choices, chooser=s.chooser,
                                channel_means=s.context.channel_means if s.config.bias_correction else None)
+    for lp in s.plan.layers:
+        why = (s.float_reasons or {}).get(lp.layer.name)
+        if why is not None and not lp.int8:
+            lp.why_float = why
+            lp.row = dict(lp.row, kernel=f"float ({why})", kept_for_accuracy=True)
     if hasattr(s.ranges, "plan_notes"):     # a Q/DQ file: where the library keeps float what the file quantizes
         s.ranges_report = dict(s.ranges_report,
                                notes=list(s.ranges_report.get("notes", [])) + s.ranges.plan_notes(s.plan, s.graph))
@@ -368,7 +416,7 @@ def verify(s: BuildState) -> None:
 
 
 STEPS: tuple[Callable[[BuildState], None], ...] = (
-    prepare, export, simplify, analyze, ranges, weight_rounding, plan, fuse, lower,
+    prepare, export, simplify, analyze, ranges, equalize, weight_rounding, plan, fuse, lower,
     lift, apply_tuning, schedule, compile, verify)
 STEP_NAMES = tuple(step.__name__ for step in STEPS)
 
@@ -495,7 +543,7 @@ def twin_state(s: BuildState, kernels: dict) -> BuildState:
     the build's export reused (GPTQ's rounded weights taken as they are, on their grid), bias
     correction from the build's own channel means."""
     return BuildState(s.model, (1, *s.input_shape[1:]), s.target_info,
-                      config=dataclasses.replace(s.config, weight_rounding="nearest"),
+                      config=dataclasses.replace(s.config, weight_rounding="nearest", equalization=False),
                       ranges=GivenRanges(s.amax, s.context.channel_means),
                       target=s.target, name=s.name, choices={**kernels, **(s.choices or {})}, families=s.families,
                       cuda_graph=s.cuda_graph, expose_activations=True, exported=s.exported)

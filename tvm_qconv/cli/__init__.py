@@ -22,9 +22,11 @@ its flags' defaults, so it imports everything at its top.)
 How every CLI ends (:mod:`.exits`, re-exported here: ``cli.run``, ``cli.DEBUG_ENV``, ...): one
 line on stderr and an exit code, never a traceback.
 """
-from .exits import (DEBUG_ENV, DEPENDENCY_WARNINGS, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNVERIFIED,
-                    THREAD_ENVS, check_thread_count, debug, first_line, quiet_dependency_warnings, run, usable_cores)
+from .exits import (DEBUG_ENV, DEPENDENCY_WARNINGS, EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
+                    EXIT_TARGET_MISSED, EXIT_UNVERIFIED, THREAD_ENVS, check_thread_count, debug, first_line,
+                    quiet_dependency_warnings, run, usable_cores)
 
-__all__ = ["DEBUG_ENV", "DEPENDENCY_WARNINGS", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_UNVERIFIED",
+__all__ = ["DEBUG_ENV", "DEPENDENCY_WARNINGS", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INTERRUPTED",
+           "EXIT_TARGET_MISSED", "EXIT_UNVERIFIED",
            "THREAD_ENVS", "check_thread_count", "debug", "first_line", "quiet_dependency_warnings", "run",
            "usable_cores"]

@@ -84,6 +84,9 @@ def _add_model_flags(b: argparse.ArgumentParser, batch_help: str) -> None:
                    help="store never-negative activations (after ReLU / ReLU6) as 0..255 at zero point -128 where "
                         "every reader can take it: half the rounding step there (default: on where the build "
                         "calibrates; off with --checkpoint and a Q/DQ file's own scales)")
+    b.add_argument("--equalization", action=argparse.BooleanOptionalAction, default=None,
+                   help="widen the narrow channels between two convs (one writes, one reads) so one per-tensor scale "
+                        "fits them all; the float model is unchanged (default: off; it needs calibration)")
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -146,11 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-floor-db", type=float, default=None, metavar="DB",
                    help="fail the build when its logits' SQNR against the float model is under DB, and then "
                         "print each layer's SQNR (default 15)")
-    b.add_argument("--accuracy-target", type=float, default=None, metavar="DB",
-                   help="where the verified logits SQNR is under DB, also name the layers that lose the most "
-                        f"(a second build at batch 1 that returns every int8 activation; default {ACCURACY_TARGET_DB:g} "
-                        "for trained weights (--weights, --checkpoint, a model file), off for a random init, whose "
-                        "float outputs are noise a per-layer hunt cannot improve; 0 turns it off)")
+    b.add_argument("--accuracy-target", default=None, metavar="DB|top1:PCT",
+                   help="keep the fewest conv / linear layers in float until the library reaches this on images held "
+                        "out from calibration: a logits SQNR against the float model (30), or top1:PCT, top-1 "
+                        "agreement with it on --data (top1:99); the layers are chosen by measured sensitivity, the "
+                        "report lists them (exit 4 where even all kept misses it: the closest library is written). "
+                        f"Without it every layer that can is int8, and the report names the layers that lose the "
+                        f"most under {ACCURACY_TARGET_DB:g} dB for trained weights; 0 turns both off")
+    b.add_argument("--data", default=None, metavar="DIR",
+                   help="(--accuracy-target) the image folder the target is measured on, read as `eval --data` "
+                        "reads it (default: 4 calibration images held out)")
+    b.add_argument("--labels", default=None, metavar="FILE", help="(--data) its labels file, as `eval --labels`")
     b.add_argument("--debug-dump", default=None, metavar="DIR",
                    help="write the IR after each step of the pipeline into DIR (02_export.py ... 12_schedule.py)")
     b.add_argument("-o", "--output", required=True, help="the .so to write (params and report go beside it)")
@@ -281,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_build(args) -> int:
     check_library_output(args.output, args)
-    target_db = accuracy_target(args)
+    target_db, mixed = accuracy_target(args)
     if args.no_verify and args.verify_floor_db is not None:
         raise InputError("--verify-floor-db sets the floor of the verification that --no-verify turns off; "
                          "drop one of them")
@@ -289,7 +298,7 @@ def cmd_build(args) -> int:
     cfg = quant_config(args)
     if args.checkpoint:
         refuse_model_only_flags(args)
-    return _work().build(args, cfg, target_db)
+    return _work().build(args, cfg, target_db, mixed)
 
 
 def cmd_accept(args) -> int:

@@ -74,7 +74,30 @@ def describe_scheme(config: dict, report: dict | None = None) -> str:
             if config.get("unsigned_activations") else ""
         n = sum(1 for row in report.get("layers", []) if row.get("bias_corrected"))
         corrected += f" ({n} layers)" if config.get("bias_correction") else ""
-    return f"{unsigned}; {corrected}; weights rounded {'by GPTQ' if config.get('weight_rounding') == 'gptq' else 'to nearest'}"
+    pairs = (report or {}).get("ranges", {}).get("equalization", {}).get("pairs")
+    equalized = "" if not config.get("equalization") else "; equalized channels" + \
+        (f" ({len(pairs)} conv pairs)" if pairs is not None else "")
+    rounded = "by GPTQ" if config.get("weight_rounding") == "gptq" else "to nearest"
+    return f"{unsigned}; {corrected}{equalized}; weights rounded {rounded}"
+
+
+def describe_mixed_precision(entry: dict) -> str:
+    """The lines saying what the accuracy target kept in float and what it reached."""
+    unit = " dB" if entry["metric"] == "sqnr_db" else " %"
+
+    def figure(score: dict) -> str:
+        return f"{score[entry['metric']]:g}{unit}"
+    head = (f"accuracy target: {entry['target']} on {entry['images']} images of {entry['images_from']}: "
+            f"{'reached' if entry['reached'] else 'NOT reached'}, {figure(entry['final'])} "
+            f"(all int8: {figure(entry['all_int8'])})")
+    kept = entry.get("kept", [])
+    if not kept:
+        return head + ("; every layer int8" if entry["reached"] else "; nothing kept in float helped")
+    count = sum(len(k["layers"]) for k in kept)
+    lines = [head + f"; {count} of {entry.get('candidates', '?')} conv / linear layers kept in float, in "
+             "steps (the simulated gain each step bought, on the calibration images):"]
+    lines += [f"  {', '.join(k['layers'])}: {k['simulated_gain_db']:+.1f} dB" for k in kept]
+    return "\n".join(lines)
 
 
 def describe_ranges(ranges: dict) -> str:
@@ -97,16 +120,17 @@ def describe_ranges(ranges: dict) -> str:
     return "given by the caller (amax=...)"
 
 
-def build(args, cfg, target_db: float | None) -> int:
+def build(args, cfg, target_db: float | None, mixed: str | None = None) -> int:
     """`build` once its flags passed ``deploy.cmd_build``'s checks: ``cfg`` is their scheme,
-    ``target_db`` the accuracy target (``deploy_flags.accuracy_target``)."""
+    ``target_db`` and ``mixed`` the accuracy target (``deploy_flags.accuracy_target``)."""
     def build_options(image_size: int | None) -> BuildOptions:
         return BuildOptions(target=args.target, arch=args.arch, batch=args.batch,
                             image_size=image_size, tuning_log=args.tuning_log, ignore_stale=args.ignore_stale,
                             cuda_graph=args.cuda_graph,
                             debug_dump=args.debug_dump, verify=not args.no_verify,
                             families=tuple(args.family) if args.family else None,
-                            accuracy_target_db=target_db, require_int8=True, **floor)
+                            accuracy_target_db=target_db, mixed_precision=mixed, accuracy_data=args.data,
+                            accuracy_labels=args.labels, require_int8=True, **floor)
 
     floor = {} if args.verify_floor_db is None else dict(verify_floor_db=args.verify_floor_db)
     target = f"target={args.target}{' ' + args.arch if args.target == 'cuda' else ''} batch={args.batch}"
@@ -141,7 +165,14 @@ def build(args, cfg, target_db: float | None) -> int:
               f"written as {res.lib_path}, {args.output} is unchanged; to use it anyway: python deploy.py accept "
               f"{res.lib_path}", file=sys.stderr)
         return cli.EXIT_UNVERIFIED
+    mixed_entry = res.meta["report"].get("mixed_precision")
+    if mixed_entry is not None:
+        print(describe_mixed_precision(mixed_entry))
     print(f"wrote {res.lib_path} (+ .params.npz, .json)")
+    if mixed_entry is not None and not mixed_entry["reached"]:
+        print(f"error: --accuracy-target {mixed}: not reached; {res.lib_path} is the closest library built "
+              f"(see above)", file=sys.stderr)
+        return cli.EXIT_TARGET_MISSED
     stale = remove_unverified(args.output)
     if stale:
         print(f"removed {stale} (+ .params.npz, .json): an earlier build of {args.output} that failed its "

@@ -10,7 +10,7 @@ import dataclasses
 import os
 
 from tvm_qconv.runtime.artifact import artifact_paths, not_a_library
-from tvm_qconv.config import ACCURACY_TARGET_DB, PRESETS
+from tvm_qconv.config import ACCURACY_TARGET_DB, PRESETS, AccuracyTarget
 from tvm_qconv.errors import InputError
 from tvm_qconv.fileio import check_output_file, check_output_folder
 
@@ -19,21 +19,24 @@ from tvm_qconv.fileio import check_output_file, check_output_folder
 _MODEL_ONLY_FLAGS = {"calibration": "--calibration", "percentile": "--percentile", "calib_dir": "--calib-dir",
                       "num_calib": "--num-calib", "weights": "--weights", "num_classes": "--num-classes",
                       "bias_correction": "--bias-correction", "unsigned_activations": "--unsigned-activations",
-                      "weight_rounding": "--weight-rounding"}
+                      "weight_rounding": "--weight-rounding", "equalization": "--equalization"}
 # Flags that only steer calibration: a Q/DQ file carries its scales (deploy_commands.cli_ranges).
 CALIBRATION_FLAGS = {key: flag for key, flag in _MODEL_ONLY_FLAGS.items()
-                     if key in ("calibration", "percentile", "calib_dir", "num_calib", "bias_correction")}
+                     if key in ("calibration", "percentile", "calib_dir", "num_calib", "bias_correction",
+                                "equalization")}
 
 
 def quant_config(args):
     """The scheme of `build` / `export-onnx`: the --scheme preset with --calibration, --percentile,
-    --num-calib, --bias-correction, --unsigned-activations, --weight-rounding and --skip applied."""
+    --num-calib, --bias-correction, --unsigned-activations, --weight-rounding, --equalization and --skip
+    applied."""
     cfg = PRESETS[args.scheme]
     over = {k: v for k, v in dict(calibration=args.calibration, percentile=args.percentile,
                                    num_calib_images=args.num_calib,
                                    bias_correction=getattr(args, "bias_correction", None),
                                    unsigned_activations=getattr(args, "unsigned_activations", None),
-                                   weight_rounding=getattr(args, "weight_rounding", None)).items()
+                                   weight_rounding=getattr(args, "weight_rounding", None),
+                                   equalization=getattr(args, "equalization", None)).items()
             if v is not None}
     if args.skip:
         over["skip"] = tuple(cfg.skip) + tuple(args.skip)
@@ -43,17 +46,33 @@ def quant_config(args):
         raise InputError(str(err)) from None
 
 
-def accuracy_target(args: argparse.Namespace) -> float | None:
-    """`build`'s --accuracy-target as BuildOptions.accuracy_target_db: the flag, else 30 dB for
-    trained weights (--weights, --checkpoint, a model file) and None (off) for a random init."""
-    if args.accuracy_target is not None and not args.accuracy_target >= 0:
-        raise InputError(f"--accuracy-target is a logits SQNR in dB (>= 0, 0 = off), got {args.accuracy_target:g}")
-    if args.no_verify and args.accuracy_target:
-        raise InputError("--accuracy-target measures the verification that --no-verify turns off; drop one of them")
-    if args.accuracy_target is not None:
-        return args.accuracy_target or None
+def accuracy_target(args: argparse.Namespace) -> tuple[float | None, str | None]:
+    """`build`'s --accuracy-target as ``(BuildOptions.accuracy_target_db, BuildOptions.mixed_precision)``.
+
+    Given (``30``, ``top1:99``): the build keeps the fewest layers in float that reach it, and a
+    dB target is also where the report names the layers that lose most.  Not given: no layer is
+    kept, and the report names them under 30 dB for trained weights (--weights, --checkpoint, a
+    model file; off for a random init).  ``0``: both off."""
+    text = args.accuracy_target
+    if text is not None and text.strip() in ("0", "0.0"):
+        if args.data is not None:
+            raise InputError("--data is where --accuracy-target is measured; --accuracy-target 0 turns it off")
+        return None, None
+    if text is not None:
+        goal = AccuracyTarget.parse(text)
+        if args.no_verify:
+            raise InputError("--accuracy-target measures the verification that --no-verify turns off; drop one of them")
+        if args.checkpoint:
+            raise InputError("--accuracy-target keeps layers of a calibrated build in float; a QAT checkpoint's "
+                             "layers were trained for int8: build it without the target")
+        if goal.metric == "sqnr_db":
+            return goal.value, text.strip()
+    if args.data is not None and text is None:
+        raise InputError("--data DIR is the folder --accuracy-target is measured on: give the target too "
+                         "(e.g. --accuracy-target top1:99)")
     trained = bool(args.weights or args.checkpoint or ":" in (args.model or ""))
-    return ACCURACY_TARGET_DB if trained and not args.no_verify else None
+    report_db = ACCURACY_TARGET_DB if trained and not args.no_verify else None
+    return report_db, None if text is None else text.strip()
 
 
 def command_inputs(args) -> dict:

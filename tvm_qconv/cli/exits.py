@@ -11,6 +11,8 @@ exit   when
        the traceback for a report
 3      (``deploy.py build``) built, but its outputs disagree with the float model's: written as
        ``<out>.unverified.so``, ``<out>.so`` unchanged (:data:`EXIT_UNVERIFIED`)
+4      (``deploy.py build --accuracy-target``) the target was not reached even with every layer
+       that helped kept in float: the closest library is written (:data:`EXIT_TARGET_MISSED`)
 =====  =========================================================================================
 
 Before the command, the thread count TVM's pool will start with is checked
@@ -34,6 +36,7 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 EXIT_UNVERIFIED = 3  # deploy.py build: built, but its outputs disagree with the float model's (2: bad input)
+EXIT_TARGET_MISSED = 4  # deploy.py build --accuracy-target: the closest library built, the target not reached
 
 
 def debug() -> bool:

@@ -222,7 +222,7 @@ class Context:
                           f"{len(images.skipped)} unreadable); {self.reference_name}: top-1 "
                           f"{self.reference_accuracy['top1']:.1f} %")
         t = time.perf_counter()
-        self.amax, self.convs, self.config, self.channel_means = self._calibrate()
+        self.amax, self.convs, self.config, self.channel_means, self.equalization = self._calibrate()
         self.times["calibrate_s"] = round(time.perf_counter() - t, 1)
         how = ("took the Q/DQ file's scales of" if self.model.has_own_ranges else
                f"calibrated ({self.options.config.calibration})")
@@ -263,16 +263,20 @@ class Context:
         set_tf32(False)
         return self.model.reference(photos, self.device, chunk=16)
 
-    def _calibrate(self) -> tuple[dict, list, QuantConfig, dict | None]:
+    def given_ranges(self) -> GivenRanges:
+        """The calibration's ranges, channel means and equalization factors, as every library here takes them."""
+        return GivenRanges(self.amax, self.channel_means, self.equalization)
+
+    def _calibrate(self) -> tuple[dict, list, QuantConfig, dict | None, dict | None]:
         """The ranges (calibrated once, at batch 1, on the CPU), the model's convs (for cuDNN), the
-        scheme with its defaults decided (``QuantConfig.resolved``) and the calibration's channel
-        means (bias correction): every library compare builds uses these four."""
+        scheme with its defaults decided (``QuantConfig.resolved``), the calibration's channel
+        means (bias correction) and equalization factors: every library compare builds uses these."""
         images = None if self.options.calib_dir else self.photos
         # a Q/DQ file's ranges are its own (ranges=None: the model's own_ranges)
         ranges = None if self.model.has_own_ranges else Calibrate(images, self.options.calib_dir)
         llvm = make_target("llvm")     # the build pipeline up to its ranges (pipeline.py)
         q = pipeline.run(BuildState(self.model, self.input_shape, TargetInfo.from_target(llvm),
-                                    config=self.options.config, ranges=ranges, target=llvm), until="ranges")
+                                    config=self.options.config, ranges=ranges, target=llvm), until="equalize")
         convs = []
         for ly in q.graph.layers:
             if ly.kind != "conv2d" or ly.weight is None:
@@ -283,7 +287,7 @@ class Context:
                               kernel=list(ly.weight.shape[2:]), stride=list(map(int, a.strides)),
                               padding=list(map(int, a.padding)), dilation=list(map(int, a.dilation)),
                               groups=int(a.groups)))
-        return q.amax, convs, q.config, q.context.channel_means
+        return q.amax, convs, q.config, q.context.channel_means, q.context.equalization
 
     # ---- the int8 libraries -----------------------------------------------------------------
     def _libraries(self, graph_rows: bool, plain_rows: bool) -> None:
@@ -324,7 +328,7 @@ class Context:
             if module is not None:
                 torch.save(module.state_dict(), spec["state"])
         self.progress(f"[compare] building {len(jobs)} int8 libraries ({opts.jobs} at a time)")
-        self.libs.update(build_libraries(jobs, self.model, spec, GivenRanges(self.amax, self.channel_means),
+        self.libs.update(build_libraries(jobs, self.model, spec, self.given_ranges(),
                                          self.config, opts.jobs, self.progress))
 
     def library(self, batch: int, graph: bool) -> Built:
@@ -347,7 +351,7 @@ class Context:
             t = time.perf_counter()
             try:
                 export_onnx(self.model, path, input_shape=self.input_shape, config=self.config,
-                            ranges=GivenRanges(self.amax, self.channel_means), name=self.options.model, progress=False)
+                            ranges=self.given_ranges(), name=self.options.model, progress=False)
                 self._onnx = (path, round(time.perf_counter() - t, 1))
             except Exception as err:  # noqa: BLE001 - every ONNX row fails with the export's reason
                 self._onnx = err

@@ -162,6 +162,8 @@ class Planner:
         if ly.kind in ("max_pool2d", "avg_pool2d", "affine", "channels", "lut", "scale", "layer_norm") \
                 and self.quantized(ly.inputs[0]) is None:
             return "input is float"  # quantizing a float tensor only to pool or scale it gains nothing
+        if ly.kind in ("add", "concat") and all(self.quantized(v) is None for v in ly.inputs):
+            return "inputs are float"  # likewise to add or join float tensors (layers kept float around it)
         if lut_without_int8_reader(ly, self.readers, lambda r: may_run_int8(r, self.config)):
             return "no int8 reader"
         return None

@@ -92,12 +92,14 @@ class FloatPoints:
 
 
 def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, methods: tuple[str, ...],
-                         progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray]]:
+                         progress: bool = True) -> tuple[dict[str, dict[str, float]], dict[str, np.ndarray],
+                                                         dict[str, np.ndarray]]:
     """Every point's range (amax of |x|; the int8 scale is amax / 127, or amax / 255 where the
     build stores the point unsigned, whose grid the observers then weigh) by each observer of
     ``methods``, and every point's mean per channel (axis 1; what bias correction needs), from one
-    pass over ``images`` (float32 [N, C, H, W], preprocessed, the model's H and W): ``({point
-    name: {method: amax}}, {point name: float64 [channels]})``."""
+    pass over ``images`` (float32 [N, C, H, W], preprocessed, the model's H and W), and every
+    point's max |x| per channel (what equalization needs): ``({point name: {method: amax}}, {point
+    name: float64 [channels]}, {point name: float32 [channels]})``."""
     in_shape = tuple(int(d) for d in graph.func.params[0].ty.shape.values)
     if images.ndim != 4 or images.shape[1:] != in_shape[1:]:
         raise InputError(f"calibration images have shape {images.shape[1:]}, the model takes {in_shape[1:]}: "
@@ -108,6 +110,7 @@ def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, 
                  for n in points.names}
     sums: dict = {}
     counts: dict = {}
+    maxes: dict = {}
     for _, values in points(images[: config.num_calib_images], progress, f"calibrate ({', '.join(methods)})"):
         for name, value in values.items():
             try:
@@ -120,5 +123,7 @@ def calibrate_candidates(graph: Graph, images: np.ndarray, config: QuantConfig, 
                 axes = tuple(i for i in range(value.ndim) if i != 1)
                 sums[name] = sums.get(name, 0.0) + value.sum(axis=axes, dtype=np.float64)
                 counts[name] = counts.get(name, 0) + value.size // value.shape[1]
+                top = np.abs(value).max(axis=axes)
+                maxes[name] = np.maximum(maxes[name], top) if name in maxes else top
     means = {n: sums[n] / counts[n] for n in sums}
-    return {n: {m: float(o.amax()) for m, o in obs.items()} for n, obs in observers.items()}, means
+    return {n: {m: float(o.amax()) for m, o in obs.items()} for n, obs in observers.items()}, means, maxes

@@ -14,6 +14,7 @@ Each has ``resolve(ctx) -> (amax by point, report entry)``.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,6 +45,8 @@ class RangeContext:
     progress: bool = True
     images: np.ndarray | None = None  # set by a source that calibrated: the images it used
     channel_means: dict | None = None  # set by calibration: {point: mean per channel} (bias correction)
+    channel_amax: dict | None = None   # set by calibration: {point: max |x| per channel} (equalization)
+    equalization: dict | None = None   # the factors of equalized pairs (ranges/equalize.py): given, or the build's
     held_out: np.ndarray | None = None  # set by calibration: images of the source it did not use
 
 
@@ -54,10 +57,13 @@ class Calibrate:
     in a warning and in the report's ``skipped``), else scikit-image's bundled photos.
 
     The first ``QuantConfig.num_calib_images`` calibrate; up to :data:`HELD_OUT` more, where the
-    source has them, are held out for the build's verification (``RangeContext.held_out``)."""
+    source has them, are held out for the build's verification (``RangeContext.held_out``); with
+    ``hold_out``, at least that many are, fewer calibrating where the source is short (an accuracy
+    target is measured on them: ``BuildOptions.mixed_precision``)."""
 
     images: np.ndarray | None = field(default=None, compare=False)
     calib_dir: str | None = None
+    hold_out: int = 0   # hold out at least this many of the source's images (fewer calibrate) where it can
 
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
         cfg = ctx.config
@@ -70,18 +76,24 @@ class Calibrate:
             raise InputError(f"calibration needs images of shape [N, 3, H, W] with N >= 1, got shape "
                              f"{tuple(np.shape(images))}: pass real, preprocessed images (or a folder)")
         available = len(images)
-        images, held_out = images[: cfg.num_calib_images], images[cfg.num_calib_images:][:HELD_OUT]
+        count = cfg.num_calib_images
+        if self.hold_out and available - count < self.hold_out:     # (an accuracy target is measured on them)
+            count = max(1, available - self.hold_out)
+        images, held_out = images[:count], images[count:][:max(HELD_OUT, self.hold_out)]
+        where = self.calib_dir or ("the caller's array" if self.images is not None else "scikit-image's photos")
+        too_few = check_count(len(images), cfg, where)
         if len(held_out) < HELD_OUT_MIN:  # one image cannot tell a model that ignores its input
             held_out = held_out[:0]
         graph = ctx.graph_at_batch1()
         report = dict(source="calibration", calibration=cfg.calibration, images=len(images), available=available,
-                      up_to=cfg.num_calib_images, held_out=len(held_out),
-                      images_from=self.calib_dir or ("the caller's array" if self.images is not None
-                                                     else "scikit-image's photos"))
+                      up_to=cfg.num_calib_images, held_out=len(held_out), images_from=where)
+        if too_few:
+            report["too_few"] = too_few
         if skipped:
             report["skipped"] = [dict(file=f, why=why) for f, why in skipped]
         methods = OBSERVERS if cfg.calibration == "search" else (cfg.calibration,)
-        candidates, ctx.channel_means = calibrate_candidates(graph, images, cfg, methods, progress=ctx.progress)
+        candidates, ctx.channel_means, ctx.channel_amax = calibrate_candidates(graph, images, cfg, methods,
+                                                                                progress=ctx.progress)
         if cfg.calibration == "search":
             unsigned = planned_unsigned_names(graph, cfg)  # rounded as the build will
             amax, report["search"] = range_search.search(graph, images, candidates, progress=ctx.progress,
@@ -95,18 +107,42 @@ class Calibrate:
         return amax, report
 
 
+def check_count(count: int, config: QuantConfig, where: str) -> str | None:
+    """Refuse fewer calibration images than the scheme needs; say so (a warning, and the returned
+    line for the report) where there are fewer than it should have (``QuantConfig.calibration_images``).
+
+    Raises:
+        InputError: naming the count, the number needed and what needs it.
+    """
+    needed, recommended, by = config.calibration_images()
+    if count < needed:
+        raise InputError(f"{by} needs at least {needed} calibration images, {where} gave {count}: add images "
+                         f"(--calib-dir with {recommended} or more), raise --num-calib, or choose a simpler method")
+    if count >= recommended:
+        return None
+    line = (f"calibrating on {count} images of {where}: {by} should have {recommended} or more (its ranges are "
+            "those of these few photos); give more with --calib-dir or --num-calib")
+    warnings.warn(line, stacklevel=3)
+    return line
+
+
 @dataclass(frozen=True)
 class GivenRanges:
     """Ranges by point name (``{"features.0.out": amax, ...}``), used as they are; with
     ``channel_means`` (a calibration's :attr:`RangeContext.channel_means`), bias correction can
-    use them too (the verification's twin of a build with bias correction)."""
+    use them too (the verification's twin of a build with bias correction); with
+    ``equalization`` (a calibration's :attr:`RangeContext.equalization`), the ranges are those of
+    the graph equalized with these factors, which the build applies as they are."""
 
     amax: dict
     channel_means: dict | None = None
+    equalization: dict | None = None
 
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
         if self.channel_means is not None:
             ctx.channel_means = self.channel_means
+        if self.equalization is not None:
+            ctx.equalization = self.equalization
         return dict(self.amax), dict(source="given")
 
 
