@@ -240,7 +240,7 @@ def _reach(s: BuildState, options: BuildOptions, state) -> BuildState:
                                      weight_rounding="nearest")
         return pipeline.run(state(model=s.model, config=config, exported=base, float_reasons=reasons,
                                   ranges=GivenRanges(s.amax, s.context.channel_means, factors),
-                                  accuracy_target_db=None, check_input=False, require_int8=False))
+                                  accuracy_target_db=None, require_int8=False))
 
     with s.phases("accuracy target", f"{goal.describe()} on {len(images)} images of {where}"):
         best, entry = reach(s, goal, judge, rebuild, progress=s.phases.say)

@@ -39,6 +39,7 @@ from .errors import InputError
 from .evaluate import sqnr_db
 from .data import static_batches
 from .graph import Graph
+from .labelled_images import labelled_images, read_batch
 from .ranges.calibrate import offload_to_torch
 from .ranges.search import _fake_quant, _int8_weight
 from .relax_utils import bindings_of, substitute
@@ -297,7 +298,6 @@ def judge_images(s, data: str | None, labels: str | None):
     """The images the target is measured on: ``data`` (a folder, read as ``eval --data`` reads it,
     at the build's size), else the calibration's held-out images."""
     if data is not None:
-        from .labelled_images import labelled_images, read_batch
         found = labelled_images(data, labels)
         x, _ = read_batch(found, 0, len(found.paths), int(s.input_shape[2]))
         return x, data

@@ -64,6 +64,7 @@ class Calibrate:
     images: np.ndarray | None = field(default=None, compare=False)
     calib_dir: str | None = None
     hold_out: int = 0   # hold out at least this many of the source's images (fewer calibrate) where it can
+    count_check: bool = True    # False: the ranges only have to exist (the tuner's: kernels depend on shapes only)
 
     def resolve(self, ctx: RangeContext) -> tuple[dict, dict]:
         cfg = ctx.config
@@ -81,7 +82,7 @@ class Calibrate:
             count = max(1, available - self.hold_out)
         images, held_out = images[:count], images[count:][:max(HELD_OUT, self.hold_out)]
         where = self.calib_dir or ("the caller's array" if self.images is not None else "scikit-image's photos")
-        too_few = check_count(len(images), cfg, where)
+        too_few = check_count(len(images), cfg, where) if self.count_check else None
         if len(held_out) < HELD_OUT_MIN:  # one image cannot tell a model that ignores its input
             held_out = held_out[:0]
         graph = ctx.graph_at_batch1()
